@@ -1,0 +1,107 @@
+"""The `pushkv` command. Subcommands only fill settings and call into the packages."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from controlplane.settings import CoreSettings
+
+ENV_PREFIX = "PUSHKV_"
+
+
+def _env(name: str, default: Any) -> Any:
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    return type(default)(raw)
+
+
+def _add_core_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rendezvous settings (flag, or env PUSHKV_<NAME>)")
+    for f in dataclasses.fields(CoreSettings):
+        default = _env(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            g.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                           default=default, metavar="BOOL", help=f"default {f.default}")
+        else:
+            g.add_argument(flag, type=type(f.default), default=default,
+                           help=f"default {f.default}")
+
+
+def _core_settings(args: argparse.Namespace) -> CoreSettings:
+    return CoreSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CoreSettings)})
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from controlplane import logs
+    from controlplane.server import ServerSettings, serve
+
+    logs.configure(args.log_level)
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        shutdown_grace_s=args.shutdown_grace_s,
+        core=_core_settings(args),
+    )
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from controlplane.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
+    parser = argparse.ArgumentParser(prog="pushkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    handlers: dict[str, Callable[..., int]] = {}
+
+    c = sub.add_parser("coordinator", help="run the rendezvous coordinator (gRPC)")
+    c.add_argument("--host", default=_env("host", "127.0.0.1"))
+    c.add_argument("--port", type=int, default=_env("port", 50151))
+    c.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", 4 << 20))
+    c.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", 5.0))
+    c.add_argument("--log-level", default=_env("log_level", "INFO"))
+    _add_core_flags(c)
+    handlers["coordinator"] = _cmd_coordinator
+
+    d = sub.add_parser("demo", help="run the local demo on embedded defaults")
+    d.add_argument("--transfers", type=int, default=8, help="transfers per arrival order")
+    d.add_argument("--log-level", default="WARNING")
+    handlers["demo"] = _cmd_demo
+
+    for name, register in _EXTRA_COMMANDS:
+        handlers[name] = register(sub)
+    return parser, handlers
+
+
+# Later subcommands (router, status, bench, ...) register here: (name, add_parser fn).
+_EXTRA_COMMANDS: list[tuple[str, Callable[[Any], Callable[..., int]]]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, handlers = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"pushkv {args.command}: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""Translation between protobuf messages and domain values. No logic lives here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane.domain import (
+    AgentRegistration,
+    Blocks,
+    EngineId,
+    KVLayout,
+    KVRegion,
+    Notice,
+    Order,
+    RankState,
+    Reason,
+    Role,
+    State,
+    WriteStatus,
+)
+from controlplane.errors import InvalidArgument
+from controlplane.registry import AgentRecord, EngineRecord
+from controlplane.transfer import Transfer
+
+ROLE_TO_PB = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
+ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
+
+STATE_TO_PB = {
+    State.AWAITING: pb.TRANSFER_STATE_AWAITING,
+    State.REGISTERED: pb.TRANSFER_STATE_REGISTERED,
+    State.PREFILL_DONE: pb.TRANSFER_STATE_PREFILL_DONE,
+    State.ORDERED: pb.TRANSFER_STATE_ORDERED,
+    State.WRITING: pb.TRANSFER_STATE_WRITING,
+    State.COMPLETE: pb.TRANSFER_STATE_COMPLETE,
+    State.FAILED: pb.TRANSFER_STATE_FAILED,
+    State.CANCELLED: pb.TRANSFER_STATE_CANCELLED,
+    State.EXPIRED: pb.TRANSFER_STATE_EXPIRED,
+}
+STATE_FROM_PB = {v: k for k, v in STATE_TO_PB.items()}
+
+REASON_TO_PB = {
+    Reason.NONE: pb.REASON_UNSPECIFIED,
+    Reason.CANCELLED: pb.REASON_CANCELLED,
+    Reason.DEADLINE: pb.REASON_DEADLINE,
+    Reason.WRITE_FAILED: pb.REASON_WRITE_FAILED,
+    Reason.AGENT_LOST: pb.REASON_AGENT_LOST,
+    Reason.AGENT_FENCED: pb.REASON_AGENT_FENCED,
+    Reason.MISMATCH: pb.REASON_MISMATCH,
+    Reason.NOTHING_TO_WRITE: pb.REASON_NOTHING_TO_WRITE,
+    Reason.PREFILL_ABORTED: pb.REASON_PREFILL_ABORTED,
+}
+REASON_FROM_PB = {v: k for k, v in REASON_TO_PB.items()}
+
+RANK_TO_PB = {
+    RankState.ORDERED: pb.RANK_STATE_ORDERED,
+    RankState.POSTED: pb.RANK_STATE_POSTED,
+    RankState.DONE: pb.RANK_STATE_DONE,
+    RankState.FAILED: pb.RANK_STATE_FAILED,
+    RankState.DROPPED: pb.RANK_STATE_DROPPED,
+}
+
+WRITE_FROM_PB = {
+    pb.WRITE_STATUS_POSTED: WriteStatus.POSTED,
+    pb.WRITE_STATUS_DONE: WriteStatus.DONE,
+    pb.WRITE_STATUS_FAILED: WriteStatus.FAILED,
+    pb.WRITE_STATUS_DROPPED: WriteStatus.DROPPED,
+}
+WRITE_TO_PB = {v: k for k, v in WRITE_FROM_PB.items()}
+
+
+def _us(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
+def blocks_to_pb(blocks: Blocks) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=list(g)) for g in blocks]
+
+
+def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
+    return [list(g.ids) for g in groups]
+
+
+def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
+    return KVLayout(
+        tokens_per_block=msg.tokens_per_block,
+        regions=tuple(
+            KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id, r.group, r.name)
+            for r in msg.regions
+        ),
+        memory_kind=msg.memory_kind or "DRAM",
+        compat_hash=msg.compat_hash,
+    )
+
+
+def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(
+        tokens_per_block=layout.tokens_per_block,
+        regions=[
+            pb.KVRegion(
+                base_addr=r.base_addr,
+                block_len=r.block_len,
+                num_blocks=r.num_blocks,
+                device_id=r.device_id,
+                group=r.group,
+                name=r.name,
+            )
+            for r in layout.regions
+        ],
+        memory_kind=layout.memory_kind,
+        compat_hash=layout.compat_hash,
+    )
+
+
+def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
+    ident = hello.identity
+    role = ROLE_FROM_PB.get(ident.role)
+    if role is None:
+        raise InvalidArgument("must be ROLE_PREFILL or ROLE_DECODE", field="identity.role")
+    return AgentRegistration(
+        engine_id=EngineId(ident.engine_id),
+        role=role,
+        tp_rank=ident.tp_rank,
+        tp_size=ident.tp_size,
+        incarnation=ident.incarnation,
+        nixl_agent_name=hello.nixl_agent_name,
+        nixl_metadata=hello.nixl_metadata,
+        layout=layout_from_pb(hello.layout),
+    )
+
+
+def identity_to_pb(reg: AgentRegistration) -> pb.AgentIdentity:
+    return pb.AgentIdentity(
+        engine_id=reg.engine_id,
+        role=ROLE_TO_PB[reg.role],
+        tp_rank=reg.tp_rank,
+        tp_size=reg.tp_size,
+        incarnation=reg.incarnation,
+    )
+
+
+def peer_to_pb(reg: AgentRegistration) -> pb.PeerInfo:
+    return pb.PeerInfo(
+        identity=identity_to_pb(reg),
+        nixl_agent_name=reg.nixl_agent_name,
+        nixl_metadata=reg.nixl_metadata,
+        layout=layout_to_pb(reg.layout),
+    )
+
+
+def order_to_pb(order: Order) -> pb.TransferOrder:
+    return pb.TransferOrder(
+        order_id=order.order_id,
+        transfer_id=order.transfer_id,
+        prefill_rank=order.prefill_rank,
+        prefill_incarnation=order.prefill_incarnation,
+        targets=[
+            pb.WriteTarget(
+                decode_engine_id=t.decode_engine_id,
+                decode_rank=t.decode_rank,
+                decode_incarnation=t.decode_incarnation,
+                src_blocks=blocks_to_pb(t.src_blocks),
+                dst_blocks=blocks_to_pb(t.dst_blocks),
+                slice_offset=t.slice_offset,
+                slice_len=t.slice_len,
+                expected_writers=t.expected_writers,
+            )
+            for t in order.targets
+        ],
+        deadline_unix_ms=int(order.deadline_unix * 1000),
+        num_tokens=order.num_tokens,
+    )
+
+
+def notice_to_pb(n: Notice) -> pb.TransferNotice:
+    return pb.TransferNotice(
+        transfer_id=n.transfer_id,
+        state=STATE_TO_PB[n.state],
+        reason=REASON_TO_PB[n.reason],
+        detail=n.detail,
+        write_may_land=n.write_may_land,
+    )
+
+
+def _num_tokens(t: Transfer) -> int:
+    side = t.decode or t.prefill
+    return side.num_tokens if side else 0
+
+
+def transfer_to_pb(t: Transfer, *, deadline_wall: float) -> pb.TransferStatus:
+    arrived = {p for ranks in t.arrived.values() for p in ranks}
+    return pb.TransferStatus(
+        transfer_id=t.transfer_id,
+        state=STATE_TO_PB[t.state],
+        reason=REASON_TO_PB[t.reason],
+        detail=t.detail,
+        prefill_engine_id=t.prefill_engine or "",
+        decode_engine_id=t.decode_engine or "",
+        num_tokens=_num_tokens(t),
+        decode_blocks=blocks_to_pb(t.decode.blocks) if t.decode else [],
+        prefill_blocks=blocks_to_pb(t.prefill.blocks) if t.prefill else [],
+        ranks=[
+            pb.RankStatus(
+                prefill_rank=r,
+                order_id=o.order.order_id,
+                state=RANK_TO_PB[o.state],
+                arrived=r in arrived,
+                detail=o.detail,
+            )
+            for r, o in sorted(t.orders.items())
+        ],
+        outstanding_ranks=t.outstanding_ranks(),
+        write_may_land=t.write_may_land,
+        created_unix_us=_us(t.created_wall),
+        updated_unix_us=_us(t.updated_wall),
+        deadline_unix_us=0 if t.state.terminal else _us(deadline_wall),
+        timeline=[pb.TimelineEvent(stage=s, unix_us=_us(w), rank=r) for s, w, r in t.timeline],
+    )
+
+
+def engine_to_pb(
+    eng: EngineRecord, *, inflight: int, open_orders: dict[int, int], wall_offset: float
+) -> pb.EngineStatus:
+    def lease(rec: AgentRecord) -> pb.RankLease:
+        return pb.RankLease(
+            tp_rank=rec.reg.tp_rank,
+            incarnation=rec.incarnation,
+            nixl_agent_name=rec.reg.nixl_agent_name,
+            connected=rec.connected,
+            lease_expires_unix_us=_us(rec.lease_deadline + wall_offset),
+            last_seen_unix_us=_us(rec.last_seen + wall_offset),
+            inflight_orders=open_orders.get(rec.reg.tp_rank, 0),
+        )
+
+    return pb.EngineStatus(
+        engine_id=eng.engine_id,
+        role=ROLE_TO_PB[eng.role],
+        tp_size=eng.tp_size,
+        ranks=[lease(r) for _, r in sorted(eng.ranks.items())],
+        ready=eng.ready,
+        inflight_transfers=inflight,
+        tokens_per_block=eng.tokens_per_block,
+    )

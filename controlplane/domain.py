@@ -1,0 +1,199 @@
+"""Domain types of the coordinator: plain values, no gRPC, no protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+TransferId = NewType("TransferId", str)
+EngineId = NewType("EngineId", str)
+OrderId = NewType("OrderId", str)
+
+# Per KV group, the block ids in the order of the prompt.
+Blocks = tuple[tuple[int, ...], ...]
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class State(enum.Enum):
+    AWAITING = "awaiting"
+    REGISTERED = "registered"
+    PREFILL_DONE = "prefill_done"
+    ORDERED = "ordered"
+    WRITING = "writing"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({State.COMPLETE, State.FAILED, State.CANCELLED, State.EXPIRED})
+
+
+class Reason(enum.Enum):
+    NONE = "none"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    WRITE_FAILED = "write_failed"
+    AGENT_LOST = "agent_lost"
+    AGENT_FENCED = "agent_fenced"
+    MISMATCH = "mismatch"
+    NOTHING_TO_WRITE = "nothing_to_write"
+    PREFILL_ABORTED = "prefill_aborted"
+
+
+class RankState(enum.Enum):
+    ORDERED = "ordered"
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+    @property
+    def resolved(self) -> bool:
+        """True once no WRITE of this order can still land."""
+        return self in (RankState.DONE, RankState.FAILED, RankState.DROPPED)
+
+
+class WriteStatus(enum.Enum):
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentKey:
+    engine_id: EngineId
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/{self.rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVRegion:
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    device_id: int = 0
+    group: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    tokens_per_block: int
+    regions: tuple[KVRegion, ...]
+    memory_kind: str = "DRAM"
+    compat_hash: str = ""
+
+    @property
+    def num_blocks(self) -> int:
+        return min((r.num_blocks for r in self.regions), default=0)
+
+    @property
+    def num_groups(self) -> int:
+        return max((r.group for r in self.regions), default=-1) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRegistration:
+    engine_id: EngineId
+    role: Role
+    tp_rank: int
+    tp_size: int
+    incarnation: str
+    nixl_agent_name: str
+    nixl_metadata: bytes
+    layout: KVLayout
+
+    @property
+    def key(self) -> AgentKey:
+        return AgentKey(self.engine_id, self.tp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteTarget:
+    decode_engine_id: EngineId
+    decode_rank: int
+    decode_incarnation: str
+    src_blocks: Blocks
+    dst_blocks: Blocks
+    expected_writers: int
+    slice_offset: int = 0
+    slice_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    order_id: OrderId
+    transfer_id: TransferId
+    prefill_engine_id: EngineId
+    prefill_rank: int
+    prefill_incarnation: str
+    targets: tuple[WriteTarget, ...]
+    deadline_unix: float
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A transfer state that the hosts of both engines must act on."""
+
+    transfer_id: TransferId
+    state: State
+    reason: Reason
+    detail: str
+    write_may_land: bool
+
+
+# ------------------------------------------------------------------ effects
+# The core returns these; the transport delivers them.
+
+
+@dataclass(frozen=True, slots=True)
+class SendOrder:
+    to: AgentKey
+    incarnation: str
+    order: Order
+
+
+@dataclass(frozen=True, slots=True)
+class SendCancelOrder:
+    to: AgentKey
+    incarnation: str
+    order_id: OrderId
+    transfer_id: TransferId
+    reason: Reason
+
+
+@dataclass(frozen=True, slots=True)
+class SendNotice:
+    to: AgentKey
+    incarnation: str
+    notice: Notice
+
+
+@dataclass(frozen=True, slots=True)
+class SendPeerFenced:
+    to: AgentKey
+    incarnation: str
+    peer: AgentKey
+    peer_incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferChanged:
+    transfer_id: TransferId
+
+
+Effect = SendOrder | SendCancelOrder | SendNotice | SendPeerFenced | TransferChanged

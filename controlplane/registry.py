@@ -1,0 +1,168 @@
+"""Engines, their agent ranks, incarnations and leases. Plain Python."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from controlplane.domain import AgentKey, AgentRegistration, EngineId, Role
+from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound
+
+
+@dataclass(slots=True)
+class AgentRecord:
+    reg: AgentRegistration
+    connected: bool
+    last_seen: float
+    lease_deadline: float
+
+    @property
+    def key(self) -> AgentKey:
+        return self.reg.key
+
+    @property
+    def incarnation(self) -> str:
+        return self.reg.incarnation
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    engine_id: EngineId
+    role: Role
+    tp_size: int
+    tokens_per_block: int
+    compat_hash: str
+    ranks: dict[int, AgentRecord] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ranks) == self.tp_size and all(a.connected for a in self.ranks.values())
+
+
+class Registry:
+    def __init__(self, lease_s: float) -> None:
+        self._lease_s = lease_s
+        self._engines: dict[EngineId, EngineRecord] = {}
+        # Incarnations replaced or lost while their process may still run:
+        # (key, incarnation) -> the moment its lease is certainly over.
+        self._ghosts: dict[tuple[AgentKey, str], float] = {}
+
+    # ------------------------------------------------------------- queries
+    def engines(self) -> Iterator[EngineRecord]:
+        return iter(self._engines.values())
+
+    def engine(self, engine_id: EngineId) -> EngineRecord | None:
+        return self._engines.get(engine_id)
+
+    def require_engine(self, engine_id: EngineId, role: Role, *, field_name: str) -> EngineRecord:
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} has no registered agents", field=field_name
+            )
+        if eng.role is not role:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} registered as {eng.role.value}, not {role.value}",
+                field=field_name,
+            )
+        return eng
+
+    def agent(self, key: AgentKey) -> AgentRecord | None:
+        eng = self._engines.get(key.engine_id)
+        return eng.ranks.get(key.rank) if eng else None
+
+    def is_current(self, key: AgentKey, incarnation: str) -> bool:
+        rec = self.agent(key)
+        return rec is not None and rec.incarnation == incarnation
+
+    def may_still_act(self, key: AgentKey, incarnation: str, now: float) -> bool:
+        """Whether that incarnation could still post a WRITE (it holds a lease)."""
+        if self.is_current(key, incarnation):
+            return True
+        deadline = self._ghosts.get((key, incarnation))
+        return deadline is not None and now < deadline
+
+    # ------------------------------------------------------------- changes
+    def hello(self, reg: AgentRegistration, now: float) -> AgentRecord | None:
+        """Register or reconnect; returns the record it fenced, if any."""
+        if reg.tp_size < 1 or not 0 <= reg.tp_rank < reg.tp_size:
+            raise InvalidArgument(
+                f"tp_rank {reg.tp_rank} outside tp_size {reg.tp_size}", field="identity.tp_rank"
+            )
+        eng = self._engines.get(reg.engine_id)
+        if eng is not None and eng.ranks:
+            if eng.role is not reg.role:
+                raise FailedPrecondition(
+                    f"engine {reg.engine_id!r} is registered as {eng.role.value}",
+                    field="identity.role",
+                )
+            if eng.tp_size != reg.tp_size:
+                raise FailedPrecondition(
+                    f"engine {reg.engine_id!r} is registered with tp_size {eng.tp_size}",
+                    field="identity.tp_size",
+                )
+            if eng.tokens_per_block != reg.layout.tokens_per_block:
+                raise FailedPrecondition(
+                    f"engine {reg.engine_id!r} uses {eng.tokens_per_block} tokens per block",
+                    field="layout.tokens_per_block",
+                )
+        if eng is None or not eng.ranks:
+            eng = EngineRecord(
+                reg.engine_id,
+                reg.role,
+                reg.tp_size,
+                reg.layout.tokens_per_block,
+                reg.layout.compat_hash,
+            )
+            self._engines[reg.engine_id] = eng
+        old = eng.ranks.get(reg.tp_rank)
+        rec = AgentRecord(reg, True, now, now + self._lease_s)
+        eng.ranks[reg.tp_rank] = rec
+        if old is not None and old.incarnation != reg.incarnation:
+            self._ghosts[(old.key, old.incarnation)] = old.lease_deadline
+            return old
+        return None
+
+    def renew(self, key: AgentKey, incarnation: str, now: float) -> bool:
+        rec = self.agent(key)
+        if rec is None or rec.incarnation != incarnation:
+            return False
+        rec.last_seen = now
+        rec.lease_deadline = now + self._lease_s
+        rec.connected = True
+        return True
+
+    def disconnected(self, key: AgentKey, incarnation: str) -> bool:
+        rec = self.agent(key)
+        if rec is None or rec.incarnation != incarnation:
+            return False
+        rec.connected = False
+        return True
+
+    def expire(self, now: float) -> tuple[list[AgentRecord], list[tuple[AgentKey, str]]]:
+        """Drop agents whose lease ran out; return them and the ghosts now surely gone."""
+        lost: list[AgentRecord] = []
+        gone: list[tuple[AgentKey, str]] = []
+        for eng in list(self._engines.values()):
+            for rank, rec in list(eng.ranks.items()):
+                if rec.lease_deadline <= now:
+                    del eng.ranks[rank]
+                    lost.append(rec)
+            if not eng.ranks:
+                del self._engines[eng.engine_id]
+        for ghost, deadline in list(self._ghosts.items()):
+            if deadline <= now:
+                del self._ghosts[ghost]
+                gone.append(ghost)
+        return lost, gone
+
+    def next_deadline(self) -> float | None:
+        deadlines = [r.lease_deadline for e in self._engines.values() for r in e.ranks.values()]
+        deadlines.extend(self._ghosts.values())
+        return min(deadlines, default=None)
+
+    def require_agent(self, key: AgentKey) -> AgentRecord:
+        rec = self.agent(key)
+        if rec is None:
+            raise NotFound(f"agent {key} is not registered")
+        return rec

@@ -1,0 +1,287 @@
+"""Coordinator runtime: owns the core, the agent sessions and the watchers.
+
+Everything here runs on the server's event loop, so the core needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane import convert
+from controlplane.clock import Clock
+from controlplane.domain import (
+    AgentKey,
+    AgentRegistration,
+    Effect,
+    SendCancelOrder,
+    SendNotice,
+    SendOrder,
+    SendPeerFenced,
+    TransferChanged,
+)
+from controlplane.rendezvous import Rendezvous, TransferFilter
+from controlplane.settings import CoreSettings
+from controlplane.transfer import Transfer
+
+log = structlog.get_logger("pushkv.coordinator")
+
+OUTBOX_LIMIT = 100_000
+WATCH_QUEUE_LIMIT = 10_000
+
+
+@dataclass(eq=False)
+class AgentSession:
+    reg: AgentRegistration
+    outbox: asyncio.Queue[pb.CoordinatorMessage | None] = field(
+        default_factory=lambda: asyncio.Queue(OUTBOX_LIMIT)
+    )
+    known_peers: set[tuple[AgentKey, str]] = field(default_factory=set)
+    closed: bool = False
+
+    @property
+    def key(self) -> AgentKey:
+        return self.reg.key
+
+    def send(self, msg: pb.CoordinatorMessage) -> None:
+        if self.closed:
+            return
+        try:
+            self.outbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.error("agent_outbox_full", agent=str(self.key))
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(asyncio.QueueFull):
+                self.outbox.put_nowait(None)
+
+
+@dataclass(eq=False)
+class Watcher:
+    flt: TransferFilter
+    queue: asyncio.Queue[pb.TransferEvent | None] = field(
+        default_factory=lambda: asyncio.Queue(WATCH_QUEUE_LIMIT)
+    )
+    overflowed: bool = False
+
+
+class Runtime:
+    def __init__(self, settings: CoreSettings, clock: Clock) -> None:
+        self.core = Rendezvous(settings, clock)
+        self.clock = clock
+        self._sessions: dict[AgentKey, AgentSession] = {}
+        self._watchers: set[Watcher] = set()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="ticker")
+
+    async def stop(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for s in list(self._sessions.values()):
+            s.close()
+        for w in list(self._watchers):
+            with contextlib.suppress(asyncio.QueueFull):
+                w.queue.put_nowait(None)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                self.apply(self.core.tick())
+            except Exception:
+                log.exception("tick_failed")
+            nxt = self.core.next_wakeup()
+            delay = 0.25 if nxt is None else min(max(nxt - self.clock.monotonic(), 0.005), 0.25)
+            await asyncio.sleep(delay)
+
+    # ---------------------------------------------------------------- effects
+    def apply(self, effects: Sequence[Effect]) -> None:
+        changed: dict[str, None] = {}
+        for e in effects:
+            if isinstance(e, TransferChanged):
+                changed[e.transfer_id] = None
+            elif isinstance(e, SendOrder):
+                s = self._session(e.to, e.incarnation)
+                if s is None:
+                    continue  # replayed when the agent reconnects
+                for tgt in e.order.targets:
+                    self._ensure_peer(s, AgentKey(tgt.decode_engine_id, tgt.decode_rank))
+                s.send(pb.CoordinatorMessage(order=convert.order_to_pb(e.order)))
+                log.debug("order_sent", transfer_id=e.order.transfer_id, agent=str(e.to))
+            elif isinstance(e, SendCancelOrder):
+                s = self._session(e.to, e.incarnation)
+                if s is not None:
+                    s.send(
+                        pb.CoordinatorMessage(
+                            cancel_order=pb.CancelOrder(
+                                order_id=e.order_id,
+                                transfer_id=e.transfer_id,
+                                reason=convert.REASON_TO_PB[e.reason],
+                            )
+                        )
+                    )
+            elif isinstance(e, SendNotice):
+                s = self._session(e.to, e.incarnation)
+                if s is not None:
+                    s.send(pb.CoordinatorMessage(notice=convert.notice_to_pb(e.notice)))
+            elif isinstance(e, SendPeerFenced):
+                s = self._session(e.to, e.incarnation)
+                peer = (e.peer, e.peer_incarnation)
+                if s is not None and peer in s.known_peers:
+                    s.known_peers.discard(peer)
+                    s.send(
+                        pb.CoordinatorMessage(
+                            peer_fenced=pb.PeerFenced(
+                                engine_id=e.peer.engine_id,
+                                tp_rank=e.peer.rank,
+                                incarnation=e.peer_incarnation,
+                            )
+                        )
+                    )
+        for tid in changed:
+            self._publish(tid)
+
+    def _session(self, key: AgentKey, incarnation: str) -> AgentSession | None:
+        s = self._sessions.get(key)
+        if s is None or s.closed or s.reg.incarnation != incarnation:
+            return None
+        return s
+
+    def _ensure_peer(self, s: AgentSession, peer: AgentKey) -> None:
+        rec = self.core.registry.agent(peer)
+        if rec is None or (peer, rec.incarnation) in s.known_peers:
+            return
+        s.known_peers.add((peer, rec.incarnation))
+        s.send(pb.CoordinatorMessage(peer=convert.peer_to_pb(rec.reg)))
+
+    # ---------------------------------------------------------------- agents
+    def open_session(self, reg: AgentRegistration) -> AgentSession:
+        effects = self.core.agent_hello(reg)
+        old = self._sessions.get(reg.key)
+        if old is not None:
+            old.close()
+        s = AgentSession(reg)
+        self._sessions[reg.key] = s
+        st = self.core.settings
+        s.send(
+            pb.CoordinatorMessage(
+                welcome=pb.Welcome(
+                    lease_ms=int(st.lease_s * 1000),
+                    heartbeat_interval_ms=int(st.heartbeat_interval_s * 1000),
+                    coordinator_id=self.core.coordinator_id,
+                )
+            )
+        )
+        self.apply(effects)
+        log.info(
+            "agent_registered",
+            engine_id=reg.engine_id,
+            rank=reg.tp_rank,
+            role=reg.role.value,
+            incarnation=reg.incarnation,
+        )
+        return s
+
+    def close_session(self, s: AgentSession) -> None:
+        s.close()
+        if self._sessions.get(s.key) is s:
+            del self._sessions[s.key]
+            self.apply(self.core.agent_disconnected(s.key, s.reg.incarnation))
+            log.info("agent_disconnected", engine_id=s.key.engine_id, rank=s.key.rank)
+
+    def on_agent_message(self, s: AgentSession, msg: pb.AgentMessage) -> None:
+        key, inc = s.key, s.reg.incarnation
+        if not self.core.agent_seen(key, inc):
+            s.close()  # fenced or lost: the agent must reconnect and register again
+            return
+        kind = msg.WhichOneof("kind")
+        if kind == "heartbeat":
+            s.send(
+                pb.CoordinatorMessage(
+                    heartbeat_ack=pb.HeartbeatAck(
+                        seq=msg.heartbeat.seq,
+                        lease_ms=int(self.core.settings.lease_s * 1000),
+                    )
+                )
+            )
+        elif kind == "write":
+            w = msg.write
+            status = convert.WRITE_FROM_PB.get(w.status)
+            if status is None:
+                log.warning("bad_write_report", agent=str(key), status=w.status)
+                return
+            self.apply(
+                self.core.write_report(
+                    key, inc, w.order_id, w.transfer_id, status, w.detail, w.bytes, w.descriptors
+                )
+            )
+        elif kind == "arrival":
+            a = msg.arrival
+            self.apply(self.core.arrival_report(key, inc, a.transfer_id, list(a.prefill_ranks)))
+        elif kind == "hello":
+            log.warning("duplicate_hello", agent=str(key))
+
+    # ---------------------------------------------------------------- status
+    def status(self, t: Transfer) -> pb.TransferStatus:
+        offset = self.clock.wall() - self.clock.monotonic()
+        return convert.transfer_to_pb(t, deadline_wall=t.deadline_mono + offset)
+
+    def engines(self, role: int) -> list[pb.EngineStatus]:
+        offset = self.clock.wall() - self.clock.monotonic()
+        out = []
+        for eng in self.core.engines():
+            if role and convert.ROLE_TO_PB[eng.role] != role:
+                continue
+            open_orders = {
+                r: self.core.open_orders_of(a.key, a.incarnation) for r, a in eng.ranks.items()
+            }
+            out.append(
+                convert.engine_to_pb(
+                    eng,
+                    inflight=self.core.inflight_for(eng.engine_id),
+                    open_orders=open_orders,
+                    wall_offset=offset,
+                )
+            )
+        return out
+
+    def watch(self, flt: TransferFilter) -> Watcher:
+        w = Watcher(flt)
+        self._watchers.add(w)
+        return w
+
+    def unwatch(self, w: Watcher) -> None:
+        self._watchers.discard(w)
+
+    def _publish(self, transfer_id: str) -> None:
+        if not self._watchers or not self.core.has_transfer(transfer_id):
+            return
+        t = self.core.get(transfer_id)
+        now = self.clock.wall()
+        event: pb.TransferEvent | None = None
+        for w in list(self._watchers):
+            if w.overflowed or not w.flt.matches(t, now):
+                continue
+            if event is None:
+                event = pb.TransferEvent(transfer=self.status(t))
+            try:
+                w.queue.put_nowait(event)
+            except asyncio.QueueFull:
+                # A watcher that cannot keep up is closed, never allowed to grow memory.
+                w.overflowed = True
+                self._watchers.discard(w)
+                while not w.queue.empty():
+                    w.queue.get_nowait()
+                w.queue.put_nowait(None)

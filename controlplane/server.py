@@ -1,0 +1,100 @@
+"""Assembles the coordinator's gRPC server: services, health, reflection, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane.clock import Clock, SystemClock
+from controlplane.runtime import Runtime
+from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
+from controlplane.settings import CoreSettings
+from controlplane.status_map import ErrorMappingInterceptor
+
+log = structlog.get_logger("pushkv.coordinator")
+
+SERVICE_NAMES = tuple(
+    pb.DESCRIPTOR.services_by_name[n].full_name
+    for n in ("AgentService", "TransferService", "StatusService")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 50151
+    max_message_bytes: int = 4 * 1024 * 1024
+    shutdown_grace_s: float = 5.0
+    core: CoreSettings = field(default_factory=CoreSettings)
+
+
+@dataclass
+class Coordinator:
+    server: grpc.aio.Server
+    runtime: Runtime
+    health: HealthServicer
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.runtime.stop()
+
+
+async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordinator:
+    """Start a coordinator; port 0 picks a free port (see Coordinator.port)."""
+    runtime = Runtime(settings.core, clock or SystemClock())
+    opts = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=opts)
+    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime), server)
+    pbg.add_TransferServiceServicer_to_server(TransferServicer(runtime), server)
+    pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime), server)
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    runtime.start()
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "coordinator_started",
+        host=settings.host,
+        port=port,
+        coordinator_id=runtime.core.coordinator_id,
+    )
+    return Coordinator(server, runtime, health_servicer, port)
+
+
+async def serve(settings: ServerSettings) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    coord = await start(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("coordinator_stopping", grace_s=settings.shutdown_grace_s)
+    await coord.stop(settings.shutdown_grace_s)

@@ -1,0 +1,176 @@
+"""gRPC servicers: translate proto <-> domain and call the runtime. No logic here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane import convert
+from controlplane.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from controlplane.protocol import PROTOCOL_VERSION
+from controlplane.rendezvous import TransferFilter
+from controlplane.runtime import Runtime
+
+log = structlog.get_logger("pushkv.coordinator")
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+HELLO_TIMEOUT_S = 10.0
+DEFAULT_LIST_LIMIT = 100
+MAX_LIST_LIMIT = 10_000
+
+
+class TransferServicer(pbg.TransferServiceServicer):
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    async def BeginTransfer(
+        self, request: pb.BeginTransferRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        t, effects = self._rt.core.begin(
+            request.transfer_id, request.prefill_engine_id, request.decode_engine_id
+        )
+        self._rt.apply(effects)
+        return self._rt.status(t)
+
+    async def RegisterDecodeBlocks(
+        self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        t, effects = self._rt.core.register_decode(
+            request.transfer_id,
+            request.decode_engine_id,
+            convert.blocks_from_pb(request.block_ids),
+            request.num_tokens,
+        )
+        self._rt.apply(effects)
+        log.debug(
+            "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
+        )
+        return self._rt.status(t)
+
+    async def ReportPrefillDone(
+        self, request: pb.ReportPrefillDoneRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        t, effects = self._rt.core.prefill_done(
+            request.transfer_id,
+            request.prefill_engine_id,
+            convert.blocks_from_pb(request.block_ids),
+            request.num_tokens,
+        )
+        self._rt.apply(effects)
+        log.debug("prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id)
+        return self._rt.status(t)
+
+    async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
+        t, effects = self._rt.core.cancel(request.transfer_id, request.reason)
+        self._rt.apply(effects)
+        log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
+        return self._rt.status(t)
+
+
+def _filter(
+    states: Any, engine_id: str, min_age_ms: int = 0, max_age_ms: int = 0
+) -> TransferFilter:
+    wanted = set()
+    for s in states:
+        st = convert.STATE_FROM_PB.get(s)
+        if st is None:
+            raise InvalidArgument(f"unknown state {s}", field="states")
+        wanted.add(st)
+    return TransferFilter(frozenset(wanted), engine_id, min_age_ms / 1000, max_age_ms / 1000)
+
+
+class StatusServicer(pbg.StatusServiceServicer):
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
+        return self._rt.status(self._rt.core.get(request.transfer_id))
+
+    async def ListTransfers(
+        self, request: pb.ListTransfersRequest, context: Ctx
+    ) -> pb.ListTransfersResponse:
+        flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
+        limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+        found, total = self._rt.core.find(flt, limit)
+        return pb.ListTransfersResponse(
+            transfers=[self._rt.status(t) for t in found], total_matching=total
+        )
+
+    async def WatchTransfers(
+        self, request: pb.WatchTransfersRequest, context: Ctx
+    ) -> AsyncIterator[pb.TransferEvent]:
+        flt = _filter(request.states, request.engine_id)
+        w = self._rt.watch(flt)
+        try:
+            if request.include_existing:
+                found, _ = self._rt.core.find(flt, MAX_LIST_LIMIT)
+                for t in reversed(found):
+                    yield pb.TransferEvent(transfer=self._rt.status(t))
+            while True:
+                event = await w.queue.get()
+                if event is None:
+                    if w.overflowed:
+                        raise ResourceExhausted("watcher fell too far behind; re-list and watch")
+                    return
+                yield event
+        finally:
+            self._rt.unwatch(w)
+
+    async def ListEngines(
+        self, request: pb.ListEnginesRequest, context: Ctx
+    ) -> pb.ListEnginesResponse:
+        return pb.ListEnginesResponse(engines=self._rt.engines(request.role))
+
+
+class AgentServicer(pbg.AgentServiceServicer):
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    async def AgentStream(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            raise InvalidArgument("the first message must be hello", field="hello") from None
+        if first.WhichOneof("kind") != "hello":
+            raise InvalidArgument("the first message must be hello", field="hello")
+        if first.hello.protocol_version != PROTOCOL_VERSION:
+            raise FailedPrecondition(
+                f"agent speaks protocol {first.hello.protocol_version}, coordinator "
+                f"{PROTOCOL_VERSION}: upgrade the older side",
+                field="hello.protocol_version",
+            )
+        session = self._rt.open_session(convert.registration_from_pb(first.hello))
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    try:
+                        self._rt.on_agent_message(session, msg)
+                    except Exception as exc:  # a bad report must not kill the stream
+                        log.warning(
+                            "agent_message_rejected", agent=str(session.key), error=str(exc)
+                        )
+            finally:
+                session.close()
+
+        reader = asyncio.get_running_loop().create_task(read(), name=f"agent-{session.key}")
+        try:
+            while True:
+                msg = await session.outbox.get()
+                if msg is None:
+                    return
+                yield msg
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._rt.close_session(session)

@@ -1,0 +1,38 @@
+"""Coordinator settings: one frozen, validated object, filled by flags or environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSettings:
+    # How long one side may wait for the other (registered / prefill-done / awaiting).
+    rendezvous_timeout_s: float = 60.0
+    # How long an ordered transfer may take to be written and reported.
+    write_timeout_s: float = 15.0
+    # Agent lease; renewed by every message on the agent stream.
+    lease_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    # Terminal transfers stay queryable this long (and at most max_terminal of them).
+    retention_s: float = 300.0
+    max_terminal: int = 100_000
+    # In-flight (non-terminal) transfers: in total and per engine.
+    max_inflight: int = 20_000
+    max_inflight_per_engine: int = 10_000
+    # Input bounds.
+    max_id_len: int = 256
+    max_groups: int = 16
+    max_blocks_per_group: int = 65_536
+    # Fail ordered transfers at once when an involved agent's stream closes.
+    fail_on_disconnect: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and value <= 0:
+                raise ValueError(f"{f.name} must be > 0, got {value}")
+        if self.heartbeat_interval_s >= self.lease_s:
+            raise ValueError("heartbeat_interval_s must be shorter than lease_s")

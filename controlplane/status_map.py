@@ -1,0 +1,96 @@
+"""The one place where domain errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from controlplane import errors
+
+log = structlog.get_logger("pushkv.coordinator")
+
+_CODES: dict[type[errors.PushKVError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Conflict: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def code_for(exc: errors.PushKVError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _CODES:
+            return _CODES[cls]
+    return grpc.StatusCode.UNKNOWN
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
+    if isinstance(exc, errors.PushKVError):
+        await context.abort(code_for(exc), str(exc))
+    log.exception("rpc_failed", rpc=rpc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see coordinator log)")
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
+    async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, rpc)
+
+    return behavior
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], rpc: str) -> Callable[..., Any]:
+    async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, rpc)
+
+    return behavior
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Wraps every handler so a domain error aborts the call with its status code."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        rpc = handler_call_details.method
+        if handler is None or not rpc.startswith("/pushkv."):
+            return handler  # health and reflection map their own errors
+        ser = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, rpc), **ser)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, rpc),  # type: ignore[arg-type]
+                **ser,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream, rpc),  # type: ignore[arg-type]
+                **ser,
+            )
+        return handler

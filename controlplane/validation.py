@@ -1,0 +1,79 @@
+"""Input checks shared by the core: every failure names the offending field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from controlplane.domain import Blocks, EngineId, TransferId
+from controlplane.errors import InvalidArgument
+
+# Ids travel inside NIXL notifications, so '|' and whitespace are excluded.
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\-]*$")
+MAX_TOKENS = 16_777_216
+
+
+def check_id(value: str, *, field: str, max_len: int) -> str:
+    if not value:
+        raise InvalidArgument("must not be empty", field=field)
+    if len(value) > max_len:
+        raise InvalidArgument(f"longer than {max_len} characters", field=field)
+    if not _ID.match(value):
+        raise InvalidArgument(
+            "may hold only letters, digits and . _ : @ - (and must start with a letter or digit)",
+            field=field,
+        )
+    return value
+
+
+def transfer_id(value: str, max_len: int) -> TransferId:
+    return TransferId(check_id(value, field="transfer_id", max_len=max_len))
+
+
+def engine_id(value: str, *, field: str, max_len: int) -> EngineId:
+    return EngineId(check_id(value, field=field, max_len=max_len))
+
+
+def num_tokens(value: int, *, field: str = "num_tokens") -> int:
+    if value <= 0:
+        raise InvalidArgument("must be > 0", field=field)
+    if value > MAX_TOKENS:
+        raise InvalidArgument(f"must be <= {MAX_TOKENS}", field=field)
+    return value
+
+
+def blocks(
+    groups: Sequence[Sequence[int]],
+    *,
+    field: str,
+    max_groups: int,
+    max_per_group: int,
+    num_groups: int | None = None,
+    num_blocks: int | None = None,
+) -> Blocks:
+    if not groups:
+        raise InvalidArgument("needs one list of block ids per KV group", field=field)
+    if len(groups) > max_groups:
+        raise InvalidArgument(f"more than {max_groups} KV groups", field=field)
+    if num_groups is not None and len(groups) != num_groups:
+        raise InvalidArgument(
+            f"has {len(groups)} KV groups; the engine's KV layout has {num_groups}", field=field
+        )
+    out: list[tuple[int, ...]] = []
+    for g, ids in enumerate(groups):
+        where = f"{field}[{g}]"
+        if len(ids) > max_per_group:
+            raise InvalidArgument(f"more than {max_per_group} block ids", field=where)
+        seen: set[int] = set()
+        for b in ids:
+            if b < 0:
+                raise InvalidArgument(f"negative block id {b}", field=where)
+            if num_blocks is not None and b >= num_blocks:
+                raise InvalidArgument(
+                    f"block id {b} outside the engine's {num_blocks} blocks", field=where
+                )
+            if b in seen:
+                raise InvalidArgument(f"duplicate block id {b}", field=where)
+            seen.add(b)
+        out.append(tuple(ids))
+    return tuple(out)

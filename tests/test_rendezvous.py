@@ -1,0 +1,338 @@
+"""The rendezvous core, driven directly with a fake clock (no gRPC)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.clock import FakeClock
+from controlplane.domain import (
+    AgentKey,
+    AgentRegistration,
+    EngineId,
+    KVLayout,
+    KVRegion,
+    RankState,
+    Reason,
+    Role,
+    SendCancelOrder,
+    SendNotice,
+    SendOrder,
+    SendPeerFenced,
+    State,
+    WriteStatus,
+)
+from controlplane.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from controlplane.rendezvous import Rendezvous, TransferFilter
+from controlplane.settings import CoreSettings
+
+TPB = 16
+P, D = EngineId("prefill-0"), EngineId("decode-0")
+
+
+def reg(engine: str, role: Role, rank: int = 0, tp: int = 1, inc: str = "i1") -> AgentRegistration:
+    layout = KVLayout(TPB, (KVRegion(0x1000, 4096, 64), KVRegion(0x100000, 4096, 64)))
+    return AgentRegistration(
+        EngineId(engine), role, rank, tp, inc, f"{engine}-{rank}-{inc}", b"md", layout
+    )
+
+
+def core(tp: int = 1, **kw: object) -> tuple[Rendezvous, FakeClock]:
+    clock = FakeClock()
+    rv = Rendezvous(CoreSettings(**kw), clock)  # type: ignore[arg-type]
+    for r in range(tp):
+        rv.agent_hello(reg(P, Role.PREFILL, r, tp))
+        rv.agent_hello(reg(D, Role.DECODE, r, tp))
+    return rv, clock
+
+
+def orders(effects: list) -> list[SendOrder]:
+    return [e for e in effects if isinstance(e, SendOrder)]
+
+
+def notices(effects: list, to: AgentKey | None = None) -> list[SendNotice]:
+    return [e for e in effects if isinstance(e, SendNotice) and (to is None or e.to == to)]
+
+
+def finish(rv: Rendezvous, o: SendOrder, inc: str = "i1") -> list:
+    out = rv.write_report(o.to, inc, o.order.order_id, o.order.transfer_id, WriteStatus.POSTED)
+    out += rv.write_report(o.to, inc, o.order.order_id, o.order.transfer_id, WriteStatus.DONE)
+    for tgt in o.order.targets:
+        out += rv.arrival_report(
+            AgentKey(tgt.decode_engine_id, tgt.decode_rank), "i1", o.order.transfer_id,
+            [o.order.prefill_rank],
+        )
+    return out
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_second_arrival_issues_exactly_one_order(decode_first: bool) -> None:
+    rv, _ = core()
+    first = (
+        rv.register_decode("t1", D, [[5, 9, 2]], 40)
+        if decode_first
+        else rv.prefill_done("t1", P, [[1, 2, 3]], 40)
+    )
+    assert not orders(first[1])
+    assert first[0].state is (State.REGISTERED if decode_first else State.PREFILL_DONE)
+    second = (
+        rv.prefill_done("t1", P, [[1, 2, 3]], 40)
+        if decode_first
+        else rv.register_decode("t1", D, [[5, 9, 2]], 40)
+    )
+    t, effects = second
+    [o] = orders(effects)
+    assert t.state is State.ORDERED
+    assert o.to == AgentKey(P, 0)
+    [tgt] = o.order.targets
+    assert tgt.src_blocks == ((1, 2, 3),) and tgt.dst_blocks == ((5, 9, 2),)
+    assert tgt.decode_engine_id == D and tgt.expected_writers == 1
+    assert t.outstanding_ranks() == [0]
+    assert t.write_may_land
+
+    effects = finish(rv, o)
+    assert t.state is State.COMPLETE and not t.write_may_land
+    assert t.outstanding_ranks() == []
+    assert notices(effects, AgentKey(D, 0))[0].notice.state is State.COMPLETE
+
+
+def test_decode_prefix_hit_writes_only_the_tail() -> None:
+    rv, _ = core()
+    # 40 tokens = 3 blocks of 16; prefill has a 4th block for the sampled token.
+    rv.prefill_done("t", P, [[10, 11, 12, 13]], 40)
+    _, effects = rv.register_decode("t", D, [[7]], 40)
+    [o] = orders(effects)
+    assert o.order.targets[0].src_blocks == ((12,),)
+
+
+def test_full_prefix_hit_completes_without_orders() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[]], 40)
+    t, effects = rv.prefill_done("t", P, [[1, 2, 3]], 40)
+    assert not orders(effects)
+    assert t.state is State.COMPLETE and t.reason is Reason.NOTHING_TO_WRITE
+    assert notices(effects, AgentKey(P, 0))
+
+
+def test_duplicates_are_idempotent_and_conflicts_rejected() -> None:
+    rv, _ = core()
+    t1, e1 = rv.register_decode("t", D, [[1, 2]], 20)
+    t2, e2 = rv.register_decode("t", D, [[1, 2]], 20)
+    assert t1 is t2 and e2 == [] and t2.state is State.REGISTERED
+    with pytest.raises(Conflict) as exc:
+        rv.register_decode("t", D, [[1, 3]], 20)
+    assert exc.value.field == "block_ids"
+    with pytest.raises(Conflict) as exc:
+        rv.register_decode("t", D, [[1, 2]], 21)
+    assert exc.value.field == "num_tokens"
+    _, e = rv.prefill_done("t", P, [[4, 5]], 20)
+    assert len(orders(e)) == 1
+    _, e = rv.prefill_done("t", P, [[4, 5]], 20)
+    assert orders(e) == []  # a retry never issues a second order
+
+
+def test_cancel_before_order_prevents_it() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    t, effects = rv.cancel("t", "client went away")
+    assert t.state is State.CANCELLED and t.detail == "client went away"
+    assert not t.write_may_land
+    assert notices(effects, AgentKey(D, 0))[0].notice.write_may_land is False
+    t, effects = rv.prefill_done("t", P, [[3]], 10)
+    assert t.state is State.CANCELLED and orders(effects) == []
+
+
+def test_cancel_of_unknown_transfer_leaves_a_tombstone() -> None:
+    rv, _ = core()
+    t, _ = rv.cancel("early", "")
+    assert t.state is State.CANCELLED
+    t, effects = rv.register_decode("early", D, [[1]], 10)
+    assert t.state is State.CANCELLED and effects == []
+
+
+def test_cancel_after_order_fences_until_prefill_resolves() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    t, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    t, effects = rv.cancel("t", "abort")
+    [c] = [e for e in effects if isinstance(e, SendCancelOrder)]
+    assert c.to == AgentKey(P, 0) and c.order_id == o.order.order_id
+    assert t.write_may_land
+    assert notices(effects, AgentKey(D, 0))[0].notice.write_may_land is True
+    effects = rv.write_report(AgentKey(P, 0), "i1", o.order.order_id, "t", WriteStatus.DROPPED)
+    assert not t.write_may_land and t.state is State.CANCELLED
+    [n] = notices(effects, AgentKey(D, 0))
+    assert n.notice.write_may_land is False and n.notice.state is State.CANCELLED
+
+
+def test_write_failure_fails_fast_and_tells_decode() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    effects = rv.write_report(
+        AgentKey(P, 0), "i1", o.order.order_id, "t", WriteStatus.FAILED, "peer disconnected"
+    )
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.WRITE_FAILED
+    assert "peer disconnected" in t.detail
+    [n] = notices(effects, AgentKey(D, 0))
+    assert n.notice.state is State.FAILED and n.notice.write_may_land is False
+
+
+@pytest.mark.parametrize("first", ["decode", "prefill", "ordered"])
+def test_every_waiting_state_expires(first: str) -> None:
+    rv, clock = core(rendezvous_timeout_s=5, write_timeout_s=2, lease_s=100)
+    if first in ("decode", "ordered"):
+        rv.register_decode("t", D, [[1]], 10)
+    if first in ("prefill", "ordered"):
+        rv.prefill_done("t", P, [[3]], 10)
+    clock.advance(1.9)
+    assert rv.tick() == [] and not rv.get("t").state.terminal
+    clock.advance(5)
+    effects = rv.tick()
+    t = rv.get("t")
+    assert t.state is State.EXPIRED and t.reason is Reason.DEADLINE
+    assert notices(effects)  # both sides are told, so blocks get reclaimed
+    if first == "ordered":
+        assert any(isinstance(e, SendCancelOrder) for e in effects)
+        assert t.write_may_land
+
+
+def test_two_prefill_ranks_need_every_rank() -> None:
+    rv, _ = core(tp=2)
+    rv.register_decode("t", D, [[1, 2]], 20)
+    t, effects = rv.prefill_done("t", P, [[5, 6]], 20)
+    os_ = orders(effects)
+    assert sorted(o.order.prefill_rank for o in os_) == [0, 1]
+    assert {o.order.targets[0].decode_rank for o in os_} == {0, 1}
+    finish(rv, os_[0])
+    assert t.state is State.WRITING and t.outstanding_ranks() == [1]
+    finish(rv, os_[1])
+    assert t.state is State.COMPLETE and t.outstanding_ranks() == []
+
+
+def test_new_incarnation_fences_the_old_one() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i2"))
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_FENCED
+    assert any(
+        isinstance(e, SendPeerFenced) and e.to == AgentKey(D, 0) and e.peer_incarnation == "i1"
+        for e in effects
+    )
+    # The fenced incarnation may still be alive until its lease ends.
+    assert t.write_may_land
+    with pytest.raises(PermissionDenied):
+        rv.write_report(AgentKey(P, 0), "i2", o.order.order_id, "t", WriteStatus.DONE)
+    # Orders are never reissued to the new incarnation.
+    assert orders(effects) == []
+
+
+def test_fenced_orders_resolve_when_old_lease_ends() -> None:
+    rv, clock = core(lease_s=3, heartbeat_interval_s=1)
+    rv.register_decode("t", D, [[1]], 10)
+    rv.prefill_done("t", P, [[3]], 10)
+    rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i2"))
+    assert rv.get("t").write_may_land
+    clock.advance(2)
+    rv.agent_seen(AgentKey(D, 0), "i1")
+    rv.agent_seen(AgentKey(P, 0), "i2")
+    clock.advance(1.5)
+    effects = rv.tick()
+    t = rv.get("t")
+    assert not t.write_may_land
+    assert notices(effects, AgentKey(D, 0))[0].notice.write_may_land is False
+
+
+def test_lost_agent_fails_its_transfers() -> None:
+    rv, clock = core(lease_s=3, heartbeat_interval_s=1)
+    rv.prefill_done("t", P, [[1]], 10)
+    rv.register_decode("other", D, [[1]], 10)
+    clock.advance(3.5)
+    rv.agent_seen(AgentKey(D, 0), "i1")  # decode stays alive; prefill does not
+    effects = rv.tick()
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_LOST
+    assert notices(effects, AgentKey(D, 0)) == []  # decode was never part of "t"
+    assert rv.get("other").state is State.REGISTERED
+    with pytest.raises(FailedPrecondition):
+        rv.prefill_done("t2", P, [[1]], 10)
+
+
+def test_disconnect_fails_moving_transfers_at_once() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.POSTED)
+    effects = rv.agent_disconnected(AgentKey(P, 0), "i1")
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_LOST
+    assert t.orders[0].state is RankState.POSTED and t.write_may_land
+    # On reconnect with the same incarnation the agent is told to drop it.
+    effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
+    assert [e.order_id for e in effects if isinstance(e, SendCancelOrder)] == [o.order.order_id]
+
+
+def test_bad_input_names_the_field() -> None:
+    rv, _ = core()
+    cases = [
+        (lambda: rv.register_decode("", D, [[1]], 1), "transfer_id"),
+        (lambda: rv.register_decode("x" * 300, D, [[1]], 1), "transfer_id"),
+        (lambda: rv.register_decode("a b", D, [[1]], 1), "transfer_id"),
+        (lambda: rv.register_decode("t", D, [[-1]], 1), "block_ids[0]"),
+        (lambda: rv.register_decode("t", D, [[1, 1]], 20), "block_ids[0]"),
+        (lambda: rv.register_decode("t", D, [[64]], 1), "block_ids[0]"),
+        (lambda: rv.register_decode("t", D, [[1], [2]], 1), "block_ids"),
+        (lambda: rv.register_decode("t", D, [[1, 2, 3]], 16), "block_ids[0]"),
+        (lambda: rv.register_decode("t", D, [[1]], 0), "num_tokens"),
+        (lambda: rv.prefill_done("t", P, [[1]], 40), "block_ids[0]"),
+    ]
+    for call, field in cases:
+        with pytest.raises(InvalidArgument) as exc:
+            call()
+        assert exc.value.field == field, (field, exc.value)
+    with pytest.raises(FailedPrecondition) as fp:
+        rv.register_decode("t", P, [[1]], 1)  # wrong role
+    assert fp.value.field == "decode_engine_id"
+    with pytest.raises(FailedPrecondition):
+        rv.register_decode("t", EngineId("nobody"), [[1]], 1)
+    with pytest.raises(NotFound):
+        rv.get("missing")
+    assert not rv.has_transfer("t")
+
+
+def test_inflight_cap_and_retention() -> None:
+    rv, clock = core(max_inflight=2, retention_s=10, lease_s=100)
+    rv.register_decode("a", D, [[1]], 1)
+    rv.register_decode("b", D, [[2]], 1)
+    with pytest.raises(ResourceExhausted):
+        rv.register_decode("c", D, [[3]], 1)
+    rv.cancel("a", "")
+    rv.register_decode("c", D, [[3]], 1)  # room again
+    clock.advance(11)
+    rv.tick()
+    assert not rv.has_transfer("a")
+    found, total = rv.find(TransferFilter(frozenset({State.REGISTERED})), 10)
+    assert total == 2 and {t.transfer_id for t in found} == {"b", "c"}
+
+
+def test_arrival_from_wrong_rank_is_rejected() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    rv.prefill_done("t", P, [[3]], 10)
+    with pytest.raises(PermissionDenied):
+        rv.arrival_report(AgentKey(P, 0), "i1", "t", [0])
+    with pytest.raises(InvalidArgument):
+        rv.arrival_report(AgentKey(D, 0), "i1", "t", [3])

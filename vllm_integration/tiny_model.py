@@ -1,0 +1,247 @@
+"""Build a tiny, random, fully local Llama model for tests (no downloads).
+
+The model is a randomly initialised ``LlamaForCausalLM`` (float32, safetensors)
+with a byte-level BPE tokenizer trained here on a generated corpus, wrapped in
+``PreTrainedTokenizerFast`` with a ChatML chat template.  Everything is seeded,
+so two builds with the same parameters produce byte-identical weights and
+tokenizer files, and greedy outputs are reproducible.
+
+Usage::
+
+    python -m vllm_integration.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
+
+``build_tiny_model`` is idempotent: a marker file records the build
+parameters, and a directory whose marker matches is returned as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = [
+    "BOS_EOS_TOKEN",
+    "CHAT_TEMPLATE",
+    "HEAD_DIM",
+    "MARKER_NAME",
+    "MAX_POSITION_EMBEDDINGS",
+    "VOCAB_SIZE",
+    "build_tiny_model",
+    "main",
+    "model_params",
+]
+
+# Bump whenever the output of a build changes for the same parameters.
+_FORMAT_VERSION: Final = 1
+
+MARKER_NAME: Final = "pushkv_tiny_model.json"
+VOCAB_SIZE: Final = 1024
+HEAD_DIM: Final = 32  # one of the head sizes the vLLM CPU attention backend accepts
+MAX_POSITION_EMBEDDINGS: Final = 2048
+BOS_EOS_TOKEN: Final = "<|endoftext|>"
+_IM_START: Final = "<|im_start|>"
+_IM_END: Final = "<|im_end|>"
+_PAD: Final = "<pad>"
+_SPECIAL_TOKENS: Final = (BOS_EOS_TOKEN, _IM_START, _IM_END, _PAD)  # ids 0..3
+_CORPUS_SENTENCES: Final = 6000
+_INITIALIZER_RANGE: Final = 0.1  # sharper logits than the HF default 0.02: clear greedy winners
+
+CHAT_TEMPLATE: Final = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_REQUIRED_FILES: Final = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+_WORDS_TEXT: Final = (
+    "the of and to in is was for on that with as by at from his her it an are were "
+    "which this be or has had not but also first one their its new after who they two "
+    "time year city world people state school family group music house water river "
+    "system power light road train station market number game team player season "
+    "small large early late north south east west red green blue black white gold "
+    "stone wood iron cloud storm rain snow wind fire earth star moon sun sea lake "
+    "hill valley forest field garden bridge tower castle village island coast port "
+    "read write build carry move open close begin finish count measure send receive "
+    "block cache token prefill decode transfer engine worker agent push pull memory "
+    "quick brown fox jumps over lazy dog apple banana cherry orange lemon grape pear "
+    "zero three four five six seven eight nine ten hundred thousand million"
+)
+
+
+def _untyped(module: str) -> Any:
+    """Import a third-party module as ``Any`` (transformers/tokenizers are untyped)."""
+    return importlib.import_module(module)
+
+
+def model_params(*, layers: int = 2, hidden: int = 128, seed: int = 0) -> dict[str, Any]:
+    """The parameters that identify a build; stored in the marker file."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if hidden < 2 * HEAD_DIM or hidden % (2 * HEAD_DIM) != 0:
+        raise ValueError(f"hidden must be a positive multiple of {2 * HEAD_DIM}, got {hidden}")
+    num_heads = hidden // HEAD_DIM
+    return {
+        "format_version": _FORMAT_VERSION,
+        "layers": layers,
+        "hidden": hidden,
+        "seed": seed,
+        "intermediate": 2 * hidden,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads // 2,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "dtype": "float32",
+    }
+
+
+def build_tiny_model(out_dir: Path, *, layers: int = 2, hidden: int = 128, seed: int = 0) -> Path:
+    """Build (or reuse) the tiny model in ``out_dir`` and return ``out_dir``.
+
+    With the defaults: 2 layers, hidden 128, intermediate 256, 4 attention
+    heads, 2 KV heads, head_dim 32, vocab 1024, max positions 2048, float32.
+    """
+    out_dir = Path(out_dir)
+    params = model_params(layers=layers, hidden=hidden, seed=seed)
+    if _is_complete(out_dir, params):
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker = out_dir / MARKER_NAME
+    marker.unlink(missing_ok=True)  # an interrupted rebuild must not look complete
+    token_ids = _build_tokenizer(out_dir, seed=seed)
+    _build_model(out_dir, params, token_ids)
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, marker)  # written last: its presence means the build completed
+    return out_dir
+
+
+def _is_complete(out_dir: Path, params: dict[str, Any]) -> bool:
+    marker = out_dir / MARKER_NAME
+    try:
+        stored = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(stored == params) and all((out_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _corpus(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words_pool = _WORDS_TEXT.split()
+    lines: list[str] = []
+    for _ in range(_CORPUS_SENTENCES):
+        words = [rng.choice(words_pool) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        sentence = " ".join(words)
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice((".", ".", "?", "!", ",")))
+    return lines
+
+
+def _build_tokenizer(out_dir: Path, *, seed: int) -> dict[str, int]:
+    """Train a byte-level BPE tokenizer and save it; return the special-token ids."""
+    tk = _untyped("tokenizers")
+    pre_tokenizers = _untyped("tokenizers.pre_tokenizers")
+    transformers = _untyped("transformers")
+
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.post_processor = tk.processors.ByteLevel(trim_offsets=False)
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() > VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer vocab {tok.get_vocab_size()} exceeds {VOCAB_SIZE}")
+
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_EOS_TOKEN,
+        eos_token=BOS_EOS_TOKEN,
+        unk_token=None,
+        pad_token=_PAD,
+        additional_special_tokens=[_IM_START, _IM_END],
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    ids = {name: int(tok.token_to_id(name)) for name in _SPECIAL_TOKENS}
+    return ids
+
+
+def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int]) -> None:
+    torch = _untyped("torch")
+    transformers = _untyped("transformers")
+    transformers.utils.logging.disable_progress_bar()
+
+    eos = token_ids[BOS_EOS_TOKEN]
+    config = transformers.LlamaConfig(
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden"],
+        intermediate_size=params["intermediate"],
+        num_hidden_layers=params["layers"],
+        num_attention_heads=params["num_attention_heads"],
+        num_key_value_heads=params["num_key_value_heads"],
+        head_dim=params["head_dim"],
+        max_position_embeddings=params["max_position_embeddings"],
+        initializer_range=_INITIALIZER_RANGE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=token_ids[_PAD],
+        dtype=params["dtype"],
+    )
+    torch.manual_seed(params["seed"])
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    generation = transformers.GenerationConfig(
+        bos_token_id=eos,
+        eos_token_id=[eos, token_ids[_IM_END]],
+        pad_token_id=token_ids[_PAD],
+    )
+    generation.save_pretrained(str(out_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_integration.tiny_model",
+        description="Build a tiny random Llama model with a local BPE tokenizer (no downloads).",
+    )
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        path = build_tiny_model(
+            args.out_dir, layers=args.layers, hidden=args.hidden, seed=args.seed
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
