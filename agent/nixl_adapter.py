@@ -216,17 +216,26 @@ def merge_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, i
 
 
 _U64 = npt.NDArray[np.uint64]
+_I64 = npt.NDArray[np.int64]
+
+#: From this many blocks on, validation and run merging are vectorized (numpy's
+#: fixed cost beats the per-element Python loop).
+_VECTOR_MIN_BLOCKS: Final = 16
+#: Up to this many descriptors the rows are built as Python tuples.
+_PY_ROWS_MAX: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """Regions of one side, pre-split into arrays for descriptor building."""
+    """Regions of one side, pre-split for descriptor building."""
 
     regions: tuple[KVRegion, ...]
+    triples: tuple[tuple[int, int, int], ...]  # (base_addr, block_len, device_id)
     bases: _U64
     block_lens: _U64
     devices: _U64
     max_blocks: int  # ids must be < this in every region
+    bytes_per_block: int  # one block id, summed over all regions
 
     @classmethod
     def of(cls, regions: Sequence[KVRegion], what: str) -> _Layout:
@@ -240,19 +249,35 @@ class _Layout:
                 )
         return cls(
             regions=regs,
+            triples=tuple((r.base_addr, r.block_len, r.device_id) for r in regs),
             bases=np.array([r.base_addr for r in regs], dtype=np.uint64),
             block_lens=np.array([r.block_len for r in regs], dtype=np.uint64),
             devices=np.array([r.device_id for r in regs], dtype=np.uint64),
             max_blocks=min(r.num_blocks for r in regs),
+            bytes_per_block=sum(r.block_len for r in regs),
         )
 
+    def rows(self, runs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(start, length) runs -> (addr, len, dev) rows, region-major, as tuples."""
+        return [(b + s * bl, n * bl, d) for b, bl, d in self.triples for s, n in runs]
+
     def descriptors(self, starts: _U64, lengths: _U64) -> _U64:
-        """(regions x runs) rows of (addr, len, dev), region-major, as an Nx3 array."""
+        """Same as :meth:`rows` for run arrays, as an Nx3 uint64 array."""
         out = np.empty((len(self.regions), len(starts), 3), dtype=np.uint64)
         out[:, :, 0] = self.bases[:, None] + starts[None, :] * self.block_lens[:, None]
         out[:, :, 1] = lengths[None, :] * self.block_lens[:, None]
         out[:, :, 2] = self.devices[:, None]
         return out.reshape(-1, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Descriptor rows of one WRITE, ready for ``get_xfer_descs``."""
+
+    local_rows: list[tuple[int, int, int]] | _U64
+    remote_rows: list[tuple[int, int, int]] | _U64
+    num_descriptors: int
+    nbytes: int
 
 
 def _check_pairing(local: _Layout, remote: _Layout, peer: PeerKey) -> None:
@@ -271,16 +296,87 @@ def _check_pairing(local: _Layout, remote: _Layout, peer: PeerKey) -> None:
             )
 
 
-def _check_ids(ids: Sequence[int], limit: int, side: str) -> None:
-    if not ids:
-        return
-    lo, hi = min(ids), max(ids)
+def _range_error(side: str, lo: int, hi: int, limit: int) -> NixlError | None:
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
+        return NixlError(
+            FailureReason.INVALID_REQUEST, f"{side} block id {bad} out of range [0, {limit})"
+        )
+    return None
+
+
+def _plan_write(
+    local: _Layout,
+    remote: _Layout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    remote_side: str,
+    *,
+    vector_min: int = _VECTOR_MIN_BLOCKS,
+) -> _Plan:
+    """Validate block ids and build merged descriptor rows (one per region per run).
+
+    Raises:
+        NixlError: INVALID_REQUEST for a length mismatch, an id out of range or a
+            duplicate remote id.
+    """
+    n = len(local_blocks)
+    if n != len(remote_blocks):
         raise NixlError(
             FailureReason.INVALID_REQUEST,
-            f"{side} block id {bad} out of range [0, {limit})",
+            f"write to {remote_side}: {n} local blocks vs {len(remote_blocks)} remote blocks",
         )
+    if n == 0:
+        return _Plan([], [], 0, 0)
+    if n < vector_min:
+        err = _range_error("local", min(local_blocks), max(local_blocks), local.max_blocks)
+        err = err or _range_error(
+            remote_side, min(remote_blocks), max(remote_blocks), remote.max_blocks
+        )
+        if err is None and len(set(remote_blocks)) != n:
+            err = NixlError(
+                FailureReason.INVALID_REQUEST, f"write to {remote_side}: duplicate remote block ids"
+            )
+        if err is not None:
+            raise err
+        runs = merge_runs(local_blocks, remote_blocks)
+        num_descriptors = len(runs) * len(local.regions)
+        if num_descriptors <= _PY_ROWS_MAX:
+            return _Plan(
+                local.rows([(ls, ln) for ls, _, ln in runs]),
+                remote.rows([(rs, ln) for _, rs, ln in runs]),
+                num_descriptors,
+                n * local.bytes_per_block,
+            )
+        arr = np.array(runs, dtype=np.uint64)
+        return _Plan(
+            local.descriptors(arr[:, 0], arr[:, 2]),
+            remote.descriptors(arr[:, 1], arr[:, 2]),
+            num_descriptors,
+            n * local.bytes_per_block,
+        )
+
+    la: _I64 = np.asarray(local_blocks, dtype=np.int64)
+    ra: _I64 = np.asarray(remote_blocks, dtype=np.int64)
+    err = _range_error("local", int(la.min()), int(la.max()), local.max_blocks)
+    err = err or _range_error(remote_side, int(ra.min()), int(ra.max()), remote.max_blocks)
+    if err is None and np.unique(ra).size != n:
+        err = NixlError(
+            FailureReason.INVALID_REQUEST, f"write to {remote_side}: duplicate remote block ids"
+        )
+    if err is not None:
+        raise err
+    # A run starts where either side's id is not its predecessor + 1.
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = (la[1:] != la[:-1] + 1) | (ra[1:] != ra[:-1] + 1)
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, n)).astype(np.uint64)
+    return _Plan(
+        local.descriptors(la[starts].astype(np.uint64), lengths),
+        remote.descriptors(ra[starts].astype(np.uint64), lengths),
+        len(starts) * len(local.regions),
+        n * local.bytes_per_block,
+    )
 
 
 # --------------------------------------------------------------------------- nixl boundary
@@ -563,24 +659,13 @@ class NixlEndpoint:
         posted_at = time.monotonic()
         agent = self._require_agent()
         target = self._require_peer(peer)
-        if len(local_blocks) != len(remote_blocks):
-            raise NixlError(
-                FailureReason.INVALID_REQUEST,
-                f"write to {peer.agent_name!r}: {len(local_blocks)} local blocks vs "
-                f"{len(remote_blocks)} remote blocks",
-            )
         local = self._local
         if local is None:
             raise NixlError(FailureReason.INVALID_REQUEST, "register_kv() before post_write()")
-        _check_ids(local_blocks, local.max_blocks, "local")
-        _check_ids(remote_blocks, target.layout.max_blocks, f"peer {peer.agent_name!r}")
-        if len(set(remote_blocks)) != len(remote_blocks):
-            raise NixlError(
-                FailureReason.INVALID_REQUEST,
-                f"write to {peer.agent_name!r}: duplicate remote block ids",
-            )
-
-        if not local_blocks:
+        plan = _plan_write(
+            local, target.layout, local_blocks, remote_blocks, f"peer {peer.agent_name!r}"
+        )
+        if plan.num_descriptors == 0:
             if notif:
                 self.send_notif(peer, notif)
             return self._new_handle(
@@ -593,36 +678,34 @@ class NixlEndpoint:
                 state=TransferState.DONE,
                 xfer=None,
             )
-
-        runs = np.array(merge_runs(local_blocks, remote_blocks), dtype=np.uint64)
-        lengths = runs[:, 2]
-        local_rows = local.descriptors(runs[:, 0], lengths)
-        remote_rows = target.layout.descriptors(runs[:, 1], lengths)
-        nbytes = int(local_rows[:, 1].sum())
-        context = f"{self._name}: WRITE {len(local_blocks)} blocks to {peer}"
         try:
-            local_descs = agent.get_xfer_descs(local_rows, self._memory.value)
-            remote_descs = agent.get_xfer_descs(remote_rows, target.mem_type)
+            local_descs = agent.get_xfer_descs(plan.local_rows, self._memory.value)
+            remote_descs = agent.get_xfer_descs(plan.remote_rows, target.mem_type)
             if local_descs is None or remote_descs is None:  # NIXL logs and returns None
-                raise NixlError(FailureReason.INVALID_REQUEST, f"{context}: bad descriptors")
+                raise NixlError(
+                    FailureReason.INVALID_REQUEST, f"{self._write_ctx(peer, plan)}: bad descriptors"
+                )
             xfer = agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.agent_name, notif)
         except Exception as exc:
-            raise _translate(exc, context) from exc
+            raise _translate(exc, self._write_ctx(peer, plan)) from exc
         try:
             status = agent.transfer(xfer)
         except Exception as exc:
-            err = _translate(exc, context)
+            err = _translate(exc, self._write_ctx(peer, plan))
             self._release_quietly(xfer)
             raise err from exc
         state = _STATE_BY_STATUS.get(status, TransferState.FAILED)
         if state is TransferState.FAILED:
             self._release_quietly(xfer)
-            raise NixlError(FailureReason.TRANSFER_ERROR, f"{context}: transfer() -> {status}")
+            raise NixlError(
+                FailureReason.TRANSFER_ERROR,
+                f"{self._write_ctx(peer, plan)}: transfer() -> {status}",
+            )
         return self._new_handle(
             peer,
             num_blocks=len(local_blocks),
-            nbytes=nbytes,
-            num_descriptors=len(local_rows),
+            nbytes=plan.nbytes,
+            num_descriptors=plan.num_descriptors,
             notif=notif,
             posted_at=posted_at,
             state=state,
@@ -747,6 +830,9 @@ class NixlEndpoint:
         return f"NixlEndpoint({self._name!r}, {self._memory.name}, {state})"
 
     # ----------------------------------------------------------------- internals
+
+    def _write_ctx(self, peer: PeerKey, plan: _Plan) -> str:
+        return f"{self._name}: WRITE {plan.nbytes} B ({plan.num_descriptors} descriptors) to {peer}"
 
     def _require_agent(self) -> Any:
         if self._agent is None:

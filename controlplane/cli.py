@@ -30,11 +30,15 @@ def _add_core_flags(p: argparse.ArgumentParser) -> None:
         default = _env(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):
-            g.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"),
-                           default=default, metavar="BOOL", help=f"default {f.default}")
+            g.add_argument(
+                flag,
+                type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                default=default,
+                metavar="BOOL",
+                help=f"default {f.default}",
+            )
         else:
-            g.add_argument(flag, type=type(f.default), default=default,
-                           help=f"default {f.default}")
+            g.add_argument(flag, type=type(f.default), default=default, help=f"default {f.default}")
 
 
 def _core_settings(args: argparse.Namespace) -> CoreSettings:
@@ -51,6 +55,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         port=args.port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
+        port_file=args.port_file,
         core=_core_settings(args),
     )
     asyncio.run(serve(settings))
@@ -58,9 +63,9 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from controlplane.demo import main as demo_main
+    from agent.demo import run
 
-    return demo_main(args)
+    return run(transfers=args.transfers)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
@@ -73,6 +78,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     c.add_argument("--port", type=int, default=_env("port", 50151))
     c.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", 4 << 20))
     c.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", 5.0))
+    c.add_argument("--port-file", default="", help="write the bound port here (with --port 0)")
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import structlog
@@ -34,6 +35,8 @@ class ServerSettings:
     port: int = 50151
     max_message_bytes: int = 4 * 1024 * 1024
     shutdown_grace_s: float = 5.0
+    # When set, the bound port is written here once serving (useful with port 0).
+    port_file: str = ""
     core: CoreSettings = field(default_factory=CoreSettings)
 
 
@@ -88,9 +91,17 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     return Coordinator(server, runtime, health_servicer, port)
 
 
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)  # atomic: readers never see a partial file
+
+
 async def serve(settings: ServerSettings) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
     coord = await start(settings)
+    if settings.port_file:
+        _write_port_file(settings.port_file, coord.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,395 @@
+"""The NIXL thread: the only thread that touches the agent's NixlEndpoint.
+
+It takes commands from one inbox queue (orders, cancels, peers, notices from
+the coordinator link; expectations from the host), posts and polls WRITEs,
+reads notifications, and emits reports (to the link) and host events.
+
+Invariants:
+- An order is posted at most once; a cancel that finds it queued drops it, so
+  no WRITE is ever posted for it.
+- Nothing is posted once the lease has lapsed or the order's deadline passed:
+  the coordinator then treats the order as resolved.
+- Each transfer produces at most one BLOCKS_FREE (prefill) and one of
+  KV_READY / KV_FAILED (decode).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from agent.events import EventKind, HostEvent
+from agent.messages import (
+    ArrivalMsg,
+    CancelMsg,
+    ExpectMsg,
+    FencedMsg,
+    Inbound,
+    NoticeMsg,
+    OrderMsg,
+    Outbound,
+    PauseMsg,
+    PeerMsg,
+    ReportStatus,
+    WriteReportMsg,
+)
+from agent.nixl_adapter import (
+    FailureReason,
+    NixlEndpoint,
+    NixlError,
+    PeerKey,
+    TransferState,
+    WriteHandle,
+)
+from agent.notif import WriteNotif
+
+log = logging.getLogger("pushkv.agent")
+
+FAST_POLL_S = 0.0005  # while WRITEs or expected arrivals are pending
+IDLE_POLL_MAX_S = 0.05  # backoff ceiling when idle
+REMEMBER = 50_000  # finished orders / transfers remembered for duplicates
+EXPECT_TTL_S = 600.0
+
+
+V = TypeVar("V")
+_Outcome = tuple[str, ReportStatus, str]  # transfer_id, status, detail
+
+
+@dataclass(slots=True)
+class _InFlight:
+    order: OrderMsg
+    handles: list[WriteHandle]
+
+
+@dataclass(slots=True)
+class _Arrivals:
+    since: float
+    expected: int = 0
+    ranks: set[int] = field(default_factory=set)
+
+
+class _Lru(Generic[V]):
+    """Bounded memory of keys (optionally with a value)."""
+
+    def __init__(self, limit: int = REMEMBER) -> None:
+        self._d: OrderedDict[str, V | None] = OrderedDict()
+        self._limit = limit
+
+    def add(self, key: str, value: V | None = None) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self._limit:
+            self._d.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._d
+
+    def get(self, key: str) -> V | None:
+        return self._d.get(key)
+
+
+class DataPlane:
+    def __init__(
+        self,
+        endpoint_factory: Callable[[], NixlEndpoint],
+        *,
+        is_prefill: bool,
+        emit_report: Callable[[Outbound], None],
+        emit_event: Callable[[HostEvent], None],
+        lease_ok: Callable[[], bool],
+        name: str = "pushkv-nixl",
+    ) -> None:
+        self.inbox: queue.Queue[Inbound | None] = queue.Queue()
+        self._factory = endpoint_factory
+        self._prefill = is_prefill
+        self._report = emit_report
+        self._event = emit_event
+        self._lease_ok = lease_ok
+        self._ep: NixlEndpoint | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._metadata = b""
+        self._paused = False
+        # prefill state
+        self._queued: OrderedDict[str, OrderMsg] = OrderedDict()
+        self._inflight: dict[str, _InFlight] = {}
+        self._finished: _Lru[_Outcome] = _Lru()  # order_id -> outcome
+        self._freed: _Lru[None] = _Lru()  # transfer ids whose BLOCKS_FREE was emitted
+        # decode state
+        self._arrivals: dict[str, _Arrivals] = {}
+        self._told: _Lru[None] = _Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
+        self._peers: dict[tuple[str, int], PeerKey] = {}
+        self._idle = FAST_POLL_S
+        self.writes_posted = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 30.0) -> bytes:
+        """Start the thread; returns the endpoint's NIXL metadata once ready."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"NIXL endpoint not ready within {timeout} s")
+        if self._start_error is not None:
+            raise self._start_error
+        return self._metadata
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.inbox.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._ep = self._factory()
+            self._metadata = self._ep.metadata()
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while self._step():
+                pass
+        except Exception:
+            log.exception("NIXL thread crashed")
+        finally:
+            self._ep.close()
+
+    def _step(self) -> bool:
+        batch: list[Inbound | None] = []
+        try:
+            batch.append(self.inbox.get(timeout=self._delay()))
+            while True:
+                batch.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        # The whole batch is applied before posting, so a cancel that arrived
+        # with its order drops it.
+        for item in batch:
+            if item is None:
+                return False
+            self._handle(item)
+        self._post_queued()
+        self._poll_inflight()
+        if not self._prefill:
+            self._read_notifs()
+        return True
+
+    def _delay(self) -> float:
+        if self._inflight or self._arrivals or (self._queued and not self._paused):
+            self._idle = FAST_POLL_S
+        else:
+            self._idle = min(self._idle * 2, IDLE_POLL_MAX_S)
+        return self._idle
+
+    # ------------------------------------------------------------ commands
+    def _handle(self, msg: Inbound) -> None:
+        if isinstance(msg, OrderMsg):
+            self._on_order(msg)
+        elif isinstance(msg, CancelMsg):
+            self._on_cancel(msg)
+        elif isinstance(msg, PeerMsg):
+            self._on_peer(msg)
+        elif isinstance(msg, FencedMsg):
+            key = self._peers.get((msg.engine_id, msg.rank))
+            if key is not None and key.incarnation == msg.incarnation:
+                del self._peers[(msg.engine_id, msg.rank)]
+                assert self._ep is not None
+                self._ep.remove_peer(key)
+        elif isinstance(msg, NoticeMsg):
+            self._on_notice(msg)
+        elif isinstance(msg, ExpectMsg):
+            if msg.transfer_id not in self._told:
+                self._arrivals.setdefault(msg.transfer_id, _Arrivals(time.monotonic()))
+        elif isinstance(msg, PauseMsg):
+            self._paused = msg.paused
+
+    def _on_peer(self, msg: PeerMsg) -> None:
+        assert self._ep is not None
+        key = PeerKey(msg.agent_name, msg.incarnation)
+        try:
+            self._ep.add_peer(key, msg.metadata, msg.regions, memory=msg.memory)
+        except NixlError as exc:
+            log.warning("cannot load peer %s/%s: %s", msg.engine_id, msg.rank, exc)
+            return
+        self._peers[(msg.engine_id, msg.rank)] = key
+
+    def _on_order(self, order: OrderMsg) -> None:
+        oid = order.order_id
+        if oid in self._queued or oid in self._inflight:
+            return  # replayed after a reconnect
+        done = self._finished.get(oid)
+        if done is not None:
+            self._report(WriteReportMsg(oid, *done))
+            return
+        if order.error:
+            self._finish(order, ReportStatus.FAILED, order.error)
+            return
+        self._queued[oid] = order
+
+    def _on_cancel(self, msg: CancelMsg) -> None:
+        order = self._queued.pop(msg.order_id, None)
+        if order is not None:
+            self._finish(order, ReportStatus.DROPPED, "cancelled before it was posted")
+            return
+        if msg.order_id in self._inflight:
+            return  # already posted: its outcome is reported when it completes
+        done = self._finished.get(msg.order_id)
+        if done is not None:
+            self._report(WriteReportMsg(msg.order_id, *done))
+        else:
+            self._report(
+                WriteReportMsg(
+                    msg.order_id, msg.transfer_id, ReportStatus.DROPPED, "order never received"
+                )
+            )
+            self._finished.add(msg.order_id, (msg.transfer_id, ReportStatus.DROPPED, ""))
+
+    def _on_notice(self, msg: NoticeMsg) -> None:
+        tid = msg.transfer_id
+        if self._prefill:
+            for oid, order in list(self._queued.items()):
+                if order.transfer_id == tid:
+                    del self._queued[oid]
+                    self._finish(order, ReportStatus.DROPPED, "transfer ended before posting")
+            if not any(f.order.transfer_id == tid for f in self._inflight.values()):
+                self._free(tid, msg.detail or ("complete" if msg.complete else "ended"))
+            return
+        if tid in self._told:
+            return
+        if msg.complete:
+            self._tell(EventKind.KV_READY, tid, msg.detail)
+        elif not msg.write_may_land:
+            self._tell(EventKind.KV_FAILED, tid, msg.detail)
+        # else: failed but a WRITE may still land; a later notice releases it.
+
+    # ------------------------------------------------------------ prefill
+    def _post_queued(self) -> None:
+        if self._paused or not self._queued:
+            return
+        assert self._ep is not None
+        now_unix = time.time()
+        while self._queued:
+            _, order = self._queued.popitem(last=False)
+            if not self._lease_ok():
+                self._finish(order, ReportStatus.DROPPED, "agent lease lapsed; not posting")
+                continue
+            if order.deadline_unix and now_unix > order.deadline_unix:
+                self._finish(order, ReportStatus.DROPPED, "order deadline passed before posting")
+                continue
+            handles: list[WriteHandle] = []
+            try:
+                for tgt in order.targets:
+                    peer = self._peers.get((tgt.decode_engine_id, tgt.decode_rank))
+                    if peer is None or peer.incarnation != tgt.decode_incarnation:
+                        raise NixlError(
+                            FailureReason.PEER_UNKNOWN,
+                            f"decode peer {tgt.decode_engine_id}/{tgt.decode_rank}"
+                            f"@{tgt.decode_incarnation} is unknown or fenced",
+                        )
+                    notif = WriteNotif(order.transfer_id, order.prefill_rank, tgt.expected_writers)
+                    handles.append(self._ep.post_write(peer, tgt.src, tgt.dst, notif.encode()))
+                    self.writes_posted += 1
+            except NixlError as exc:
+                for h in handles:
+                    self._release(h)
+                self._finish(order, ReportStatus.FAILED, str(exc))
+                continue
+            self._report(WriteReportMsg(order.order_id, order.transfer_id, ReportStatus.POSTED))
+            self._inflight[order.order_id] = _InFlight(order, handles)
+
+    def _poll_inflight(self) -> None:
+        assert self._ep is not None
+        for oid, f in list(self._inflight.items()):
+            failure = ""
+            pending = False
+            for h in f.handles:
+                try:
+                    state = self._ep.poll(h)
+                except NixlError as exc:
+                    failure = str(exc)
+                    break
+                if state is TransferState.FAILED:
+                    failure = f"WRITE failed ({h.failure.value if h.failure else 'error'})"
+                    break
+                if state is TransferState.IN_PROGRESS:
+                    pending = True
+            if pending and not failure:
+                continue
+            del self._inflight[oid]
+            nbytes = sum(h.nbytes for h in f.handles)
+            descs = sum(h.num_descriptors for h in f.handles)
+            for h in f.handles:
+                self._release(h)
+            if failure:
+                self._finish(f.order, ReportStatus.FAILED, failure, nbytes, descs)
+            else:
+                self._finish(f.order, ReportStatus.DONE, "", nbytes, descs)
+
+    def _release(self, h: WriteHandle) -> None:
+        assert self._ep is not None
+        try:
+            self._ep.release(h)
+        except NixlError as exc:
+            log.warning("release of WRITE handle failed: %s", exc)
+
+    def _finish(
+        self, order: OrderMsg, status: ReportStatus, detail: str, nbytes: int = 0, descs: int = 0
+    ) -> None:
+        self._finished.add(order.order_id, (order.transfer_id, status, detail))
+        self._report(
+            WriteReportMsg(order.order_id, order.transfer_id, status, detail, nbytes, descs)
+        )
+        tid = order.transfer_id
+        busy = any(o.transfer_id == tid for o in self._queued.values()) or any(
+            f.order.transfer_id == tid for f in self._inflight.values()
+        )
+        if not busy:
+            self._free(tid, f"{status.value}: {detail}" if detail else status.value)
+
+    def _free(self, tid: str, detail: str) -> None:
+        if tid not in self._freed:
+            self._freed.add(tid)
+            self._event(HostEvent(EventKind.BLOCKS_FREE, tid, detail))
+
+    # ------------------------------------------------------------ decode
+    def _read_notifs(self) -> None:
+        assert self._ep is not None
+        try:
+            notifs = self._ep.get_notifications()
+        except NixlError as exc:
+            log.warning("reading notifications failed: %s", exc)
+            return
+        for sender, raw in notifs:
+            n = WriteNotif.decode(raw)
+            if n is None:
+                log.warning("ignoring malformed notification from %s", sender)
+                continue
+            if n.transfer_id in self._told:
+                continue
+            a = self._arrivals.setdefault(n.transfer_id, _Arrivals(time.monotonic()))
+            a.expected = n.expected_writers
+            a.ranks.add(n.prefill_rank)
+            if len(a.ranks) >= a.expected:
+                del self._arrivals[n.transfer_id]
+                self._report(ArrivalMsg(n.transfer_id, tuple(sorted(a.ranks))))
+                self._tell(EventKind.KV_READY, n.transfer_id, "")
+        if self._arrivals:
+            cutoff = time.monotonic() - EXPECT_TTL_S
+            for tid in [t for t, a in self._arrivals.items() if a.since < cutoff]:
+                del self._arrivals[tid]
+
+    def _tell(self, kind: EventKind, tid: str, detail: str) -> None:
+        self._told.add(tid)
+        self._arrivals.pop(tid, None)
+        self._event(HostEvent(kind, tid, detail))

@@ -1,0 +1,213 @@
+"""A stand-alone KV host: one process holding paged KV blocks in host memory
+plus a real agent, driven over a pipe. The demo, the data-plane tests and the
+benchmarks use it as the "worker" around a real Agent.
+
+Block contents are deterministic: block position ``i`` of a transfer seeded
+with ``seed`` holds ``pattern(seed, i, region)``, so the receiver can verify
+every byte without seeing the sender's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from agent.events import EventKind, HostEvent
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpec:
+    coordinator: str
+    engine_id: str
+    role: str  # "prefill" | "decode"
+    tp_rank: int = 0
+    tp_size: int = 1
+    num_blocks: int = 64
+    block_len: int = 16 * 1024
+    num_regions: int = 2
+    tokens_per_block: int = 16
+    incarnation: str = ""
+
+
+def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng((seed * 1_000_003 + position) * 31 + region)
+    return rng.integers(0, 256, block_len, dtype=np.uint8)
+
+
+def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from agent.nixl_adapter import KVRegion
+    from agent.runtime import Agent, AgentConfig, AgentRole
+
+    pool = np.zeros((spec.num_regions, spec.num_blocks * spec.block_len), dtype=np.uint8)
+    pool[:] = 0  # touch every page before anything is timed
+    regions = tuple(
+        KVRegion(int(pool[r].ctypes.data), spec.block_len, spec.num_blocks)
+        for r in range(spec.num_regions)
+    )
+    cfg = AgentConfig(
+        coordinator=spec.coordinator,
+        engine_id=spec.engine_id,
+        role=AgentRole(spec.role),
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        tokens_per_block=spec.tokens_per_block,
+        regions=regions,
+    )
+    if spec.incarnation:
+        cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
+    agent = Agent(cfg)
+    try:
+        agent.start(wait_registered_s=30)
+    except Exception as exc:
+        conn.send(("error", repr(exc)))
+        return
+    conn.send(("ready", cfg.agent_name, cfg.incarnation))
+
+    def block(r: int, b: int) -> np.ndarray[Any, Any]:
+        return pool[r, b * spec.block_len : (b + 1) * spec.block_len]
+
+    try:
+        while True:
+            for e in agent.poll_events():
+                conn.send(("event", e.kind.value, e.transfer_id, e.detail))
+            if not conn.poll(0.002):
+                continue
+            cmd, *args = conn.recv()
+            reply: Any = None
+            if cmd == "stop":
+                conn.send(("reply", None))
+                break
+            if cmd == "fill":  # blocks, seed: write pattern(seed, i) into blocks[i]
+                ids, seed = args
+                for i, b in enumerate(ids):
+                    for r in range(spec.num_regions):
+                        block(r, b)[:] = pattern(seed, i, r, spec.block_len)
+            elif cmd == "canary":  # value: fill every block
+                pool[:] = args[0]
+            elif cmd == "check":  # blocks, seed: positions whose bytes differ
+                ids, seed = args
+                reply = [
+                    i
+                    for i, b in enumerate(ids)
+                    if any(
+                        not np.array_equal(block(r, b), pattern(seed, i, r, spec.block_len))
+                        for r in range(spec.num_regions)
+                    )
+                ]
+            elif cmd == "check_canary":  # blocks, value: blocks that changed
+                ids, value = args
+                reply = [
+                    b
+                    for b in ids
+                    if any(bool((block(r, b) != value).any()) for r in range(spec.num_regions))
+                ]
+            elif cmd == "expect":
+                agent.expect(args[0])
+            elif cmd == "pause":
+                agent.pause_posting(args[0])
+            elif cmd == "writes_posted":
+                reply = agent.writes_posted
+            conn.send(("reply", reply))
+    finally:
+        agent.close()
+
+
+class KVHost:
+    """Parent-side handle of a KV host process."""
+
+    def __init__(self, spec: HostSpec, env: dict[str, str] | None = None) -> None:
+        from agent.nixl_adapter import quiet_nixl_env
+
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self._conn, child = ctx.Pipe()
+        full_env = quiet_nixl_env(loopback=True) | (env or {})
+        self.process = ctx.Process(
+            target=_child,
+            args=(spec, child, full_env),
+            daemon=True,
+            name=f"kvhost-{spec.engine_id}-{spec.tp_rank}",
+        )
+        self._events: deque[HostEvent] = deque()
+        self.agent_name = ""
+        self.incarnation = ""
+
+    def start(self, timeout: float = 60.0) -> KVHost:
+        self.process.start()
+        msg = self._recv(timeout, want="ready")
+        if msg[0] != "ready":
+            raise RuntimeError(f"{self.spec.engine_id}: agent failed to start: {msg[1]}")
+        self.agent_name, self.incarnation = msg[1], msg[2]
+        return self
+
+    def _recv(self, timeout: float, want: str) -> tuple[Any, ...]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                raise TimeoutError(f"{self.spec.engine_id}: no {want!r} within {timeout} s")
+            msg = self._conn.recv()
+            if msg[0] == "event":
+                self._events.append(HostEvent(EventKind(msg[1]), msg[2], msg[3]))
+                continue
+            if msg[0] == want or msg[0] == "error":
+                return tuple(msg)
+
+    def call(self, *cmd: Any, timeout: float = 30.0) -> Any:
+        self._conn.send(cmd)
+        return self._recv(timeout, want="reply")[1]
+
+    def wait_event(self, transfer_id: str, timeout: float = 20.0) -> HostEvent:
+        """The next event for this transfer (events of other transfers are kept)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in list(self._events):
+                if e.transfer_id == transfer_id:
+                    self._events.remove(e)
+                    return e
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                raise TimeoutError(f"{self.spec.engine_id}: no event for {transfer_id}")
+            msg = self._conn.recv()
+            if msg[0] == "event":
+                self._events.append(HostEvent(EventKind(msg[1]), msg[2], msg[3]))
+
+    def pending_events(self) -> list[HostEvent]:
+        while self._conn.poll(0):
+            msg = self._conn.recv()
+            if msg[0] == "event":
+                self._events.append(HostEvent(EventKind(msg[1]), msg[2], msg[3]))
+        return list(self._events)
+
+    def fill(self, blocks: Sequence[int], seed: int) -> None:
+        self.call("fill", list(blocks), seed)
+
+    def check(self, blocks: Sequence[int], seed: int) -> list[int]:
+        result: list[int] = self.call("check", list(blocks), seed)
+        return result
+
+    def kill(self) -> None:
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, 9)
+        self.process.join(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self.call("stop", timeout=timeout)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()

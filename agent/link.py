@@ -1,0 +1,277 @@
+"""The coordinator link: the one thread that owns the agent's gRPC stream.
+
+It registers (hello), heartbeats, forwards reports from the NIXL thread, turns
+coordinator messages into plain commands for the NIXL thread, and reconnects
+with jittered exponential backoff, re-registering with the same incarnation.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.messages import (
+    ArrivalMsg,
+    CancelMsg,
+    FencedMsg,
+    Inbound,
+    NoticeMsg,
+    OrderMsg,
+    Outbound,
+    PeerMsg,
+    ReportStatus,
+    Target,
+    WriteReportMsg,
+)
+from agent.nixl_adapter import KVRegion, MemoryKind
+
+log = logging.getLogger("pushkv.agent")
+
+_STATUS = {
+    ReportStatus.POSTED: pb.WRITE_STATUS_POSTED,
+    ReportStatus.DONE: pb.WRITE_STATUS_DONE,
+    ReportStatus.FAILED: pb.WRITE_STATUS_FAILED,
+    ReportStatus.DROPPED: pb.WRITE_STATUS_DROPPED,
+}
+# Registration answers that retrying unchanged cannot fix.
+_FATAL = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+ARRIVAL_REPLAY_S = 30.0
+
+ChannelFactory = Callable[[str], grpc.Channel]
+
+
+def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
+    targets = []
+    error = ""
+    for t in o.targets:
+        if len(t.src_blocks) != 1 or len(t.dst_blocks) != 1:
+            error = "orders with several KV groups are not supported by this agent"
+        if t.slice_offset or t.slice_len:
+            error = "partial-block (heterogeneous TP) slices are not supported by this agent"
+        src = tuple(t.src_blocks[0].ids) if t.src_blocks else ()
+        dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
+        targets.append(
+            Target(
+                t.decode_engine_id,
+                t.decode_rank,
+                t.decode_incarnation,
+                src,
+                dst,
+                max(1, t.expected_writers),
+            )
+        )
+    return OrderMsg(
+        o.order_id,
+        o.transfer_id,
+        o.prefill_rank,
+        tuple(targets),
+        o.deadline_unix_ms / 1000,
+        error,
+    )
+
+
+def peer_from_pb(p: pb.PeerInfo) -> PeerMsg:
+    regions = tuple(
+        KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id) for r in p.layout.regions
+    )
+    memory = MemoryKind.VRAM if p.layout.memory_kind == "VRAM" else MemoryKind.DRAM
+    return PeerMsg(
+        p.identity.engine_id,
+        p.identity.tp_rank,
+        p.identity.incarnation,
+        p.nixl_agent_name,
+        p.nixl_metadata,
+        regions,
+        memory,
+    )
+
+
+def report_to_pb(r: Outbound) -> pb.AgentMessage:
+    if isinstance(r, ArrivalMsg):
+        return pb.AgentMessage(
+            arrival=pb.ArrivalReport(transfer_id=r.transfer_id, prefill_ranks=r.prefill_ranks)
+        )
+    return pb.AgentMessage(
+        write=pb.WriteReport(
+            order_id=r.order_id,
+            transfer_id=r.transfer_id,
+            status=_STATUS[r.status],
+            detail=r.detail,
+            bytes=r.nbytes,
+            descriptors=r.descriptors,
+        )
+    )
+
+
+class CoordinatorLink:
+    def __init__(
+        self,
+        address: str,
+        hello: pb.AgentHello,
+        deliver: Callable[[Inbound], None],
+        *,
+        channel_factory: ChannelFactory | None = None,
+        backoff_min_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        name: str = "pushkv-link",
+    ) -> None:
+        self.outbox: queue.Queue[Outbound] = queue.Queue()
+        self._address = address
+        self._hello = hello
+        self._deliver = deliver
+        self._channel_factory = channel_factory or grpc.insecure_channel
+        self._backoff = (backoff_min_s, backoff_max_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.registered = threading.Event()  # set on every Welcome, cleared on disconnect
+        self.fatal_error = ""
+        self.connects = 0
+        self._lease_until = 0.0
+        self._lease_s = 5.0
+        self._hb_interval_s = 1.0
+        self._hb_sent: dict[int, float] = {}
+        self._call: Any = None
+        self._hello_sent = 0.0
+        self._recent_arrivals: collections.deque[tuple[float, ArrivalMsg]] = collections.deque()
+
+    # ------------------------------------------------------------ public
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout)
+
+    def lease_ok(self) -> bool:
+        """True while the coordinator has acknowledged us within the lease."""
+        return time.monotonic() < self._lease_until
+
+    def send(self, report: Outbound) -> None:
+        self.outbox.put(report)
+
+    # ------------------------------------------------------------ thread
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._stop.is_set():
+            channel = self._channel_factory(self._address)
+            try:
+                self._session(channel)
+                delay = self._backoff[0]
+            except grpc.RpcError as exc:
+                call: Any = exc
+                code = call.code() if hasattr(call, "code") else None
+                if code in _FATAL:
+                    details = call.details() if hasattr(call, "details") else str(exc)
+                    self.fatal_error = f"{code}: {details}"
+                    log.error("coordinator rejected this agent: %s", self.fatal_error)
+                    delay = self._backoff[1]
+                elif not self._stop.is_set():
+                    log.info("coordinator stream ended (%s); reconnecting", code)
+            except Exception:
+                log.exception("coordinator link failed; reconnecting")
+            finally:
+                self.registered.clear()
+                self._call = None
+                channel.close()
+            if self._stop.is_set():
+                break
+            self._stop.wait(delay * (0.5 + random.random()))  # jitter spreads reconnects
+            delay = min(delay * 2, self._backoff[1])
+
+    def _session(self, channel: grpc.Channel) -> None:
+        stub = pbg.AgentServiceStub(channel)
+        done = threading.Event()
+        call = stub.AgentStream(self._requests(done))
+        self._call = call
+        try:
+            for msg in call:
+                self._on_message(msg)
+        finally:
+            done.set()
+
+    def _requests(self, done: threading.Event) -> Iterator[pb.AgentMessage]:
+        self._hello_sent = time.monotonic()
+        yield pb.AgentMessage(hello=self._hello)
+        now = time.monotonic()
+        # Arrivals are not replayed by the coordinator: resend recent ones.
+        while self._recent_arrivals and self._recent_arrivals[0][0] < now - ARRIVAL_REPLAY_S:
+            self._recent_arrivals.popleft()
+        for _, a in list(self._recent_arrivals):
+            yield report_to_pb(a)
+        seq = 0
+        next_hb = now + self._hb_interval_s
+        while not done.is_set() and not self._stop.is_set():
+            wait = max(0.0, min(next_hb - time.monotonic(), 0.2))
+            try:
+                item = self.outbox.get(timeout=wait)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                if isinstance(item, ArrivalMsg):
+                    self._recent_arrivals.append((time.monotonic(), item))
+                yield report_to_pb(item)
+            now = time.monotonic()
+            if now >= next_hb:
+                seq += 1
+                self._hb_sent[seq] = now
+                if len(self._hb_sent) > 64:
+                    self._hb_sent.pop(min(self._hb_sent))
+                yield pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq))
+                next_hb = now + self._hb_interval_s
+
+    def _on_message(self, msg: pb.CoordinatorMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "welcome":
+            w = msg.welcome
+            self._lease_s = w.lease_ms / 1000 or self._lease_s
+            self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s
+            self._lease_until = self._hello_sent + self._lease_s
+            self.fatal_error = ""
+            self.connects += 1
+            self.registered.set()
+        elif kind == "heartbeat_ack":
+            sent = self._hb_sent.pop(msg.heartbeat_ack.seq, None)
+            if sent is not None:
+                lease = msg.heartbeat_ack.lease_ms / 1000 or self._lease_s
+                self._lease_until = max(self._lease_until, sent + lease)
+        elif kind == "order":
+            self._deliver(order_from_pb(msg.order))
+        elif kind == "cancel_order":
+            c = msg.cancel_order
+            self._deliver(CancelMsg(c.order_id, c.transfer_id))
+        elif kind == "peer":
+            self._deliver(peer_from_pb(msg.peer))
+        elif kind == "peer_fenced":
+            f = msg.peer_fenced
+            self._deliver(FencedMsg(f.engine_id, f.tp_rank, f.incarnation))
+        elif kind == "notice":
+            n = msg.notice
+            self._deliver(
+                NoticeMsg(
+                    n.transfer_id,
+                    n.state == pb.TRANSFER_STATE_COMPLETE,
+                    n.write_may_land,
+                    n.detail,
+                )
+            )
+
+
+__all__ = ["CoordinatorLink", "WriteReportMsg"]

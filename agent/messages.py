@@ -1,0 +1,103 @@
+"""Messages between the agent's threads. Plain values: no protobuf, no NIXL."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from agent.nixl_adapter import KVRegion, MemoryKind
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    decode_engine_id: str
+    decode_rank: int
+    decode_incarnation: str
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    expected_writers: int
+
+
+@dataclass(frozen=True, slots=True)
+class OrderMsg:
+    order_id: str
+    transfer_id: str
+    prefill_rank: int
+    targets: tuple[Target, ...]
+    deadline_unix: float
+    error: str = ""  # set when the order cannot be executed as received
+
+
+@dataclass(frozen=True, slots=True)
+class CancelMsg:
+    order_id: str
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMsg:
+    engine_id: str
+    rank: int
+    incarnation: str
+    agent_name: str
+    metadata: bytes
+    regions: tuple[KVRegion, ...]
+    memory: MemoryKind
+
+
+@dataclass(frozen=True, slots=True)
+class FencedMsg:
+    engine_id: str
+    rank: int
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoticeMsg:
+    transfer_id: str
+    complete: bool
+    write_may_land: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectMsg:
+    """Host (decode): blocks for this transfer are registered; watch for its WRITEs."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PauseMsg:
+    """Host: hold (True) or resume (False) posting new WRITEs (drain/cordon)."""
+
+    paused: bool
+
+
+Inbound = OrderMsg | CancelMsg | PeerMsg | FencedMsg | NoticeMsg | ExpectMsg | PauseMsg
+
+
+class ReportStatus(enum.Enum):
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReportMsg:
+    order_id: str
+    transfer_id: str
+    status: ReportStatus
+    detail: str = ""
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalMsg:
+    transfer_id: str
+    prefill_ranks: tuple[int, ...]
+
+
+Outbound = WriteReportMsg | ArrivalMsg

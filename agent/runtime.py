@@ -1,0 +1,162 @@
+"""The agent facade embedded in a worker rank: two owned threads and a host API.
+
+Host calls never block on the network: commands go into the NIXL thread's
+queue, and events come back through a queue the host drains when it likes.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pushkv.v1 import pushkv_pb2 as pb
+
+from agent.dataplane import DataPlane
+from agent.events import HostEvent
+from agent.link import ChannelFactory, CoordinatorLink
+from agent.messages import ExpectMsg, PauseMsg
+from agent.nixl_adapter import KVRegion, MemoryKind, NixlEndpoint
+from controlplane.protocol import PROTOCOL_VERSION
+
+
+class AgentRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    coordinator: str
+    engine_id: str
+    role: AgentRole
+    tp_rank: int
+    tp_size: int
+    tokens_per_block: int
+    regions: tuple[KVRegion, ...]
+    memory: MemoryKind = MemoryKind.DRAM
+    compat_hash: str = ""
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.engine_id}-r{self.tp_rank}-{self.incarnation}"
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, channel_factory: ChannelFactory | None = None):
+        self.config = config
+        self._events: queue.Queue[HostEvent] = queue.Queue()
+        self._link: CoordinatorLink | None = None
+        self._channel_factory = channel_factory
+        self._dataplane = DataPlane(
+            self._make_endpoint,
+            is_prefill=config.role is AgentRole.PREFILL,
+            emit_report=self._report,
+            emit_event=self._events.put,
+            lease_ok=self._lease_ok,
+            name=f"pushkv-nixl-{config.tp_rank}",
+        )
+
+    def _make_endpoint(self) -> NixlEndpoint:
+        ep = NixlEndpoint(self.config.agent_name, memory=self.config.memory)
+        try:
+            ep.register_kv(self.config.regions)
+        except BaseException:
+            ep.close()
+            raise
+        return ep
+
+    def _report(self, msg: object) -> None:
+        if self._link is not None:
+            self._link.send(msg)  # type: ignore[arg-type]
+
+    def _lease_ok(self) -> bool:
+        return self._link is not None and self._link.lease_ok()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, *, wait_registered_s: float = 0.0) -> None:
+        """Start both threads. With wait_registered_s > 0, wait for the first Welcome."""
+        c = self.config
+        metadata = self._dataplane.start()
+        hello = pb.AgentHello(
+            protocol_version=PROTOCOL_VERSION,
+            identity=pb.AgentIdentity(
+                engine_id=c.engine_id,
+                role=pb.ROLE_PREFILL if c.role is AgentRole.PREFILL else pb.ROLE_DECODE,
+                tp_rank=c.tp_rank,
+                tp_size=c.tp_size,
+                incarnation=c.incarnation,
+            ),
+            nixl_agent_name=c.agent_name,
+            nixl_metadata=metadata,
+            layout=pb.KVLayout(
+                tokens_per_block=c.tokens_per_block,
+                regions=[
+                    pb.KVRegion(
+                        base_addr=r.base_addr,
+                        block_len=r.block_len,
+                        num_blocks=r.num_blocks,
+                        device_id=r.device_id,
+                        name=f"region{i}",
+                    )
+                    for i, r in enumerate(c.regions)
+                ],
+                memory_kind=c.memory.value,
+                compat_hash=c.compat_hash,
+            ),
+        )
+        self._link = CoordinatorLink(
+            c.coordinator,
+            hello,
+            self._dataplane.inbox.put,
+            channel_factory=self._channel_factory,
+            name=f"pushkv-link-{c.tp_rank}",
+        )
+        self._link.start()
+        if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):
+            why = self._link.fatal_error or "no answer"
+            raise TimeoutError(f"agent not registered within {wait_registered_s} s: {why}")
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.stop()
+        self._dataplane.stop()
+
+    # ------------------------------------------------------------ host API
+    @property
+    def registered(self) -> bool:
+        return self._link is not None and self._link.registered.is_set()
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._link is not None and self._link.registered.wait(timeout)
+
+    def expect(self, transfer_ids: Sequence[str]) -> None:
+        """Decode: these transfers' blocks are registered; watch for their WRITEs."""
+        for tid in transfer_ids:
+            self._dataplane.inbox.put(ExpectMsg(tid))
+
+    def pause_posting(self, paused: bool) -> None:
+        """Prefill: hold new WRITEs (queued orders wait, cancel drops them) or resume."""
+        self._dataplane.inbox.put(PauseMsg(paused))
+
+    def poll_events(self) -> list[HostEvent]:
+        """Everything that happened since the last call; never blocks."""
+        out: list[HostEvent] = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_event(self, timeout: float) -> HostEvent | None:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def writes_posted(self) -> int:
+        return self._dataplane.writes_posted

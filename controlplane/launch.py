@@ -1,0 +1,83 @@
+"""Start a coordinator as a child process (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class CoordinatorProcess:
+    def __init__(self, *flags: str, port: int = 0, log_path: str | None = None) -> None:
+        self._flags = flags
+        self._dir = Path(tempfile.mkdtemp(prefix="pushkv-coord-"))
+        self._port_file = self._dir / "port"
+        self._log_path = Path(log_path) if log_path else self._dir / "coordinator.log"
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> CoordinatorProcess:
+        self._port_file.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "controlplane.cli",
+            "coordinator",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--port-file",
+            str(self._port_file),
+            *self._flags,
+        ]
+        with open(self._log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        deadline = time.monotonic() + timeout
+        while not self._port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited: {self._log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"coordinator did not start within {timeout} s")
+            time.sleep(0.02)  # polling a file written by another process
+        self.port = int(self._port_file.read_text())
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def log_text(self) -> str:
+        return self._log_path.read_text() if self._log_path.exists() else ""
+
+    def __enter__(self) -> CoordinatorProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

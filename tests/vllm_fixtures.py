@@ -1,0 +1,25 @@
+"""Session fixtures for tests that need real vLLM classes.
+
+Import the fixture object into a test module to make it available there
+(kept out of conftest.py on purpose)::
+
+    from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+
+then request ``tiny_model_dir`` as a test argument.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_integration.tiny_model import build_tiny_model
+
+__all__ = ["tiny_model_dir_fixture"]
+
+
+@pytest.fixture(scope="session", name="tiny_model_dir")
+def tiny_model_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama (2 layers, hidden 128, vocab 1024), built once per session."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))

@@ -1,0 +1,294 @@
+"""Builders for unit tests against REAL vLLM 0.32 scheduler classes (no model run).
+
+Typical use::
+
+    cfg = make_vllm_config(model_dir, connector_module="tests.toy_connector",
+                           connector_name="ToyConnector")
+    sched = make_scheduler(cfg, num_blocks=256)
+    req = make_request("r1", prompt_tokens(40), cfg, kv_transfer_params={...})
+    sched.add_request(req)
+    out, _ = step(sched)                                   # schedule + update_from_output
+    step(sched, connector_output=kv_output(finished_recving={req.request_id}))
+
+What is real: ``VllmConfig`` (from the tiny model dir), ``Scheduler`` with its
+``KVCacheManager``/``BlockPool``, the connector built by ``KVConnectorFactory``
+from ``kv_connector_module_path``, ``Request`` with the engine's block hasher,
+``ModelRunnerOutput``/``KVConnectorOutput``.  What is faked: the worker; `step`
+plays the model runner by sampling one fixed token for every request whose
+prefill completed in that step.
+
+Notes (vLLM 0.32.0 behaviour these helpers rely on):
+- The scheduler accepts any block size; only a real CPU engine needs a multiple
+  of 32 (CPU_ATTN kernel).  16 is fine here.
+- ``Request.kv_transfer_params`` is lifted from
+  ``SamplingParams.extra_args["kv_transfer_params"]`` exactly like the server does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "DEFAULT_SAMPLED_TOKEN",
+    "kv_output",
+    "make_kv_cache_config",
+    "make_model_runner_output",
+    "make_request",
+    "make_scheduler",
+    "make_vllm_config",
+    "num_free_blocks",
+    "prompt_tokens",
+    "step",
+]
+
+DEFAULT_SAMPLED_TOKEN = 100  # not EOS (id 0) in the tiny model
+
+
+def make_vllm_config(
+    model_dir: Path | str,
+    *,
+    connector_module: str | None = "tests.toy_connector",
+    connector_name: str = "ToyConnector",
+    kv_role: str = "kv_both",
+    engine_id: str | None = None,
+    kv_connector_extra_config: dict[str, Any] | None = None,
+    kv_load_failure_policy: str | None = None,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 1024,
+    max_model_len: int = 1024,
+) -> VllmConfig:
+    """A ``VllmConfig`` for the tiny model with a KV connector.
+
+    ``connector_module=None`` selects ``connector_name`` from vLLM's registry
+    (e.g. ``"NixlConnector"``) instead of an out-of-tree module.
+    """
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype="float32",
+        max_model_len=max_model_len,
+        seed=0,
+        enforce_eager=True,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        cache_dtype="auto",
+    )
+    kv_kwargs: dict[str, Any] = {
+        "kv_connector": connector_name,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": dict(kv_connector_extra_config or {}),
+    }
+    if connector_module is not None:
+        kv_kwargs["kv_connector_module_path"] = connector_module
+    if engine_id is not None:
+        kv_kwargs["engine_id"] = engine_id
+    if kv_load_failure_policy is not None:
+        kv_kwargs["kv_load_failure_policy"] = kv_load_failure_policy
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=KVTransferConfig(**kv_kwargs),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(vllm_config: VllmConfig, *, num_blocks: int = 256) -> KVCacheConfig:
+    """One ``FullAttentionSpec`` group covering every decoder layer of the model."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    model_config = vllm_config.model_config
+    num_layers = model_config.get_num_layers(vllm_config.parallel_config)
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=model_config.get_head_size(),
+        dtype=torch.float32,
+    )
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
+    )
+
+
+def make_scheduler(
+    vllm_config: VllmConfig, *, num_blocks: int = 256, log_stats: bool = True
+) -> Scheduler:
+    """A real v1 ``Scheduler``; its connector is built by ``KVConnectorFactory``.
+
+    The connector instance is ``scheduler.connector`` (SCHEDULER role).
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kv_cache_config = make_kv_cache_config(vllm_config, num_blocks=num_blocks)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    block_size = vllm_config.cache_config.block_size
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=block_size,
+        log_stats=log_stats,
+    )
+
+
+def prompt_tokens(n: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
+    """``n`` deterministic token ids in ``[4, vocab)`` (ids 0-3 are special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(n)]
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    vllm_config: VllmConfig,
+    *,
+    max_tokens: int = 16,
+    kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+    eos_token_id: int | None = None,
+) -> Request:
+    """A real ``Request`` with the engine's block hasher (prefix caching works).
+
+    ``kv_transfer_params`` is passed the way the OpenAI server passes it
+    (``SamplingParams.extra_args``), and is copied, so the connector may
+    mutate it freely.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    extra_args = None
+    if kv_transfer_params is not None:
+        extra_args = {"kv_transfer_params": dict(kv_transfer_params)}
+    sampling_params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=eos_token_id is None,
+        extra_args=extra_args,
+    )
+    if eos_token_id is not None:
+        sampling_params.update_from_generation_config({}, eos_token_id)
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=sampling_params,
+        pooling_params=None,
+        cache_salt=cache_salt,
+        block_hasher=get_request_block_hasher(vllm_config.cache_config.block_size, hash_fn),
+    )
+
+
+def kv_output(
+    *,
+    finished_sending: Iterable[str] = (),
+    finished_recving: Iterable[str] = (),
+    failed_recving: Iterable[str] = (),
+    invalid_block_ids: Iterable[int] = (),
+) -> KVConnectorOutput:
+    """A ``KVConnectorOutput`` as the (aggregated) workers would report it.
+
+    Contract (vLLM 0.32): a failed async load must be reported in BOTH
+    ``failed_recving`` and ``finished_recving`` in the same step.
+    """
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(
+        finished_sending=set(finished_sending) or None,
+        finished_recving=set(finished_recving) or None,
+        failed_recving=set(failed_recving),
+        invalid_block_ids=set(invalid_block_ids),
+    )
+
+
+def make_model_runner_output(
+    scheduler: Scheduler,
+    scheduler_output: SchedulerOutput,
+    *,
+    kv_connector_output: KVConnectorOutput | None = None,
+    sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+) -> ModelRunnerOutput:
+    """What the model runner returns for ``scheduler_output``.
+
+    Every scheduled request whose prefill is complete after this step gets
+    ``sampled_token``; partial prefill chunks sample nothing.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done_prefill = request.num_computed_tokens >= request.num_tokens
+        sampled.append([sampled_token] if done_prefill else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_connector_output,
+    )
+
+
+def step(
+    scheduler: Scheduler,
+    *,
+    connector_output: KVConnectorOutput | None = None,
+    sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+) -> tuple[SchedulerOutput, dict[int, EngineCoreOutputs]]:
+    """One engine step: ``schedule()`` then ``update_from_output()``.
+
+    ``connector_output`` is what the workers report at the end of this step
+    (completions are processed after the step's tokens, as in the engine).
+    """
+    scheduler_output = scheduler.schedule()
+    runner_output = make_model_runner_output(
+        scheduler,
+        scheduler_output,
+        kv_connector_output=connector_output,
+        sampled_token=sampled_token,
+    )
+    return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def num_free_blocks(scheduler: Scheduler) -> int:
+    """Free blocks in the scheduler's block pool (includes evictable cached blocks)."""
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
