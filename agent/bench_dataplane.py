@@ -36,6 +36,7 @@ from agent.nixl_adapter import (
     NixlEndpoint,
     PeerKey,
     TransferState,
+    WriteHandle,
     merge_runs,
     quiet_nixl_env,
 )
@@ -233,7 +234,7 @@ class _Bench:
             raise RuntimeError(f"target verification failed: {result}")
 
 
-def _wait(ep: NixlEndpoint, handle: Any) -> None:
+def _wait(ep: NixlEndpoint, handle: WriteHandle) -> None:
     deadline = time.monotonic() + WAIT_S
     while (state := ep.poll(handle)) is TransferState.IN_PROGRESS:
         if time.monotonic() > deadline:

@@ -681,10 +681,13 @@ class NixlEndpoint:
         try:
             local_descs = agent.get_xfer_descs(plan.local_rows, self._memory.value)
             remote_descs = agent.get_xfer_descs(plan.remote_rows, target.mem_type)
-            if local_descs is None or remote_descs is None:  # NIXL logs and returns None
-                raise NixlError(
-                    FailureReason.INVALID_REQUEST, f"{self._write_ctx(peer, plan)}: bad descriptors"
-                )
+        except Exception as exc:
+            raise _translate(exc, self._write_ctx(peer, plan)) from exc
+        if local_descs is None or remote_descs is None:  # NIXL logs and returns None
+            raise NixlError(
+                FailureReason.INVALID_REQUEST, f"{self._write_ctx(peer, plan)}: bad descriptors"
+            )
+        try:
             xfer = agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.agent_name, notif)
         except Exception as exc:
             raise _translate(exc, self._write_ctx(peer, plan)) from exc
@@ -715,22 +718,20 @@ class NixlEndpoint:
     def poll(self, handle: WriteHandle) -> TransferState:
         """Progress the worker and return the handle's state.
 
-        DONE and FAILED are terminal and cached.  ``"ERR"`` from NIXL gives FAILED
-        (``handle.failure == TRANSFER_ERROR``); a NIXL exception marks the handle
-        FAILED and is raised as :class:`NixlError` (later polls return FAILED).
+        DONE and FAILED are terminal and cached; ``handle.failure`` says why a
+        handle FAILED.  ``"ERR"`` from NIXL gives FAILED (TRANSFER_ERROR); a NIXL
+        exception marks the handle FAILED and is raised as :class:`NixlError`
+        (later polls return FAILED).  A handle released while in progress (by
+        :meth:`release`, :meth:`remove_peer` or a peer's new incarnation) is FAILED
+        with CANCELLED / PEER_DISCONNECTED.
 
         Raises:
-            NixlError: transfer failed (e.g. PEER_DISCONNECTED), or the handle is
-                foreign / released before completion (INVALID_REQUEST).
+            NixlError: the transfer failed (e.g. PEER_DISCONNECTED), or the handle
+                belongs to another endpoint (INVALID_REQUEST).
         """
         self._check_owner(handle)
         if handle.state is not TransferState.IN_PROGRESS:
             return handle.state
-        if handle.released:
-            raise NixlError(
-                handle.failure or FailureReason.INVALID_REQUEST,
-                f"handle {handle.handle_id} was released before completion",
-            )
         agent = self._require_agent()
         try:
             status = agent.check_xfer_state(handle._xfer)

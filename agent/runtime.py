@@ -38,6 +38,7 @@ class AgentConfig:
     regions: tuple[KVRegion, ...]
     memory: MemoryKind = MemoryKind.DRAM
     compat_hash: str = ""
+    api_url: str = ""
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -92,6 +93,7 @@ class Agent:
             ),
             nixl_agent_name=c.agent_name,
             nixl_metadata=metadata,
+            api_url=c.api_url,
             layout=pb.KVLayout(
                 tokens_per_block=c.tokens_per_block,
                 regions=[

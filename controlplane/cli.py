@@ -62,6 +62,24 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    import logging
+
+    from vllm_integration.router import RouterSettings, serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    settings = RouterSettings(
+        coordinator=args.coordinator,
+        host=args.host,
+        port=args.port,
+        leg_timeout_s=args.leg_timeout_s,
+    )
+    asyncio.run(serve(settings))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from agent.demo import run
 
@@ -87,6 +105,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     d.add_argument("--transfers", type=int, default=8, help="transfers per arrival order")
     d.add_argument("--log-level", default="WARNING")
     handlers["demo"] = _cmd_demo
+
+    r = sub.add_parser("router", help="run the OpenAI-compatible concurrent-dispatch router")
+    r.add_argument("--coordinator", default=_env("coordinator", "127.0.0.1:50151"))
+    r.add_argument("--host", default=_env("router_host", "127.0.0.1"))
+    r.add_argument("--port", type=int, default=_env("router_port", 8000))
+    r.add_argument("--leg-timeout-s", type=float, default=_env("leg_timeout_s", 600.0))
+    r.add_argument("--log-level", default=_env("log_level", "INFO"))
+    handlers["router"] = _cmd_router
 
     for name, register in _EXTRA_COMMANDS:
         handlers[name] = register(sub)

@@ -127,6 +127,7 @@ def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
         nixl_agent_name=hello.nixl_agent_name,
         nixl_metadata=hello.nixl_metadata,
         layout=layout_from_pb(hello.layout),
+        api_url=hello.api_url,
     )
 
 
@@ -241,4 +242,5 @@ def engine_to_pb(
         ready=eng.ready,
         inflight_transfers=inflight,
         tokens_per_block=eng.tokens_per_block,
+        api_url=next((r.reg.api_url for r in eng.ranks.values() if r.reg.api_url), ""),
     )

@@ -115,6 +115,7 @@ class AgentRegistration:
     nixl_agent_name: str
     nixl_metadata: bytes
     layout: KVLayout
+    api_url: str = ""
 
     @property
     def key(self) -> AgentKey:

@@ -131,6 +131,8 @@ class Rendezvous:
         validation.check_id(reg.incarnation, field="identity.incarnation", max_len=s.max_id_len)
         if not reg.nixl_agent_name:
             raise InvalidArgument("must not be empty", field="nixl_agent_name")
+        if len(reg.nixl_agent_name) > s.max_id_len or len(reg.api_url) > 2048:
+            raise InvalidArgument("too long", field="nixl_agent_name/api_url")
         if reg.layout.tokens_per_block <= 0:
             raise InvalidArgument("must be > 0", field="layout.tokens_per_block")
         if not reg.layout.regions:

@@ -13,7 +13,12 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import convert
-from controlplane.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from controlplane.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PushKVError,
+    ResourceExhausted,
+)
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.rendezvous import TransferFilter
 from controlplane.runtime import Runtime
@@ -149,6 +154,7 @@ class AgentServicer(pbg.AgentServiceServicer):
                 field="hello.protocol_version",
             )
         session = self._rt.open_session(convert.registration_from_pb(first.hello))
+        broken: list[PushKVError] = []
 
         async def read() -> None:
             try:
@@ -159,6 +165,8 @@ class AgentServicer(pbg.AgentServiceServicer):
                         log.warning(
                             "agent_message_rejected", agent=str(session.key), error=str(exc)
                         )
+            except PushKVError as exc:  # an undecodable message ends the stream with its code
+                broken.append(exc)
             finally:
                 session.close()
 
@@ -167,6 +175,8 @@ class AgentServicer(pbg.AgentServiceServicer):
             while True:
                 msg = await session.outbox.get()
                 if msg is None:
+                    if broken:
+                        raise broken[0]
                     return
                 yield msg
         finally:

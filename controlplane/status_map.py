@@ -38,9 +38,44 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (see coordinator log)")
 
 
+class _Undecodable:
+    """Stands in for a request message whose bytes did not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that never raises: grpc would answer UNKNOWN for that."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _check(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise errors.InvalidArgument(f"undecodable request message: {request.error}")
+
+
+async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        _check(request)
+        yield request
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            _check(request)
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -50,9 +85,15 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Aw
     return behavior
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], rpc: str) -> Callable[..., Any]:
+def _wrap_stream(
+    fn: Callable[..., AsyncIterator[Any]], rpc: str, *, request_stream: bool = False
+) -> Callable[..., Any]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            if request_stream:
+                request = _checked(request)
+            else:
+                _check(request)
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -78,7 +119,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
         if handler is None or not rpc.startswith("/pushkv."):
             return handler  # health and reflection map their own errors
         ser = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _lenient(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
@@ -90,7 +131,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, rpc),  # type: ignore[arg-type]
+                _wrap_stream(handler.stream_stream, rpc, request_stream=True),  # type: ignore[arg-type]
                 **ser,
             )
         return handler

@@ -11,6 +11,9 @@ rank reports POSTED + DONE and the decode rank it wrote into reports arrival.
 thread, for tests that use the blocking grpc API (fuzzing, reflection).
 """
 
+# The helpers take `timeout` like the asyncio APIs they wrap.
+# ruff: noqa: ASYNC109
+
 from __future__ import annotations
 
 import asyncio
@@ -239,9 +242,7 @@ class SimAgent:
             try:
                 msg = await asyncio.wait_for(self.inbox.get(), max(deadline - loop.time(), 0))
             except TimeoutError:
-                raise AssertionError(
-                    f"{self.key}: nothing received within {timeout}s"
-                ) from None
+                raise AssertionError(f"{self.key}: nothing received within {timeout}s") from None
             if msg is None:
                 self.inbox.put_nowait(None)  # stay ended for later readers
                 raise StreamEnded(f"{self.key}: stream ended ({self.code}: {self.details})")
@@ -350,8 +351,7 @@ class SimCluster:
             for r in range(tp_size)
         ]
         self.decode = [
-            SimAgent(address, decode_engine, "decode", r, tp_size, **common)
-            for r in range(tp_size)
+            SimAgent(address, decode_engine, "decode", r, tp_size, **common) for r in range(tp_size)
         ]
         peers = {d.key: d for d in self.decode}
         for p in self.prefill:

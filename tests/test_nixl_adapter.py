@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from agent.nixl_adapter import (
+    _VECTOR_MIN_BLOCKS,
     FailureReason,
     KVRegion,
     NixlEndpoint,
@@ -27,6 +28,8 @@ from agent.nixl_adapter import (
     PeerKey,
     TransferState,
     WriteHandle,
+    _Layout,
+    _plan_write,
     merge_runs,
     quiet_nixl_env,
 )
@@ -36,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 BLOCK_LENS = [4096, 8192]  # two regions (think: one layer's K and V), paired by index
 TARGET_BLOCKS = 32
-INIT_BLOCKS = 16
+INIT_BLOCKS = 24
 WAIT_S = 10.0  # generous bound for anything that normally takes milliseconds
 
 
@@ -69,6 +72,53 @@ def test_merge_runs_empty() -> None:
 def test_merge_runs_length_mismatch() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         merge_runs([1, 2], [1])
+
+
+def _rows(rows: object) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in row) for row in rows]  # type: ignore[attr-defined]
+
+
+def _shuffled_chunks(n: int, base: int, chunk: int, rng: np.random.Generator) -> list[int]:
+    """ids base..base+n-1, cut into consecutive chunks, chunks in random order."""
+    chunks = [range(base + i, base + min(i + chunk, n)) for i in range(0, n, chunk)]
+    return [b for i in rng.permutation(len(chunks)) for b in chunks[i]]
+
+
+def test_plan_vectorized_path_matches_python_path() -> None:
+    local = _Layout.of([KVRegion(1 << 20, 4096, 64), KVRegion(1 << 30, 512, 70)], "local")
+    remote = _Layout.of([KVRegion(1 << 21, 4096, 100), KVRegion(1 << 31, 512, 90)], "remote")
+    rng = np.random.default_rng(7)
+    for n in (1, 3, 17, 40, 64):
+        lb = _shuffled_chunks(n, 0, 4, rng)  # different chunking on each side:
+        rb = _shuffled_chunks(n, 3, 3, rng)  # runs merge only partially
+        py = _plan_write(local, remote, lb, rb, "peer", vector_min=10**9)
+        vec = _plan_write(local, remote, lb, rb, "peer", vector_min=1)
+        runs = merge_runs(lb, rb)
+        assert py.num_descriptors == vec.num_descriptors == 2 * len(runs)
+        assert py.nbytes == vec.nbytes == n * (4096 + 512)
+        assert _rows(py.local_rows) == _rows(vec.local_rows)
+        assert _rows(py.remote_rows) == _rows(vec.remote_rows)
+        first = runs[0]
+        assert _rows(py.local_rows)[0] == ((1 << 20) + first[0] * 4096, first[2] * 4096, 0)
+        assert _rows(py.remote_rows)[len(runs)] == ((1 << 31) + first[1] * 512, first[2] * 512, 0)
+
+
+@pytest.mark.parametrize("vector_min", [1, 10**9])
+def test_plan_rejects_bad_ids_on_both_paths(vector_min: int) -> None:
+    layout = _Layout.of([KVRegion(4096, 64, 32)], "x")
+    n = _VECTOR_MIN_BLOCKS + 4
+    ok = list(range(n))
+    cases = [
+        (ok, ok[:-1], "vs"),
+        ([*ok[:-1], 32], ok, "local block id 32 out of range"),
+        (ok, [-1, *ok[1:]], "peer block id -1 out of range"),
+        (ok, [0, *ok[:-1]], "duplicate remote block ids"),
+    ]
+    for lb, rb, match in cases:
+        with pytest.raises(NixlError, match=match) as info:
+            _plan_write(layout, layout, lb, rb, "peer", vector_min=vector_min)
+        assert info.value.reason is FailureReason.INVALID_REQUEST
+    assert _plan_write(layout, layout, [], [], "peer").num_descriptors == 0
 
 
 def test_nixl_error_carries_reason_and_pickles() -> None:
@@ -252,6 +302,19 @@ def test_contiguous_write_is_one_descriptor_per_region(
     assert handle.num_descriptors == len(BLOCK_LENS)
     wait_done(ep, handle)
     assert target.wait_notif() == (ep.name, b"req-2")
+    assert target.verify(list(zip(remote, local, strict=True))) == []
+    ep.release(handle)
+
+
+def test_large_mixed_write_lands_exactly(pair: tuple[NixlEndpoint, PeerKey, Target]) -> None:
+    ep, key, target = pair
+    local = [*range(10), 12, 14, 15, 16, 20, 21, 22, 23, 11, 13]
+    remote = [*range(10, 20), 0, 2, 3, 4, 25, 26, 27, 28, 31, 30]
+    assert len(local) >= _VECTOR_MIN_BLOCKS  # exercises the vectorized planner
+    handle = ep.post_write(key, local, remote, b"req-big")
+    assert handle.num_descriptors == len(merge_runs(local, remote)) * len(BLOCK_LENS)
+    wait_done(ep, handle)
+    assert target.wait_notif() == (ep.name, b"req-big")
     assert target.verify(list(zip(remote, local, strict=True))) == []
     ep.release(handle)
 

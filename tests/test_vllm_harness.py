@@ -10,11 +10,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
 
-from tests.toy_connector import ToyConnector  # noqa: E402
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: E402, F401
-from tests.vllm_harness import (  # noqa: E402
+from tests.toy_connector import ToyConnector
+from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.vllm_harness import (
     DEFAULT_SAMPLED_TOKEN,
     kv_output,
     make_request,
@@ -29,7 +31,12 @@ BLOCK = 16
 REMOTE = {"do_remote_prefill": True}
 
 
-def _connector(scheduler) -> ToyConnector:
+def _status(req: Request) -> RequestStatus:
+    """Read the status through a call so mypy does not narrow it across steps."""
+    return req.status
+
+
+def _connector(scheduler: Scheduler) -> ToyConnector:
     conn = scheduler.connector
     assert isinstance(conn, ToyConnector)
     return conn
@@ -45,13 +52,19 @@ def scheduler(vllm_config):
     return make_scheduler(vllm_config, num_blocks=64)
 
 
-def _start_remote_load(scheduler, vllm_config, rid="r1", n_tokens=40, max_tokens=3):
+def _start_remote_load(
+    scheduler: Scheduler,
+    vllm_config: VllmConfig,
+    rid: str = "r1",
+    n_tokens: int = 40,
+    max_tokens: int = 3,
+) -> Request:
     req = make_request(
         rid, prompt_tokens(n_tokens), vllm_config, max_tokens=max_tokens, kv_transfer_params=REMOTE
     )
     scheduler.add_request(req)
     sched_out, _ = step(scheduler)
-    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert sched_out.total_num_scheduled_tokens == 0
     return req
 
@@ -83,14 +96,14 @@ def test_async_load_waits_then_runs(vllm_config, scheduler):
     for _ in range(3):
         sched_out, _ = step(scheduler)
         assert sched_out.total_num_scheduled_tokens == 0
-        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert scheduler.has_requests()
 
     # Workers report completion; the request is promoted on the NEXT schedule().
     step(scheduler, connector_output=kv_output(finished_recving={req.request_id}))
-    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
     sched_out, outputs = step(scheduler)
-    assert req.status == RequestStatus.RUNNING
+    assert _status(req) == RequestStatus.RUNNING
     # num_computed_tokens = prompt_len - 1: only the last prompt token is recomputed.
     assert sched_out.num_scheduled_tokens == {req.request_id: 1}
     assert req.num_computed_tokens == 40
@@ -105,7 +118,7 @@ def test_async_load_waits_then_runs(vllm_config, scheduler):
     # Run to completion (max_tokens=3): request_finished sees all blocks, then frees.
     step(scheduler)
     _, outputs = step(scheduler)
-    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
     (fin,) = conn.calls_to("request_finished")
     assert fin.args["block_ids"] == alloc.args["block_ids"]
     (out,) = outputs[0].outputs
@@ -150,7 +163,7 @@ def test_failed_load_with_fail_policy_errors_request(vllm_config, scheduler):
     _, outputs = step(
         scheduler, connector_output=kv_output(failed_recving={rid}, finished_recving={rid})
     )
-    assert req.status == RequestStatus.FINISHED_ERROR
+    assert _status(req) == RequestStatus.FINISHED_ERROR
     (out,) = outputs[0].outputs
     assert str(out.finish_reason) == "error"
     (fin,) = _connector(scheduler).calls_to("request_finished")
@@ -166,7 +179,7 @@ def test_failed_load_with_recompute_policy_recomputes_locally(tiny_model_dir):
     rid = req.request_id
     step(scheduler, connector_output=kv_output(failed_recving={rid}, finished_recving={rid}))
     sched_out, _ = step(scheduler)
-    assert req.status == RequestStatus.RUNNING
+    assert _status(req) == RequestStatus.RUNNING
     assert sched_out.num_scheduled_tokens == {rid: 40}  # full local prefill
     calls = _connector(scheduler).calls_to("get_num_new_matched_tokens")
     assert [c.args["returned"] for c in calls] == [40, 0]
@@ -177,7 +190,7 @@ def test_local_prefix_hit_shrinks_external_tokens(vllm_config, scheduler):
     local = make_request("local", prompt, vllm_config, max_tokens=1)
     scheduler.add_request(local)
     step(scheduler)
-    assert local.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert _status(local) == RequestStatus.FINISHED_LENGTH_CAPPED
     conn = _connector(scheduler)
     local_blocks = conn.calls_to("request_finished")[0].args["block_ids"]
 
@@ -198,11 +211,15 @@ def test_producer_delay_free_until_finished_sending(vllm_config, scheduler):
     conn.delay_free_on_finish = True
     free0 = num_free_blocks(scheduler)
     req = make_request(
-        "p1", prompt_tokens(33), vllm_config, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        "p1",
+        prompt_tokens(33),
+        vllm_config,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True},
     )
     scheduler.add_request(req)
     _, outputs = step(scheduler)
-    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
     (out,) = outputs[0].outputs
     assert out.kv_transfer_params == {"toy_request_id": "p1"}
     (fin,) = conn.calls_to("request_finished")

@@ -201,7 +201,9 @@ def make_request(
     if kv_transfer_params is not None:
         extra_args = {"kv_transfer_params": dict(kv_transfer_params)}
     sampling_params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=eos_token_id is None,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=eos_token_id is None,
         extra_args=extra_args,
     )
     if eos_token_id is not None:

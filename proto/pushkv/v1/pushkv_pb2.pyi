@@ -311,9 +311,12 @@ class AgentHello(_message.Message):
     NIXL_METADATA_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     INFLIGHT_ORDER_IDS_FIELD_NUMBER: _builtins.int
+    API_URL_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
+    api_url: _builtins.str
+    """The engine's OpenAI-compatible API base URL, for routers (optional)."""
     @_builtins.property
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
@@ -331,10 +334,11 @@ class AgentHello(_message.Message):
         nixl_metadata: _builtins.bytes = ...,
         layout: Global___KVLayout | None = ...,
         inflight_order_ids: _abc.Iterable[_builtins.str] | None = ...,
+        api_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "inflight_order_ids", b"inflight_order_ids", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "identity", b"identity", "inflight_order_ids", b"inflight_order_ids", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1174,6 +1178,7 @@ class EngineStatus(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     INFLIGHT_TRANSFERS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    API_URL_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     tp_size: _builtins.int
@@ -1181,6 +1186,8 @@ class EngineStatus(_message.Message):
     """every rank registered and leased"""
     inflight_transfers: _builtins.int
     tokens_per_block: _builtins.int
+    api_url: _builtins.str
+    """from the agents' hello; empty if none was given"""
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLease]: ...
     def __init__(
@@ -1193,10 +1200,11 @@ class EngineStatus(_message.Message):
         ready: _builtins.bool = ...,
         inflight_transfers: _builtins.int = ...,
         tokens_per_block: _builtins.int = ...,
+        api_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,234 @@
+"""Agents in separate processes with real NIXL, against a real coordinator process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.events import EventKind
+from agent.kvhost import HostSpec, KVHost
+from controlplane.launch import CoordinatorProcess
+
+CANARY = 0x5A
+NB = 64
+
+
+@pytest.fixture
+def coord() -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess("--lease-s", "2", "--heartbeat-interval-s", "0.5",
+                           "--log-level", "WARNING").start()
+    yield c
+    c.stop()
+
+
+def stubs(c: CoordinatorProcess) -> tuple[pbg.TransferServiceStub, pbg.StatusServiceStub]:
+    ch = grpc.insecure_channel(c.address)
+    return pbg.TransferServiceStub(ch), pbg.StatusServiceStub(ch)
+
+
+def hosts(c: CoordinatorProcess, tp: int = 1) -> tuple[list[KVHost], list[KVHost]]:
+    p = [KVHost(HostSpec(c.address, "P", "prefill", r, tp, NB)) for r in range(tp)]
+    d = [KVHost(HostSpec(c.address, "D", "decode", r, tp, NB)) for r in range(tp)]
+    for h in (*p, *d):
+        h.start()
+    return p, d
+
+
+def register(req: pbg.TransferServiceStub, tid: str, dst: list[int], n: int) -> pb.TransferStatus:
+    return req.RegisterDecodeBlocks(
+        pb.RegisterDecodeBlocksRequest(
+            transfer_id=tid, decode_engine_id="D", block_ids=[pb.BlockIds(ids=dst)], num_tokens=n
+        ),
+        timeout=10,
+    )
+
+
+def prefill_done(req: pbg.TransferServiceStub, tid: str, src: list[int], n: int) -> pb.TransferStatus:
+    return req.ReportPrefillDone(
+        pb.ReportPrefillDoneRequest(
+            transfer_id=tid, prefill_engine_id="P", block_ids=[pb.BlockIds(ids=src)], num_tokens=n
+        ),
+        timeout=10,
+    )
+
+
+def wait_state(
+    status: pbg.StatusServiceStub, tid: str, state: int, timeout: float = 10
+) -> pb.TransferStatus:
+    """Watch the transfer until it reaches `state`; return its last status."""
+    last = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+    if last.state == state:
+        return last
+    events = status.WatchTransfers(
+        pb.WatchTransfersRequest(include_existing=True), timeout=timeout
+    )
+    try:
+        for ev in events:
+            if ev.transfer.transfer_id == tid:
+                last = ev.transfer
+                if last.state == state:
+                    break
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        events.cancel()
+    return last
+
+
+def stop_all(*groups: list[KVHost]) -> None:
+    for g in groups:
+        for h in g:
+            h.stop()
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_bytes_arrive_intact_in_both_orders(coord: CoordinatorProcess, decode_first: bool) -> None:
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    try:
+        src, dst = [3, 17, 4, 40, 41, 9], [50, 2, 33, 34, 8, 61]  # non-contiguous, with runs
+        n_tokens = 5 * 16 + 7  # partial last block
+        d.call("canary", CANARY)
+        p.fill(src, seed=11)
+        d.call("expect", ["t1"])
+        first, second = (register, prefill_done) if decode_first else (prefill_done, register)
+        first(req, "t1", dst if first is register else src, n_tokens)
+        second(req, "t1", dst if second is register else src, n_tokens)
+        assert d.wait_event("t1").kind is EventKind.KV_READY
+        assert p.wait_event("t1").kind is EventKind.BLOCKS_FREE
+        assert d.check(dst, seed=11) == []
+        untouched = [b for b in range(NB) if b not in dst]
+        assert d.call("check_canary", untouched, CANARY) == []
+        t = wait_state(status, "t1", pb.TRANSFER_STATE_COMPLETE)
+        assert t.state == pb.TRANSFER_STATE_COMPLETE
+        assert list(t.outstanding_ranks) == [] and not t.write_may_land
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (0, pb.RANK_STATE_DONE, True)
+        ]
+    finally:
+        stop_all([p], [d])
+
+
+def test_two_prefill_ranks_into_one_decode_engine(coord: CoordinatorProcess) -> None:
+    req, status = stubs(coord)
+    ps, ds = hosts(coord, tp=2)
+    try:
+        src, dst = [1, 5, 9], [7, 3, 12]
+        for r, h in enumerate(ps):
+            h.fill(src, seed=100 + r)  # each rank holds its own shard of the KV
+        for h in ds:
+            h.call("expect", ["t2"])
+        register(req, "t2", dst, 40)
+        prefill_done(req, "t2", src, 40)
+        for r, h in enumerate(ds):
+            assert h.wait_event("t2").kind is EventKind.KV_READY
+            assert h.check(dst, seed=100 + r) == []
+        t = wait_state(status, "t2", pb.TRANSFER_STATE_COMPLETE)
+        assert sorted(r.prefill_rank for r in t.ranks if r.arrived) == [0, 1]
+        assert all(r.state == pb.RANK_STATE_DONE for r in t.ranks)
+    finally:
+        stop_all(ps, ds)
+
+
+def test_cancel_before_post_never_writes(coord: CoordinatorProcess) -> None:
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    try:
+        src, dst = [1, 2, 3], [10, 20, 30]
+        d.call("canary", CANARY)
+        p.fill(src, seed=5)
+        p.call("pause", True)  # orders queue up instead of being posted
+        register(req, "t3", dst, 40)
+        t = prefill_done(req, "t3", src, 40)
+        assert t.state == pb.TRANSFER_STATE_ORDERED
+        # The order is on its way to (or queued in) the prefill agent; cancel it.
+        t = req.Cancel(pb.CancelRequest(transfer_id="t3", reason="client left"), timeout=10)
+        assert t.state == pb.TRANSFER_STATE_CANCELLED and t.write_may_land
+        p.call("pause", False)
+        assert p.wait_event("t3").kind is EventKind.BLOCKS_FREE
+        e = d.wait_event("t3")
+        assert e.kind is EventKind.KV_FAILED  # only once no WRITE can land
+        t = wait_state(status, "t3", pb.TRANSFER_STATE_CANCELLED)
+        assert not t.write_may_land
+        assert [r.state for r in t.ranks] == [pb.RANK_STATE_DROPPED]
+        assert p.call("writes_posted") == 0
+        assert d.call("check_canary", list(range(NB)), CANARY) == []
+    finally:
+        stop_all([p], [d])
+
+
+def test_killed_decode_peer_fails_fast(coord: CoordinatorProcess) -> None:
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    try:
+        register(req, "t4", [1, 2], 20)
+        d.kill()
+        started = time.monotonic()
+        prefill_done(req, "t4", [5, 6], 20)
+        e = p.wait_event("t4", timeout=10)
+        elapsed = time.monotonic() - started
+        assert e.kind is EventKind.BLOCKS_FREE
+        t = wait_state(status, "t4", pb.TRANSFER_STATE_FAILED)
+        assert t.state == pb.TRANSFER_STATE_FAILED
+        assert t.reason in (pb.REASON_AGENT_LOST, pb.REASON_WRITE_FAILED)
+        assert elapsed < 1.0, f"failure took {elapsed:.2f} s to reach the prefill side"
+    finally:
+        stop_all([p], [d])
+
+
+def test_killed_prefill_mid_transfer_releases_decode(coord: CoordinatorProcess) -> None:
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    try:
+        d.call("canary", CANARY)
+        p.call("pause", True)  # hold the order so the kill lands mid-transfer
+        register(req, "t5", [1, 2], 20)
+        prefill_done(req, "t5", [5, 6], 20)
+        p.kill()
+        t = wait_state(status, "t5", pb.TRANSFER_STATE_FAILED, timeout=5)
+        assert t.state == pb.TRANSFER_STATE_FAILED and t.reason == pb.REASON_AGENT_LOST
+        # Decode may reuse the blocks only once the dead agent's lease (2 s) ran out.
+        e = d.wait_event("t5", timeout=10)
+        assert e.kind is EventKind.KV_FAILED
+        assert not status.GetTransfer(pb.GetTransferRequest(transfer_id="t5")).write_may_land
+        assert d.call("check_canary", [1, 2], CANARY) == []
+    finally:
+        stop_all([p], [d])
+
+
+def test_coordinator_restart_agents_reconnect(coord: CoordinatorProcess) -> None:
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    try:
+        port = coord.port
+        coord.kill()
+        restarted = CoordinatorProcess("--lease-s", "2", "--heartbeat-interval-s", "0.5",
+                                       "--log-level", "WARNING", port=port).start()
+        try:
+            deadline = time.monotonic() + 20
+            engines: list[str] = []
+            while time.monotonic() < deadline:
+                try:
+                    listed = status.ListEngines(pb.ListEnginesRequest(), timeout=2)
+                    engines = sorted(e.engine_id for e in listed.engines if e.ready)
+                except grpc.RpcError:
+                    engines = []
+                if engines == ["D", "P"]:
+                    break
+                time.sleep(0.05)
+            assert engines == ["D", "P"], "agents did not re-register after the restart"
+            p.fill([4], seed=9)
+            d.call("expect", ["t6"])
+            register(req, "t6", [8], 10)
+            prefill_done(req, "t6", [4], 10)
+            assert d.wait_event("t6").kind is EventKind.KV_READY
+            assert d.check([8], seed=9) == []
+        finally:
+            restarted.stop()
+    finally:
+        stop_all([p], [d])

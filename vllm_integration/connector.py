@@ -1,0 +1,131 @@
+"""The pushkv KV connector for vLLM: a facade over the scheduler and worker halves.
+
+Enable it on both engines with
+
+  --kv-transfer-config '{"kv_connector": "PushKVConnector",
+     "kv_connector_module_path": "vllm_integration.connector",
+     "kv_role": "kv_producer" | "kv_consumer", "engine_id": "<stable id>",
+     "kv_connector_extra_config": {"coordinator": "host:port", "api_url": "http://..."}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_integration import compat
+from vllm_integration.compat import KVConnectorBase_V1, KVConnectorRole
+from vllm_integration.metadata import PushKVMetadata
+from vllm_integration.scheduler import PushSchedulerHalf
+from vllm_integration.settings import ConnectorSettings
+from vllm_integration.worker import PushWorkerHalf
+
+log = logging.getLogger("pushkv.connector")
+
+
+class PushKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(tc.kv_connector_extra_config)
+        if tc.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"PushKVConnector needs kv_role kv_producer (prefill) or kv_consumer "
+                f"(decode), not {tc.kv_role!r}"
+            )
+        self.is_prefill = tc.kv_role == "kv_producer"
+        self.engine_id = str(tc.engine_id)
+        block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: PushSchedulerHalf | None = None
+        self._worker: PushWorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PushSchedulerHalf(self.settings, self.engine_id, block_size)
+        else:
+            rank, size = compat.tp_rank_and_size()
+            mc = vllm_config.model_config
+            key = f"{mc.model}|{mc.dtype}|{block_size}|{vllm_config.cache_config.cache_dtype}"
+            self._worker = PushWorkerHalf(
+                self.settings,
+                engine_id=self.engine_id,
+                is_prefill=self.is_prefill,
+                tp_rank=rank,
+                tp_size=size,
+                tokens_per_block=block_size,
+                num_blocks=int(kv_cache_config.num_blocks),
+                compat_key=key,
+            )
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> PushKVMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, PushKVMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        meta = self._meta()
+        return self._worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        sending, recving = self.get_finished(finished_req_ids)
+        assert self._worker is not None
+        failed = self._worker.take_failed()
+        if compat.KVConnectorTransferResults is None:  # pragma: no cover - vLLM < 0.30
+            return sending, recving
+        return compat.KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

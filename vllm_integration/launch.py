@@ -1,0 +1,189 @@
+"""Start real vLLM OpenAI servers (and the pushkv router) as child processes.
+
+Used by the demo, the end-to-end tests and the serving benchmark. Each server
+runs in its own process group, so stopping it also stops its engine and
+worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class VllmServer:
+    model_dir: Path
+    name: str
+    port: int = 0
+    kv_transfer_config: dict[str, Any] | None = None
+    cpu_core: int | None = None  # OMP threads bind here (one core per engine)
+    block_size: int = 32
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    kvcache_gib: int = 1
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        if not self.port:
+            self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(max(self.max_model_len, 1024)),
+            "--block-size", str(self.block_size),
+            "--dtype", "float32", "--enforce-eager",
+            "--seed", "0",
+            *self.extra_args,
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib),
+            "PYTHONUNBUFFERED": "1",
+            "NIXL_LOG_LEVEL": "WARN",
+            "UCX_LOG_LEVEL": "error",
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            **self.env,
+        }
+        if self.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server {self.name} exited:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)  # polling a child process's HTTP port
+        raise TimeoutError(f"vLLM server {self.name} not healthy in {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text: str = r.read().decode()
+            return text
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "PushKVConnector",
+        "kv_connector_module_path": "vllm_integration.connector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"coordinator": coordinator, "api_url": api_url},
+    }
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Sum of a Prometheus metric's samples whose label set contains `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not labels or labels in line):
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name:
+                total += float(value)
+    return total
+
+
+class RouterProcess:
+    def __init__(self, coordinator: str, port: int = 0) -> None:
+        self.coordinator = coordinator
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="pushkv-router-", suffix=".log")[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_engines: bool = True, timeout: float = 60.0) -> RouterProcess:
+        cmd = [sys.executable, "-m", "controlplane.cli", "router", "--coordinator",
+               self.coordinator, "--port", str(self.port), "--log-level", "WARNING"]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200 or not wait_engines:
+                        return self
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503 and not wait_engines:
+                    return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)  # polling a child process's HTTP port
+        raise TimeoutError(f"router not ready in {timeout} s: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

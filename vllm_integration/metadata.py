@@ -1,0 +1,26 @@
+"""Per-step metadata from the scheduler half to the worker half."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_integration.compat import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    # Decode: requests whose blocks were registered and now wait for KV.
+    recv: list[RecvSpec] = field(default_factory=list)
+    # Decode: requests to fail at once (registration refused or impossible).
+    fail: list[RecvSpec] = field(default_factory=list)
+    # Prefill: requests whose blocks are held until the agent frees them.
+    send: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
+    # Nothing was scheduled this step: the worker may wait briefly for events.
+    idle: bool = False

@@ -1,0 +1,299 @@
+"""`pushkv router`: an OpenAI-compatible HTTP front that dispatches the prefill
+and decode legs of each request concurrently.
+
+The engines come from the coordinator (ListEngines); the transfer id the router
+mints is the only key the two legs share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+from aiohttp import web
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+log = logging.getLogger("pushkv.router")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    coordinator: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    refresh_s: float = 1.0
+    leg_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+@dataclass(slots=True)
+class Engine:
+    engine_id: str
+    url: str
+    inflight: int = 0  # as last reported by the coordinator
+    local: int = 0  # requests this router has open on it
+
+
+@dataclass
+class EngineDirectory:
+    """Engines known to the coordinator, refreshed in the background."""
+
+    stub: pbg.StatusServiceAsyncStub
+    refresh_s: float
+    prefill: dict[str, Engine] = field(default_factory=dict)
+    decode: dict[str, Engine] = field(default_factory=dict)
+    error: str = "engine list not loaded yet"
+    _rr: itertools.count[int] = field(default_factory=itertools.count)
+
+    async def refresh(self) -> None:
+        try:
+            resp = await self.stub.ListEngines(pb.ListEnginesRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            self.error = f"coordinator unreachable: {exc.code().name}"
+            return
+        seen: dict[int, dict[str, Engine]] = {pb.ROLE_PREFILL: {}, pb.ROLE_DECODE: {}}
+        for e in resp.engines:
+            if not e.ready or not e.api_url or e.role not in seen:
+                continue
+            table = self.prefill if e.role == pb.ROLE_PREFILL else self.decode
+            eng = table.get(e.engine_id) or Engine(e.engine_id, e.api_url.rstrip("/"))
+            eng.url, eng.inflight = e.api_url.rstrip("/"), e.inflight_transfers
+            seen[e.role][e.engine_id] = eng
+        self.prefill, self.decode = seen[pb.ROLE_PREFILL], seen[pb.ROLE_DECODE]
+        self.error = ""
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.refresh_s)
+
+    def pick(self, table: dict[str, Engine]) -> Engine | None:
+        """Least loaded (coordinator in-flight + our open requests), round-robin on ties."""
+        if not table:
+            return None
+        engines = sorted(table.values(), key=lambda e: e.engine_id)
+        start = next(self._rr) % len(engines)
+        rotated = engines[start:] + engines[:start]
+        return min(rotated, key=lambda e: e.inflight + e.local)
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _legs(
+    body: dict[str, Any], transfer_id: str, chat: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Build the prefill leg (one token, no stream) and the decode leg."""
+    if "kv_transfer_params" in body:
+        raise BadRequest("kv_transfer_params is set by the router, not by clients")
+    if chat:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("'messages' must be a non-empty list")
+    elif not isinstance(body.get("prompt"), str | list) or not body["prompt"]:
+        raise BadRequest("'prompt' must be a non-empty string or list")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise BadRequest(f"'{key}' must be a positive integer")
+    prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    prefill["max_tokens"] = 1
+    if chat:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    prefill["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    decode = dict(body)
+    decode["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id}
+    return prefill, decode
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
+
+
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self._channel = grpc.aio.insecure_channel(settings.coordinator)
+        self._transfers = pbg.TransferServiceStub(self._channel)
+        self.directory = EngineDirectory(pbg.StatusServiceStub(self._channel), settings.refresh_s)
+        self._http: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
+        self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=self.settings.leg_timeout_s, connect=self.settings.connect_timeout_s
+        )
+        self._http = aiohttp.ClientSession(timeout=timeout)
+        await self.directory.refresh()
+        self._spawn(self.directory.run())
+
+    async def stop(self, app: web.Application) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http:
+            await self._http.close()
+        await self._channel.close(None)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+    # ------------------------------------------------------------ handlers
+    async def health(self, request: web.Request) -> web.Response:
+        d = self.directory
+        body = {"prefill": sorted(d.prefill), "decode": sorted(d.decode), "error": d.error}
+        ok = bool(d.prefill and d.decode)
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        eng = self.directory.pick(self.directory.decode)
+        if eng is None or self._http is None:
+            return _error(503, "no decode engine available", "service_unavailable")
+        async with self._http.get(eng.url + "/v1/models") as resp:
+            return web.Response(
+                body=await resp.read(), status=resp.status, content_type="application/json"
+            )
+
+    async def _cancel(self, transfer_id: str, reason: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._transfers.Cancel(
+                pb.CancelRequest(transfer_id=transfer_id, reason=reason), timeout=5
+            )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413,
+                f"body larger than {self.settings.max_body_bytes} bytes",
+                "invalid_request_error",
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return _error(400, "body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object", "invalid_request_error")
+        transfer_id = f"tx-{uuid.uuid4().hex}"
+        try:
+            prefill_body, decode_body = _legs(body, transfer_id, chat)
+        except BadRequest as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        d = self.directory
+        p_eng, d_eng = d.pick(d.prefill), d.pick(d.decode)
+        if p_eng is None or d_eng is None or self._http is None:
+            missing = "prefill" if p_eng is None else "decode"
+            why = f"no {missing} engine available" + (f" ({d.error})" if d.error else "")
+            return _error(503, why, "service_unavailable")
+        http = self._http
+        p_eng.local += 1
+        d_eng.local += 1
+        started = time.monotonic()
+        headers = {"X-Request-Id": transfer_id}
+
+        async def prefill_leg() -> None:
+            try:
+                async with http.post(
+                    p_eng.url + request.path, json=prefill_body, headers=headers
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise RuntimeError(f"prefill engine answered {resp.status}: {text[:200]}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("prefill leg of %s failed: %s", transfer_id, exc)
+                await self._cancel(transfer_id, f"prefill leg failed: {exc}"[:1000])
+
+        # Both legs leave now: the decode side registers its blocks while prefill runs.
+        p_task = self._spawn(prefill_leg())
+        response: web.StreamResponse | None = None
+        finished = False
+        try:
+            if self.on_dispatch is not None:
+                await self.on_dispatch(transfer_id, "dispatched")
+            async with http.post(
+                d_eng.url + request.path, json=decode_body, headers=headers
+            ) as resp:
+                if not decode_body.get("stream"):
+                    data = await resp.read()
+                    self.ttft_s.append(time.monotonic() - started)
+                    finished = True
+                    return web.Response(
+                        body=data, status=resp.status, content_type=resp.content_type
+                    )
+                response = web.StreamResponse(status=resp.status)
+                response.content_type = resp.content_type or "text/event-stream"
+                response.headers["Cache-Control"] = "no-cache"
+                await response.prepare(request)
+                first = True
+                async for chunk in resp.content.iter_any():
+                    if first:
+                        self.ttft_s.append(time.monotonic() - started)
+                        first = False
+                    await response.write(chunk)
+                await response.write_eof()
+                finished = True
+                return response
+        except aiohttp.ClientError as exc:
+            if response is not None:
+                raise
+            return _error(502, f"decode engine {d_eng.engine_id} failed: {exc}", "bad_gateway")
+        finally:
+            p_eng.local -= 1
+            d_eng.local -= 1
+            if not finished:
+                # Client gone or decode failed: stop the prefill leg and release the KV.
+                p_task.cancel()
+                self._spawn(self._cancel(transfer_id, "client disconnected or decode failed"))
+            if len(self.ttft_s) > 10_000:
+                del self.ttft_s[:5_000]
+
+
+async def serve(settings: RouterSettings) -> None:
+    router = Router(settings)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("router listening on %s:%s", settings.host, settings.port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,133 @@
+"""The connector's scheduler half (runs in vLLM's EngineCore process).
+
+Decode: claims the uncached prompt suffix as an async load, registers exactly
+those blocks with the coordinator right after allocation (off the engine
+loop), and cancels the transfer if the request is aborted while waiting.
+
+Prefill: reports prefill done with the request's blocks in request_finished
+and keeps the blocks until the worker's agent says they may be freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from vllm_integration import compat
+from vllm_integration.client import Call, CoordinatorClient, block_tuple
+from vllm_integration.metadata import PushKVMetadata, RecvSpec
+from vllm_integration.params import TransferParams
+from vllm_integration.settings import ConnectorSettings
+
+log = logging.getLogger("pushkv.connector")
+
+
+class PushSchedulerHalf:
+    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.client = CoordinatorClient(settings.coordinator, timeout_s=settings.rpc_timeout_s)
+        self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
+        self._registered: set[str] = set()  # decode requests registered once
+        self._waiting: dict[str, RecvSpec] = {}  # decode requests waiting for KV
+        self._meta = PushKVMetadata()
+
+    # ------------------------------------------------------------ decode
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        p = TransferParams.parse(compat.kv_transfer_params(request))
+        if p is None or not p.decode_side or request.request_id in self._registered:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        remaining = compat.prompt_len(request) - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        p = TransferParams.parse(compat.kv_transfer_params(request))
+        if p is None or not p.decode_side or rid in self._registered:
+            return
+        self._registered.add(rid)
+        n_tokens = compat.prompt_len(request)
+        local = self._local_hit.pop(rid, 0)
+        if num_external_tokens > 0:
+            ids = compat.first_group_block_ids(blocks)
+            needed = math.ceil(n_tokens / self.block_size)
+            dst = block_tuple(ids[local // self.block_size : needed])
+            spec = RecvSpec(rid, p.transfer_id, dst)
+            self._waiting[rid] = spec
+            self._meta.recv.append(spec)
+        else:
+            # Full local prefix hit: nothing to write, but the coordinator must
+            # learn it so the prefill side frees its blocks at once.
+            dst = ()
+        self.client.submit(Call("register", rid, p.transfer_id, self.engine_id, dst, n_tokens))
+
+    # ------------------------------------------------------------ both
+    def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
+        for res in self.client.drain():
+            c = res.call
+            if (
+                c.kind == "register"
+                and c.request_id in self._waiting
+                and (not res.ok or res.terminal)
+            ):
+                # Refused, unreachable or already ended: no WRITE was ordered,
+                # so the blocks are safe; fail the load now instead of waiting.
+                why = res.error or f"transfer already ended (state {res.state})"
+                log.warning(
+                    "transfer %s for %s cannot proceed: %s", c.transfer_id, c.request_id, why
+                )
+                self._meta.fail.append(self._waiting[c.request_id])
+            elif not res.ok:
+                log.warning("coordinator %s for %s failed: %s", c.kind, c.transfer_id, res.error)
+        meta, self._meta = self._meta, PushKVMetadata()
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        # A request stays in _registered until it finishes, so a recompute after
+        # a failed load never registers (or waits) a second time.
+        for rid in getattr(output, "finished_recving", None) or ():
+            self._waiting.pop(rid, None)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._local_hit.pop(rid, None)
+        p = TransferParams.parse(compat.kv_transfer_params(request))
+        if p is None:
+            return False, None
+        if p.prefill_side:
+            if compat.finished_normally(request) and block_ids:
+                self.client.submit(
+                    Call(
+                        "prefill_done",
+                        rid,
+                        p.transfer_id,
+                        self.engine_id,
+                        block_tuple(block_ids),
+                        compat.prompt_len(request),
+                    )
+                )
+                self._meta.send.append((rid, p.transfer_id))
+                return True, {"transfer_id": p.transfer_id}
+            self.client.submit(
+                Call("cancel", rid, p.transfer_id, reason="prefill request ended without KV")
+            )
+            return False, None
+        if rid in self._waiting:
+            # Aborted while waiting: vLLM keeps the blocks until a worker reports
+            # the request as received, which happens once no WRITE can land.
+            self.client.submit(Call("cancel", rid, p.transfer_id, reason="decode request aborted"))
+        self._registered.discard(rid)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,44 @@
+"""Typed settings parsed once from `kv_connector_extra_config`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    # host:port of the pushkv coordinator (required).
+    coordinator: str
+    # This engine's OpenAI API base URL, published to routers via ListEngines.
+    api_url: str = ""
+    # How long worker start-up waits for the first registration with the coordinator.
+    register_timeout_s: float = 60.0
+    # Per-call deadline of the scheduler's coordinator RPCs.
+    rpc_timeout_s: float = 5.0
+    # On an engine step with nothing scheduled, the worker waits up to this long
+    # for an agent event instead of letting the engine spin (0 disables).
+    idle_wait_ms: float = 5.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        if not extra.get("coordinator"):
+            raise ValueError("kv_connector_extra_config.coordinator (host:port) is required")
+        values: dict[str, Any] = {}
+        for name, raw in extra.items():
+            f = known[name]
+            try:
+                values[name] = (
+                    type(f.default)(raw) if f.default is not dataclasses.MISSING else str(raw)
+                )
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config.{name}: bad value {raw!r}") from None
+        return cls(**values)

@@ -1,0 +1,218 @@
+"""The connector's worker half (runs in every vLLM worker rank).
+
+`register_kv_caches` hands the KV memory to an embedded agent (which owns a
+NIXL thread and a coordinator-stream thread). Each step the worker maps the
+agent's events to vLLM's completion sets; nothing here waits on the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.events import EventKind, HostEvent
+from agent.nixl_adapter import KVRegion, MemoryKind
+from agent.runtime import Agent, AgentConfig, AgentRole
+from vllm_integration.metadata import PushKVMetadata
+from vllm_integration.settings import ConnectorSettings
+
+log = logging.getLogger("pushkv.connector")
+
+
+@dataclass(slots=True)
+class _Recv:
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
+    """Regions of each layer's cache: one per index of the dims before the block dim.
+
+    Covers [num_blocks, ...] (CPU, FlashInfer) and [2, num_blocks, ...] (FlashAttention).
+    Block b of every region must be one contiguous span of `block_len` bytes.
+    """
+    regions: list[KVRegion] = []
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
+        try:
+            dim = shape.index(num_blocks)
+        except ValueError:
+            raise ValueError(f"{name}: no dimension of size {num_blocks} in {shape}") from None
+        inner = 1
+        for s in shape[dim + 1 :]:
+            inner *= s
+        if strides[dim] != inner or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: blocks are not contiguous (shape {shape}, strides {strides})"
+            )
+        block_len = inner * elem
+        outer = 1
+        for s in shape[:dim]:
+            outer *= s
+        device = (t.device.index or 0) if t.device.type != "cpu" else 0
+        base = t.data_ptr()
+        for i in range(outer):  # contiguous: outer slice i starts i * (all its blocks) later
+            regions.append(
+                KVRegion(base + i * num_blocks * block_len, block_len, num_blocks, device)
+            )
+    return tuple(regions)
+
+
+class PushWorkerHalf:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        engine_id: str,
+        is_prefill: bool,
+        tp_rank: int,
+        tp_size: int,
+        tokens_per_block: int,
+        num_blocks: int,
+        compat_key: str,
+    ) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.is_prefill = is_prefill
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tokens_per_block = tokens_per_block
+        self.num_blocks = num_blocks
+        self.compat_key = compat_key
+        self.agent: Agent | None = None
+        self._recv: dict[str, _Recv] = {}  # transfer id -> decode request waiting
+        self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
+        self._early: dict[str, HostEvent] = {}  # events that came before the mapping
+        self._sched_finished: set[str] = set()  # prefill requests vLLM has finished
+        self._free_ready: set[str] = set()  # prefill requests whose blocks may be freed
+        self._recving_done: set[str] = set()
+        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        regions = regions_of(kv_caches, self.num_blocks)
+        first = next(iter(kv_caches.values()))
+        memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
+        digest = hashlib.sha256(
+            (self.compat_key + repr([r.block_len for r in regions])).encode()
+        ).hexdigest()[:16]
+        cfg = AgentConfig(
+            coordinator=self.settings.coordinator,
+            engine_id=self.engine_id,
+            role=AgentRole.PREFILL if self.is_prefill else AgentRole.DECODE,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            tokens_per_block=self.tokens_per_block,
+            regions=regions,
+            memory=memory,
+            compat_hash=digest,
+            api_url=self.settings.api_url,
+        )
+        self.agent = Agent(cfg)
+        self.agent.start()
+        if not self.agent.wait_registered(self.settings.register_timeout_s):
+            log.warning(
+                "pushkv agent %s/%d not registered with %s after %.0f s; "
+                "it keeps retrying in the background",
+                self.engine_id,
+                self.tp_rank,
+                self.settings.coordinator,
+                self.settings.register_timeout_s,
+            )
+        log.info(
+            "pushkv agent %s ready: %d KV regions, %d blocks of %d tokens",
+            cfg.agent_name,
+            len(regions),
+            self.num_blocks,
+            self.tokens_per_block,
+        )
+
+    # ------------------------------------------------------------ per step
+    def start_load_kv(self, meta: PushKVMetadata | None) -> None:
+        if meta is None:
+            return
+        expect = []
+        for spec in meta.recv:
+            self._recv[spec.transfer_id] = _Recv(spec.request_id, spec.block_ids)
+            expect.append(spec.transfer_id)
+        for spec in meta.fail:
+            self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
+        for rid, tid in meta.send:
+            self._send[tid] = rid
+        if expect and self.agent is not None:
+            self.agent.expect(expect)
+        for tid in [t for t in self._early if t in self._recv or t in self._send]:
+            self._apply(self._early.pop(tid))
+
+    def get_finished(
+        self, finished_req_ids: set[str], idle: bool
+    ) -> tuple[set[str] | None, set[str] | None]:
+        self._sched_finished |= finished_req_ids
+        if self.agent is not None:
+            events = self.agent.poll_events()
+            waiting = bool(self._recv or self._send)
+            if not events and idle and waiting and self.settings.idle_wait_ms > 0:
+                # Nothing scheduled and transfers pending: wait on the agent
+                # instead of letting the engine loop spin on an empty step.
+                e = self.agent.wait_event(self.settings.idle_wait_ms / 1000)
+                events = [e] if e else []
+                events += self.agent.poll_events()
+            for e in events:
+                self._apply(e)
+        sending = self._free_ready & self._sched_finished
+        self._free_ready -= sending
+        self._sched_finished -= sending
+        recving, self._recving_done = self._recving_done, set()
+        return (sending or None), (recving or None)
+
+    def take_failed(self) -> set[str]:
+        """Requests among the last finished_recving whose KV did not arrive."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------ events
+    def _apply(self, e: HostEvent) -> None:
+        tid = e.transfer_id
+        if e.kind is EventKind.BLOCKS_FREE:
+            rid = self._send.pop(tid, None)
+            if rid is None:
+                self._remember_early(e)
+                return
+            self._free_ready.add(rid)
+            return
+        recv = self._recv.get(tid)
+        if recv is None:
+            self._remember_early(e)
+            return
+        if e.kind is EventKind.KV_READY:
+            del self._recv[tid]
+            self._recving_done.add(recv.request_id)
+        elif e.kind is EventKind.KV_FAILED:
+            self._fail(tid, recv.request_id, recv.block_ids, e.detail)
+
+    def _fail(self, tid: str, rid: str, block_ids: tuple[int, ...], detail: str = "") -> None:
+        self._recv.pop(tid, None)
+        log.warning(
+            "KV for request %s (transfer %s) did not arrive: %s", rid, tid, detail or "refused"
+        )
+        self._load_errors.update(block_ids)
+        self._failed.add(rid)
+        self._recving_done.add(rid)
+
+    def _remember_early(self, e: HostEvent) -> None:
+        self._early[e.transfer_id] = e
+        if len(self._early) > 100_000:  # bounded: forget the oldest
+            self._early.pop(next(iter(self._early)))
+
+    def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
