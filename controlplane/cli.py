@@ -81,9 +81,13 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from agent.demo import run
+    if args.dataplane:
+        from agent.demo import run
 
-    return run(transfers=args.transfers)
+        return run(transfers=args.transfers)
+    from vllm_integration.demo import run as run_vllm
+
+    return run_vllm(requests=args.requests)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
@@ -101,7 +105,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator
 
-    d = sub.add_parser("demo", help="run the local demo on embedded defaults")
+    d = sub.add_parser("demo", help="run the local 1P1D demo on embedded defaults")
+    d.add_argument("--requests", type=int, default=12, help="concurrent requests (1P1D demo)")
+    d.add_argument(
+        "--dataplane", action="store_true", help="run the data-plane-only demo (KV hosts, no vLLM)"
+    )
     d.add_argument("--transfers", type=int, default=8, help="transfers per arrival order")
     d.add_argument("--log-level", default="WARNING")
     handlers["demo"] = _cmd_demo

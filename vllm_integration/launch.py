@@ -7,6 +7,7 @@ worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,15 +55,30 @@ class VllmServer:
         if not self.port:
             self.port = free_port()
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(max(self.max_model_len, 1024)),
-            "--block-size", str(self.block_size),
-            "--dtype", "float32", "--enforce-eager",
-            "--seed", "0",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(max(self.max_model_len, 1024)),
+            "--block-size",
+            str(self.block_size),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--seed",
+            "0",
             *self.extra_args,
         ]
         if self.kv_transfer_config is not None:
@@ -98,7 +114,9 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)  # polling a child process's HTTP port
-        raise TimeoutError(f"vLLM server {self.name} not healthy in {timeout} s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"vLLM server {self.name} not healthy in {timeout} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, n: int = 60) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -118,10 +136,8 @@ class VllmServer:
             self.proc.wait(timeout)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(10)
 
 
@@ -158,11 +174,22 @@ class RouterProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, wait_engines: bool = True, timeout: float = 60.0) -> RouterProcess:
-        cmd = [sys.executable, "-m", "controlplane.cli", "router", "--coordinator",
-               self.coordinator, "--port", str(self.port), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "controlplane.cli",
+            "router",
+            "--coordinator",
+            self.coordinator,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "WARNING",
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,516 @@
+"""PushKVConnector's SCHEDULER half inside a REAL vLLM 0.32 Scheduler.
+
+What is real: the vLLM ``Scheduler``/``KVCacheManager``/``Request`` (built by
+tests/vllm_harness.py), the connector loaded by ``KVConnectorFactory`` from
+``kv_connector_module_path``, and a coordinator process the connector's client
+thread talks gRPC to.  The engines' agents are ``SimAgent``s (real agent
+streams, no NIXL): the coordinator only accepts block reports from engines
+whose agents registered.  The worker is played by the harness (`step` feeds
+``KVConnectorOutput`` back as the aggregated workers would).
+"""
+
+from __future__ import annotations
+
+import queue
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from controlplane.launch import CoordinatorProcess
+from tests.sim_agent import SimAgent
+from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.vllm_harness import (
+    kv_output,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    num_free_blocks,
+    prompt_tokens,
+    step,
+)
+from vllm_integration.client import Call, CoordinatorClient, Result
+from vllm_integration.connector import PushKVConnector
+from vllm_integration.metadata import PushKVMetadata, RecvSpec
+
+BLOCK = 16  # matches the SimAgent layout's tokens_per_block
+DEADLINE_S = 10.0
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def coord() -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess("--log-level", "WARNING").start()
+    yield c
+    c.stop()
+
+
+@dataclass
+class Stubs:
+    status: pbg.StatusServiceAsyncStub
+    transfers: pbg.TransferServiceAsyncStub
+
+
+@pytest.fixture
+async def stubs(coord: CoordinatorProcess) -> AsyncIterator[Stubs]:
+    channel = grpc.aio.insecure_channel(coord.address)
+    yield Stubs(pbg.StatusServiceStub(channel), pbg.TransferServiceStub(channel))  # type: ignore[arg-type]
+    await channel.close()
+
+
+@dataclass
+class Spy:
+    """Records the connector's request_finished results and coordinator calls."""
+
+    finished: dict[str, tuple[RequestStatus, list[int], tuple[bool, dict[str, Any] | None]]] = (
+        field(default_factory=dict)
+    )
+    calls: list[Call] = field(default_factory=list)
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    config: VllmConfig
+    scheduler: Scheduler
+    agent: SimAgent | None
+    spy: Spy
+
+    @property
+    def connector(self) -> PushKVConnector:
+        conn = self.scheduler.connector
+        assert isinstance(conn, PushKVConnector)
+        return conn
+
+    @property
+    def client(self) -> CoordinatorClient:
+        half = self.connector._scheduler
+        assert half is not None
+        return half.client
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    def wait_result(self, kind: str, timeout: float = DEADLINE_S) -> Result:
+        """Block until the client thread has a result of `kind` queued; leave it there.
+
+        build_connector_meta drains results without waiting, so a test waits
+        here first to make the next step deterministic.
+        """
+        held: list[Result] = []
+        try:
+            while True:
+                r = self.client.results.get(timeout=timeout)
+                held.append(r)
+                if r.call.kind == kind:
+                    return r
+        except queue.Empty:
+            raise AssertionError(f"no {kind!r} result within {timeout} s") from None
+        finally:
+            for r in held:
+                self.client.results.put(r)
+
+
+def _spy(conn: PushKVConnector, spy: Spy) -> None:
+    orig_finished = conn.request_finished
+
+    def request_finished(request: Request, block_ids: list[int]) -> Any:
+        result = orig_finished(request, block_ids)
+        spy.finished[request.request_id] = (request.status, list(block_ids), result)
+        return result
+
+    conn.request_finished = request_finished  # type: ignore[method-assign]
+    half = conn._scheduler
+    assert half is not None
+    orig_submit = half.client.submit
+
+    def submit(call: Call) -> None:
+        spy.calls.append(call)
+        orig_submit(call)
+
+    half.client.submit = submit  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def engine(
+    coord: CoordinatorProcess,
+    model_dir: Path,
+    role: str,
+    *,
+    register_agent: bool = True,
+    **config: Any,
+) -> AsyncIterator[Engine]:
+    """A scheduler with PushKVConnector for a fresh engine id (its agent registered)."""
+    engine_id = f"{'dec' if role == 'kv_consumer' else 'pre'}-{uuid.uuid4().hex[:8]}"
+    agent = None
+    if register_agent:
+        agent_role = "decode" if role == "kv_consumer" else "prefill"
+        agent = SimAgent(coord.address, engine_id, agent_role, heartbeat_interval=0.5)
+        await agent.start()
+    cfg = make_vllm_config(
+        model_dir,
+        connector_module="vllm_integration.connector",
+        connector_name="PushKVConnector",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_connector_extra_config={"coordinator": coord.address},
+        block_size=BLOCK,
+        **config,
+    )
+    sched = make_scheduler(cfg, num_blocks=64)
+    eng = Engine(engine_id, cfg, sched, agent, Spy())
+    _spy(eng.connector, eng.spy)
+    try:
+        yield eng
+    finally:
+        sched.shutdown()
+        if agent is not None:
+            await agent.close()
+
+
+async def wait_transfer(
+    stubs: Stubs,
+    transfer_id: str,
+    done: Callable[[pb.TransferStatus], bool],
+    timeout: float = DEADLINE_S,
+) -> pb.TransferStatus:
+    """Watch the coordinator until the transfer satisfies `done` (deadline: `timeout`)."""
+    last: pb.TransferStatus | None = None
+    call = stubs.status.WatchTransfers(
+        pb.WatchTransfersRequest(include_existing=True), timeout=timeout
+    )
+    try:
+        async for ev in call:
+            if ev.transfer.transfer_id == transfer_id:
+                last = ev.transfer
+                if done(last):
+                    return last
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+    finally:
+        call.cancel()
+    raise AssertionError(f"transfer {transfer_id} did not get there in {timeout} s; last: {last}")
+
+
+def in_state(state: int) -> Callable[[pb.TransferStatus], bool]:
+    return lambda t: t.state == state
+
+
+def decode_params(tid: str) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "transfer_id": tid}
+
+
+def prefill_params(tid: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "transfer_id": tid}
+
+
+def new_tid() -> str:
+    return f"tx-{uuid.uuid4().hex}"
+
+
+def _status(req: Request) -> RequestStatus:
+    """Through a call, so type checkers do not narrow the status across steps."""
+    return req.status
+
+
+def _meta(sched_out: Any) -> PushKVMetadata:
+    meta = sched_out.kv_connector_metadata
+    assert isinstance(meta, PushKVMetadata)
+    return meta
+
+
+# ---------------------------------------------------------------- decode side
+
+
+async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(coord, tiny_model_dir, "kv_consumer") as eng:
+        tid = new_tid()
+        req = make_request(
+            "d1", prompt_tokens(40), eng.config, max_tokens=2, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        # The whole uncached prompt, loaded asynchronously.
+        assert eng.connector.get_num_new_matched_tokens(req, 0) == (40, True)
+
+        sched_out, _ = step(eng.scheduler)
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert sched_out.total_num_scheduled_tokens == 0
+        blocks = eng.blocks_of("d1")
+        assert len(blocks) == 3  # 16 + 16 + 8 tokens
+        meta = _meta(sched_out)
+        assert meta.recv == [RecvSpec("d1", tid, tuple(blocks))]
+        assert meta.fail == [] and meta.send == []
+        assert meta.idle  # nothing was scheduled in this step
+
+        # Registration runs on the client thread; the coordinator sees it soon.
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
+        assert t.decode_engine_id == eng.engine_id
+        assert [list(g.ids) for g in t.decode_blocks] == [blocks]
+        assert t.num_tokens == 40
+        assert eng.wait_result("register").state == pb.TRANSFER_STATE_REGISTERED
+
+        # Accepted: later steps carry nothing new and the request keeps waiting.
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).recv == [] and _meta(sched_out).fail == []
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert [c.kind for c in eng.spy.calls] == ["register"]
+
+        # The worker reports the KV in; the request runs its last prompt token.
+        step(eng.scheduler, connector_output=kv_output(finished_recving={"d1"}))
+        sched_out, _ = step(eng.scheduler)
+        assert _status(req) == RequestStatus.RUNNING
+        assert sched_out.num_scheduled_tokens == {"d1": 1}
+        assert _meta(sched_out).recv == []  # the second alloc registers nothing
+        step(eng.scheduler)
+        assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert eng.spy.finished["d1"][2] == (False, None)
+        assert [c.kind for c in eng.spy.calls] == ["register"]  # no Cancel after success
+
+
+async def test_decode_with_local_prefix_hit_registers_only_the_tail(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(coord, tiny_model_dir, "kv_consumer") as eng:
+        prompt = prompt_tokens(40, seed=7)
+        # A plain local request with the same prompt leaves two full blocks cached.
+        warm = make_request("warm", prompt, eng.config, max_tokens=1)
+        eng.scheduler.add_request(warm)
+        step(eng.scheduler)
+        assert _status(warm) == RequestStatus.FINISHED_LENGTH_CAPPED
+
+        tid = new_tid()
+        req = make_request(
+            "d2", prompt, eng.config, max_tokens=1, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        sched_out, _ = step(eng.scheduler)
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        blocks = eng.blocks_of("d2")
+        unhashed = eng.scheduler.kv_cache_manager.get_blocks("d2").get_unhashed_block_ids()
+        assert len(blocks) == 3 and unhashed == blocks[2:]
+        # Only the 8-token tail block is claimed and registered.
+        assert req.num_computed_tokens == 40
+        assert _meta(sched_out).recv == [RecvSpec("d2", tid, (blocks[2],))]
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
+        assert [list(g.ids) for g in t.decode_blocks] == [blocks[2:]]
+        assert t.num_tokens == 40
+
+
+async def test_decode_abort_while_waiting_cancels_and_holds_blocks_until_recved(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(coord, tiny_model_dir, "kv_consumer") as eng:
+        assert eng.agent is not None
+        free0 = num_free_blocks(eng.scheduler)
+        tid = new_tid()
+        req = make_request(
+            "d3", prompt_tokens(40), eng.config, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        blocks = eng.blocks_of("d3")
+        await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
+
+        eng.scheduler.finish_requests("d3", RequestStatus.FINISHED_ABORTED)
+        status, finished_blocks, result = eng.spy.finished["d3"]
+        assert status == RequestStatus.FINISHED_ABORTED
+        assert finished_blocks == blocks and result == (False, None)
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert t.reason == pb.REASON_CANCELLED
+        assert "decode request aborted" in t.detail
+        assert not t.write_may_land
+        # The decode engine's agent is told, so its worker can report the id.
+        notice = await eng.agent.expect("notice", skip=("peer",))
+        assert notice.transfer_id == tid and notice.state == pb.TRANSFER_STATE_CANCELLED
+        assert not notice.write_may_land
+
+        # vLLM keeps the blocks while the load may still land, however many steps pass.
+        for _ in range(3):
+            step(eng.scheduler)
+            assert "d3" in eng.scheduler.requests
+            assert num_free_blocks(eng.scheduler) == free0 - 3
+        assert eng.scheduler.has_requests()
+
+        step(eng.scheduler, connector_output=kv_output(finished_recving={"d3"}))
+        assert "d3" not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+        assert not eng.scheduler.has_requests()
+        assert [c.kind for c in eng.spy.calls] == ["register", "cancel"]
+
+
+@pytest.mark.parametrize("why", ["cancelled_first", "engine_not_registered"])
+async def test_decode_registration_refused_fails_the_load(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, why: str
+) -> None:
+    tid = new_tid()
+    async with engine(
+        coord, tiny_model_dir, "kv_consumer", register_agent=why == "cancelled_first"
+    ) as eng:
+        if why == "cancelled_first":
+            await stubs.transfers.Cancel(
+                pb.CancelRequest(transfer_id=tid, reason="client went away"), timeout=5
+            )
+        free0 = num_free_blocks(eng.scheduler)
+        req = make_request(
+            "d4", prompt_tokens(40), eng.config, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        sched_out, _ = step(eng.scheduler)
+        spec = RecvSpec("d4", tid, tuple(eng.blocks_of("d4")))
+        assert _meta(sched_out).recv == [spec]
+
+        result = eng.wait_result("register")
+        if why == "cancelled_first":
+            assert result.ok and result.state == pb.TRANSFER_STATE_CANCELLED
+        else:
+            assert not result.ok and "FAILED_PRECONDITION" in result.error
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).fail == [spec]
+        assert _meta(sched_out).recv == []
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).fail == []  # reported once
+
+        # The worker turns `fail` into failed_recving + finished_recving: the request
+        # errors out (default policy "fail") and its blocks are freed.
+        _, outputs = step(
+            eng.scheduler,
+            connector_output=kv_output(failed_recving={"d4"}, finished_recving={"d4"}),
+        )
+        assert _status(req) == RequestStatus.FINISHED_ERROR
+        (out,) = outputs[0].outputs
+        assert str(out.finish_reason) == "error"
+        assert "d4" not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+        if why == "cancelled_first":
+            t = (await stubs.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid))).state
+            assert t == pb.TRANSFER_STATE_CANCELLED
+
+
+# ---------------------------------------------------------------- prefill side
+
+
+async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(coord, tiny_model_dir, "kv_producer") as eng:
+        free0 = num_free_blocks(eng.scheduler)
+        tid = new_tid()
+        req = make_request(
+            "p1", prompt_tokens(33), eng.config, max_tokens=1, kv_transfer_params=prefill_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        assert eng.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched_out, outputs = step(eng.scheduler)
+        assert sched_out.num_scheduled_tokens == {"p1": 33}  # computed locally
+        assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
+        status, blocks, result = eng.spy.finished["p1"]
+        assert status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert len(blocks) == 3
+        assert result == (True, {"transfer_id": tid})
+        (out,) = outputs[0].outputs
+        assert out.kv_transfer_params == {"transfer_id": tid}
+
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_PREFILL_DONE))
+        assert t.prefill_engine_id == eng.engine_id
+        assert [list(g.ids) for g in t.prefill_blocks] == [blocks]
+        assert t.num_tokens == 33
+
+        # The next step tells the worker which blocks it holds for which transfer.
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).send == [("p1", tid)]
+        assert "p1" in sched_out.finished_req_ids
+        for _ in range(2):
+            step(eng.scheduler)
+            assert "p1" in eng.scheduler.requests
+            assert num_free_blocks(eng.scheduler) == free0 - 3
+        assert eng.scheduler.has_requests()
+
+        step(eng.scheduler, connector_output=kv_output(finished_sending={"p1"}))
+        assert "p1" not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+        assert not eng.scheduler.has_requests()
+        assert [c.kind for c in eng.spy.calls] == ["prefill_done"]
+
+
+async def test_aborted_prefill_leg_cancels_and_frees_at_once(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    # 32 tokens per step: a 40-token prompt is still mid-prefill after one step.
+    async with engine(
+        coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32
+    ) as eng:
+        free0 = num_free_blocks(eng.scheduler)
+        tid = new_tid()
+        req = make_request(
+            "p2", prompt_tokens(40), eng.config, max_tokens=1, kv_transfer_params=prefill_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        assert _status(req) == RequestStatus.RUNNING
+        assert req.num_computed_tokens == 32
+
+        eng.scheduler.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
+        status, blocks, result = eng.spy.finished["p2"]
+        assert status == RequestStatus.FINISHED_ABORTED
+        assert len(blocks) == 2
+        assert result == (False, None)
+        assert "p2" not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert "prefill request ended without KV" in t.detail
+        assert [c.kind for c in eng.spy.calls] == ["cancel"]
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).send == []
+
+
+# ---------------------------------------------------------------- other requests
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+async def test_requests_without_pushkv_params_are_untouched(
+    coord: CoordinatorProcess, tiny_model_dir: Path, role: str
+) -> None:
+    async with engine(coord, tiny_model_dir, role) as eng:
+        variants: list[dict[str, Any] | None] = [
+            None,
+            {"do_remote_prefill": True},  # no transfer id: not a pushkv transfer
+            {"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "tx-1"},
+            {"transfer_id": "tx-2"},
+        ]
+        reqs = [
+            make_request(f"n{i}", prompt_tokens(24, seed=i), eng.config, max_tokens=2,
+                         kv_transfer_params=params)
+            for i, params in enumerate(variants)
+        ]
+        for r in reqs:
+            eng.scheduler.add_request(r)
+            assert eng.connector.get_num_new_matched_tokens(r, 0) == (0, False)
+        free0 = num_free_blocks(eng.scheduler)
+        for _ in range(2):
+            sched_out, _ = step(eng.scheduler)
+            meta = _meta(sched_out)
+            assert meta.recv == [] and meta.fail == [] and meta.send == []
+        assert sorted(sched_out.num_scheduled_tokens) == [f"n{i}" for i in range(len(reqs))]
+        for r in reqs:
+            assert _status(r) == RequestStatus.FINISHED_LENGTH_CAPPED
+            assert eng.spy.finished[r.request_id][2] == (False, None)
+            assert r.request_id not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+        assert eng.spy.calls == []
