@@ -54,12 +54,16 @@ def run(transfers: int = 8) -> int:
                 decode.call("canary", 0xAB)
                 prefill.fill(src, seed=i)
                 register = pb.RegisterDecodeBlocksRequest(
-                    transfer_id=tid, decode_engine_id="decode-0",
-                    block_ids=[pb.BlockIds(ids=dst)], num_tokens=num_tokens,
+                    transfer_id=tid,
+                    decode_engine_id="decode-0",
+                    block_ids=[pb.BlockIds(ids=dst)],
+                    num_tokens=num_tokens,
                 )
                 done = pb.ReportPrefillDoneRequest(
-                    transfer_id=tid, prefill_engine_id="prefill-0",
-                    block_ids=[pb.BlockIds(ids=src)], num_tokens=num_tokens,
+                    transfer_id=tid,
+                    prefill_engine_id="prefill-0",
+                    block_ids=[pb.BlockIds(ids=src)],
+                    num_tokens=num_tokens,
                 )
                 decode.call("expect", [tid])
                 started = time.monotonic()

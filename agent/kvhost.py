@@ -37,6 +37,10 @@ class HostSpec:
     num_regions: int = 2
     tokens_per_block: int = 16
     incarnation: str = ""
+    api_url: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -48,6 +52,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
     from agent.nixl_adapter import KVRegion
     from agent.runtime import Agent, AgentConfig, AgentRole
+    from controlplane.tls import TLSFiles
 
     pool = np.zeros((spec.num_regions, spec.num_blocks * spec.block_len), dtype=np.uint8)
     pool[:] = 0  # touch every page before anything is timed
@@ -66,6 +71,9 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
+    cfg = dataclasses.replace(
+        cfg, api_url=spec.api_url, tls=TLSFiles(spec.tls_ca, spec.tls_cert, spec.tls_key)
+    )
     agent = Agent(cfg)
     try:
         agent.start(wait_registered_s=30)

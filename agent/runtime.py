@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.dataplane import DataPlane
@@ -20,6 +21,8 @@ from agent.link import ChannelFactory, CoordinatorLink
 from agent.messages import ExpectMsg, PauseMsg
 from agent.nixl_adapter import KVRegion, MemoryKind, NixlEndpoint
 from controlplane.protocol import PROTOCOL_VERSION
+from controlplane.tls import TLSFiles
+from controlplane.tls import channel as tls_channel
 
 
 class AgentRole(enum.Enum):
@@ -39,6 +42,8 @@ class AgentConfig:
     memory: MemoryKind = MemoryKind.DRAM
     compat_hash: str = ""
     api_url: str = ""
+    # mTLS to the coordinator; the certificate's CN must be "engine:<engine_id>".
+    tls: TLSFiles = field(default_factory=TLSFiles)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -51,6 +56,13 @@ class Agent:
         self.config = config
         self._events: queue.Queue[HostEvent] = queue.Queue()
         self._link: CoordinatorLink | None = None
+        if channel_factory is None and config.tls.enabled:
+            config.tls.check()
+            tls = config.tls
+
+            def channel_factory(address: str) -> grpc.Channel:
+                return tls_channel(address, tls)
+
         self._channel_factory = channel_factory
         self._dataplane = DataPlane(
             self._make_endpoint,

@@ -269,6 +269,7 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
 
     returned: dict[str, float] = {}
     errors: dict[str, int] = {}
+    first_detail: dict[str, str] = {}
 
     async def one(tid: str, both: bool) -> None:
         start = time.monotonic()
@@ -282,6 +283,7 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
             returned[tid] = max(await asyncio.gather(t1, t2))
         except grpc.aio.AioRpcError as exc:
             errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+            first_detail.setdefault(exc.code().name, str(exc.details()))
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)
@@ -310,6 +312,9 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
             t_end = time.monotonic()
             if pending:
                 await asyncio.wait(pending)
+            for code, detail in first_detail.items():
+                print(f"client {client_id}: {code}: {detail}", file=sys.stderr, flush=True)
+            first_detail.clear()
             conn.send((t0, t_end, issued, dropped, dict(returned), dict(errors)))
         elif cmd[0] == "fill":
             _, prefix, count, concurrency = cmd

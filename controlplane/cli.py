@@ -41,6 +41,22 @@ def _add_core_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, type=type(f.default), default=default, help=f"default {f.default}")
 
 
+def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mutual TLS (all three, or none for insecure dev mode)")
+    g.add_argument("--tls-ca", default=_env("tls_ca", ""), help="CA certificate (PEM)")
+    g.add_argument("--tls-cert", default=_env("tls_cert", ""), help="this side's certificate")
+    g.add_argument("--tls-key", default=_env("tls_key", ""), help="this side's private key")
+
+
+def _tls(args: argparse.Namespace) -> Any:
+    from controlplane.tls import TLSFiles
+
+    files = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key)
+    if files.enabled or files.key:
+        files.check()
+    return files
+
+
 def _core_settings(args: argparse.Namespace) -> CoreSettings:
     return CoreSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CoreSettings)})
 
@@ -56,6 +72,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
         port_file=args.port_file,
+        tls=_tls(args),
         core=_core_settings(args),
     )
     asyncio.run(serve(settings))
@@ -80,6 +97,33 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dev_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from controlplane.devpki import make_pki
+
+    paths = make_pki(
+        Path(args.out_dir),
+        engines=args.engine,
+        operators=args.operator or ["ops"],
+        hosts=args.host or ["localhost", "127.0.0.1"],
+    )
+    for cn, path in paths.items():
+        sys.stdout.write(f"{cn:24s} {path} (+ .key)\n")
+    sys.stdout.write(f"{'CA':24s} {Path(args.out_dir) / 'ca.pem'}\n")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "dataplane":
+        from agent.bench_dataplane import main as bench_dataplane
+
+        return bench_dataplane(args.rest)
+    from controlplane.bench_coordinator import main as bench_coordinator
+
+    return bench_coordinator(args.rest)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.dataplane:
         from agent.demo import run
@@ -102,6 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     c.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", 5.0))
     c.add_argument("--port-file", default="", help="write the bound port here (with --port 0)")
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
+    _add_tls_flags(c)
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator
 
@@ -120,7 +165,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument("--port", type=int, default=_env("router_port", 8000))
     r.add_argument("--leg-timeout-s", type=float, default=_env("leg_timeout_s", 600.0))
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
+    _add_tls_flags(r)
     handlers["router"] = _cmd_router
+
+    k = sub.add_parser("dev-certs", help="write a throw-away CA and mTLS certificates")
+    k.add_argument("out_dir")
+    k.add_argument("--engine", action="append", default=[], help="engine id (repeatable)")
+    k.add_argument("--operator", action="append", default=[], help="operator name (repeatable)")
+    k.add_argument("--host", action="append", default=[], help="server host/IP (repeatable)")
+    handlers["dev-certs"] = _cmd_dev_certs
+
+    b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
+    b.add_argument("which", choices=["dataplane", "coordinator"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    handlers["bench"] = _cmd_bench
 
     for name, register in _EXTRA_COMMANDS:
         handlers[name] = register(sub)

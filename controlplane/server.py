@@ -15,11 +15,13 @@ from grpc_reflection.v1alpha import reflection
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
+from controlplane.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -37,6 +39,8 @@ class ServerSettings:
     shutdown_grace_s: float = 5.0
     # When set, the bound port is written here once serving (useful with port 0).
     port_file: str = ""
+    # Mutual TLS on every channel; without it the coordinator trusts every caller.
+    tls: TLSFiles = field(default_factory=TLSFiles)
     core: CoreSettings = field(default_factory=CoreSettings)
 
 
@@ -67,15 +71,21 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=opts)
-    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime), server)
-    pbg.add_TransferServiceServicer_to_server(TransferServicer(runtime), server)
+    authz = Authorizer(tls_enabled=settings.tls.enabled)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz)], options=opts)
+    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime, authz), server)
+    pbg.add_TransferServiceServicer_to_server(TransferServicer(runtime, authz), server)
     pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls.enabled:
+        port = server.add_secure_port(address, settings.tls.server_credentials())
+    else:
+        log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
     await server.start()

@@ -13,9 +13,11 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import convert
+from controlplane.auth import Authorizer, Kind
 from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     PushKVError,
     ResourceExhausted,
 )
@@ -32,8 +34,9 @@ MAX_LIST_LIMIT = 10_000
 
 
 class TransferServicer(pbg.TransferServiceServicer):
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, authz: Authorizer) -> None:
         self._rt = rt
+        self._authz = authz
 
     async def BeginTransfer(
         self, request: pb.BeginTransferRequest, context: Ctx
@@ -47,6 +50,8 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
     ) -> pb.TransferStatus:
+        p = self._authz.principal(context)
+        self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
         t, effects = self._rt.core.register_decode(
             request.transfer_id,
             request.decode_engine_id,
@@ -62,6 +67,8 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def ReportPrefillDone(
         self, request: pb.ReportPrefillDoneRequest, context: Ctx
     ) -> pb.TransferStatus:
+        p = self._authz.principal(context)
+        self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
         t, effects = self._rt.core.prefill_done(
             request.transfer_id,
             request.prefill_engine_id,
@@ -73,6 +80,11 @@ class TransferServicer(pbg.TransferServiceServicer):
         return self._rt.status(t)
 
     async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
+        p = self._authz.principal(context)
+        if p.kind is Kind.ENGINE and self._rt.core.has_transfer(request.transfer_id):
+            known = self._rt.core.get(request.transfer_id)
+            if p.name not in (known.prefill_engine, known.decode_engine):
+                raise PermissionDenied(f"{p} is not part of transfer {request.transfer_id}")
         t, effects = self._rt.core.cancel(request.transfer_id, request.reason)
         self._rt.apply(effects)
         log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
@@ -135,8 +147,9 @@ class StatusServicer(pbg.StatusServiceServicer):
 
 
 class AgentServicer(pbg.AgentServiceServicer):
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, authz: Authorizer) -> None:
         self._rt = rt
+        self._authz = authz
 
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
@@ -153,6 +166,11 @@ class AgentServicer(pbg.AgentServiceServicer):
                 f"{PROTOCOL_VERSION}: upgrade the older side",
                 field="hello.protocol_version",
             )
+        self._authz.require_engine(
+            self._authz.principal(context),
+            first.hello.identity.engine_id,
+            field="hello.identity.engine_id",
+        )
         session = self._rt.open_session(convert.registration_from_pb(first.hello))
         broken: list[PushKVError] = []
 

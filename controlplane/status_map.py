@@ -10,6 +10,7 @@ import grpc
 import structlog
 
 from controlplane import errors
+from controlplane.auth import Authorizer
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -72,9 +73,12 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(
+    fn: Callable[..., Awaitable[Any]], rpc: str, authz: Authorizer
+) -> Callable[..., Awaitable[Any]]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            authz.check_method(authz.principal(context), rpc)
             _check(request)
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -86,10 +90,15 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], rpc: str) -> Callable[..., Aw
 
 
 def _wrap_stream(
-    fn: Callable[..., AsyncIterator[Any]], rpc: str, *, request_stream: bool = False
+    fn: Callable[..., AsyncIterator[Any]],
+    rpc: str,
+    authz: Authorizer,
+    *,
+    request_stream: bool = False,
 ) -> Callable[..., Any]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            authz.check_method(authz.principal(context), rpc)
             if request_stream:
                 request = _checked(request)
             else:
@@ -105,7 +114,11 @@ def _wrap_stream(
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Wraps every handler so a domain error aborts the call with its status code."""
+    """Wraps every pushkv handler: checks the caller may call the method, and
+    turns a domain error into its status code."""
+
+    def __init__(self, authz: Authorizer | None = None) -> None:
+        self._authz = authz or Authorizer(tls_enabled=False)
 
     async def intercept_service(
         self,
@@ -123,15 +136,17 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, rpc), **ser)
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, rpc, self._authz), **ser
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, rpc),  # type: ignore[arg-type]
+                _wrap_stream(handler.unary_stream, rpc, self._authz),  # type: ignore[arg-type]
                 **ser,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, rpc, request_stream=True),  # type: ignore[arg-type]
+                _wrap_stream(handler.stream_stream, rpc, self._authz, request_stream=True),  # type: ignore[arg-type]
                 **ser,
             )
         return handler

@@ -397,9 +397,35 @@ async def test_decode_registration_refused_fails_the_load(
         assert str(out.finish_reason) == "error"
         assert "d4" not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
-        if why == "cancelled_first":
-            t = (await stubs.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid))).state
-            assert t == pb.TRANSFER_STATE_CANCELLED
+        # The failed request also cancels the transfer, so a prefill side that
+        # reports later learns at once that nobody will take its KV.
+        assert [c.kind for c in eng.spy.calls] == ["register", "cancel"]
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        if why == "engine_not_registered":
+            assert "decode request ended before its KV arrived (FINISHED_ERROR)" in t.detail
+        else:
+            assert t.detail == "client went away"  # the first cancel wins
+
+
+async def test_decode_request_ended_before_scheduling_cancels_the_transfer(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    # E.g. the API server rejected the decode leg: vLLM adds and aborts a dummy
+    # request with the same kv_transfer_params; it never gets blocks.
+    async with engine(coord, tiny_model_dir, "kv_consumer") as eng:
+        tid = new_tid()
+        req = make_request(
+            "d5", [0], eng.config, max_tokens=1, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        eng.scheduler.finish_requests("d5", RequestStatus.FINISHED_ABORTED)
+        assert eng.spy.finished["d5"] == (RequestStatus.FINISHED_ABORTED, [], (False, None))
+        assert [c.kind for c in eng.spy.calls] == ["cancel"]
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert "decode request aborted before its KV arrived" in t.detail
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).recv == [] and _meta(sched_out).fail == []
+        assert not eng.scheduler.has_requests()
 
 
 # ---------------------------------------------------------------- prefill side
@@ -412,7 +438,11 @@ async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
         free0 = num_free_blocks(eng.scheduler)
         tid = new_tid()
         req = make_request(
-            "p1", prompt_tokens(33), eng.config, max_tokens=1, kv_transfer_params=prefill_params(tid)
+            "p1",
+            prompt_tokens(33),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
         )
         eng.scheduler.add_request(req)
         assert eng.connector.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -452,13 +482,15 @@ async def test_aborted_prefill_leg_cancels_and_frees_at_once(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
 ) -> None:
     # 32 tokens per step: a 40-token prompt is still mid-prefill after one step.
-    async with engine(
-        coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32
-    ) as eng:
+    async with engine(coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32) as eng:
         free0 = num_free_blocks(eng.scheduler)
         tid = new_tid()
         req = make_request(
-            "p2", prompt_tokens(40), eng.config, max_tokens=1, kv_transfer_params=prefill_params(tid)
+            "p2",
+            prompt_tokens(40),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
         )
         eng.scheduler.add_request(req)
         step(eng.scheduler)
@@ -480,6 +512,67 @@ async def test_aborted_prefill_leg_cancels_and_frees_at_once(
         assert _meta(sched_out).send == []
 
 
+@pytest.mark.parametrize("why", ["cancelled_first", "engine_not_registered"])
+async def test_prefill_done_refused_frees_the_blocks_at_once(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, why: str
+) -> None:
+    """No order will read the blocks and the agent is never told: free them now."""
+    tid = new_tid()
+    async with engine(
+        coord, tiny_model_dir, "kv_producer", register_agent=why == "cancelled_first"
+    ) as eng:
+        if why == "cancelled_first":  # e.g. the router cancelled: client gone
+            await stubs.transfers.Cancel(
+                pb.CancelRequest(transfer_id=tid, reason="client went away"), timeout=5
+            )
+        free0 = num_free_blocks(eng.scheduler)
+        req = make_request(
+            "p3",
+            prompt_tokens(33),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        assert eng.spy.finished["p3"][2] == (True, {"transfer_id": tid})
+        result = eng.wait_result("prefill_done")
+        if why == "cancelled_first":
+            assert result.ok and result.state == pb.TRANSFER_STATE_CANCELLED
+            assert not result.write_may_land
+        else:
+            assert result.refused and "FAILED_PRECONDITION" in result.error
+
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).send == [("p3", tid)]
+        assert _meta(sched_out).free == [("p3", tid)]
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).free == []  # once
+        step(eng.scheduler, connector_output=kv_output(finished_sending={"p3"}))
+        assert "p3" not in eng.scheduler.requests
+        assert num_free_blocks(eng.scheduler) == free0
+
+
+async def test_accepted_prefill_done_is_not_freed_early(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(coord, tiny_model_dir, "kv_producer") as eng:
+        tid = new_tid()
+        req = make_request(
+            "p4",
+            prompt_tokens(20),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        result = eng.wait_result("prefill_done")
+        assert result.ok and result.state == pb.TRANSFER_STATE_PREFILL_DONE
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).send == [("p4", tid)] and _meta(sched_out).free == []
+
+
 # ---------------------------------------------------------------- other requests
 
 
@@ -495,8 +588,13 @@ async def test_requests_without_pushkv_params_are_untouched(
             {"transfer_id": "tx-2"},
         ]
         reqs = [
-            make_request(f"n{i}", prompt_tokens(24, seed=i), eng.config, max_tokens=2,
-                         kv_transfer_params=params)
+            make_request(
+                f"n{i}",
+                prompt_tokens(24, seed=i),
+                eng.config,
+                max_tokens=2,
+                kv_transfer_params=params,
+            )
             for i, params in enumerate(variants)
         ]
         for r in reqs:
@@ -506,7 +604,7 @@ async def test_requests_without_pushkv_params_are_untouched(
         for _ in range(2):
             sched_out, _ = step(eng.scheduler)
             meta = _meta(sched_out)
-            assert meta.recv == [] and meta.fail == [] and meta.send == []
+            assert meta.recv == [] and meta.fail == [] and meta.send == [] and meta.free == []
         assert sorted(sched_out.num_scheduled_tokens) == [f"n{i}" for i in range(len(reqs))]
         for r in reqs:
             assert _status(r) == RequestStatus.FINISHED_LENGTH_CAPPED

@@ -16,6 +16,9 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from controlplane.tls import TLSFiles
+from controlplane.tls import channel as tls_channel
+
 log = logging.getLogger("pushkv.connector")
 
 
@@ -30,11 +33,30 @@ class Call:
     reason: str = ""
 
 
+# Error codes with which the coordinator refuses a call before recording anything.
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     call: Call
     state: int  # pb.TransferState; 0 when the call failed
     error: str = ""
+    # From the answer: a WRITE of this transfer may still be in flight.
+    write_may_land: bool = False
+    # The call was answered with an error that means nothing was recorded (as
+    # opposed to a transport failure, after which the outcome is unknown).
+    refused: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -46,8 +68,16 @@ class Result:
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, *, timeout_s: float = 5.0, attempts: int = 3) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 5.0,
+        attempts: int = 3,
+        tls: TLSFiles | None = None,
+    ) -> None:
         self._address = address
+        self._tls = tls
         self._timeout = timeout_s
         self._attempts = attempts
         self._calls: queue.Queue[Call | None] = queue.Queue()
@@ -71,7 +101,7 @@ class CoordinatorClient:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        channel = grpc.insecure_channel(self._address)
+        channel = tls_channel(self._address, self._tls)
         stub = pbg.TransferServiceStub(channel)
         try:
             while (call := self._calls.get()) is not None:
@@ -109,14 +139,14 @@ class CoordinatorClient:
                         pb.CancelRequest(transfer_id=c.transfer_id, reason=c.reason[:1000]),
                         timeout=self._timeout,
                     )
-                return Result(c, st.state)
+                return Result(c, st.state, write_may_land=st.write_may_land)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = exc.details() if hasattr(exc, "details") else str(exc)
                 last = f"{getattr(code, 'name', code)}: {details}"
                 # Only transport trouble is retried; the calls are idempotent.
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    break
+                    return Result(c, 0, last, refused=code in _REFUSALS)
                 log.warning(
                     "coordinator %s for %s failed (attempt %d): %s",
                     c.kind,

@@ -22,5 +22,9 @@ class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
     fail: list[RecvSpec] = field(default_factory=list)
     # Prefill: requests whose blocks are held until the agent frees them.
     send: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
+    # Prefill: held requests whose blocks no WRITE will ever read (the coordinator
+    # refused or had already ended the transfer): free them without waiting for
+    # the agent, which is never told about such a transfer.
+    free: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
     # Nothing was scheduled this step: the worker may wait briefly for events.
     idle: bool = False

@@ -24,6 +24,8 @@ from aiohttp import web
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from controlplane.tls import TLSFiles, aio_channel
+
 log = logging.getLogger("pushkv.router")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -39,6 +41,8 @@ class RouterSettings:
     leg_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     max_body_bytes: int = MAX_BODY_BYTES
+    # mTLS to the coordinator; the router's certificate CN is "router".
+    tls: TLSFiles = field(default_factory=TLSFiles)
 
 
 @dataclass(slots=True)
@@ -133,7 +137,7 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self._channel = grpc.aio.insecure_channel(settings.coordinator)
+        self._channel = aio_channel(settings.coordinator, settings.tls)
         self._transfers = pbg.TransferServiceStub(self._channel)
         self.directory = EngineDirectory(pbg.StatusServiceStub(self._channel), settings.refresh_s)
         self._http: aiohttp.ClientSession | None = None

@@ -27,7 +27,9 @@ class PushSchedulerHalf:
     def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
-        self.client = CoordinatorClient(settings.coordinator, timeout_s=settings.rpc_timeout_s)
+        self.client = CoordinatorClient(
+            settings.coordinator, timeout_s=settings.rpc_timeout_s, tls=settings.tls
+        )
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
         self._waiting: dict[str, RecvSpec] = {}  # decode requests waiting for KV
@@ -72,7 +74,7 @@ class PushSchedulerHalf:
             if (
                 c.kind == "register"
                 and c.request_id in self._waiting
-                and (not res.ok or res.terminal)
+                and (not res.ok or (res.terminal and not res.write_may_land))
             ):
                 # Refused, unreachable or already ended: no WRITE was ordered,
                 # so the blocks are safe; fail the load now instead of waiting.
@@ -81,6 +83,20 @@ class PushSchedulerHalf:
                     "transfer %s for %s cannot proceed: %s", c.transfer_id, c.request_id, why
                 )
                 self._meta.fail.append(self._waiting[c.request_id])
+            elif c.kind == "prefill_done" and (
+                res.refused or (res.terminal and not res.write_may_land)
+            ):
+                # The transfer was refused or had already ended (e.g. cancelled by
+                # the router): no order will read these blocks and the agent is
+                # never told, so the worker frees them now.
+                why = res.error or f"transfer already ended (state {res.state})"
+                log.warning(
+                    "transfer %s: prefill blocks of %s freed at once: %s",
+                    c.transfer_id,
+                    c.request_id,
+                    why,
+                )
+                self._meta.free.append((c.request_id, c.transfer_id))
             elif not res.ok:
                 log.warning("coordinator %s for %s failed: %s", c.kind, c.transfer_id, res.error)
         meta, self._meta = self._meta, PushKVMetadata()
@@ -119,10 +135,21 @@ class PushSchedulerHalf:
                 Call("cancel", rid, p.transfer_id, reason="prefill request ended without KV")
             )
             return False, None
-        if rid in self._waiting:
-            # Aborted while waiting: vLLM keeps the blocks until a worker reports
-            # the request as received, which happens once no WRITE can land.
-            self.client.submit(Call("cancel", rid, p.transfer_id, reason="decode request aborted"))
+        if rid in self._waiting or rid not in self._registered:
+            # Ended before its KV arrived (aborted while waiting, load failed, or
+            # never scheduled, e.g. rejected by the API server): cancel, so the
+            # prefill side frees its blocks now instead of at the deadline. While
+            # a load is in flight vLLM keeps the blocks until a worker reports the
+            # request as received, which happens once no WRITE can land.
+            what = "aborted" if request.status == compat.RequestStatus.FINISHED_ABORTED else "ended"
+            self.client.submit(
+                Call(
+                    "cancel",
+                    rid,
+                    p.transfer_id,
+                    reason=f"decode request {what} before its KV arrived ({request.status.name})",
+                )
+            )
         self._registered.discard(rid)
         return False, None
 

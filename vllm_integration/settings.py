@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.tls import TLSFiles
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
@@ -20,6 +22,15 @@ class ConnectorSettings:
     # On an engine step with nothing scheduled, the worker waits up to this long
     # for an agent event instead of letting the engine spin (0 disables).
     idle_wait_ms: float = 5.0
+    # Mutual TLS to the coordinator (PEM paths); the certificate's common name
+    # must be "engine:<engine_id>". All three or none.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_ca, self.tls_cert, self.tls_key)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -41,4 +52,7 @@ class ConnectorSettings:
                 )
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: bad value {raw!r}") from None
-        return cls(**values)
+        out = cls(**values)
+        if out.tls.enabled or out.tls_key:
+            out.tls.check()
+        return out

@@ -9,6 +9,7 @@ tokenizer files, and greedy outputs are reproducible.
 Usage::
 
     python -m vllm_integration.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
+        [--max-positions 2048]
 
 ``build_tiny_model`` is idempotent: a marker file records the build
 parameters, and a directory whose marker matches is returned as is.
@@ -87,8 +88,16 @@ def _untyped(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def model_params(*, layers: int = 2, hidden: int = 128, seed: int = 0) -> dict[str, Any]:
+def model_params(
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    seed: int = 0,
+    max_positions: int = MAX_POSITION_EMBEDDINGS,
+) -> dict[str, Any]:
     """The parameters that identify a build; stored in the marker file."""
+    if max_positions < 1:
+        raise ValueError(f"max_positions must be >= 1, got {max_positions}")
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
     if hidden < 2 * HEAD_DIM or hidden % (2 * HEAD_DIM) != 0:
@@ -104,25 +113,34 @@ def model_params(*, layers: int = 2, hidden: int = 128, seed: int = 0) -> dict[s
         "num_key_value_heads": num_heads // 2,
         "head_dim": HEAD_DIM,
         "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "max_position_embeddings": max_positions,
         "dtype": "float32",
     }
 
 
-def build_tiny_model(out_dir: Path, *, layers: int = 2, hidden: int = 128, seed: int = 0) -> Path:
+def build_tiny_model(
+    out_dir: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    seed: int = 0,
+    max_positions: int = MAX_POSITION_EMBEDDINGS,
+) -> Path:
     """Build (or reuse) the tiny model in ``out_dir`` and return ``out_dir``.
 
     With the defaults: 2 layers, hidden 128, intermediate 256, 4 attention
     heads, 2 KV heads, head_dim 32, vocab 1024, max positions 2048, float32.
+    ``max_positions`` (max_position_embeddings, also the tokenizer's
+    model_max_length) allows longer contexts, e.g. for the serving benchmark.
     """
     out_dir = Path(out_dir)
-    params = model_params(layers=layers, hidden=hidden, seed=seed)
+    params = model_params(layers=layers, hidden=hidden, seed=seed, max_positions=max_positions)
     if _is_complete(out_dir, params):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     marker = out_dir / MARKER_NAME
     marker.unlink(missing_ok=True)  # an interrupted rebuild must not look complete
-    token_ids = _build_tokenizer(out_dir, seed=seed)
+    token_ids = _build_tokenizer(out_dir, seed=seed, max_len=max_positions)
     _build_model(out_dir, params, token_ids)
     tmp = marker.with_suffix(".tmp")
     tmp.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
@@ -152,7 +170,9 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def _build_tokenizer(out_dir: Path, *, seed: int) -> dict[str, int]:
+def _build_tokenizer(
+    out_dir: Path, *, seed: int, max_len: int = MAX_POSITION_EMBEDDINGS
+) -> dict[str, int]:
     """Train a byte-level BPE tokenizer and save it; return the special-token ids."""
     tk = _untyped("tokenizers")
     pre_tokenizers = _untyped("tokenizers.pre_tokenizers")
@@ -180,7 +200,7 @@ def _build_tokenizer(out_dir: Path, *, seed: int) -> dict[str, int]:
         unk_token=None,
         pad_token=_PAD,
         additional_special_tokens=[_IM_START, _IM_END],
-        model_max_length=MAX_POSITION_EMBEDDINGS,
+        model_max_length=max_len,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -232,10 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-positions", type=int, default=MAX_POSITION_EMBEDDINGS)
     args = parser.parse_args(argv)
     try:
         path = build_tiny_model(
-            args.out_dir, layers=args.layers, hidden=args.hidden, seed=args.seed
+            args.out_dir,
+            layers=args.layers,
+            hidden=args.hidden,
+            seed=args.seed,
+            max_positions=args.max_positions,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -111,6 +111,7 @@ class PushWorkerHalf:
             memory=memory,
             compat_hash=digest,
             api_url=self.settings.api_url,
+            tls=self.settings.tls,
         )
         self.agent = Agent(cfg)
         self.agent.start()
@@ -147,11 +148,19 @@ class PushWorkerHalf:
             self.agent.expect(expect)
         for tid in [t for t in self._early if t in self._recv or t in self._send]:
             self._apply(self._early.pop(tid))
+        for rid, tid in meta.free:
+            # Only while still held: the agent's BLOCKS_FREE may have come first.
+            if self._send.get(tid) == rid:
+                del self._send[tid]
+                self._free_ready.add(rid)
 
     def get_finished(
         self, finished_req_ids: set[str], idle: bool
     ) -> tuple[set[str] | None, set[str] | None]:
-        self._sched_finished |= finished_req_ids
+        # Only requests whose blocks we hold matter (the send mapping comes in the
+        # same step as their finished id); keeping every id would grow forever.
+        held = set(self._send.values()) | self._free_ready
+        self._sched_finished |= finished_req_ids & held
         if self.agent is not None:
             events = self.agent.poll_events()
             waiting = bool(self._recv or self._send)

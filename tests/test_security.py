@@ -1,0 +1,191 @@
+"""Mutual TLS and per-identity authorisation, against real servers and real agents.
+
+Certificates are generated when the tests run (controlplane/devpki.py); no key
+is committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.events import EventKind
+from agent.kvhost import HostSpec, KVHost
+from controlplane.devpki import make_pki
+from controlplane.launch import CoordinatorProcess
+from controlplane.protocol import PROTOCOL_VERSION
+from controlplane.server import Coordinator, ServerSettings, start
+from controlplane.tls import TLSFiles
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    make_pki(d, engines=["P", "D"], operators=["alice"])
+    make_pki(d / "other", engines=["D"])  # a second, untrusted CA
+    return d
+
+
+def files(pki: Path, name: str, ca: Path | None = None) -> TLSFiles:
+    return TLSFiles(str(ca or pki / "ca.pem"), str(pki / f"{name}.pem"), str(pki / f"{name}.key"))
+
+
+@pytest.fixture
+async def coord(pki: Path) -> AsyncIterator[Coordinator]:
+    c = await start(ServerSettings(port=0, host="127.0.0.1", tls=files(pki, "coordinator")))
+    yield c
+    await c.stop(0)
+
+
+def chan(c: Coordinator, tls: TLSFiles) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(f"localhost:{c.port}", tls.channel_credentials())
+
+
+def hello(engine: str, role: int) -> pb.AgentMessage:
+    return pb.AgentMessage(hello=pb.AgentHello(
+        protocol_version=PROTOCOL_VERSION,
+        identity=pb.AgentIdentity(engine_id=engine, role=role, tp_rank=0, tp_size=1,
+                                  incarnation="i1"),
+        nixl_agent_name=f"{engine}-agent", nixl_metadata=b"md",
+        layout=pb.KVLayout(tokens_per_block=16, regions=[
+            pb.KVRegion(base_addr=4096, block_len=1024, num_blocks=32)]),
+    ))
+
+
+async def open_agent(c: Coordinator, tls: TLSFiles, engine: str, role: int) -> grpc.aio.StreamStreamCall:
+    call = pbg.AgentServiceStub(chan(c, tls)).AgentStream()
+    await call.write(hello(engine, role))
+    return call
+
+
+def register(engine: str = "D", tid: str = "t1") -> pb.RegisterDecodeBlocksRequest:
+    return pb.RegisterDecodeBlocksRequest(transfer_id=tid, decode_engine_id=engine,
+                                          block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20)
+
+
+async def code_of(coro: object) -> grpc.StatusCode:
+    try:
+        await coro  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_missing_or_foreign_certificate_is_rejected(coord: Coordinator, pki: Path) -> None:
+    req = pb.ListTransfersRequest()
+    insecure = pbg.StatusServiceStub(grpc.aio.insecure_channel(coord.address))
+    assert await code_of(insecure.ListTransfers(req, timeout=5)) == grpc.StatusCode.UNAVAILABLE
+    no_cert = grpc.aio.secure_channel(
+        f"localhost:{coord.port}",
+        grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes()),
+    )
+    assert await code_of(pbg.StatusServiceStub(no_cert).ListTransfers(req, timeout=5)) == (
+        grpc.StatusCode.UNAVAILABLE
+    )
+    # A certificate from another CA, even with a valid-looking identity.
+    foreign = files(pki / "other", "engine-D", ca=pki / "ca.pem")
+    stub = pbg.TransferServiceStub(chan(coord, foreign))
+    assert await code_of(stub.RegisterDecodeBlocks(register(), timeout=5)) == (
+        grpc.StatusCode.UNAVAILABLE
+    )
+    # The operator's certificate works for the read-only API.
+    ok = pbg.StatusServiceStub(chan(coord, files(pki, "operator-alice")))
+    assert await code_of(ok.ListTransfers(req, timeout=5)) == grpc.StatusCode.OK
+
+
+async def test_operator_is_read_only(coord: Coordinator, pki: Path) -> None:
+    op = chan(coord, files(pki, "operator-alice"))
+    transfers = pbg.TransferServiceStub(op)
+    assert await code_of(transfers.RegisterDecodeBlocks(register(), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert await code_of(transfers.Cancel(pb.CancelRequest(transfer_id="t1"), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    call = await open_agent(coord, files(pki, "operator-alice"), "D", pb.ROLE_DECODE)
+    assert await code_of(call.read()) == grpc.StatusCode.PERMISSION_DENIED
+    engines = await pbg.StatusServiceStub(op).ListEngines(pb.ListEnginesRequest(), timeout=5)
+    assert list(engines.engines) == []
+
+
+async def test_engine_acts_only_for_itself(coord: Coordinator, pki: Path) -> None:
+    p_tls, d_tls = files(pki, "engine-P"), files(pki, "engine-D")
+    # P's certificate cannot open D's agent stream ...
+    spoof = await open_agent(coord, p_tls, "D", pb.ROLE_DECODE)
+    assert await code_of(spoof.read()) == grpc.StatusCode.PERMISSION_DENIED
+    # ... but D's can, and P's can open P's.
+    d_call = await open_agent(coord, d_tls, "D", pb.ROLE_DECODE)
+    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    p_call = await open_agent(coord, p_tls, "P", pb.ROLE_PREFILL)
+    assert (await p_call.read()).WhichOneof("kind") == "welcome"
+
+    p_stub = pbg.TransferServiceStub(chan(coord, p_tls))
+    d_stub = pbg.TransferServiceStub(chan(coord, d_tls))
+    # P cannot register blocks as D, nor report prefill done as D.
+    assert await code_of(p_stub.RegisterDecodeBlocks(register("D"), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    as_d = pb.ReportPrefillDoneRequest(transfer_id="t1", prefill_engine_id="D",
+                                       block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20)
+    assert await code_of(d_stub.ReportPrefillDone(as_d, timeout=5)) == (
+        grpc.StatusCode.FAILED_PRECONDITION  # D is authorised for itself, but is no prefill
+    )
+    assert await code_of(p_stub.ReportPrefillDone(as_d, timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    # D registers for itself; the router may cancel; an engine outside the
+    # transfer may not.
+    st = await d_stub.RegisterDecodeBlocks(register("D", "t2"), timeout=5)
+    assert st.state == pb.TRANSFER_STATE_REGISTERED
+    assert await code_of(p_stub.Cancel(pb.CancelRequest(transfer_id="t2"), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    router = pbg.TransferServiceStub(chan(coord, files(pki, "router")))
+    assert await code_of(router.RegisterDecodeBlocks(register("D", "t3"), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    st = await router.Cancel(pb.CancelRequest(transfer_id="t2", reason="test"), timeout=5)
+    assert st.state == pb.TRANSFER_STATE_CANCELLED
+    d_call.cancel()
+    p_call.cancel()
+
+
+@pytest.fixture
+def tls_coord_process(pki: Path) -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess("--tls-ca", str(pki / "ca.pem"), "--tls-cert",
+                           str(pki / "coordinator.pem"), "--tls-key", str(pki / "coordinator.key"),
+                           "--log-level", "WARNING").start()
+    yield c
+    c.stop()
+
+
+def test_agents_push_over_mutual_tls(tls_coord_process: CoordinatorProcess, pki: Path) -> None:
+    address = f"localhost:{tls_coord_process.port}"
+
+    def spec(engine: str, role: str) -> HostSpec:
+        f = files(pki, f"engine-{engine}")
+        return HostSpec(address, engine, role, num_blocks=16, tls_ca=f.ca, tls_cert=f.cert,
+                        tls_key=f.key)
+
+    p, d = KVHost(spec("P", "prefill")).start(), KVHost(spec("D", "decode")).start()
+    try:
+        p.fill([1, 4], seed=3)
+        d.call("expect", ["tls-1"])
+        d_stub = pbg.TransferServiceStub(grpc.secure_channel(
+            address, files(pki, "engine-D").channel_credentials()))
+        p_stub = pbg.TransferServiceStub(grpc.secure_channel(
+            address, files(pki, "engine-P").channel_credentials()))
+        d_stub.RegisterDecodeBlocks(register("D", "tls-1"), timeout=10)
+        p_stub.ReportPrefillDone(pb.ReportPrefillDoneRequest(
+            transfer_id="tls-1", prefill_engine_id="P", block_ids=[pb.BlockIds(ids=[1, 4])],
+            num_tokens=20), timeout=10)
+        assert d.wait_event("tls-1").kind is EventKind.KV_READY
+        assert d.check([1, 2], seed=3) == []
+    finally:
+        p.stop()
+        d.stop()
