@@ -28,8 +28,10 @@ from agent.events import EventKind, HostEvent
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
+    CoordinatorChangedMsg,
     ExpectMsg,
     FencedMsg,
+    HoldMsg,
     Inbound,
     NoticeMsg,
     OrderMsg,
@@ -72,6 +74,7 @@ class _Arrivals:
     since: float
     expected: int = 0
     ranks: set[int] = field(default_factory=set)
+    fail_at: float = 0.0  # set after a coordinator restart
 
 
 class _Lru(Generic[V]):
@@ -122,6 +125,7 @@ class DataPlane:
         self._inflight: dict[str, _InFlight] = {}
         self._finished: _Lru[_Outcome] = _Lru()  # order_id -> outcome
         self._freed: _Lru[None] = _Lru()  # transfer ids whose BLOCKS_FREE was emitted
+        self._held: set[str] = set()  # transfers whose blocks the host holds for us
         # decode state
         self._arrivals: dict[str, _Arrivals] = {}
         self._told: _Lru[None] = _Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
@@ -211,8 +215,13 @@ class DataPlane:
         elif isinstance(msg, ExpectMsg):
             if msg.transfer_id not in self._told:
                 self._arrivals.setdefault(msg.transfer_id, _Arrivals(time.monotonic()))
+        elif isinstance(msg, HoldMsg):
+            if msg.transfer_id not in self._freed:
+                self._held.add(msg.transfer_id)
         elif isinstance(msg, PauseMsg):
             self._paused = msg.paused
+        elif isinstance(msg, CoordinatorChangedMsg):
+            self._on_coordinator_changed(msg.lease_s)
 
     def _on_peer(self, msg: PeerMsg) -> None:
         assert self._ep is not None
@@ -234,6 +243,10 @@ class DataPlane:
             return
         if order.error:
             self._finish(order, ReportStatus.FAILED, order.error)
+            return
+        if order.transfer_id in self._freed:
+            # The host may already have reused these blocks: never WRITE from them.
+            self._finish(order, ReportStatus.FAILED, "blocks of this transfer were released")
             return
         self._queued[oid] = order
 
@@ -272,6 +285,26 @@ class DataPlane:
         elif not msg.write_may_land:
             self._tell(EventKind.KV_FAILED, tid, msg.detail)
         # else: failed but a WRITE may still land; a later notice releases it.
+
+    def _on_coordinator_changed(self, lease_s: float) -> None:
+        """The coordinator restarted and forgot every transfer: resolve ours locally.
+
+        Prefill: queued orders are dropped (never posted); posted WRITEs finish.
+        Decode: transfers still missing ranks fail once no prefill agent can post
+        any more: every agent stops posting when its lease lapses, and no lease
+        given by the old coordinator outlives now + lease_s.
+        """
+        log.warning("coordinator changed: resolving in-flight transfers locally")
+        for oid, order in list(self._queued.items()):
+            del self._queued[oid]
+            self._finish(order, ReportStatus.DROPPED, "coordinator restarted before posting")
+        busy = {f.order.transfer_id for f in self._inflight.values()}
+        for tid in list(self._held - busy):
+            self._free(tid, "coordinator restarted; transfer abandoned")
+        if not self._prefill:
+            deadline = time.monotonic() + lease_s
+            for a in self._arrivals.values():
+                a.fail_at = deadline
 
     # ------------------------------------------------------------ prefill
     def _post_queued(self) -> None:
@@ -358,6 +391,7 @@ class DataPlane:
             self._free(tid, f"{status.value}: {detail}" if detail else status.value)
 
     def _free(self, tid: str, detail: str) -> None:
+        self._held.discard(tid)
         if tid not in self._freed:
             self._freed.add(tid)
             self._event(HostEvent(EventKind.BLOCKS_FREE, tid, detail))
@@ -385,9 +419,12 @@ class DataPlane:
                 self._report(ArrivalMsg(n.transfer_id, tuple(sorted(a.ranks))))
                 self._tell(EventKind.KV_READY, n.transfer_id, "")
         if self._arrivals:
-            cutoff = time.monotonic() - EXPECT_TTL_S
+            now = time.monotonic()
+            cutoff = now - EXPECT_TTL_S
             for tid in [t for t, a in self._arrivals.items() if a.since < cutoff]:
                 del self._arrivals[tid]
+            for tid in [t for t, a in self._arrivals.items() if a.fail_at and now >= a.fail_at]:
+                self._tell(EventKind.KV_FAILED, tid, "coordinator restarted mid-transfer")
 
     def _tell(self, kind: EventKind, tid: str, detail: str) -> None:
         self._told.add(tid)

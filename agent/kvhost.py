@@ -122,6 +122,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 ]
             elif cmd == "expect":
                 agent.expect(args[0])
+            elif cmd == "hold":
+                agent.hold(args[0])
             elif cmd == "pause":
                 agent.pause_posting(args[0])
             elif cmd == "writes_posted":

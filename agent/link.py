@@ -23,6 +23,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
+    CoordinatorChangedMsg,
     FencedMsg,
     Inbound,
     NoticeMsg,
@@ -141,6 +142,7 @@ class CoordinatorLink:
         self.registered = threading.Event()  # set on every Welcome, cleared on disconnect
         self.fatal_error = ""
         self.connects = 0
+        self.coordinator_id = ""
         self._lease_until = 0.0
         self._lease_s = 5.0
         self._hb_interval_s = 1.0
@@ -246,6 +248,9 @@ class CoordinatorLink:
             self._lease_until = self._hello_sent + self._lease_s
             self.fatal_error = ""
             self.connects += 1
+            if self.coordinator_id and w.coordinator_id != self.coordinator_id:
+                self._deliver(CoordinatorChangedMsg(self._lease_s))
+            self.coordinator_id = w.coordinator_id
             self.registered.set()
         elif kind == "heartbeat_ack":
             sent = self._hb_sent.pop(msg.heartbeat_ack.seq, None)

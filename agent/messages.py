@@ -68,13 +68,38 @@ class ExpectMsg:
 
 
 @dataclass(frozen=True, slots=True)
+class HoldMsg:
+    """Host (prefill): blocks of this transfer are held until BLOCKS_FREE."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class PauseMsg:
     """Host: hold (True) or resume (False) posting new WRITEs (drain/cordon)."""
 
     paused: bool
 
 
-Inbound = OrderMsg | CancelMsg | PeerMsg | FencedMsg | NoticeMsg | ExpectMsg | PauseMsg
+@dataclass(frozen=True, slots=True)
+class CoordinatorChangedMsg:
+    """The link registered with a different coordinator than before (a restart):
+    the transfer state held by the old one is gone."""
+
+    lease_s: float
+
+
+Inbound = (
+    OrderMsg
+    | CancelMsg
+    | PeerMsg
+    | FencedMsg
+    | NoticeMsg
+    | ExpectMsg
+    | HoldMsg
+    | PauseMsg
+    | CoordinatorChangedMsg
+)
 
 
 class ReportStatus(enum.Enum):

@@ -18,7 +18,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from agent.dataplane import DataPlane
 from agent.events import HostEvent
 from agent.link import ChannelFactory, CoordinatorLink
-from agent.messages import ExpectMsg, PauseMsg
+from agent.messages import ExpectMsg, HoldMsg, PauseMsg
 from agent.nixl_adapter import KVRegion, MemoryKind, NixlEndpoint
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.tls import TLSFiles
@@ -151,6 +151,11 @@ class Agent:
         """Decode: these transfers' blocks are registered; watch for their WRITEs."""
         for tid in transfer_ids:
             self._dataplane.inbox.put(ExpectMsg(tid))
+
+    def hold(self, transfer_ids: Sequence[str]) -> None:
+        """Prefill: these transfers' blocks are held until a BLOCKS_FREE event."""
+        for tid in transfer_ids:
+            self._dataplane.inbox.put(HoldMsg(tid))
 
     def pause_posting(self, paused: bool) -> None:
         """Prefill: hold new WRITEs (queued orders wait, cancel drops them) or resume."""

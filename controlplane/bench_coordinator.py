@@ -283,7 +283,7 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
             returned[tid] = max(await asyncio.gather(t1, t2))
         except grpc.aio.AioRpcError as exc:
             errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-            first_detail.setdefault(exc.code().name, str(exc.details()))
+            first_detail.setdefault(exc.code().name, f"{exc.details()} {exc.debug_error_string()}")
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)

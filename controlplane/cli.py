@@ -72,6 +72,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
         port_file=args.port_file,
+        metrics_port=args.metrics_port or None,
         tls=_tls(args),
         core=_core_settings(args),
     )
@@ -145,6 +146,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     c.add_argument("--max-message-bytes", type=int, default=_env("max_message_bytes", 4 << 20))
     c.add_argument("--shutdown-grace-s", type=float, default=_env("shutdown_grace_s", 5.0))
     c.add_argument("--port-file", default="", help="write the bound port here (with --port 0)")
+    c.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("metrics_port", 0),
+        help="serve Prometheus /metrics over HTTP on --host at this port (0 = off)",
+    )
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(c)
     _add_core_flags(c)
@@ -186,7 +193,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
 
 # Later subcommands (router, status, bench, ...) register here: (name, add_parser fn).
-_EXTRA_COMMANDS: list[tuple[str, Callable[[Any], Callable[..., int]]]] = []
+def _register_status(sub: Any) -> Callable[..., int]:
+    from controlplane.status_cli import register
+
+    return register(sub)
+
+
+_EXTRA_COMMANDS: list[tuple[str, Callable[[Any], Callable[..., int]]]] = [
+    ("status", _register_status),
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from controlplane.domain import (
 )
 from controlplane.rendezvous import Rendezvous, TransferFilter
 from controlplane.settings import CoreSettings
+from controlplane.timeline import TransferObserver
 from controlplane.transfer import Transfer
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -80,6 +81,8 @@ class Runtime:
         self._sessions: dict[AgentKey, AgentSession] = {}
         self._watchers: set[Watcher] = set()
         self._ticker: asyncio.Task[None] | None = None
+        # Metrics and tracing (controlplane/metrics.py), told of every changed transfer.
+        self.observers: list[TransferObserver] = []
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -151,7 +154,18 @@ class Runtime:
                         )
                     )
         for tid in changed:
+            self._observe(tid)
             self._publish(tid)
+
+    def _observe(self, transfer_id: str) -> None:
+        if not self.observers or not self.core.has_transfer(transfer_id):
+            return
+        t = self.core.get(transfer_id)
+        for obs in self.observers:
+            try:
+                obs.on_transfer_changed(t)
+            except Exception:  # observability must never break the rendezvous
+                log.exception("observer_failed", observer=type(obs).__name__)
 
     def _session(self, key: AgentKey, incarnation: str) -> AgentSession | None:
         s = self._sessions.get(key)

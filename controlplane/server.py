@@ -17,6 +17,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
+from controlplane.metrics import CoordinatorMetrics, TransferTracer, tracer_from_env
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
@@ -42,6 +43,8 @@ class ServerSettings:
     # Mutual TLS on every channel; without it the coordinator trusts every caller.
     tls: TLSFiles = field(default_factory=TLSFiles)
     core: CoreSettings = field(default_factory=CoreSettings)
+    # Prometheus /metrics over HTTP on `host`: None = off, 0 = any free port.
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -50,20 +53,33 @@ class Coordinator:
     runtime: Runtime
     health: HealthServicer
     port: int
+    metrics: CoordinatorMetrics | None = None
+    tracer: TransferTracer | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.port if self.metrics is not None else None
+
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.runtime.stop()
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordinator:
     """Start a coordinator; port 0 picks a free port (see Coordinator.port)."""
     runtime = Runtime(settings.core, clock or SystemClock())
+    metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
+    tracer = tracer_from_env(runtime)
+    runtime.observers += [o for o in (metrics, tracer) if o is not None]
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -88,6 +104,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    if metrics is not None and settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)
     await server.start()
     runtime.start()
     for name in ("", *SERVICE_NAMES):
@@ -98,7 +116,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         port=port,
         coordinator_id=runtime.core.coordinator_id,
     )
-    return Coordinator(server, runtime, health_servicer, port)
+    return Coordinator(server, runtime, health_servicer, port, metrics, tracer)
 
 
 def _write_port_file(path: str, port: int) -> None:

@@ -184,12 +184,12 @@ async def wait_transfer(
     stubs: Stubs,
     transfer_id: str,
     done: Callable[[pb.TransferStatus], bool],
-    timeout: float = DEADLINE_S,
+    deadline_s: float = DEADLINE_S,
 ) -> pb.TransferStatus:
-    """Watch the coordinator until the transfer satisfies `done` (deadline: `timeout`)."""
+    """Watch the coordinator until the transfer satisfies `done` (within `deadline_s`)."""
     last: pb.TransferStatus | None = None
     call = stubs.status.WatchTransfers(
-        pb.WatchTransfersRequest(include_existing=True), timeout=timeout
+        pb.WatchTransfersRequest(include_existing=True), timeout=deadline_s
     )
     try:
         async for ev in call:
@@ -202,7 +202,9 @@ async def wait_transfer(
             raise
     finally:
         call.cancel()
-    raise AssertionError(f"transfer {transfer_id} did not get there in {timeout} s; last: {last}")
+    raise AssertionError(
+        f"transfer {transfer_id} did not get there in {deadline_s} s; last: {last}"
+    )
 
 
 def in_state(state: int) -> Callable[[pb.TransferStatus], bool]:
@@ -347,7 +349,14 @@ async def test_decode_abort_while_waiting_cancels_and_holds_blocks_until_recved(
             assert num_free_blocks(eng.scheduler) == free0 - 3
         assert eng.scheduler.has_requests()
 
-        step(eng.scheduler, connector_output=kv_output(finished_recving={"d3"}))
+        # What the worker reports once the agent says no WRITE can land (KV_FAILED):
+        # finished AND failed, with the request's blocks as load errors.
+        step(
+            eng.scheduler,
+            connector_output=kv_output(
+                finished_recving={"d3"}, failed_recving={"d3"}, invalid_block_ids=blocks
+            ),
+        )
         assert "d3" not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
         assert not eng.scheduler.has_requests()
@@ -405,6 +414,44 @@ async def test_decode_registration_refused_fails_the_load(
             assert "decode request ended before its KV arrived (FINISHED_ERROR)" in t.detail
         else:
             assert t.detail == "client went away"  # the first cancel wins
+
+
+async def test_failed_load_with_recompute_policy_recomputes_without_registering_again(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(
+        coord, tiny_model_dir, "kv_consumer", kv_load_failure_policy="recompute"
+    ) as eng:
+        tid = new_tid()
+        await stubs.transfers.Cancel(pb.CancelRequest(transfer_id=tid, reason="gone"), timeout=5)
+        req = make_request(
+            "d6", prompt_tokens(40), eng.config, max_tokens=2, kv_transfer_params=decode_params(tid)
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        blocks = eng.blocks_of("d6")
+        eng.wait_result("register")
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).fail == [RecvSpec("d6", tid, tuple(blocks))]
+        step(
+            eng.scheduler,
+            connector_output=kv_output(
+                finished_recving={"d6"}, failed_recving={"d6"}, invalid_block_ids=blocks
+            ),
+        )
+        # Recomputed locally from scratch: the connector claims nothing this time.
+        sched_out, _ = step(eng.scheduler)
+        assert _status(req) == RequestStatus.RUNNING
+        assert sched_out.num_scheduled_tokens == {"d6": 40}
+        assert eng.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _meta(sched_out).recv == [] and _meta(sched_out).fail == []
+        step(eng.scheduler)
+        assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert eng.spy.finished["d6"][2] == (False, None)
+        assert [c.kind for c in eng.spy.calls] == ["register"]  # registered once only
+        sc = eng.scheduler
+        print("DEBUG", list(sc.requests), len(sc.running), len(sc.waiting), sc.has_unfinished_requests(), sc.has_finished_requests(), getattr(sc, "kv_holding_waiting", None), sc.connector.has_pending_push_work())
+        assert not eng.scheduler.has_requests()
 
 
 async def test_decode_request_ended_before_scheduling_cancels_the_transfer(

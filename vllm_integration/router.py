@@ -25,6 +25,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.tls import TLSFiles, aio_channel
+from vllm_integration.metrics import RouterMetrics, outcome_of
 
 log = logging.getLogger("pushkv.router")
 
@@ -144,6 +145,7 @@ class Router:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
         self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
+        self.metrics = RouterMetrics()
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
@@ -173,6 +175,7 @@ class Router:
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/v1/models", self.models)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
@@ -200,7 +203,27 @@ class Router:
                 pb.CancelRequest(transfer_id=transfer_id, reason=reason), timeout=5
             )
 
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
+        )
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Serve one completion request, counted in pushkv_router_requests by outcome."""
+        self.metrics.inflight.inc()
+        outcome = "engine_error"
+        try:
+            response = await self._handle(request)
+            outcome = outcome_of(response.status)
+            return response
+        except asyncio.CancelledError:
+            outcome = "aborted"
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(outcome).inc()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
         try:
             body = await request.json()
@@ -258,7 +281,10 @@ class Router:
                 if not decode_body.get("stream"):
                     data = await resp.read()
                     self.ttft_s.append(time.monotonic() - started)
-                    finished = True
+                    self.metrics.ttft.observe(self.ttft_s[-1])
+                    # A decode error (e.g. a 400 from validation) never takes the
+                    # KV: leave `finished` False so the transfer is cancelled.
+                    finished = resp.status == 200
                     return web.Response(
                         body=data, status=resp.status, content_type=resp.content_type
                     )
@@ -270,10 +296,11 @@ class Router:
                 async for chunk in resp.content.iter_any():
                     if first:
                         self.ttft_s.append(time.monotonic() - started)
+                        self.metrics.ttft.observe(self.ttft_s[-1])
                         first = False
                     await response.write(chunk)
                 await response.write_eof()
-                finished = True
+                finished = resp.status == 200
                 return response
         except aiohttp.ClientError as exc:
             if response is not None:

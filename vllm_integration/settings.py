@@ -22,6 +22,9 @@ class ConnectorSettings:
     # On an engine step with nothing scheduled, the worker waits up to this long
     # for an agent event instead of letting the engine spin (0 disables).
     idle_wait_ms: float = 5.0
+    # Prometheus metrics of the connector: worker rank r serves them on
+    # 0.0.0.0:(metrics_port + r). 0 disables.
+    metrics_port: int = 0
     # Mutual TLS to the coordinator (PEM paths); the certificate's common name
     # must be "engine:<engine_id>". All three or none.
     tls_ca: str = ""

@@ -17,6 +17,7 @@ from agent.events import EventKind, HostEvent
 from agent.nixl_adapter import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration.metadata import PushKVMetadata
+from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
@@ -91,6 +92,7 @@ class PushWorkerHalf:
         self._recving_done: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
+        self.metrics = ConnectorMetrics(engine_id, tp_rank)  # served if metrics_port > 0
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -115,6 +117,7 @@ class PushWorkerHalf:
         )
         self.agent = Agent(cfg)
         self.agent.start()
+        self.metrics.serve(self.settings.metrics_port)
         if not self.agent.wait_registered(self.settings.register_timeout_s):
             log.warning(
                 "pushkv agent %s/%d not registered with %s after %.0f s; "
@@ -144,8 +147,11 @@ class PushWorkerHalf:
             self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
         for rid, tid in meta.send:
             self._send[tid] = rid
-        if expect and self.agent is not None:
-            self.agent.expect(expect)
+        if self.agent is not None:
+            if expect:
+                self.agent.expect(expect)
+            if meta.send:
+                self.agent.hold([tid for _, tid in meta.send])
         for tid in [t for t in self._early if t in self._recv or t in self._send]:
             self._apply(self._early.pop(tid))
         for rid, tid in meta.free:
@@ -171,8 +177,10 @@ class PushWorkerHalf:
                 events = [e] if e else []
                 events += self.agent.poll_events()
             for e in events:
+                self.metrics.event(e.kind.value)
                 self._apply(e)
         sending = self._free_ready & self._sched_finished
+        self.metrics.freed.inc(len(sending))
         self._free_ready -= sending
         self._sched_finished -= sending
         recving, self._recving_done = self._recving_done, set()
@@ -204,6 +212,7 @@ class PushWorkerHalf:
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
             self._recving_done.add(recv.request_id)
+            self.metrics.ready.inc()
         elif e.kind is EventKind.KV_FAILED:
             self._fail(tid, recv.request_id, recv.block_ids, e.detail)
 
@@ -213,6 +222,8 @@ class PushWorkerHalf:
             "KV for request %s (transfer %s) did not arrive: %s", rid, tid, detail or "refused"
         )
         self._load_errors.update(block_ids)
+        self.metrics.failed.inc()
+        self.metrics.load_error_blocks.inc(len(block_ids))
         self._failed.add(rid)
         self._recving_done.add(rid)
 
@@ -222,6 +233,7 @@ class PushWorkerHalf:
             self._early.pop(next(iter(self._early)))
 
     def shutdown(self) -> None:
+        self.metrics.close()
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -1,0 +1,560 @@
+"""Coordinator observability: Prometheus metrics and (optional) OpenTelemetry spans.
+
+Both are `TransferObserver`s (controlplane/timeline.py): the runtime calls
+`on_transfer_changed(t)` on the event loop after it applied a change, and each
+observer reads the transfer's *new* timeline events, so every stage (and every
+terminal state) is counted exactly once per transfer.
+
+Labels stay bounded: states, reasons, WRITE statuses, engine ids and ranks
+(engines are few and long-lived), never transfer ids.
+
+Engine, lease and in-flight-per-engine gauges are computed when Prometheus
+scrapes: the scrape thread asks the event loop for a snapshot (the core is not
+thread-safe), so the values are exact at scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import importlib
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+from controlplane.domain import State
+from controlplane.protocol import PROTOCOL_VERSION
+from controlplane.timeline import (
+    TERMINAL_STAGES,
+    Event,
+    TimelineCursor,
+    first,
+)
+from controlplane.transfer import Transfer
+
+if TYPE_CHECKING:
+    from controlplane.runtime import Runtime
+
+log = structlog.get_logger("pushkv.coordinator")
+
+# Seconds. Rendezvous waits span from "both at once" to the rendezvous timeout.
+WAIT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+# The coordinator's own reaction time: microseconds to milliseconds.
+FAST_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+WRITE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    15.0,
+)
+BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 12))  # 4 KiB .. 4 GiB
+
+NON_TERMINAL = tuple(s for s in State if not s.terminal)
+SNAPSHOT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class _RankLease:
+    engine: str
+    rank: int
+    connected: bool
+    since_seen_s: float
+    lease_left_s: float
+    open_orders: int
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineSnap:
+    engine: str
+    role: str
+    tp_size: int
+    ready: bool
+    inflight: int
+    ranks: tuple[_RankLease, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    coordinator_id: str
+    engines: tuple[_EngineSnap, ...]
+
+
+class _LiveCollector:
+    """Engine, lease and per-engine gauges, read from the core at scrape time."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Any]:
+        return list(self._families(self._m.snapshot()))
+
+    @staticmethod
+    def _families(snap: _Snapshot | None) -> Iterator[Any]:
+        info = InfoMetricFamily(
+            "pushkv_coordinator", "this coordinator", labels=["coordinator_id", "protocol"]
+        )
+        ready = GaugeMetricFamily(
+            "pushkv_engine_ready",
+            "1 when every rank is registered and leased",
+            labels=["engine", "role"],
+        )
+        connected = GaugeMetricFamily(
+            "pushkv_agents_connected",
+            "agent ranks with an open stream, per engine",
+            labels=["engine", "role"],
+        )
+        registered = GaugeMetricFamily(
+            "pushkv_agents_registered",
+            "agent ranks holding a lease (connected or not), per engine",
+            labels=["engine", "role"],
+        )
+        inflight = GaugeMetricFamily(
+            "pushkv_engine_inflight_transfers",
+            "non-terminal transfers involving the engine",
+            labels=["engine", "role"],
+        )
+        seen = GaugeMetricFamily(
+            "pushkv_agent_last_seen_seconds",
+            "seconds since the agent rank's last message (lease health)",
+            labels=["engine", "rank"],
+        )
+        left = GaugeMetricFamily(
+            "pushkv_agent_lease_remaining_seconds",
+            "seconds until the agent rank's lease expires unless renewed",
+            labels=["engine", "rank"],
+        )
+        orders = GaugeMetricFamily(
+            "pushkv_agent_open_orders",
+            "orders sent to the agent rank and not resolved yet",
+            labels=["engine", "rank"],
+        )
+        if snap is not None:
+            info.add_metric([snap.coordinator_id, str(PROTOCOL_VERSION)], {})
+            for e in snap.engines:
+                ready.add_metric([e.engine, e.role], 1.0 if e.ready else 0.0)
+                connected.add_metric([e.engine, e.role], sum(r.connected for r in e.ranks))
+                registered.add_metric([e.engine, e.role], len(e.ranks))
+                inflight.add_metric([e.engine, e.role], e.inflight)
+                for r in e.ranks:
+                    labels = [e.engine, str(r.rank)]
+                    seen.add_metric(labels, r.since_seen_s)
+                    left.add_metric(labels, r.lease_left_s)
+                    orders.add_metric(labels, r.open_orders)
+        yield from (info, ready, connected, registered, inflight, seen, left, orders)
+
+
+def _all_done(events: list[Event], t: Transfer) -> bool:
+    done = {r for s, _, r in events if s == "write_done"}
+    return all(r in done for r in t.orders)
+
+
+def last_done(events: list[Event]) -> float:
+    return max(at for s, at, _ in events if s == "write_done")
+
+
+class CoordinatorMetrics:
+    """Every `pushkv_*` metric of the coordinator, in a registry of its own."""
+
+    def __init__(self, runtime: Runtime, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._rt = runtime
+        self._loop = loop or asyncio.get_running_loop()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.started = Counter(
+            "pushkv_transfers_started", "transfers the coordinator created", registry=r
+        )
+        self.finished = Counter(
+            "pushkv_transfers_finished",
+            "transfers that reached a terminal state, by state and reason",
+            ["state", "reason"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pushkv_transfers_inflight", "non-terminal transfers by state", ["state"], registry=r
+        )
+        self.rendezvous_wait = Histogram(
+            "pushkv_rendezvous_wait_seconds",
+            "gap between decode registration and prefill done; side = which came first",
+            ["side"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.order_latency = Histogram(
+            "pushkv_order_latency_seconds",
+            "from the second of (registration, prefill done) to the orders being issued",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.write_post = Histogram(
+            "pushkv_write_post_seconds",
+            "per prefill rank: from the order to the agent's POSTED report",
+            buckets=WRITE_BUCKETS,
+            registry=r,
+        )
+        self.write_completion = Histogram(
+            "pushkv_write_completion_seconds",
+            "per prefill rank: from POSTED (or the order) to the DONE report",
+            buckets=WRITE_BUCKETS,
+            registry=r,
+        )
+        self.write_time = Histogram(
+            "pushkv_transfer_write_seconds",
+            "per transfer: from the order to the last rank's DONE report",
+            buckets=WRITE_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pushkv_transfer_duration_seconds",
+            "per transfer: from creation to its terminal state",
+            ["state"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.write_reports = Counter(
+            "pushkv_write_reports",
+            "WRITE reports applied, by status (posted, done, failed, dropped)",
+            ["status"],
+            registry=r,
+        )
+        self.write_bytes = Counter(
+            "pushkv_write_bytes",
+            "bytes WRITTEN, as reported by the prefill agents, per prefill engine",
+            ["engine"],
+            registry=r,
+        )
+        self.write_descriptors = Counter(
+            "pushkv_write_descriptors",
+            "NIXL descriptors posted, as reported by the prefill agents, per prefill engine",
+            ["engine"],
+            registry=r,
+        )
+        self.write_size = Histogram(
+            "pushkv_write_size_bytes",
+            "bytes of one prefill rank's WRITE (DONE reports)",
+            buckets=BYTE_BUCKETS,
+            registry=r,
+        )
+        # Pre-create the bounded label sets so dashboards see zeros, not gaps.
+        for s in NON_TERMINAL:
+            self.inflight.labels(s.value)
+        for side in ("decode_first", "prefill_first"):
+            self.rendezvous_wait.labels(side)
+        self.registry.register(_LiveCollector(self))
+        self._cursor = TimelineCursor(self._alive)
+        self._state: dict[str, State] = {}  # last state of each non-terminal transfer
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ serving
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP; port 0 picks a free port. Returns the port."""
+        server, thread = start_http_server(port, host, registry=self.registry)
+        self._server, self._thread = server, thread
+        bound: int = server.server_port
+        log.info("metrics_listening", host=host, port=bound)
+        return bound
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server is not None else None
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+
+    # ------------------------------------------------------------ observer
+    def _alive(self, transfer_id: str) -> bool:
+        return self._rt.core.has_transfer(transfer_id)
+
+    def on_transfer_changed(self, t: Transfer) -> None:
+        fresh, events = self._cursor.new_events(t)
+        if fresh:
+            self.started.inc()
+        self._track_state(t)
+        if events:
+            self._observe(t, events)
+        if len(self._state) > 2 * max(len(self._cursor), 1024):
+            self._drop_vanished()
+
+    def _track_state(self, t: Transfer) -> None:
+        old = self._state.get(t.transfer_id)
+        new = None if t.state.terminal else t.state
+        if old is new:
+            return
+        if old is not None:
+            self.inflight.labels(old.value).dec()
+        if new is None:
+            self._state.pop(t.transfer_id, None)
+        else:
+            self.inflight.labels(new.value).inc()
+            self._state[t.transfer_id] = new
+
+    def _drop_vanished(self) -> None:
+        for tid in [tid for tid in self._state if not self._alive(tid)]:
+            self.inflight.labels(self._state.pop(tid).value).dec()
+
+    def _observe(self, t: Transfer, new: list[Event]) -> None:
+        ev = t.timeline
+        before = ev[: len(ev) - len(new)]
+        reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
+        both_before = first(before, "decode_registered") is not None and (
+            first(before, "prefill_done") is not None
+        )
+        if reg is not None and pre is not None and not both_before:
+            side = "decode_first" if pre >= reg else "prefill_first"
+            self.rendezvous_wait.labels(side).observe(abs(pre - reg))
+        for stage, at, rank in new:
+            if stage == "ordered":
+                if reg is not None and pre is not None:
+                    self.order_latency.observe(max(at - max(reg, pre), 0.0))
+            elif stage.startswith("write_"):
+                self._observe_write(t, stage, at, rank)
+            elif stage in TERMINAL_STAGES:
+                self.finished.labels(stage, t.reason.value).inc()
+                self.duration.labels(stage).observe(max(at - t.created_wall, 0.0))
+        ordered = first(ev, "ordered")
+        # Once per transfer: when this batch completed the set of DONE ranks.
+        newly_done = any(s == "write_done" for s, _, _ in new)
+        all_done = newly_done and _all_done(ev, t) and not _all_done(before, t)
+        if ordered is not None and t.orders and all_done:
+            self.write_time.observe(max(last_done(ev) - ordered, 0.0))
+
+    def _observe_write(self, t: Transfer, stage: str, at: float, rank: int) -> None:
+        status = stage.removeprefix("write_")
+        self.write_reports.labels(status).inc()
+        ev = t.timeline
+        ordered = first(ev, "ordered")
+        if status == "posted":
+            if ordered is not None:
+                self.write_post.observe(max(at - ordered, 0.0))
+            return
+        rec = t.orders.get(rank)
+        if rec is not None:
+            engine = rec.order.prefill_engine_id
+            if rec.bytes:
+                self.write_bytes.labels(engine).inc(rec.bytes)
+            if rec.descriptors:
+                self.write_descriptors.labels(engine).inc(rec.descriptors)
+        if status != "done":
+            return
+        if rec is not None:
+            self.write_size.observe(rec.bytes)
+        start = first(ev, "write_posted", rank)
+        start = start if start is not None else ordered
+        if start is not None:
+            self.write_completion.observe(max(at - start, 0.0))
+
+    # ------------------------------------------------------------ scrape
+    def snapshot(self) -> _Snapshot | None:
+        """Engines and leases, read on the event loop (from any thread)."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            return self._take()
+        if self._loop.is_closed() or not self._loop.is_running():
+            return None
+        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
+
+        def fill() -> None:
+            try:
+                fut.set_result(self._take())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(fill)
+        try:
+            return fut.result(SNAPSHOT_TIMEOUT_S)
+        except Exception:
+            log.warning("metrics_snapshot_failed", exc_info=True)
+            return None
+
+    def _take(self) -> _Snapshot:
+        core = self._rt.core
+        now = self._rt.clock.monotonic()
+        engines = []
+        for eng in core.engines():
+            ranks = tuple(
+                _RankLease(
+                    eng.engine_id,
+                    r,
+                    a.connected,
+                    max(now - a.last_seen, 0.0),
+                    a.lease_deadline - now,
+                    core.open_orders_of(a.key, a.incarnation),
+                )
+                for r, a in sorted(eng.ranks.items())
+            )
+            engines.append(
+                _EngineSnap(
+                    eng.engine_id,
+                    eng.role.value,
+                    eng.tp_size,
+                    eng.ready,
+                    core.inflight_for(eng.engine_id),
+                    ranks,
+                )
+            )
+        return _Snapshot(core.coordinator_id, tuple(engines))
+
+
+# ====================================================================== tracing
+
+OTEL_ENV = "PUSHKV_OTEL"
+OTEL_EXPORTER_ENV = "PUSHKV_OTEL_EXPORTER"
+
+
+def _ns(unix_s: float) -> int:
+    return int(unix_s * 1e9)
+
+
+class TransferTracer:
+    """One OpenTelemetry span per transfer (name "pushkv.transfer"), one event per stage.
+
+    The span starts at the transfer's creation, carries the transfer id and
+    engines as attributes, and ends at the terminal state (events recorded
+    after that, such as "released", are not traced). Opentelemetry is an
+    optional dependency, used through `Any`.
+    """
+
+    def __init__(self, runtime: Runtime, tracer_provider: Any) -> None:
+        self._rt = runtime
+        self._tracer = tracer_provider.get_tracer("pushkv.coordinator")
+        self._spans: dict[str, Any] = {}
+        self._cursor = TimelineCursor(self._alive)
+        self._status = importlib.import_module("opentelemetry.trace").Status
+        self._status_code = importlib.import_module("opentelemetry.trace").StatusCode
+
+    def _alive(self, transfer_id: str) -> bool:
+        return self._rt.core.has_transfer(transfer_id)
+
+    def on_transfer_changed(self, t: Transfer) -> None:
+        fresh, events = self._cursor.new_events(t)
+        span = self._spans.get(t.transfer_id)
+        if fresh:
+            if span is not None:  # the id was reused before the old one ended
+                span.end()
+            span = self._tracer.start_span(
+                "pushkv.transfer",
+                start_time=_ns(t.created_wall),
+                attributes={"pushkv.transfer_id": t.transfer_id},
+            )
+            self._spans[t.transfer_id] = span
+        if span is None:
+            return  # already ended
+        for stage, at, rank in events:
+            attrs = {"pushkv.rank": rank} if rank >= 0 else {}
+            span.add_event(stage, attributes=attrs, timestamp=_ns(at))
+            if stage in TERMINAL_STAGES:
+                span.set_attribute("pushkv.prefill_engine", t.prefill_engine or "")
+                span.set_attribute("pushkv.decode_engine", t.decode_engine or "")
+                span.set_attribute("pushkv.state", t.state.value)
+                span.set_attribute("pushkv.reason", t.reason.value)
+                if t.state is not State.COMPLETE:
+                    span.set_status(self._status(self._status_code.ERROR, t.detail))
+                span.end(end_time=_ns(at))
+                del self._spans[t.transfer_id]
+                return
+
+    def close(self) -> None:
+        for span in self._spans.values():
+            with contextlib.suppress(Exception):
+                span.end()
+        self._spans.clear()
+
+
+def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
+    """A tracer when PUSHKV_OTEL=1 and opentelemetry is importable, else None.
+
+    If no SDK tracer provider is configured yet (for example by
+    `opentelemetry-instrument`), one is installed that exports with OTLP
+    (standard OTEL_EXPORTER_OTLP_* variables) or, with
+    PUSHKV_OTEL_EXPORTER=console, prints spans to stdout.
+    """
+    if os.environ.get(OTEL_ENV, "").lower() not in ("1", "true", "yes", "on"):
+        return None
+    try:
+        trace = importlib.import_module("opentelemetry.trace")
+    except ImportError:
+        log.warning("otel_unavailable", detail="PUSHKV_OTEL=1 but opentelemetry is not installed")
+        return None
+    provider = trace.get_tracer_provider()
+    if type(provider).__name__ in ("ProxyTracerProvider", "NoOpTracerProvider"):
+        try:
+            provider = _sdk_provider()
+        except ImportError as exc:
+            log.warning("otel_sdk_unavailable", error=str(exc))
+            return None
+        trace.set_tracer_provider(provider)
+    log.info("otel_enabled", provider=type(provider).__name__)
+    return TransferTracer(runtime, provider)
+
+
+def _sdk_provider() -> Any:
+    sdk = importlib.import_module("opentelemetry.sdk.trace")
+    export = importlib.import_module("opentelemetry.sdk.trace.export")
+    resources = importlib.import_module("opentelemetry.sdk.resources")
+    provider = sdk.TracerProvider(
+        resource=resources.Resource.create({"service.name": "pushkv-coordinator"})
+    )
+    if os.environ.get(OTEL_EXPORTER_ENV, "otlp") == "console":
+        exporter = export.ConsoleSpanExporter()
+    else:
+        otlp = importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+        exporter = otlp.OTLPSpanExporter()
+    provider.add_span_processor(export.BatchSpanProcessor(exporter))
+    return provider

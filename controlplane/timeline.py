@@ -1,0 +1,190 @@
+"""Per-transfer timelines: the waits between stages, from a Transfer or a TransferStatus.
+
+The coordinator records one timeline event per stage (`Transfer.mark` in
+controlplane/rendezvous.py): begun, decode_registered, prefill_done, ordered,
+write_posted / write_done / write_failed / write_dropped (per prefill rank),
+arrived (per prefill rank), complete / failed / cancelled / expired, released.
+The status API returns them as `TransferStatus.timeline`; everything here is
+derived from them, so no proto field is needed.
+
+Waits, in seconds (None while the stages it spans have not both happened):
+
+rendezvous_wait  prefill_done - decode_registered. Signed: > 0 means the
+                 decode side registered first and waited for the prefill (the
+                 case push-based transfer is built for); < 0 means the prefill
+                 finished first and its KV waited for the decode registration.
+order_latency    from the second of (decode_registered, prefill_done) to ordered.
+write_time       from ordered to the last write_done reported.
+arrival_lag      last arrived - last write_done. Signed: < 0 means the decode
+                 side counted the last notification before the coordinator
+                 heard the matching prefill rank's done report.
+total            from the transfer's creation to its terminal state.
+
+Everything here is pure: no clock reads, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane.domain import State
+from controlplane.transfer import Transfer
+
+# (stage, unix seconds, rank or -1)
+Event = tuple[str, float, int]
+
+WAITS = ("rendezvous_wait", "order_latency", "write_time", "arrival_lag", "total")
+TERMINAL_STAGES = frozenset(s.value for s in State if s.terminal)
+
+Source = Transfer | pb.TransferStatus
+
+
+def events_of(x: Source) -> list[Event]:
+    """The timeline as (stage, unix seconds, rank), in recording order."""
+    if isinstance(x, Transfer):
+        return list(x.timeline)
+    return [(e.stage, e.unix_us / 1e6, e.rank) for e in x.timeline]
+
+
+def created_of(x: Source) -> float:
+    """Creation time in unix seconds."""
+    if isinstance(x, Transfer):
+        return x.created_wall
+    return x.created_unix_us / 1e6
+
+
+def first(events: Sequence[Event], stage: str, rank: int | None = None) -> float | None:
+    """Time of the first `stage` event (of `rank`, if given)."""
+    for s, at, r in events:
+        if s == stage and (rank is None or r == rank):
+            return at
+    return None
+
+
+def last(events: Sequence[Event], stage: str) -> float | None:
+    """Time of the latest `stage` event, any rank."""
+    times = [at for s, at, _ in events if s == stage]
+    return max(times) if times else None
+
+
+def terminal_at(events: Sequence[Event]) -> tuple[str, float] | None:
+    """(terminal stage, time), if the transfer reached one."""
+    for s, at, _ in events:
+        if s in TERMINAL_STAGES:
+            return s, at
+    return None
+
+
+def per_rank(events: Sequence[Event]) -> dict[int, dict[str, float]]:
+    """prefill rank -> {stage: first time} for the rank-specific stages."""
+    out: dict[int, dict[str, float]] = {}
+    for s, at, r in events:
+        if r >= 0:
+            out.setdefault(r, {}).setdefault(s, at)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Waits:
+    rendezvous_wait: float | None = None
+    order_latency: float | None = None
+    write_time: float | None = None
+    arrival_lag: float | None = None
+    total: float | None = None
+
+    def get(self, name: str) -> float | None:
+        if name not in WAITS:
+            raise ValueError(f"unknown wait {name!r}; known: {', '.join(WAITS)}")
+        value: float | None = getattr(self, name)
+        return value
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {n: self.get(n) for n in WAITS}
+
+
+def _diff(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else end - start
+
+
+def waits(x: Source) -> Waits:
+    ev = events_of(x)
+    registered = first(ev, "decode_registered")
+    prefilled = first(ev, "prefill_done")
+    ordered = first(ev, "ordered")
+    second = (
+        max(registered, prefilled) if registered is not None and prefilled is not None else None
+    )
+    done = last(ev, "write_done")
+    end = terminal_at(ev)
+    return Waits(
+        rendezvous_wait=_diff(prefilled, registered),
+        order_latency=_diff(ordered, second),
+        write_time=_diff(done, ordered),
+        arrival_lag=_diff(last(ev, "arrived"), done),
+        total=_diff(end[1], created_of(x)) if end else None,
+    )
+
+
+def sort_by_wait(
+    transfers: Sequence[pb.TransferStatus], wait: str, *, descending: bool = True
+) -> list[pb.TransferStatus]:
+    """Sorted by one wait (largest first by default); transfers without it go last."""
+    if wait not in WAITS:
+        raise ValueError(f"unknown wait {wait!r}; known: {', '.join(WAITS)}")
+    keyed = [(waits(t).get(wait), t) for t in transfers]
+    have = [(v, t) for v, t in keyed if v is not None]
+    missing = [t for v, t in keyed if v is None]
+    have.sort(key=lambda vt: vt[0], reverse=descending)
+    return [t for _, t in have] + missing
+
+
+# ------------------------------------------------------------------ observers
+
+
+class TransferObserver(Protocol):
+    """Told about every transfer the coordinator changed (metrics, tracing)."""
+
+    def on_transfer_changed(self, t: Transfer) -> None: ...
+
+
+class TimelineCursor:
+    """Hands out each transfer's new timeline events exactly once.
+
+    A transfer's timeline only grows, so a per-transfer count of events seen
+    suffices. Cursors of transfers the coordinator forgot are pruned lazily:
+    whenever the table doubled since the last prune, `alive` is asked about
+    every entry (amortised O(1) per call).
+    """
+
+    def __init__(self, alive: Callable[[str], bool], min_prune: int = 4096) -> None:
+        self._alive = alive
+        # transfer id -> (creation time, events seen); the creation time tells
+        # a reused id (a new transfer) from the one it replaced.
+        self._seen: dict[str, tuple[float, int]] = {}
+        self._min_prune = min_prune
+        self._next_prune = min_prune
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def new_events(self, t: Transfer) -> tuple[bool, list[Event]]:
+        """(first time this transfer is seen, events not handed out before)."""
+        prev = self._seen.get(t.transfer_id)
+        fresh = prev is None or prev[0] != t.created_mono
+        start = 0 if fresh or prev is None else prev[1]
+        self._seen[t.transfer_id] = (t.created_mono, len(t.timeline))
+        if len(self._seen) >= self._next_prune:
+            self.prune()
+        return fresh, t.timeline[start:]
+
+    def prune(self) -> list[str]:
+        """Forget transfers that are gone; return their ids."""
+        gone = [tid for tid in self._seen if not self._alive(tid)]
+        for tid in gone:
+            del self._seen[tid]
+        self._next_prune = max(2 * len(self._seen), self._min_prune)
+        return gone

@@ -1,0 +1,413 @@
+"""The connector's WORKER half with real agents: NIXL WRITEs between torch CPU caches.
+
+Two ``PushWorkerHalf`` objects (a prefill and a decode "engine") live in the
+test process, each with an embedded agent (NIXL thread + coordinator stream)
+registered at a real coordinator process.  The test plays vLLM's model runner:
+it hands the halves the per-step metadata the scheduler half would send and
+calls ``get_finished`` the way the runner does every step.  The coordinator
+RPCs of the scheduler half are made with plain gRPC stubs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.events import EventKind
+from agent.nixl_adapter import KVRegion, quiet_nixl_env
+from controlplane.launch import CoordinatorProcess
+from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.vllm_harness import make_kv_cache_config, make_vllm_config
+from vllm_integration.compat import KVConnectorRole
+from vllm_integration.connector import PushKVConnector
+from vllm_integration.metadata import PushKVMetadata, RecvSpec
+from vllm_integration.settings import ConnectorSettings
+from vllm_integration.worker import PushWorkerHalf, regions_of
+
+NB = 32  # blocks per layer
+HEADS, BLOCK, HEAD_DIM = 2, 16, 8
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+COMPAT = "tiny|float32|16|auto"
+DEADLINE_S = 20.0
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def coord() -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess("--log-level", "WARNING").start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def nixl_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in quiet_nixl_env(loopback=True).items():
+            mp.setenv(key, value)
+        yield
+
+
+@dataclass
+class Stubs:
+    transfers: pbg.TransferServiceStub
+    status: pbg.StatusServiceStub
+
+
+@pytest.fixture(scope="module")
+def stubs(coord: CoordinatorProcess) -> Iterator[Stubs]:
+    channel = grpc.insecure_channel(coord.address)
+    yield Stubs(pbg.TransferServiceStub(channel), pbg.StatusServiceStub(channel))
+    channel.close()
+
+
+def cpu_caches(num_blocks: int = NB) -> dict[str, torch.Tensor]:
+    """Per-layer caches shaped like vLLM's CPU backend: [blocks, heads, block, 2*head_dim]."""
+    return {name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYERS}
+
+
+@dataclass
+class Side:
+    engine_id: str
+    half: PushWorkerHalf
+    caches: dict[str, torch.Tensor]
+
+
+def start_half(coord: CoordinatorProcess, is_prefill: bool) -> Side:
+    engine_id = f"{'P' if is_prefill else 'D'}-{uuid.uuid4().hex[:8]}"
+    half = PushWorkerHalf(
+        ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+        engine_id=engine_id,
+        is_prefill=is_prefill,
+        tp_rank=0,
+        tp_size=1,
+        tokens_per_block=BLOCK,
+        num_blocks=NB,
+        compat_key=COMPAT,
+    )
+    caches = cpu_caches()
+    half.register_kv_caches(caches)
+    assert half.agent is not None and half.agent.registered
+    return Side(engine_id, half, caches)
+
+
+@pytest.fixture(scope="module")
+def pair(coord: CoordinatorProcess, nixl_env: None) -> Iterator[tuple[Side, Side]]:
+    p = start_half(coord, is_prefill=True)
+    try:
+        d = start_half(coord, is_prefill=False)
+    except BaseException:
+        p.half.shutdown()
+        raise
+    yield p, d
+    d.half.shutdown()
+    p.half.shutdown()
+
+
+def new_tid() -> str:
+    return f"tx-{uuid.uuid4().hex}"
+
+
+def register(stubs: Stubs, tid: str, engine: str, blocks: list[int], n: int) -> pb.TransferStatus:
+    return stubs.transfers.RegisterDecodeBlocks(
+        pb.RegisterDecodeBlocksRequest(
+            transfer_id=tid,
+            decode_engine_id=engine,
+            block_ids=[pb.BlockIds(ids=blocks)],
+            num_tokens=n,
+        ),
+        timeout=10,
+    )
+
+
+def prefill_done(
+    stubs: Stubs, tid: str, engine: str, blocks: list[int], n: int
+) -> pb.TransferStatus:
+    return stubs.transfers.ReportPrefillDone(
+        pb.ReportPrefillDoneRequest(
+            transfer_id=tid,
+            prefill_engine_id=engine,
+            block_ids=[pb.BlockIds(ids=blocks)],
+            num_tokens=n,
+        ),
+        timeout=10,
+    )
+
+
+def get_transfer(stubs: Stubs, tid: str) -> pb.TransferStatus:
+    return stubs.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+
+
+@dataclass
+class Finished:
+    sending: list[str]
+    recving: list[str]
+
+
+def run_steps(sides: list[tuple[Side, set[str]]], until: Callable[[Finished], bool]) -> Finished:
+    """Call get_finished on each half like consecutive idle engine steps, until `until`.
+
+    Each side gets its own finished_req_ids (only on the first step, as vLLM
+    passes each id once).  An idle step waits briefly on the agent's events.
+    """
+    seen = Finished([], [])
+    deadline = time.monotonic() + DEADLINE_S
+    first = True
+    while not until(seen):
+        assert time.monotonic() < deadline, f"not finished in {DEADLINE_S} s: {seen}"
+        for side, finished_ids in sides:
+            sending, recving = side.half.get_finished(finished_ids if first else set(), idle=True)
+            seen.sending += sorted(sending or ())
+            seen.recving += sorted(recving or ())
+        first = False
+    return seen
+
+
+def fill(caches: dict[str, torch.Tensor], blocks: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in caches.values():
+        t[blocks] = torch.rand(len(blocks), *t.shape[1:], generator=g)
+
+
+# ---------------------------------------------------------------- transfers
+
+
+def test_push_lands_byte_for_byte_and_frees_after_finished(
+    pair: tuple[Side, Side], stubs: Stubs
+) -> None:
+    p, d = pair
+    tid = new_tid()
+    src, dst = [3, 9, 4], [20, 7, 11]  # 40 tokens: 16 + 16 + 8
+    fill(p.caches, src, seed=1)
+    for t in d.caches.values():
+        t.zero_()
+
+    # Decode step after allocation: the scheduler half registered the blocks.
+    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq", tid, tuple(dst))]))
+    assert register(stubs, tid, d.engine_id, dst, 40).state == pb.TRANSFER_STATE_REGISTERED
+    # Prefill: request_finished reported the blocks; the next step maps them and
+    # carries the request id in finished_req_ids.
+    assert prefill_done(stubs, tid, p.engine_id, src, 40).state == pb.TRANSFER_STATE_ORDERED
+    p.half.start_load_kv(PushKVMetadata(send=[("preq", tid)]))
+
+    seen = run_steps([(p, {"preq"}), (d, set())], until=lambda f: bool(f.recving and f.sending))
+    assert seen.recving == ["dreq"] and seen.sending == ["preq"]
+    for name in LAYERS:
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(d.caches[name][t], p.caches[name][s]), (name, s, t)
+        others = [b for b in range(NB) if b not in dst]
+        assert not d.caches[name][others].any()  # nothing else was written
+    assert d.half.take_failed() == set()
+    assert d.half.get_block_ids_with_load_errors() == set()
+
+    # Reported exactly once; a late `free` for the same request is ignored.
+    p.half.start_load_kv(PushKVMetadata(free=[("preq", tid)]))
+    for _ in range(3):
+        assert p.half.get_finished({"preq"}, idle=False) == (None, None)
+        assert d.half.get_finished(set(), idle=False) == (None, None)
+    t = get_transfer(stubs, tid)
+    assert t.state == pb.TRANSFER_STATE_COMPLETE and not t.write_may_land
+
+
+def test_prefill_frees_only_after_its_id_was_finished(
+    pair: tuple[Side, Side], stubs: Stubs
+) -> None:
+    """BLOCKS_FREE arriving before the send mapping, and before vLLM finished the id."""
+    p, d = pair
+    assert p.half.agent is not None
+    tid = new_tid()
+    src, dst = [1, 2], [30, 31]
+    fill(p.caches, src, seed=2)
+    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq2", tid, tuple(dst))]))
+    register(stubs, tid, d.engine_id, dst, 20)
+    prefill_done(stubs, tid, p.engine_id, src, 20)
+    assert run_steps([(d, set())], until=lambda f: bool(f.recving)).recving == ["dreq2"]
+
+    # The agent's BLOCKS_FREE comes before the worker knows the transfer.
+    e = p.half.agent.wait_event(DEADLINE_S)
+    assert e is not None and (e.kind, e.transfer_id) == (EventKind.BLOCKS_FREE, tid)
+    p.half.agent._events.put(e)  # leave it for the worker to pick up
+    assert p.half.get_finished(set(), idle=False) == (None, None)
+
+    p.half.start_load_kv(PushKVMetadata(send=[("preq2", tid)]))
+    assert p.half.get_finished(set(), idle=False) == (None, None)  # not finished in vLLM yet
+    assert p.half.get_finished({"preq2"}, idle=False) == ({"preq2"}, None)
+    assert p.half.get_finished({"preq2"}, idle=False) == (None, None)
+    for name in LAYERS:
+        assert torch.equal(d.caches[name][dst], p.caches[name][src])
+
+
+def test_free_from_scheduler_releases_held_blocks(pair: tuple[Side, Side]) -> None:
+    """The scheduler half learned the transfer had ended: free without an agent event."""
+    p, _ = pair
+    tid = new_tid()
+    p.half.start_load_kv(PushKVMetadata(send=[("preq3", tid)], free=[("preq3", tid)]))
+    assert p.half.get_finished({"preq3"}, idle=False) == ({"preq3"}, None)
+    assert p.half.get_finished(set(), idle=False) == (None, None)
+
+
+def test_unrelated_finished_ids_are_not_kept(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    for side in (p, d):
+        ids = {f"other-{i}" for i in range(100)}
+        assert side.half.get_finished(ids, idle=False) == (None, None)
+        assert not side.half._sched_finished & ids
+
+
+# ---------------------------------------------------------------- failures (connector facade)
+
+
+@pytest.fixture
+def decode_connector(
+    coord: CoordinatorProcess, nixl_env: None, tiny_model_dir: Path
+) -> Iterator[tuple[PushKVConnector, str]]:
+    engine_id = f"D-{uuid.uuid4().hex[:8]}"
+    cfg = make_vllm_config(
+        tiny_model_dir,
+        connector_module="vllm_integration.connector",
+        connector_name="PushKVConnector",
+        kv_role="kv_consumer",
+        engine_id=engine_id,
+        kv_connector_extra_config={"coordinator": coord.address, "register_timeout_s": 30},
+        block_size=BLOCK,
+    )
+    kv_cache_config = make_kv_cache_config(cfg, num_blocks=NB)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    conn = PushKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
+    caches = {
+        name: torch.zeros(NB, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        for name in kv_cache_config.kv_cache_groups[0].layer_names
+    }
+    conn.register_kv_caches(caches)
+    yield conn, engine_id
+    conn.shutdown()
+
+
+@dataclass
+class StepResult:
+    finished_recving: set[str]
+    failed_recving: set[str]
+    load_errors: set[int]
+
+
+def worker_step(conn: PushKVConnector, meta: PushKVMetadata) -> StepResult:
+    """One model-runner step of the worker connector (kv_connector_no_forward order)."""
+    conn.bind_connector_metadata(meta)
+    try:
+        conn.start_load_kv(None)
+        conn.wait_for_save()
+        res = conn.get_transfer_results(set())
+        errors = conn.get_block_ids_with_load_errors()
+    finally:
+        conn.clear_connector_metadata()
+    assert not res.finished_sending
+    return StepResult(set(res.finished_recving), set(res.failed_recving), errors)
+
+
+def test_cancelled_transfer_fails_the_load_with_its_blocks(
+    decode_connector: tuple[PushKVConnector, str], stubs: Stubs
+) -> None:
+    conn, engine_id = decode_connector
+    tid = new_tid()
+    blocks = (5, 6, 7)
+    r = worker_step(conn, PushKVMetadata(recv=[RecvSpec("dfail", tid, blocks)], idle=True))
+    assert r == StepResult(set(), set(), set())
+    assert register(stubs, tid, engine_id, list(blocks), 40).state == (pb.TRANSFER_STATE_REGISTERED)
+    cancelled = stubs.transfers.Cancel(
+        pb.CancelRequest(transfer_id=tid, reason="router gave up"), timeout=5
+    )
+    assert cancelled.state == pb.TRANSFER_STATE_CANCELLED
+
+    deadline = time.monotonic() + DEADLINE_S
+    while not (r := worker_step(conn, PushKVMetadata(idle=True))).finished_recving:
+        assert time.monotonic() < deadline, "the failed load was never reported"
+    # Same step: finished AND failed (vLLM's aggregator needs both), and the blocks.
+    assert r == StepResult({"dfail"}, {"dfail"}, set(blocks))
+    for _ in range(3):  # reported once
+        assert worker_step(conn, PushKVMetadata(idle=True)) == StepResult(set(), set(), set())
+
+
+def test_refused_registration_fails_the_load_in_the_same_step(
+    decode_connector: tuple[PushKVConnector, str],
+) -> None:
+    conn, _ = decode_connector
+    tid = new_tid()
+    spec = RecvSpec("dref", tid, (8, 9))
+    assert worker_step(conn, PushKVMetadata(recv=[spec])) == StepResult(set(), set(), set())
+    r = worker_step(conn, PushKVMetadata(fail=[spec]))
+    assert r == StepResult({"dref"}, {"dref"}, {8, 9})
+    assert worker_step(conn, PushKVMetadata()) == StepResult(set(), set(), set())
+
+
+# ---------------------------------------------------------------- regions_of
+
+
+def test_regions_of_block_major_layout() -> None:
+    caches = cpu_caches()
+    regions = regions_of(caches, NB)
+    block_len = HEADS * BLOCK * 2 * HEAD_DIM * 4
+    assert regions == tuple(KVRegion(caches[n].data_ptr(), block_len, NB, 0) for n in LAYERS)
+
+
+def test_regions_of_views_into_one_allocation() -> None:
+    # vLLM CPU: every layer is a view into one storage, layer l at base + l * size.
+    per_layer = NB * HEADS * BLOCK * 2 * HEAD_DIM
+    storage = torch.zeros(2 * per_layer)
+    caches = {
+        # Named so that sorting puts layer 1 first: regions follow sorted names.
+        "b.layer0": storage[:per_layer].view(NB, HEADS, BLOCK, 2 * HEAD_DIM),
+        "a.layer1": storage[per_layer:].view(NB, HEADS, BLOCK, 2 * HEAD_DIM),
+    }
+    base, block_len = storage.data_ptr(), HEADS * BLOCK * 2 * HEAD_DIM * 4
+    assert regions_of(caches, NB) == (
+        KVRegion(base + per_layer * 4, block_len, NB, 0),
+        KVRegion(base, block_len, NB, 0),
+    )
+
+
+def test_regions_of_kv_split_layout() -> None:
+    # FlashAttention: [2, num_blocks, block, heads, head_dim]: K and V regions per layer.
+    caches = {n: torch.zeros(2, NB, BLOCK, HEADS, HEAD_DIM) for n in LAYERS}
+    block_len = BLOCK * HEADS * HEAD_DIM * 4
+    expected = []
+    for n in LAYERS:
+        base = caches[n].data_ptr()
+        expected += [
+            KVRegion(base, block_len, NB, 0),
+            KVRegion(base + NB * block_len, block_len, NB, 0),
+        ]
+    assert regions_of(caches, NB) == tuple(expected)
+    # Block b of the V region is where torch puts caches[n][1, b].
+    v = regions_of(caches, NB)[1]
+    assert v.base_addr + 5 * v.block_len == caches[LAYERS[0]][1, 5].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(NB, HEADS, BLOCK, 4 * HEAD_DIM)[:, :, :, ::2],  # strided inner dims
+        lambda: torch.zeros(HEADS, NB, BLOCK, 2 * HEAD_DIM).transpose(0, 1),  # blocks not outer
+        lambda: torch.zeros(NB + 1, HEADS, BLOCK, 2 * HEAD_DIM)[1:].transpose(2, 3),
+    ],
+    ids=["strided", "transposed", "permuted-view"],
+)
+def test_regions_of_rejects_non_contiguous_blocks(make: Callable[[], torch.Tensor]) -> None:
+    t = make()
+    assert not t.is_contiguous()
+    with pytest.raises(ValueError, match="not contiguous"):
+        regions_of({"layer": t}, NB)
+
+
+def test_regions_of_needs_a_block_dimension() -> None:
+    with pytest.raises(ValueError, match=f"no dimension of size {NB}"):
+        regions_of({"layer": torch.zeros(NB - 1, HEADS, BLOCK, 2 * HEAD_DIM)}, NB)

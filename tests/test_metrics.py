@@ -1,0 +1,385 @@
+"""Prometheus metrics of the coordinator, the router and the connector, scraped over HTTP.
+
+Transfers run through a real coordinator with simulated agents
+(tests/sim_agent.py); every wait is on a stream, an ack or a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane import metrics as cmetrics
+from controlplane.launch import CoordinatorProcess
+from controlplane.server import Coordinator, ServerSettings, start
+from tests.sim_agent import SimAgent, SimCluster, blocks
+from vllm_integration.metrics import ConnectorMetrics, outcome_of
+from vllm_integration.router import Router, RouterSettings
+
+WAIT = 10.0
+BLOCK_BYTES = 3 * 2 * 4096  # 3 blocks x (K and V regions) x 4096 bytes
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, (
+        f"{name}{labels} not scraped; have {sorted(k for k in samples if k[0] == name)}"
+    )
+    return samples[key]
+
+
+async def scrape(url: str) -> tuple[str, Samples]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(url, timeout=aiohttp.ClientTimeout(WAIT)) as r,
+    ):
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    return text, parse(text)
+
+
+@pytest.fixture
+async def coord() -> AsyncIterator[Coordinator]:
+    c = await start(ServerSettings(port=0, metrics_port=0))
+    yield c
+    await c.stop(0)
+
+
+@pytest.fixture
+async def cluster(coord: Coordinator) -> AsyncIterator[SimCluster]:
+    async with SimCluster(coord.address, auto_complete=False) as c:
+        yield c
+
+
+def dec_req(tid: str) -> pb.RegisterDecodeBlocksRequest:
+    return pb.RegisterDecodeBlocksRequest(
+        transfer_id=tid, decode_engine_id="d0", block_ids=blocks([7, 8, 9]), num_tokens=40
+    )
+
+
+def pre_req(tid: str) -> pb.ReportPrefillDoneRequest:
+    return pb.ReportPrefillDoneRequest(
+        transfer_id=tid, prefill_engine_id="p0", block_ids=blocks([1, 2, 3]), num_tokens=40
+    )
+
+
+async def write(p: SimAgent, order: pb.TransferOrder, status: int, **kw: Any) -> None:
+    await p.send(
+        pb.AgentMessage(
+            write=pb.WriteReport(
+                order_id=order.order_id,
+                transfer_id=order.transfer_id,
+                status=status,  # type: ignore[arg-type]
+                **kw,
+            )
+        )
+    )
+
+
+async def complete(
+    ch: grpc.aio.Channel, cl: SimCluster, tid: str, *, decode_first: bool
+) -> pb.TransferStatus:
+    """One transfer through every stage, reported with bytes and descriptors."""
+    stub = pbg.TransferServiceStub(ch)
+    p, d = cl.prefill[0], cl.decode[0]
+    if decode_first:
+        await stub.RegisterDecodeBlocks(dec_req(tid))
+        await stub.ReportPrefillDone(pre_req(tid))
+    else:
+        await stub.ReportPrefillDone(pre_req(tid))
+        await stub.RegisterDecodeBlocks(dec_req(tid))
+    order = await p.expect("order", WAIT, skip=("peer", "notice"))
+    assert order.transfer_id == tid
+    await write(p, order, pb.WRITE_STATUS_POSTED)
+    await write(p, order, pb.WRITE_STATUS_DONE, bytes=BLOCK_BYTES, descriptors=6)
+    await d.report_arrival(tid, [0])
+    await asyncio.gather(p.heartbeat(), d.heartbeat())  # the reports were applied
+    status: pb.TransferStatus = await pbg.StatusServiceStub(ch).GetTransfer(
+        pb.GetTransferRequest(transfer_id=tid)
+    )
+    assert status.state == pb.TRANSFER_STATE_COMPLETE, status
+    return status
+
+
+async def test_coordinator_metrics_after_real_transfers(
+    coord: Coordinator, cluster: SimCluster
+) -> None:
+    assert coord.metrics_port
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        stub = pbg.TransferServiceStub(ch)
+        await complete(ch, cluster, "m-decode-first", decode_first=True)
+        await complete(ch, cluster, "m-prefill-first", decode_first=False)
+        await stub.ReportPrefillDone(pre_req("m-cancelled"))
+        await stub.Cancel(pb.CancelRequest(transfer_id="m-cancelled", reason="test"))
+        await stub.RegisterDecodeBlocks(dec_req("m-waiting"))
+
+        text, s = await scrape(f"http://127.0.0.1:{coord.metrics_port}/metrics")
+
+    assert value(s, "pushkv_transfers_started_total") == 4
+    assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 2
+    assert value(s, "pushkv_transfers_finished_total", state="cancelled", reason="cancelled") == 1
+    assert value(s, "pushkv_transfers_inflight", state="registered") == 1
+    for st in ("awaiting", "prefill_done", "ordered", "writing"):
+        assert value(s, "pushkv_transfers_inflight", state=st) == 0
+
+    for side in ("decode_first", "prefill_first"):
+        assert value(s, "pushkv_rendezvous_wait_seconds_count", side=side) == 1
+        assert 0 <= value(s, "pushkv_rendezvous_wait_seconds_sum", side=side) < WAIT
+    assert value(s, "pushkv_order_latency_seconds_count") == 2
+    assert 0 <= value(s, "pushkv_order_latency_seconds_sum") < 1.0
+    for name in (
+        "pushkv_write_post_seconds",
+        "pushkv_write_completion_seconds",
+        "pushkv_transfer_write_seconds",
+    ):
+        assert value(s, f"{name}_count") == 2, name
+        assert 0 <= value(s, f"{name}_sum") < WAIT, name
+        # Cumulative buckets end with +Inf == count.
+        assert value(s, f"{name}_bucket", le="+Inf") == 2
+    assert value(s, "pushkv_transfer_duration_seconds_count", state="complete") == 2
+    assert value(s, "pushkv_transfer_duration_seconds_count", state="cancelled") == 1
+
+    assert value(s, "pushkv_write_reports_total", status="posted") == 2
+    assert value(s, "pushkv_write_reports_total", status="done") == 2
+    assert value(s, "pushkv_write_bytes_total", engine="p0") == 2 * BLOCK_BYTES
+    assert value(s, "pushkv_write_descriptors_total", engine="p0") == 12
+    assert value(s, "pushkv_write_size_bytes_count") == 2
+    assert value(s, "pushkv_write_size_bytes_sum") == 2 * BLOCK_BYTES
+
+    for engine, role in (("p0", "prefill"), ("d0", "decode")):
+        assert value(s, "pushkv_engine_ready", engine=engine, role=role) == 1
+        assert value(s, "pushkv_agents_connected", engine=engine, role=role) == 1
+        assert value(s, "pushkv_agents_registered", engine=engine, role=role) == 1
+        assert 0 <= value(s, "pushkv_agent_last_seen_seconds", engine=engine, rank="0") < WAIT
+        lease = value(s, "pushkv_agent_lease_remaining_seconds", engine=engine, rank="0")
+        assert 0 < lease <= 5.0  # CoreSettings.lease_s
+        assert value(s, "pushkv_agent_open_orders", engine=engine, rank="0") == 0
+    assert value(s, "pushkv_engine_inflight_transfers", engine="d0", role="decode") == 1
+    assert value(s, "pushkv_engine_inflight_transfers", engine="p0", role="prefill") == 0
+    info = [k for k in s if k[0] == "pushkv_coordinator_info"]
+    assert dict(info[0][1])["coordinator_id"] == coord.runtime.core.coordinator_id
+
+    # Every metric of ours is pushkv_-prefixed, and no label carries a transfer id.
+    ours = [k for k in s if not k[0].startswith(("python_", "process_"))]
+    assert all(name.startswith("pushkv_") for name, _ in ours)
+    assert "m-decode-first" not in text and "transfer_id" not in text
+
+
+async def test_failures_are_counted_by_reason(coord: Coordinator, cluster: SimCluster) -> None:
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        stub = pbg.TransferServiceStub(ch)
+        p = cluster.prefill[0]
+        await stub.RegisterDecodeBlocks(dec_req("m-fail"))
+        await stub.ReportPrefillDone(pre_req("m-fail"))
+        order = await p.expect("order", WAIT, skip=("peer", "notice"))
+        await write(p, order, pb.WRITE_STATUS_POSTED)
+        await write(p, order, pb.WRITE_STATUS_FAILED, detail="NIXL_ERR_REMOTE_DISCONNECT")
+        await p.heartbeat()
+        _, s = await scrape(f"http://127.0.0.1:{coord.metrics_port}/metrics")
+    assert value(s, "pushkv_transfers_finished_total", state="failed", reason="write_failed") == 1
+    assert value(s, "pushkv_write_reports_total", status="failed") == 1
+    assert value(s, "pushkv_transfers_inflight", state="writing") == 0
+    assert value(s, "pushkv_transfer_write_seconds_count") == 0
+
+
+async def test_lease_gauges_follow_agents(coord: Coordinator) -> None:
+    url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
+    async with SimCluster(coord.address, tp_size=2, auto_complete=False) as cl:
+        _, s = await scrape(url)
+        assert value(s, "pushkv_agents_connected", engine="p0", role="prefill") == 2
+        for rank in ("0", "1"):
+            assert value(s, "pushkv_agent_last_seen_seconds", engine="d0", rank=rank) >= 0
+        # Graceful: returns once the server ended the stream, i.e. after it
+        # marked the rank disconnected.
+        await cl.decode[1].close(graceful=True)
+        _, s = await scrape(url)
+        assert value(s, "pushkv_agents_connected", engine="d0", role="decode") == 1
+        assert value(s, "pushkv_agents_registered", engine="d0", role="decode") == 2
+        assert value(s, "pushkv_engine_ready", engine="d0", role="decode") == 0
+
+
+async def test_metrics_are_off_unless_asked() -> None:
+    c = await start(ServerSettings(port=0))
+    try:
+        assert c.metrics is None and c.metrics_port is None
+        assert c.runtime.observers == []
+    finally:
+        await c.stop(0)
+
+
+async def test_tracing_one_span_per_transfer(
+    coord: Coordinator, cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    export = importlib.import_module("opentelemetry.sdk.trace.export")
+    memory = importlib.import_module("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    exporter = memory.InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(export.SimpleSpanProcessor(exporter))
+    tracer = cmetrics.TransferTracer(coord.runtime, provider)
+    coord.runtime.observers.append(tracer)
+
+    monkeypatch.delenv("PUSHKV_OTEL", raising=False)
+    assert cmetrics.tracer_from_env(coord.runtime) is None  # off unless PUSHKV_OTEL=1
+
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        await complete(ch, cluster, "m-traced", decode_first=True)
+    [span] = exporter.get_finished_spans()
+    assert span.name == "pushkv.transfer"
+    assert span.attributes["pushkv.transfer_id"] == "m-traced"
+    assert span.attributes["pushkv.state"] == "complete"
+    stages = [e.name for e in span.events]
+    assert stages[:3] == ["decode_registered", "prefill_done", "ordered"]
+    assert {"write_posted", "write_done", "arrived"} <= set(stages)
+    assert stages[-1] == "complete"
+    assert span.start_time <= span.events[0].timestamp <= span.end_time
+
+
+# ---------------------------------------------------------------- CLI flag
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def coord_process() -> Iterator[tuple[CoordinatorProcess, int]]:
+    port = free_port()
+    c = CoordinatorProcess("--log-level", "WARNING", "--metrics-port", str(port)).start()
+    yield c, port
+    c.stop()
+
+
+async def test_pushkv_coordinator_metrics_port_flag(
+    coord_process: tuple[CoordinatorProcess, int],
+) -> None:
+    c, port = coord_process
+    async with SimCluster(c.address, auto_complete=True) as cl:
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            watch = pbg.StatusServiceStub(ch).WatchTransfers(
+                pb.WatchTransfersRequest(states=[pb.TRANSFER_STATE_COMPLETE]), timeout=WAIT
+            )
+            stub = pbg.TransferServiceStub(ch)
+            await stub.RegisterDecodeBlocks(dec_req("m-cli"))
+            await stub.ReportPrefillDone(pre_req("m-cli"))
+            event = await watch.read()
+            watch.cancel()
+            assert event.transfer.transfer_id == "m-cli"
+        _, s = await scrape(f"http://127.0.0.1:{port}/metrics")
+        assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 1
+        assert value(s, "pushkv_agents_connected", engine="p0", role="prefill") == 1
+        assert cl.prefill[0].orders_seen
+
+
+# ---------------------------------------------------------------- router
+
+
+async def test_router_metrics_route(coord: Coordinator) -> None:
+    async def prefill(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    async def decode(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "decoded"}]})
+
+    runners: list[web.AppRunner] = []
+    agents: list[SimAgent] = []
+    try:
+        for role, handler in (("prefill", prefill), ("decode", decode)):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+            host, port = runner.addresses[0][:2]
+            agent = SimAgent(coord.address, f"{role}-0", role)
+            agent.hello.hello.api_url = f"http://{host}:{port}"
+            await agent.start()
+            agents.append(agent)
+        router = Router(RouterSettings(coordinator=coord.address, port=0))
+        runner = web.AppRunner(router.app())
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        base = f"http://{host}:{port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{base}/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 200
+            async with http.post(f"{base}/v1/completions", json={"prompt": ""}) as r:
+                assert r.status == 400
+        _, s = await scrape(f"{base}/metrics")
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        for agent in agents:
+            await agent.close()
+    assert value(s, "pushkv_router_requests_total", outcome="ok") == 1
+    assert value(s, "pushkv_router_requests_total", outcome="client_error") == 1
+    assert value(s, "pushkv_router_requests_total", outcome="aborted") == 0
+    assert value(s, "pushkv_router_ttft_seconds_count") == 1
+    assert 0 < value(s, "pushkv_router_ttft_seconds_sum") < WAIT
+    assert value(s, "pushkv_router_inflight_requests") == 0
+
+
+def test_outcomes_are_bounded() -> None:
+    assert [outcome_of(c) for c in (200, 400, 413, 502, 503, 500)] == [
+        "ok",
+        "client_error",
+        "client_error",
+        "engine_error",
+        "unavailable",
+        "engine_error",
+    ]
+
+
+# ---------------------------------------------------------------- connector
+
+
+async def test_connector_metrics_served_per_rank() -> None:
+    base = free_port()
+    m = ConnectorMetrics("decode-0", tp_rank=0)
+    off = ConnectorMetrics("decode-0", tp_rank=0)
+    try:
+        assert off.serve(0) is None  # metrics_port 0: counted, not served
+        assert m.serve(base) == base  # rank r listens on metrics_port + r
+        m.ready.inc()
+        m.failed.inc()
+        m.load_error_blocks.inc(3)
+        m.freed.inc(2)
+        m.event("kv_ready")
+        _, s = await scrape(f"http://127.0.0.1:{base}/metrics")
+    finally:
+        m.close()
+        off.close()
+    lbl = {"engine": "decode-0", "rank": "0"}
+    assert value(s, "pushkv_connector_transfers_ready_total", **lbl) == 1
+    assert value(s, "pushkv_connector_transfers_failed_total", **lbl) == 1
+    assert value(s, "pushkv_connector_load_error_blocks_total", **lbl) == 3
+    assert value(s, "pushkv_connector_requests_freed_total", **lbl) == 2
+    assert value(s, "pushkv_connector_agent_events_total", kind="kv_ready", **lbl) == 1

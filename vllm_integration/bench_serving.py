@@ -1,0 +1,1172 @@
+"""`pushkv bench serving`: pushkv against vLLM's own NIXL connectors on real vLLM.
+
+One invocation runs, with the same locally built model, the same prompts and
+the same load generator:
+
+- ``pull``: vLLM ``NixlConnector`` (pull), with the standard sequential proxy
+  (prefill, relay the returned ``kv_transfer_params``, then decode);
+- ``vllm-push``: vLLM ``NixlPushConnector``, with concurrent dispatch of both legs;
+- ``pushkv``: pushkv's connector, coordinator and ``pushkv router``;
+- ``single``: one engine, no disaggregation (reference line).
+
+Core layout: the prefill engine's worker on core 0 and the decode engine's on
+core 1 for every disaggregated system (``VLLM_CPU_OMP_THREADS_BIND``); the
+single engine on core 0. vLLM's NIXL connectors re-pin their workers to the
+last core of each NUMA node; for those two baselines a ``sitecustomize`` shim
+(on ``PYTHONPATH`` for those servers only) skips that call, exactly as in
+``shared/reference/vllm-push-cpu.md``. The installed vLLM is not modified.
+
+Load: Poisson arrivals at each rate, random-token prompts of uniformly random
+length, a fixed output length (``ignore_eos``), streamed, so TTFT is the time
+to the first streamed token at the client and TPOT is (last - first) / (n - 1).
+
+Each system's servers start once per scenario and run all rates (a start costs
+about a minute on this 2-core box, so alternating systems per rate would cost
+more than the measurements). Scenarios: ``nocache`` (prefix caching off on
+every engine, isolating the transfer) and ``prefixhit`` (prefix caching on; the
+decode engine, or the single engine, is first warmed with the very prompts of
+the rate, so it has a full prefix hit and only the tail is transferred).
+
+The proxies of the two vLLM baselines are small aiohttp apps in this module,
+run as separate processes (``python -m vllm_integration.bench_serving proxy``),
+like the pushkv router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+
+SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
+COMPARED: Final = ("pull", "vllm-push", "pushkv")  # "sustained by all systems" uses these
+LABELS: Final = {
+    "pull": "vLLM NixlConnector (pull, sequential proxy)",
+    "vllm-push": "vLLM NixlPushConnector (concurrent dispatch)",
+    "pushkv": "pushkv (connector + coordinator + router)",
+    "single": "single engine (no disaggregation)",
+}
+SCENARIOS: Final = ("nocache", "prefixhit")
+SCENARIO_LABELS: Final = {
+    "nocache": "prefix caching off (transfer isolated)",
+    "prefixhit": "prefix caching on, decode side warmed: full prefix hit",
+}
+PREFILL_ENGINE_ID: Final = "prefill-0"
+DECODE_ENGINE_ID: Final = "decode-0"
+SUSTAINED_FRACTION: Final = 0.85  # achieved / offered throughput, with no failures
+
+# The unpinning shim from shared/reference/vllm-push-cpu.md (verbatim logic):
+# skip the NIXL worker's "last core per NUMA node" sched_setaffinity.
+SHIM: Final = """\
+import os, sys
+_orig = os.sched_setaffinity
+def _patched(pid, cpus):
+    f = sys._getframe(1)
+    if "kv_connector" in f.f_code.co_filename and "nixl" in f.f_code.co_filename:
+        return None          # skip the NIXL worker's "last core per NUMA node" pin
+    return _orig(pid, cpus)
+os.sched_setaffinity = _patched
+"""
+
+
+def _say(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+# =============================================================== configuration
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_dir: Path
+    layers: int = 4
+    hidden: int = 256
+    block_size: int = 128
+    min_prompt: int = 256
+    max_prompt: int = 3072
+    output_len: int = 64
+    rates: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0)
+    duration_s: float = 30.0  # requests per rate = max(min_requests, rate * duration)
+    min_requests: int = 40
+    timeout_s: float = 120.0  # per request, client side
+    max_num_seqs: int = 32
+    kvcache_gib: int = 2
+    seed: int = 0
+    kv_lease_s: int | None = None  # vLLM NIXL kv_lease_duration; None: vLLM's default (30 s)
+    startup_timeout_s: float = 300.0
+    warmup_requests: int = 3
+    systems: tuple[str, ...] = SYSTEMS
+    scenarios: tuple[str, ...] = SCENARIOS
+    quick: bool = False
+
+    @property
+    def max_model_len(self) -> int:
+        need = self.max_prompt + self.output_len + 1
+        return -(-need // self.block_size) * self.block_size
+
+    def requests_for(self, rate: float) -> int:
+        return max(self.min_requests, round(rate * self.duration_s))
+
+
+# =============================================================== workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    rate: float
+    prompts: tuple[tuple[int, ...], ...]
+    arrivals: tuple[float, ...]  # seconds after the start of the run
+
+
+def make_workload(cfg: BenchConfig, scenario: str, rate_index: int, rate: float) -> Workload:
+    """Prompts and Poisson arrivals; identical for every system (seeded per scenario/rate)."""
+    rng = random.Random(f"{cfg.seed}/{scenario}/{rate_index}/{rate}")
+    n = cfg.requests_for(rate)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(cfg.min_prompt, cfg.max_prompt)
+        prompts.append(tuple(rng.randrange(4, 1024) for _ in range(length)))
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return Workload(rate, tuple(prompts), tuple(arrivals))
+
+
+def warmup_prompts(cfg: BenchConfig) -> list[list[int]]:
+    rng = random.Random(f"{cfg.seed}/warmup")
+    return [
+        [rng.randrange(4, 1024) for _ in range(rng.randint(cfg.min_prompt, cfg.min_prompt * 2))]
+        for _ in range(cfg.warmup_requests)
+    ]
+
+
+# =============================================================== load generator
+
+
+@dataclass
+class ReqRecord:
+    index: int
+    prompt_len: int
+    sent: float  # seconds after the start of the run
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    chunks: int = 0
+    error: str = ""
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not self.timed_out and self.first is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def completion_body(prompt: Sequence[int], max_tokens: int, *, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    rec: ReqRecord,
+    body: dict[str, Any],
+    t0: float,
+    timeout_s: float,
+    expect_tokens: int,
+) -> None:
+    try:
+        async with asyncio.timeout(timeout_s), session.post(url, json=body) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            done = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream error: {str(chunk['error'])[:200]}"
+                    return
+                if chunk.get("choices"):
+                    now = time.perf_counter() - t0
+                    if rec.first is None:
+                        rec.first = now
+                    rec.last = now
+                    rec.chunks += 1
+                usage = chunk.get("usage")
+                if usage:
+                    rec.tokens = int(usage.get("completion_tokens") or 0)
+            if not rec.tokens:
+                rec.tokens = rec.chunks
+            if not done:
+                rec.error = "stream ended without [DONE]"
+            elif rec.tokens != expect_tokens:
+                rec.error = f"got {rec.tokens} tokens, expected {expect_tokens}"
+    except TimeoutError:
+        rec.timed_out = True
+    except (aiohttp.ClientError, ValueError, OSError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def _run_load(url: str, wl: Workload, output_len: int, timeout_s: float) -> list[ReqRecord]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    records = [ReqRecord(i, len(p), wl.arrivals[i]) for i, p in enumerate(wl.prompts)]
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for rec, prompt in zip(records, wl.prompts, strict=True):
+            delay = t0 + rec.sent - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec.sent = time.perf_counter() - t0
+            body = completion_body(prompt, output_len, stream=True)
+            tasks.append(
+                asyncio.create_task(
+                    _one(session, url, rec, body, t0, timeout_s, expect_tokens=output_len)
+                )
+            )
+        await asyncio.gather(*tasks)
+    return records
+
+
+def run_load(url: str, wl: Workload, output_len: int, timeout_s: float) -> list[ReqRecord]:
+    return asyncio.run(_run_load(url, wl, output_len, timeout_s))
+
+
+async def _post_many(
+    url: str, prompts: Sequence[Sequence[int]], concurrency: int, timeout_s: float
+) -> list[str]:
+    """Non-streamed one-token completions; returns an error string per failed prompt."""
+    sem = asyncio.Semaphore(concurrency)
+    errors: list[str] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+
+        async def one(p: Sequence[int]) -> None:
+            async with sem:
+                try:
+                    async with s.post(url, json=completion_body(p, 1, stream=False)) as r:
+                        if r.status != 200:
+                            errors.append(f"HTTP {r.status}: {(await r.text())[:200]}")
+                        else:
+                            await r.read()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+        await asyncio.gather(*(one(p) for p in prompts))
+    return errors
+
+
+# =============================================================== statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class RateResult:
+    rate: float
+    n: int
+    ok: int
+    failed: int
+    timed_out: int
+    offered_rps: float
+    throughput_rps: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    e2e_ms_p50: float
+    sustained: bool
+    errors: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
+    ok = [r for r in recs if r.ok]
+    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
+    e2e = [(r.last - r.sent) * 1000 for r in ok if r.last is not None]
+    sent = [r.sent for r in recs]
+    span = max(sent) - min(sent) if len(sent) > 1 else 0.0
+    offered = (len(recs) - 1) / span if span > 0 else math.nan
+    ends = [r.last for r in ok if r.last is not None]
+    makespan = max(ends) - min(sent) if ends else 0.0
+    throughput = len(ok) / makespan if makespan > 0 else 0.0
+    failed = sum(1 for r in recs if r.error)
+    timed_out = sum(1 for r in recs if r.timed_out)
+    sustained = (
+        failed == 0
+        and timed_out == 0
+        and len(ok) == len(recs)
+        and not math.isnan(offered)
+        and throughput >= SUSTAINED_FRACTION * offered
+    )
+    errors = sorted({r.error for r in recs if r.error})[:5]
+    return RateResult(
+        rate=rate,
+        n=len(recs),
+        ok=len(ok),
+        failed=failed,
+        timed_out=timed_out,
+        offered_rps=offered,
+        throughput_rps=throughput,
+        ttft_ms={f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
+        tpot_ms={f"p{q}": percentile(tpot, q) for q in (50, 90, 99)},
+        e2e_ms_p50=percentile(e2e, 50),
+        sustained=sustained,
+        errors=errors,
+        records=[asdict(r) for r in recs],
+    )
+
+
+# =============================================================== processes
+
+
+def _free_port() -> int:
+    from vllm_integration.launch import free_port
+
+    return free_port()
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class ChildProcess:
+    """A helper process (proxy) in its own process group, with a log file."""
+
+    def __init__(self, name: str, cmd: list[str], health_url: str) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.health_url = health_url
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+
+    def start(self, timeout: float = 60.0) -> ChildProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
+            if _http_ok(self.health_url):
+                return self
+            time.sleep(0.2)  # polling a child process's HTTP port
+        raise TimeoutError(f"{self.name} not ready in {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+
+def _pgid_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def _cpu_ticks(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
+
+
+def idle_cpu_percent(pgids: dict[str, int], window_s: float = 2.0) -> dict[str, float]:
+    """CPU use of each process group over an idle window (spinning threads show here)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    pids = {name: _pgid_pids(g) for name, g in pgids.items()}
+    before = {name: _cpu_ticks(p) for name, p in pids.items()}
+    time.sleep(window_s)  # measuring CPU use over a wall-clock window
+    return {
+        name: round(100.0 * (_cpu_ticks(p) - before[name]) / hz / window_s, 1)
+        for name, p in pids.items()
+    }
+
+
+def thread_affinity(pgid: int) -> dict[str, str]:
+    """Allowed cores of every thread, per process name, in a process group."""
+    out: dict[str, set[str]] = {}
+    for pid in _pgid_pids(pgid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    out.setdefault(name, set()).add(line.split(":", 1)[1].strip())
+    return {k: ",".join(sorted(v)) for k, v in sorted(out.items())}
+
+
+# =============================================================== deployments
+
+
+@dataclass
+class Deployment:
+    system: str
+    scenario: str
+    front_url: str = ""  # where the load goes
+    warm_url: str = ""  # the engine whose prefix cache the prefixhit scenario warms
+    servers: list[Any] = field(default_factory=list)  # VllmServer
+    helpers: list[Any] = field(default_factory=list)  # ChildProcess / RouterProcess / Coordinator
+    workdir: Path | None = None
+
+    def stop(self) -> None:
+        for h in reversed(self.helpers):
+            with contextlib.suppress(Exception):
+                h.stop()
+        for s in self.servers:
+            with contextlib.suppress(Exception):
+                s.stop()
+
+    def pgids(self) -> dict[str, int]:
+        return {s.name: s.proc.pid for s in self.servers if s.proc is not None}
+
+
+def _server(cfg: BenchConfig, name: str, core: int, scenario: str, **kw: Any) -> Any:
+    from vllm_integration.launch import VllmServer
+
+    caching = "--enable-prefix-caching" if scenario == "prefixhit" else "--no-enable-prefix-caching"
+    return VllmServer(
+        cfg.model_dir,
+        name,
+        cpu_core=core,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        kvcache_gib=cfg.kvcache_gib,
+        extra_args=(caching,),
+        **kw,
+    )
+
+
+def _nixl_config(cfg: BenchConfig, connector: str, role: str, engine_id: str) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+    }
+    if cfg.kv_lease_s is not None:
+        conf["kv_connector_extra_config"] = {"kv_lease_duration": cfg.kv_lease_s}
+    return conf
+
+
+def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
+    """Start one system's processes and wait until they serve (bounded)."""
+    from controlplane.launch import CoordinatorProcess
+    from vllm_integration.launch import RouterProcess, pushkv_config
+
+    dep = Deployment(system, scenario)
+    try:
+        if system == "single":
+            s = _server(cfg, "single", 0, scenario)
+            dep.servers.append(s)
+            s.start()
+            s.wait_ready(cfg.startup_timeout_s)
+            dep.front_url = dep.warm_url = s.url
+            return dep
+        if system == "pushkv":
+            coord = CoordinatorProcess("--log-level", "WARNING")
+            dep.helpers.append(coord)
+            coord.start()
+            pp, dp = _free_port(), _free_port()
+            p = _server(
+                cfg,
+                "prefill",
+                0,
+                scenario,
+                port=pp,
+                kv_transfer_config=pushkv_config(
+                    "kv_producer", PREFILL_ENGINE_ID, coord.address, f"http://127.0.0.1:{pp}"
+                ),
+            )
+            d = _server(
+                cfg,
+                "decode",
+                1,
+                scenario,
+                port=dp,
+                kv_transfer_config=pushkv_config(
+                    "kv_consumer", DECODE_ENGINE_ID, coord.address, f"http://127.0.0.1:{dp}"
+                ),
+            )
+            dep.servers += [p, d]
+            p.start()
+            d.start()
+            p.wait_ready(cfg.startup_timeout_s)
+            d.wait_ready(cfg.startup_timeout_s)
+            router = RouterProcess(coord.address)
+            dep.helpers.append(router)
+            router.start(timeout=120)
+            dep.front_url, dep.warm_url = router.url, d.url
+            return dep
+        # vLLM's NIXL connectors, with the unpinning shim on PYTHONPATH.
+        dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
+        (dep.workdir / "sitecustomize.py").write_text(SHIM)
+        pythonpath = os.pathsep.join(
+            x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
+        )
+        connector = "NixlConnector" if system == "pull" else "NixlPushConnector"
+        side_p, side_d = _free_port(), _free_port()
+
+        def env(side: int) -> dict[str, str]:
+            return {
+                "PYTHONPATH": pythonpath,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+            }
+
+        p = _server(
+            cfg,
+            "prefill",
+            0,
+            scenario,
+            kv_transfer_config=_nixl_config(cfg, connector, "kv_producer", PREFILL_ENGINE_ID),
+            env=env(side_p),
+        )
+        d = _server(
+            cfg,
+            "decode",
+            1,
+            scenario,
+            kv_transfer_config=_nixl_config(cfg, connector, "kv_consumer", DECODE_ENGINE_ID),
+            env=env(side_d),
+        )
+        dep.servers += [p, d]
+        p.start()
+        d.start()
+        p.wait_ready(cfg.startup_timeout_s)
+        d.wait_ready(cfg.startup_timeout_s)
+        port = _free_port()
+        proxy = ChildProcess(
+            f"proxy-{system}",
+            [
+                sys.executable,
+                "-m",
+                "vllm_integration.bench_serving",
+                "proxy",
+                "--mode",
+                "pull" if system == "pull" else "push",
+                "--port",
+                str(port),
+                "--prefill",
+                p.url,
+                "--decode",
+                d.url,
+                "--prefill-engine-id",
+                PREFILL_ENGINE_ID,
+                "--prefill-side-port",
+                str(side_p),
+            ],
+            f"http://127.0.0.1:{port}/health",
+        )
+        dep.helpers.append(proxy)
+        proxy.start()
+        dep.front_url, dep.warm_url = f"http://127.0.0.1:{port}", d.url
+        return dep
+    except BaseException:
+        dep.stop()
+        raise
+
+
+# =============================================================== proxies (a) and (b)
+
+
+class Proxy:
+    """The standard 1P1D proxy flows for vLLM's NIXL connectors.
+
+    pull: POST the prefill leg (max_tokens 1, do_remote_decode), wait for its
+          response, relay its kv_transfer_params to the decode leg, stream that.
+    push: POST both legs at once; the decode leg carries the prefill engine's
+          coordinates and the shared request id (X-Request-Id on both legs).
+    """
+
+    def __init__(
+        self, mode: str, prefill: str, decode: str, prefill_engine_id: str, side_port: int
+    ) -> None:
+        self.mode = mode
+        self.prefill = prefill.rstrip("/")
+        self.decode = decode.rstrip("/")
+        self.prefill_engine_id = prefill_engine_id
+        self.side_port = side_port
+        self._http: aiohttp.ClientSession | None = None
+
+    async def _start(self, app: web.Application) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600, connect=10))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"mode": self.mode})
+
+    def _prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        p = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        p.update(max_tokens=1, stream=False)
+        p["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        return p
+
+    async def _post_prefill(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        assert self._http is not None
+        async with self._http.post(
+            self.prefill + "/v1/completions", json=self._prefill_body(body), headers=headers
+        ) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise RuntimeError(f"prefill answered {r.status}: {text[:200]}")
+            out: dict[str, Any] = json.loads(text)
+            return out
+
+    async def _relay_decode(
+        self, request: web.Request, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        assert self._http is not None
+        async with self._http.post(
+            self.decode + "/v1/completions", json=body, headers=headers
+        ) as resp:
+            if not body.get("stream"):
+                return web.Response(
+                    body=await resp.read(), status=resp.status, content_type=resp.content_type
+                )
+            response = web.StreamResponse(status=resp.status)
+            response.content_type = resp.content_type or "text/event-stream"
+            response.headers["Cache-Control"] = "no-cache"
+            await response.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        if self.mode == "pull":
+            try:
+                pre = await self._post_prefill(body, headers)
+            except (RuntimeError, aiohttp.ClientError, ValueError) as exc:
+                return web.json_response({"error": str(exc)}, status=502)
+            params = pre.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                return web.json_response({"error": "no kv_transfer_params"}, status=502)
+            return await self._relay_decode(
+                request, {**body, "kv_transfer_params": params}, headers
+            )
+
+        decode_body = {
+            **body,
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.prefill_engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": self.side_port,
+                "tp_size": 1,
+                "pp_size": 1,
+                "remote_request_id": rid,
+            },
+        }
+        handler = asyncio.current_task()
+        p_task = asyncio.create_task(self._post_prefill(body, headers))
+
+        def prefill_done(t: asyncio.Task[dict[str, Any]]) -> None:
+            # A failed prefill leg would leave the decode leg waiting for a whole
+            # registration timeout: abort it (the client sees a failure).
+            if not t.cancelled() and t.exception() is not None and handler is not None:
+                handler.cancel()
+
+        p_task.add_done_callback(prefill_done)
+        try:
+            return await self._relay_decode(request, decode_body, headers)
+        finally:
+            if not p_task.done():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(p_task, 60)
+
+
+async def _serve_proxy(proxy: Proxy, port: int) -> None:
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def proxy_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench_serving proxy")
+    ap.add_argument("--mode", choices=["pull", "push"], required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--prefill-engine-id", default=PREFILL_ENGINE_ID)
+    ap.add_argument("--prefill-side-port", type=int, default=0)
+    a = ap.parse_args(argv)
+    proxy = Proxy(a.mode, a.prefill, a.decode, a.prefill_engine_id, a.prefill_side_port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve_proxy(proxy, a.port))
+    return 0
+
+
+# =============================================================== driver
+
+
+@dataclass
+class SystemRun:
+    system: str
+    scenario: str
+    error: str = ""
+    startup_s: float = 0.0
+    affinity: dict[str, dict[str, str]] = field(default_factory=dict)
+    idle_cpu_percent: dict[str, float] = field(default_factory=dict)
+    rates: list[RateResult] = field(default_factory=list)
+
+    def at(self, rate: float) -> RateResult | None:
+        return next((r for r in self.rates if r.rate == rate), None)
+
+
+def _warm(url: str, prompts: Sequence[Sequence[int]], timeout_s: float) -> list[str]:
+    return asyncio.run(_post_many(url + "/v1/completions", prompts, 2, timeout_s))
+
+
+def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
+    run = SystemRun(system, scenario)
+    t0 = time.monotonic()
+    _say(f"[{scenario}] {system}: starting ({LABELS[system]}) ...")
+    try:
+        dep = deploy(cfg, system, scenario)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        run.error = f"start failed: {exc}".splitlines()[0][:300]
+        _say(f"[{scenario}] {system}: {run.error}")
+        return run
+    try:
+        run.startup_s = round(time.monotonic() - t0, 1)
+        run.affinity = {name: thread_affinity(g) for name, g in dep.pgids().items()}
+        # Warm-up through the front: handshakes and first-request costs, not measured.
+        warm = warmup_prompts(cfg)
+        recs = run_load(
+            dep.front_url,
+            Workload(0.0, tuple(tuple(p) for p in warm), tuple(0.0 for _ in warm)),
+            cfg.output_len,
+            cfg.timeout_s,
+        )
+        bad = [r.error or "timed out" for r in recs if not r.ok]
+        if bad:
+            run.error = f"warm-up failed: {bad[0]}"
+            _say(f"[{scenario}] {system}: {run.error}")
+            return run
+        run.idle_cpu_percent = idle_cpu_percent(dep.pgids())
+        _say(
+            f"[{scenario}] {system}: up in {run.startup_s:.0f} s; worker affinity "
+            f"{ {n: a.get('VLLM::Worker', '?') for n, a in run.affinity.items()} }; "
+            f"idle CPU % {run.idle_cpu_percent}"
+        )
+        for i, rate in enumerate(cfg.rates):
+            wl = make_workload(cfg, scenario, i, rate)
+            if scenario == "prefixhit":
+                errs = _warm(dep.warm_url, wl.prompts, cfg.timeout_s)
+                if errs:
+                    _say(f"  warming {dep.warm_url} failed for {len(errs)} prompts: {errs[0]}")
+            recs = run_load(dep.front_url, wl, cfg.output_len, cfg.timeout_s)
+            res = summarize(rate, recs)
+            run.rates.append(res)
+            _say(
+                f"  rate {rate:g}/s: {res.ok}/{res.n} ok, {res.failed} failed, "
+                f"{res.timed_out} timed out; {res.throughput_rps:.2f} req/s; "
+                f"TTFT p50 {res.ttft_ms['p50']:.0f} ms p99 {res.ttft_ms['p99']:.0f} ms; "
+                f"TPOT p50 {res.tpot_ms['p50']:.1f} ms"
+                + ("" if res.sustained else "  (not sustained)")
+                + (f"  errors: {res.errors[:2]}" if res.errors else "")
+            )
+            time.sleep(1.0)  # let the engines go idle between rates
+        return run
+    finally:
+        dep.stop()
+
+
+# =============================================================== reporting
+
+
+def _fmt(x: float, digits: int = 0) -> str:
+    return "nan" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _ratio(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
+
+
+def highest_common_rate(runs: dict[str, SystemRun], rates: Sequence[float]) -> float | None:
+    """Highest rate sustained by every compared system that ran (failed systems excluded)."""
+    alive = [runs[s] for s in COMPARED if s in runs and not runs[s].error and runs[s].rates]
+    if not alive:
+        return None
+    best = None
+    for rate in rates:
+        if all((r := run.at(rate)) is not None and r.sustained for run in alive):
+            best = rate
+    return best
+
+
+def _metric(run: SystemRun | None, rate: float, key: str, q: str) -> float:
+    if run is None or run.error:
+        return math.nan
+    r = run.at(rate)
+    if r is None:
+        return math.nan
+    return float(getattr(r, key)[q])
+
+
+def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[str]:
+    lines: list[str] = []
+    for scenario, runs in all_runs.items():
+        lines.append("")
+        lines.append(f"## scenario {scenario}: {SCENARIO_LABELS[scenario]}")
+        lines.append(
+            "| rate (req/s) | system | ok/n | failed | timed out | throughput (req/s) "
+            "| TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | sustained |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for rate in cfg.rates:
+            for system in cfg.systems:
+                run = runs.get(system)
+                if run is None:
+                    continue
+                if run.error:
+                    lines.append(f"| {rate:g} | {system} | FAILED: {run.error} |||||||")
+                    continue
+                r = run.at(rate)
+                if r is None:
+                    continue
+                t, p = r.ttft_ms, r.tpot_ms
+                lines.append(
+                    f"| {rate:g} | {system} | {r.ok}/{r.n} | {r.failed} | {r.timed_out} "
+                    f"| {r.throughput_rps:.2f} "
+                    f"| {_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} "
+                    f"| {_fmt(p['p50'], 1)} / {_fmt(p['p90'], 1)} / {_fmt(p['p99'], 1)} "
+                    f"| {'yes' if r.sustained else 'no'} |"
+                )
+        lines.append("")
+        lines.append(
+            f"ratios pushkv / pull and pushkv / vllm-push ({scenario}; < 1: pushkv better)"
+        )
+        lines.append(
+            "| rate | TTFT p50 vs pull | TTFT p50 vs vllm-push | TTFT p90 vs pull "
+            "| TTFT p90 vs vllm-push | TTFT p99 vs pull | TTFT p99 vs vllm-push "
+            "| TPOT p50 vs pull | TPOT p50 vs vllm-push | TPOT p99 vs pull |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        pk, pl, vp = runs.get("pushkv"), runs.get("pull"), runs.get("vllm-push")
+        for rate in cfg.rates:
+            cells = []
+            for key, q, other in (
+                ("ttft_ms", "p50", pl),
+                ("ttft_ms", "p50", vp),
+                ("ttft_ms", "p90", pl),
+                ("ttft_ms", "p90", vp),
+                ("ttft_ms", "p99", pl),
+                ("ttft_ms", "p99", vp),
+                ("tpot_ms", "p50", pl),
+                ("tpot_ms", "p50", vp),
+                ("tpot_ms", "p99", pl),
+            ):
+                cells.append(
+                    _fmt(_ratio(_metric(pk, rate, key, q), _metric(other, rate, key, q)), 2)
+                )
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+        best = highest_common_rate(runs, cfg.rates)
+        lines.append(
+            f"highest rate sustained by all of {', '.join(COMPARED)}: "
+            + (f"{best:g} req/s" if best is not None else "none")
+        )
+    return lines
+
+
+def final_line(cfg: BenchConfig, runs: dict[str, SystemRun]) -> tuple[str, float | None]:
+    best = highest_common_rate(runs, cfg.rates)
+    if best is None:  # nothing sustained by all: fall back to the lowest rate, said in the table
+        best = cfg.rates[0] if cfg.rates else None
+    pk, pl, vp = runs.get("pushkv"), runs.get("pull"), runs.get("vllm-push")
+    if best is None:
+        x = y = z = math.nan
+    else:
+        x = _ratio(_metric(pk, best, "ttft_ms", "p50"), _metric(pl, best, "ttft_ms", "p50"))
+        y = _ratio(_metric(pk, best, "ttft_ms", "p50"), _metric(vp, best, "ttft_ms", "p50"))
+        z = _ratio(_metric(pk, best, "tpot_ms", "p50"), _metric(pl, best, "tpot_ms", "p50"))
+
+    def f(v: float) -> str:
+        return "nan" if math.isnan(v) else f"{v:.3f}"
+
+    return (
+        f"ttft_p50_ratio_vs_pull={f(x)} ttft_p50_ratio_vs_vllm_push={f(y)} "
+        f"tpot_p50_ratio_vs_pull={f(z)}",
+        best,
+    )
+
+
+def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(all_runs)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6.4 * len(scenarios), 4.6), squeeze=False)
+    styles = {"pull": "o-", "vllm-push": "s-", "pushkv": "D-", "single": "x--"}
+    for ax, scenario in zip(axes[0], scenarios, strict=True):
+        for system, run in all_runs[scenario].items():
+            if run.error or not run.rates:
+                continue
+            xs = [r.rate for r in run.rates]
+            ys = [r.ttft_ms["p50"] for r in run.rates]
+            ax.plot(xs, ys, styles.get(system, "o-"), label=system)
+            for r in run.rates:
+                if not r.sustained:
+                    ax.annotate("x", (r.rate, r.ttft_ms["p50"]), color="red", ha="center")
+        ax.set_title(f"{scenario}: {SCENARIO_LABELS[scenario]}", fontsize=9)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"TTFT p50 vs rate; Llama {cfg.layers}L h{cfg.hidden} fp32, prompts "
+        f"{cfg.min_prompt}-{cfg.max_prompt} tok, {cfg.output_len} out; "
+        "P core 0, D core 1; red x: not sustained",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# =============================================================== entry point
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(
+        prog="pushkv bench serving",
+        description="pushkv vs vLLM NixlConnector (pull) vs vLLM NixlPushConnector vs one "
+        "engine, on real vLLM servers (P core 0, D core 1).",
+    )
+    ap.add_argument("--quick", action="store_true", help="a <10 min run: nocache scenario only")
+    ap.add_argument("--out", type=Path, help="write all raw figures to DIR/bench_serving.json")
+    ap.add_argument("--plot", type=Path, default=Path("docs/bench_ttft.png"))
+    ap.add_argument("--rates", type=str, help="comma-separated request rates (req/s)")
+    ap.add_argument("--systems", type=str, help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--scenarios", type=str, help=f"comma-separated subset of {SCENARIOS}")
+    ap.add_argument("--duration", type=float, help="seconds of arrivals per rate")
+    ap.add_argument("--min-requests", type=int, help="requests per rate at least")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--min-prompt", type=int, default=256)
+    ap.add_argument("--max-prompt", type=int, default=3072)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--timeout", type=float, help="per-request timeout (s)")
+    ap.add_argument("--kv-lease", type=int, help="vLLM NIXL kv_lease_duration (default: vLLM's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", type=Path, help="default .cache/bench-model-<shape>")
+    a = ap.parse_args(argv)
+    quick = bool(a.quick)
+    rates = (
+        tuple(float(x) for x in a.rates.split(","))
+        if a.rates
+        else ((1.5, 3.0) if quick else (1.0, 2.0, 3.0, 4.0))
+    )
+    systems = tuple(a.systems.split(",")) if a.systems else SYSTEMS
+    scenarios = (
+        tuple(a.scenarios.split(",")) if a.scenarios else (("nocache",) if quick else SCENARIOS)
+    )
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; known: {SYSTEMS}")
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; known: {SCENARIOS}")
+    max_pos = 1 << math.ceil(math.log2(a.max_prompt + a.output_len + 1))
+    model_dir = a.model_dir or Path(f".cache/bench-model-l{a.layers}-h{a.hidden}-p{max_pos}")
+    cfg = BenchConfig(
+        model_dir=model_dir,
+        layers=a.layers,
+        hidden=a.hidden,
+        block_size=a.block_size,
+        min_prompt=a.min_prompt,
+        max_prompt=a.max_prompt,
+        output_len=a.output_len,
+        rates=rates,
+        duration_s=a.duration if a.duration is not None else (12.0 if quick else 30.0),
+        min_requests=a.min_requests if a.min_requests is not None else (24 if quick else 40),
+        timeout_s=a.timeout if a.timeout is not None else (60.0 if quick else 120.0),
+        max_num_seqs=a.max_num_seqs,
+        seed=a.seed,
+        kv_lease_s=a.kv_lease,
+        systems=systems,
+        scenarios=scenarios,
+        quick=quick,
+        startup_timeout_s=240.0 if quick else 300.0,
+    )
+    return cfg, a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "proxy":
+        return proxy_main(args[1:])
+    cfg, a = _parse(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: blocks
+    t0 = time.monotonic()
+    from vllm_integration.tiny_model import build_tiny_model
+
+    max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
+    build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)
+    _say(
+        f"model {cfg.model_dir}: Llama {cfg.layers} layers, hidden {cfg.hidden}, fp32, block "
+        f"{cfg.block_size}; prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, "
+        f"{cfg.output_len} output tokens; rates {cfg.rates}; systems {cfg.systems}; "
+        f"scenarios {cfg.scenarios}"
+    )
+    all_runs: dict[str, dict[str, SystemRun]] = {}
+    for scenario in cfg.scenarios:
+        all_runs[scenario] = {}
+        for system in cfg.systems:
+            all_runs[scenario][system] = run_system(cfg, system, scenario)
+    lines = report(cfg, all_runs)
+    for line in lines:
+        _say(line)
+    primary = all_runs.get("nocache") or next(iter(all_runs.values()))
+    last, best = final_line(cfg, primary)
+    try:
+        plot(cfg, all_runs, a.plot)
+        _say(f"plot: {a.plot}")
+    except Exception as exc:  # a missing matplotlib must not lose the figures
+        _say(f"plot not written: {type(exc).__name__}: {exc}")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        dump = {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "wall_s": round(time.monotonic() - t0, 1),
+            "comparison_rate": best,
+            "final_line": last,
+            "runs": {
+                sc: {sy: asdict(r) for sy, r in runs.items()} for sc, runs in all_runs.items()
+            },
+        }
+        path = a.out / "bench_serving.json"
+        path.write_text(json.dumps(dump, indent=1, default=str))
+        _say(f"raw figures: {path}")
+    _say(f"wall time {time.monotonic() - t0:.0f} s; ratios taken at {best} req/s (nocache)")
+    _say(last)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

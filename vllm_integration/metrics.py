@@ -1,0 +1,133 @@
+"""Prometheus metrics of the router and of the connector's worker half.
+
+Each object owns its registry (several routers or workers may share a test
+process, and vLLM's own metrics stay in the default registry).
+
+Router: served on the router's own `GET /metrics`.
+
+Connector: a vLLM worker rank is a separate process from the API server
+whose `/metrics` vLLM serves, so its counters cannot appear there. With
+`metrics_port` set in `kv_connector_extra_config`, worker rank r serves them
+on 0.0.0.0:(metrics_port + r); with 0 (the default) they are only counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+log = logging.getLogger("pushkv.metrics")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+OUTCOMES = ("ok", "client_error", "unavailable", "engine_error", "aborted")
+
+
+def outcome_of(status: int) -> str:
+    """Bounded request outcome of an HTTP status the router answered."""
+    if status < 400:
+        return "ok"
+    if status == 503:
+        return "unavailable"
+    return "client_error" if status < 500 else "engine_error"
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pushkv_router_ttft_seconds",
+            "time from receiving a request to the first response bytes of its decode leg",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pushkv_router_requests",
+            "completion requests by outcome (ok, client_error, unavailable, engine_error, aborted)",
+            ["outcome"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pushkv_router_inflight_requests", "completion requests being served", registry=r
+        )
+        for o in OUTCOMES:
+            self.requests.labels(o)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ConnectorMetrics:
+    """Counters the worker half updates; labelled with the engine and TP rank."""
+
+    def __init__(self, engine_id: str, tp_rank: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ["engine", "rank"]
+        values = (engine_id, str(tp_rank))
+        self.tp_rank = tp_rank
+        self.ready = Counter(
+            "pushkv_connector_transfers_ready",
+            "decode: transfers whose KV arrived (requests released to decode)",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self.failed = Counter(
+            "pushkv_connector_transfers_failed",
+            "decode: transfers refused or failed (their blocks reported as load errors)",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self.load_error_blocks = Counter(
+            "pushkv_connector_load_error_blocks",
+            "decode: blocks reported to vLLM as load errors",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self.freed = Counter(
+            "pushkv_connector_requests_freed",
+            "prefill: requests whose KV blocks were handed back to vLLM",
+            labels,
+            registry=r,
+        ).labels(*values)
+        self._events = Counter(
+            "pushkv_connector_agent_events",
+            "events from the embedded agent, by kind (kv_ready, kv_failed, blocks_free)",
+            [*labels, "kind"],
+            registry=r,
+        )
+        self._values = values
+        self._server: WSGIServer | None = None
+
+    def event(self, kind: str) -> None:
+        self._events.labels(*self._values, kind).inc()
+
+    def serve(self, base_port: int) -> int | None:
+        """Serve on 0.0.0.0:(base_port + rank) if base_port > 0; returns the port."""
+        if base_port <= 0 or self._server is not None:
+            return None
+        port = base_port + self.tp_rank
+        try:
+            self._server, _ = start_http_server(port, "0.0.0.0", registry=self.registry)
+        except OSError as exc:
+            log.warning("pushkv connector metrics: cannot listen on port %d: %s", port, exc)
+            return None
+        return port
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
