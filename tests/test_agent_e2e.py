@@ -20,8 +20,9 @@ NB = 64
 
 @pytest.fixture
 def coord() -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess("--lease-s", "2", "--heartbeat-interval-s", "0.5",
-                           "--log-level", "WARNING").start()
+    c = CoordinatorProcess(
+        "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING"
+    ).start()
     yield c
     c.stop()
 
@@ -48,7 +49,9 @@ def register(req: pbg.TransferServiceStub, tid: str, dst: list[int], n: int) -> 
     )
 
 
-def prefill_done(req: pbg.TransferServiceStub, tid: str, src: list[int], n: int) -> pb.TransferStatus:
+def prefill_done(
+    req: pbg.TransferServiceStub, tid: str, src: list[int], n: int
+) -> pb.TransferStatus:
     return req.ReportPrefillDone(
         pb.ReportPrefillDoneRequest(
             transfer_id=tid, prefill_engine_id="P", block_ids=[pb.BlockIds(ids=src)], num_tokens=n
@@ -64,9 +67,7 @@ def wait_state(
     last = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
     if last.state == state:
         return last
-    events = status.WatchTransfers(
-        pb.WatchTransfersRequest(include_existing=True), timeout=timeout
-    )
+    events = status.WatchTransfers(pb.WatchTransfersRequest(include_existing=True), timeout=timeout)
     try:
         for ev in events:
             if ev.transfer.transfer_id == tid:
@@ -207,8 +208,9 @@ def test_coordinator_restart_agents_reconnect(coord: CoordinatorProcess) -> None
     try:
         port = coord.port
         coord.kill()
-        restarted = CoordinatorProcess("--lease-s", "2", "--heartbeat-interval-s", "0.5",
-                                       "--log-level", "WARNING", port=port).start()
+        restarted = CoordinatorProcess(
+            "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING", port=port
+        ).start()
         try:
             deadline = time.monotonic() + 20
             engines: list[str] = []

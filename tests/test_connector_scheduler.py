@@ -31,6 +31,7 @@ from controlplane.launch import CoordinatorProcess
 from tests.sim_agent import SimAgent
 from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.vllm_harness import (
+    DEFAULT_SAMPLED_TOKEN,
     kv_output,
     make_request,
     make_scheduler,
@@ -66,8 +67,8 @@ class Stubs:
 @pytest.fixture
 async def stubs(coord: CoordinatorProcess) -> AsyncIterator[Stubs]:
     channel = grpc.aio.insecure_channel(coord.address)
-    yield Stubs(pbg.StatusServiceStub(channel), pbg.TransferServiceStub(channel))  # type: ignore[arg-type]
-    await channel.close()
+    yield Stubs(pbg.StatusServiceStub(channel), pbg.TransferServiceStub(channel))
+    await channel.close(None)
 
 
 @dataclass
@@ -449,8 +450,8 @@ async def test_failed_load_with_recompute_policy_recomputes_without_registering_
         assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
         assert eng.spy.finished["d6"][2] == (False, None)
         assert [c.kind for c in eng.spy.calls] == ["register"]  # registered once only
-        sc = eng.scheduler
-        print("DEBUG", list(sc.requests), len(sc.running), len(sc.waiting), sc.has_unfinished_requests(), sc.has_finished_requests(), getattr(sc, "kv_holding_waiting", None), sc.connector.has_pending_push_work())
+        assert "d6" not in eng.scheduler.requests
+        step(eng.scheduler)  # hands the finished id to the workers
         assert not eng.scheduler.has_requests()
 
 
@@ -478,26 +479,34 @@ async def test_decode_request_ended_before_scheduling_cancels_the_transfer(
 # ---------------------------------------------------------------- prefill side
 
 
+@pytest.mark.parametrize(
+    "finish",
+    [RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED],
+    ids=["max_tokens_1", "eos"],
+)
 async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
-    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, finish: RequestStatus
 ) -> None:
     async with engine(coord, tiny_model_dir, "kv_producer") as eng:
         free0 = num_free_blocks(eng.scheduler)
         tid = new_tid()
+        eos = finish == RequestStatus.FINISHED_STOPPED
         req = make_request(
             "p1",
             prompt_tokens(33),
             eng.config,
-            max_tokens=1,
+            max_tokens=8 if eos else 1,
             kv_transfer_params=prefill_params(tid),
+            # The harness samples DEFAULT_SAMPLED_TOKEN: make it EOS.
+            eos_token_id=DEFAULT_SAMPLED_TOKEN if eos else None,
         )
         eng.scheduler.add_request(req)
         assert eng.connector.get_num_new_matched_tokens(req, 0) == (0, False)
         sched_out, outputs = step(eng.scheduler)
         assert sched_out.num_scheduled_tokens == {"p1": 33}  # computed locally
-        assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert _status(req) == finish
         status, blocks, result = eng.spy.finished["p1"]
-        assert status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert status == finish
         assert len(blocks) == 3
         assert result == (True, {"transfer_id": tid})
         (out,) = outputs[0].outputs

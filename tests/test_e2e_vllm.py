@@ -46,14 +46,24 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     coord = CoordinatorProcess("--log-level", "WARNING").start()
     pp, dp = free_port(), free_port()
     prefill = VllmServer(
-        tiny_model_dir, "prefill", port=pp, cpu_core=0, block_size=BLOCK,
-        kv_transfer_config=pushkv_config("kv_producer", "prefill-0", coord.address,
-                                         f"http://127.0.0.1:{pp}"),
+        tiny_model_dir,
+        "prefill",
+        port=pp,
+        cpu_core=0,
+        block_size=BLOCK,
+        kv_transfer_config=pushkv_config(
+            "kv_producer", "prefill-0", coord.address, f"http://127.0.0.1:{pp}"
+        ),
     )
     decode = VllmServer(
-        tiny_model_dir, "decode", port=dp, cpu_core=1, block_size=BLOCK,
-        kv_transfer_config=pushkv_config("kv_consumer", "decode-0", coord.address,
-                                         f"http://127.0.0.1:{dp}"),
+        tiny_model_dir,
+        "decode",
+        port=dp,
+        cpu_core=1,
+        block_size=BLOCK,
+        kv_transfer_config=pushkv_config(
+            "kv_consumer", "decode-0", coord.address, f"http://127.0.0.1:{dp}"
+        ),
     )
     router = RouterProcess(coord.address)
     try:
@@ -82,8 +92,30 @@ def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]
 def prompts() -> list[list[int]]:
     rng = random.Random(1234)
     # shorter than a block, exactly one, one plus one, several, partial last block
-    lengths = [5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 160, 200,
-               255, 256, 300, 383, 450, 511, 600]
+    lengths = [
+        5,
+        17,
+        31,
+        32,
+        33,
+        63,
+        64,
+        65,
+        96,
+        100,
+        127,
+        128,
+        129,
+        160,
+        200,
+        255,
+        256,
+        300,
+        383,
+        450,
+        511,
+        600,
+    ]
     return [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
 
 
@@ -92,8 +124,10 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
     before = metric_value(cluster.decode.metrics(), EXTERNAL, 'source="external_kv_transfer"')
 
     def via_router(p: list[int]) -> str:
-        out = post(cluster.router.url + "/v1/completions",
-                   {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0})
+        out = post(
+            cluster.router.url + "/v1/completions",
+            {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0},
+        )
         return str(out["choices"][0]["text"])
 
     with ThreadPoolExecutor(len(ps)) as pool:  # all requests in flight at once
@@ -101,9 +135,12 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
 
     # Reference: the same prompts on one engine alone (no kv_transfer_params).
     reference = [
-        str(post(cluster.prefill.url + "/v1/completions",
-                 {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0})
-            ["choices"][0]["text"])
+        str(
+            post(
+                cluster.prefill.url + "/v1/completions",
+                {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0},
+            )["choices"][0]["text"]
+        )
         for p in ps
     ]
     assert disagg == reference
@@ -121,16 +158,28 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
 
 
 def test_chat_streaming_through_router(cluster: Cluster) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there " * 20}],
-            "max_tokens": 8, "temperature": 0, "stream": True}
-    req = urllib.request.Request(cluster.router.url + "/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there " * 20}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        cluster.router.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=180) as r:
         raw = r.read().decode()
-    chunks = [json.loads(line[6:]) for line in raw.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    chunks = [
+        json.loads(line[6:])
+        for line in raw.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
     ref = post(cluster.prefill.url + "/v1/chat/completions", {**body, "stream": False})
     assert streamed == ref["choices"][0]["message"]["content"]
     assert raw.rstrip().endswith("data: [DONE]")

@@ -348,13 +348,14 @@ async def test_router_metrics_route(coord: Coordinator) -> None:
 
 
 def test_outcomes_are_bounded() -> None:
-    assert [outcome_of(c) for c in (200, 400, 413, 502, 503, 500)] == [
+    assert [outcome_of(c) for c in (200, 400, 413, 502, 503, 500, 429)] == [
         "ok",
         "client_error",
         "client_error",
         "engine_error",
         "unavailable",
         "engine_error",
+        "unavailable",
     ]
 
 
@@ -383,3 +384,68 @@ async def test_connector_metrics_served_per_rank() -> None:
     assert value(s, "pushkv_connector_load_error_blocks_total", **lbl) == 3
     assert value(s, "pushkv_connector_requests_freed_total", **lbl) == 2
     assert value(s, "pushkv_connector_agent_events_total", kind="kv_ready", **lbl) == 1
+
+
+class FakeAgent:
+    """Stands in for the embedded agent: hands out queued host events."""
+
+    def __init__(self, *events: Any) -> None:
+        self.events = list(events)
+
+    def poll_events(self) -> list[Any]:
+        out, self.events = self.events, []
+        return out
+
+    def wait_event(self, timeout: float) -> Any:
+        return None
+
+    def expect(self, transfer_ids: Any) -> None:
+        pass
+
+
+def test_worker_half_updates_connector_metrics() -> None:
+    from agent.events import EventKind, HostEvent
+    from vllm_integration.metadata import PushKVMetadata, RecvSpec
+    from vllm_integration.settings import ConnectorSettings
+    from vllm_integration.worker import PushWorkerHalf
+
+    def half(is_prefill: bool) -> PushWorkerHalf:
+        return PushWorkerHalf(
+            ConnectorSettings(coordinator="127.0.0.1:1"),
+            engine_id="e0",
+            is_prefill=is_prefill,
+            tp_rank=0,
+            tp_size=1,
+            tokens_per_block=16,
+            num_blocks=8,
+            compat_key="k",
+        )
+
+    lbl = {"engine": "e0", "rank": "0"}
+
+    dec = half(False)
+    dec.start_load_kv(
+        PushKVMetadata(recv=[RecvSpec("r1", "t1", (1, 2))], fail=[RecvSpec("r2", "t2", (3,))])
+    )
+    dec.agent = FakeAgent(HostEvent(EventKind.KV_READY, "t1"))  # type: ignore[assignment]
+    _, recving = dec.get_finished(set(), idle=False)
+    assert recving == {"r1", "r2"}
+    reg = dec.metrics.registry
+    assert reg.get_sample_value("pushkv_connector_transfers_ready_total", lbl) == 1
+    assert reg.get_sample_value("pushkv_connector_transfers_failed_total", lbl) == 1
+    assert reg.get_sample_value("pushkv_connector_load_error_blocks_total", lbl) == 1
+    ev = {**lbl, "kind": "kv_ready"}
+    assert reg.get_sample_value("pushkv_connector_agent_events_total", ev) == 1
+
+    pre = half(True)
+    pre.start_load_kv(PushKVMetadata(send=[("r9", "t9")]))
+    pre.agent = FakeAgent(HostEvent(EventKind.BLOCKS_FREE, "t9"))  # type: ignore[assignment]
+    sending, _ = pre.get_finished({"r9"}, idle=False)
+    assert sending == {"r9"}
+    reg = pre.metrics.registry
+    assert reg.get_sample_value("pushkv_connector_requests_freed_total", lbl) == 1
+    ev = {**lbl, "kind": "blocks_free"}
+    assert reg.get_sample_value("pushkv_connector_agent_events_total", ev) == 1
+    dec.agent = pre.agent = None
+    dec.shutdown()
+    pre.shutdown()

@@ -65,7 +65,9 @@ def finish(rv: Rendezvous, o: SendOrder, inc: str = "i1") -> list:
     out += rv.write_report(o.to, inc, o.order.order_id, o.order.transfer_id, WriteStatus.DONE)
     for tgt in o.order.targets:
         out += rv.arrival_report(
-            AgentKey(tgt.decode_engine_id, tgt.decode_rank), "i1", o.order.transfer_id,
+            AgentKey(tgt.decode_engine_id, tgt.decode_rank),
+            "i1",
+            o.order.transfer_id,
             [o.order.prefill_rank],
         )
     return out
@@ -122,7 +124,7 @@ def test_full_prefix_hit_completes_without_orders() -> None:
 
 def test_duplicates_are_idempotent_and_conflicts_rejected() -> None:
     rv, _ = core()
-    t1, e1 = rv.register_decode("t", D, [[1, 2]], 20)
+    t1, _ = rv.register_decode("t", D, [[1, 2]], 20)
     t2, e2 = rv.register_decode("t", D, [[1, 2]], 20)
     assert t1 is t2 and e2 == [] and t2.state is State.REGISTERED
     with pytest.raises(Conflict) as exc:

@@ -47,25 +47,34 @@ def chan(c: Coordinator, tls: TLSFiles) -> grpc.aio.Channel:
 
 
 def hello(engine: str, role: int) -> pb.AgentMessage:
-    return pb.AgentMessage(hello=pb.AgentHello(
-        protocol_version=PROTOCOL_VERSION,
-        identity=pb.AgentIdentity(engine_id=engine, role=role, tp_rank=0, tp_size=1,
-                                  incarnation="i1"),
-        nixl_agent_name=f"{engine}-agent", nixl_metadata=b"md",
-        layout=pb.KVLayout(tokens_per_block=16, regions=[
-            pb.KVRegion(base_addr=4096, block_len=1024, num_blocks=32)]),
-    ))
+    return pb.AgentMessage(
+        hello=pb.AgentHello(
+            protocol_version=PROTOCOL_VERSION,
+            identity=pb.AgentIdentity(
+                engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="i1"
+            ),
+            nixl_agent_name=f"{engine}-agent",
+            nixl_metadata=b"md",
+            layout=pb.KVLayout(
+                tokens_per_block=16,
+                regions=[pb.KVRegion(base_addr=4096, block_len=1024, num_blocks=32)],
+            ),
+        )
+    )
 
 
-async def open_agent(c: Coordinator, tls: TLSFiles, engine: str, role: int) -> grpc.aio.StreamStreamCall:
+async def open_agent(
+    c: Coordinator, tls: TLSFiles, engine: str, role: int
+) -> grpc.aio.StreamStreamCall:
     call = pbg.AgentServiceStub(chan(c, tls)).AgentStream()
     await call.write(hello(engine, role))
     return call
 
 
 def register(engine: str = "D", tid: str = "t1") -> pb.RegisterDecodeBlocksRequest:
-    return pb.RegisterDecodeBlocksRequest(transfer_id=tid, decode_engine_id=engine,
-                                          block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20)
+    return pb.RegisterDecodeBlocksRequest(
+        transfer_id=tid, decode_engine_id=engine, block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20
+    )
 
 
 async def code_of(coro: object) -> grpc.StatusCode:
@@ -130,8 +139,9 @@ async def test_engine_acts_only_for_itself(coord: Coordinator, pki: Path) -> Non
     assert await code_of(p_stub.RegisterDecodeBlocks(register("D"), timeout=5)) == (
         grpc.StatusCode.PERMISSION_DENIED
     )
-    as_d = pb.ReportPrefillDoneRequest(transfer_id="t1", prefill_engine_id="D",
-                                       block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20)
+    as_d = pb.ReportPrefillDoneRequest(
+        transfer_id="t1", prefill_engine_id="D", block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20
+    )
     assert await code_of(d_stub.ReportPrefillDone(as_d, timeout=5)) == (
         grpc.StatusCode.FAILED_PRECONDITION  # D is authorised for itself, but is no prefill
     )
@@ -157,9 +167,16 @@ async def test_engine_acts_only_for_itself(coord: Coordinator, pki: Path) -> Non
 
 @pytest.fixture
 def tls_coord_process(pki: Path) -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess("--tls-ca", str(pki / "ca.pem"), "--tls-cert",
-                           str(pki / "coordinator.pem"), "--tls-key", str(pki / "coordinator.key"),
-                           "--log-level", "WARNING").start()
+    c = CoordinatorProcess(
+        "--tls-ca",
+        str(pki / "ca.pem"),
+        "--tls-cert",
+        str(pki / "coordinator.pem"),
+        "--tls-key",
+        str(pki / "coordinator.key"),
+        "--log-level",
+        "WARNING",
+    ).start()
     yield c
     c.stop()
 
@@ -169,21 +186,30 @@ def test_agents_push_over_mutual_tls(tls_coord_process: CoordinatorProcess, pki:
 
     def spec(engine: str, role: str) -> HostSpec:
         f = files(pki, f"engine-{engine}")
-        return HostSpec(address, engine, role, num_blocks=16, tls_ca=f.ca, tls_cert=f.cert,
-                        tls_key=f.key)
+        return HostSpec(
+            address, engine, role, num_blocks=16, tls_ca=f.ca, tls_cert=f.cert, tls_key=f.key
+        )
 
     p, d = KVHost(spec("P", "prefill")).start(), KVHost(spec("D", "decode")).start()
     try:
         p.fill([1, 4], seed=3)
         d.call("expect", ["tls-1"])
-        d_stub = pbg.TransferServiceStub(grpc.secure_channel(
-            address, files(pki, "engine-D").channel_credentials()))
-        p_stub = pbg.TransferServiceStub(grpc.secure_channel(
-            address, files(pki, "engine-P").channel_credentials()))
+        d_stub = pbg.TransferServiceStub(
+            grpc.secure_channel(address, files(pki, "engine-D").channel_credentials())
+        )
+        p_stub = pbg.TransferServiceStub(
+            grpc.secure_channel(address, files(pki, "engine-P").channel_credentials())
+        )
         d_stub.RegisterDecodeBlocks(register("D", "tls-1"), timeout=10)
-        p_stub.ReportPrefillDone(pb.ReportPrefillDoneRequest(
-            transfer_id="tls-1", prefill_engine_id="P", block_ids=[pb.BlockIds(ids=[1, 4])],
-            num_tokens=20), timeout=10)
+        p_stub.ReportPrefillDone(
+            pb.ReportPrefillDoneRequest(
+                transfer_id="tls-1",
+                prefill_engine_id="P",
+                block_ids=[pb.BlockIds(ids=[1, 4])],
+                num_tokens=20,
+            ),
+            timeout=10,
+        )
         assert d.wait_event("tls-1").kind is EventKind.KV_READY
         assert d.check([1, 2], seed=3) == []
     finally:

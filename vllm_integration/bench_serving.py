@@ -275,7 +275,8 @@ async def _run_load(url: str, wl: Workload, output_len: int, timeout_s: float) -
     return records
 
 
-def run_load(url: str, wl: Workload, output_len: int, timeout_s: float) -> list[ReqRecord]:
+def run_load(base_url: str, wl: Workload, output_len: int, timeout_s: float) -> list[ReqRecord]:
+    url = base_url.rstrip("/") + "/v1/completions"
     return asyncio.run(_run_load(url, wl, output_len, timeout_s))
 
 
@@ -491,19 +492,25 @@ def thread_affinity(pgid: int) -> dict[str, str]:
 class Deployment:
     system: str
     scenario: str
-    front_url: str = ""  # where the load goes
+    front_url: str = ""  # base URL the load goes to
     warm_url: str = ""  # the engine whose prefix cache the prefixhit scenario warms
     servers: list[Any] = field(default_factory=list)  # VllmServer
     helpers: list[Any] = field(default_factory=list)  # ChildProcess / RouterProcess / Coordinator
     workdir: Path | None = None
 
     def stop(self) -> None:
-        for h in reversed(self.helpers):
-            with contextlib.suppress(Exception):
-                h.stop()
-        for s in self.servers:
-            with contextlib.suppress(Exception):
-                s.stop()
+        # A second Ctrl-C or SIGTERM must not interrupt the cleanup and orphan servers.
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for h in reversed(self.helpers):
+                with contextlib.suppress(Exception):
+                    h.stop()
+            for s in self.servers:
+                with contextlib.suppress(Exception):
+                    s.stop()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     def pgids(self) -> dict[str, int]:
         return {s.name: s.proc.pid for s in self.servers if s.proc is not None}

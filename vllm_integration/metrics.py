@@ -36,7 +36,7 @@ def outcome_of(status: int) -> str:
     """Bounded request outcome of an HTTP status the router answered."""
     if status < 400:
         return "ok"
-    if status == 503:
+    if status in (429, 503):
         return "unavailable"
     return "client_error" if status < 500 else "engine_error"
 

@@ -249,9 +249,26 @@ class Router:
             why = f"no {missing} engine available" + (f" ({d.error})" if d.error else "")
             return _error(503, why, "service_unavailable")
         http = self._http
+        started = time.monotonic()
+        # Announce the pairing first: the transfer is visible (and cancellable)
+        # before either leg arrives, and the coordinator can push back.
+        try:
+            await self._transfers.BeginTransfer(
+                pb.BeginTransferRequest(
+                    transfer_id=transfer_id,
+                    prefill_engine_id=p_eng.engine_id,
+                    decode_engine_id=d_eng.engine_id,
+                ),
+                timeout=self.settings.connect_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return _error(
+                    429, f"too many transfers in flight: {exc.details()}", "rate_limit_exceeded"
+                )
+            return _error(503, f"coordinator unavailable: {exc.code().name}", "service_unavailable")
         p_eng.local += 1
         d_eng.local += 1
-        started = time.monotonic()
         headers = {"X-Request-Id": transfer_id}
 
         async def prefill_leg() -> None:

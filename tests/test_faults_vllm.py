@@ -1,0 +1,202 @@
+"""Faults on real vLLM servers: the client gets an answer or a clear error within
+a deadline, no KV blocks stay held on either engine, and service resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane.launch import CoordinatorProcess
+from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from vllm_integration.launch import (
+    RouterProcess,
+    VllmServer,
+    free_port,
+    metric_value,
+    pushkv_config,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.e2e]
+
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass
+class Cluster:
+    model: Path
+    coord: CoordinatorProcess
+    prefill: VllmServer
+    decode: VllmServer
+    router: RouterProcess
+
+    def server(self, role: str, engine_id: str, core: int) -> VllmServer:
+        port = free_port()
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        return VllmServer(
+            self.model,
+            engine_id,
+            port=port,
+            cpu_core=core,
+            block_size=32,
+            kv_transfer_config=pushkv_config(
+                kv_role, engine_id, self.coord.address, f"http://127.0.0.1:{port}"
+            ),
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+    coord = CoordinatorProcess(
+        "--rendezvous-timeout-s",
+        "4",
+        "--lease-s",
+        "2",
+        "--heartbeat-interval-s",
+        "0.5",
+        "--log-level",
+        "WARNING",
+    ).start()
+    c = Cluster(tiny_model_dir, coord, None, None, RouterProcess(coord.address))  # type: ignore[arg-type]
+    c.prefill = c.server("prefill", "prefill-0", 0).start()
+    c.decode = c.server("decode", "decode-0", 1).start()
+    try:
+        c.prefill.wait_ready()
+        c.decode.wait_ready()
+        c.router.start()
+        yield c
+    finally:
+        c.router.stop()
+        c.prefill.stop()
+        c.decode.stop()
+        coord.stop()
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def complete(c: Cluster, n: int = 40) -> tuple[int, dict[str, Any]]:
+    return post(
+        c.router.url + "/v1/completions",
+        {"model": "tiny", "prompt": list(range(10, 10 + n)), "max_tokens": 4, "temperature": 0},
+    )
+
+
+def wait_no_blocks_held(*servers: VllmServer, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    usage = [1.0]
+    while time.monotonic() < deadline:
+        usage = [metric_value(s.metrics(), USAGE) for s in servers]
+        if all(u == 0 for u in usage):
+            return
+        time.sleep(0.2)  # polling engine metrics under a deadline
+    raise AssertionError(f"KV blocks still held: {usage}")
+
+
+def transfers(c: Cluster) -> list[pb.TransferStatus]:
+    stub = pbg.StatusServiceStub(grpc.insecure_channel(c.coord.address))
+    return list(stub.ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10).transfers)
+
+
+def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": list(range(10, 300)),
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        cluster.router.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    r = urllib.request.urlopen(req, timeout=60)
+    assert r.readline()  # the first streamed chunk: decode is running
+    r.close()  # the client goes away
+    wait_no_blocks_held(cluster.prefill, cluster.decode)
+    status, out = complete(cluster)
+    assert status == 200 and out["choices"][0]["text"]
+
+
+def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:
+    assert cluster.prefill.proc is not None
+    os.killpg(cluster.prefill.proc.pid, signal.SIGSTOP)  # a hung prefill engine
+    started = time.monotonic()
+    status, out = complete(cluster, 70)
+    elapsed = time.monotonic() - started
+    # The transfer fails within the lease / deadline and decode fails the request.
+    assert status >= 400, out
+    assert elapsed < 30, f"client waited {elapsed:.1f} s"
+    # The hung engine's agent stops heartbeating: its lease (2 s) lapses before
+    # the rendezvous deadline (4 s), so the transfer fails as AGENT_LOST.
+    stuck = [
+        t
+        for t in transfers(cluster)
+        if t.state in (pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_EXPIRED)
+    ]
+    assert len(stuck) == 1 and not stuck[0].write_may_land
+    assert stuck[0].reason in (pb.REASON_AGENT_LOST, pb.REASON_DEADLINE)
+    wait_no_blocks_held(cluster.decode)
+    # Now it crashes for good; a replacement engine registers and serves.
+    os.killpg(cluster.prefill.proc.pid, signal.SIGKILL)
+    cluster.prefill.stop()
+    cluster.prefill = cluster.server("prefill", "prefill-1", 0).start().wait_ready()
+    deadline = time.monotonic() + 30
+    while True:
+        status, out = complete(cluster)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # the router learns engines from the coordinator every 1 s
+    assert status == 200, out
+    wait_no_blocks_held(cluster.prefill, cluster.decode)
+
+
+def test_router_killed_mid_request(cluster: Cluster) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": list(range(10, 200)),
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        cluster.router.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    r = urllib.request.urlopen(req, timeout=60)
+    assert r.readline()
+    assert cluster.router.proc is not None
+    cluster.router.proc.kill()  # the router crashes mid-stream
+    cluster.router.proc.wait(10)
+    with pytest.raises((ConnectionError, OSError, urllib.error.URLError)):
+        while r.readline():  # the client sees the stream break, not a hang
+            pass
+        raise ConnectionError("stream ended")
+    wait_no_blocks_held(cluster.prefill, cluster.decode)
+    cluster.router = RouterProcess(cluster.coord.address).start()
+    status, _ = complete(cluster)
+    assert status == 200
