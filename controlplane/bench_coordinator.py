@@ -482,11 +482,12 @@ class Bench:
         return steps, half, address
 
     # ------------------------------------------------------------ memory
-    def memory(self) -> tuple[int, int, int]:
+    def memory(self) -> tuple[int, int, int, Step | None]:
         a = self.args
         conn, port, pid = self.start_coordinator(None)
         address = f"127.0.0.1:{port}"
         agents = self.start_agents(address)
+        loaded: Step | None = None
         client = self._spawn(_client_main, address, 99, self.load_cpus)
         try:
             client.send(("fill", "warm", min(1000, a.inflight), 200))
@@ -497,6 +498,9 @@ class Bench:
             after = _rss_bytes(pid)
             if errors or ok != a.inflight:
                 print(f"memory phase: {ok} registered, errors {errors}", file=sys.stderr)
+            # Load while those transfers stay held: latency must stay steady and
+            # every admitted rendezvous must complete.
+            loaded = self.run_step([client], agents, pid, "loaded", a.loaded_rate, a.duration)
         finally:
             client.send(("quit",))
             agents.send(("quit",))
@@ -505,7 +509,7 @@ class Bench:
                 if conn.poll(30):
                     conn.recv()
             self.stop_all()
-        return before, after, ok
+        return before, after, ok, loaded
 
 
 def _print_row(s: Step, label: str = "") -> None:
@@ -547,6 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-s", type=float, default=15.0, help="max wait for a backlog")
     p.add_argument("--max-outstanding", type=int, default=4000, help="per client")
     p.add_argument("--inflight", type=int, default=10_000, help="transfers held for RSS")
+    p.add_argument(
+        "--loaded-rate",
+        type=float,
+        default=200.0,
+        help="rendezvous/s offered while --inflight transfers are held",
+    )
     p.add_argument("--profile", metavar="FILE", help="cProfile the coordinator into FILE")
     p.add_argument("--profile-top", type=int, default=25)
     return p
@@ -572,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         steps, half, _ = bench.throughput()
-        before, after, held = bench.memory()
+        before, after, held, loaded = bench.memory()
     finally:
         bench.stop_all()
     sat = max(steps, key=lambda s: s.completed_per_s)
@@ -590,6 +600,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"memory: VmRSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB for {held} "
         f"REGISTERED transfers = {per:.0f} bytes each"
     )
+    if loaded is not None:
+        print(
+            f"with {held} transfers held: {loaded.offered:.0f}/s offered, "
+            f"{loaded.completed} completed, {loaded.failed} failed, drained={loaded.drained}, "
+            f"order p50 {_pct(loaded.order_ms, 0.5):.2f} ms, "
+            f"p99 {_pct(loaded.order_ms, 0.99):.2f} ms"
+        )
     print(f"elapsed {time.monotonic() - t0:.0f} s")
     if args.profile:
         _print_profile(args.profile, args.profile_top)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from controlplane.domain import State
@@ -125,6 +125,7 @@ class _EngineSnap:
 class _Snapshot:
     coordinator_id: str
     engines: tuple[_EngineSnap, ...]
+    inflight: tuple[tuple[str, int], ...]  # (state, transfers)
 
 
 class _LiveCollector:
@@ -179,8 +180,13 @@ class _LiveCollector:
             "orders sent to the agent rank and not resolved yet",
             labels=["engine", "rank"],
         )
+        transfers = GaugeMetricFamily(
+            "pushkv_transfers_inflight", "non-terminal transfers by state", labels=["state"]
+        )
         if snap is not None:
             info.add_metric([snap.coordinator_id, str(PROTOCOL_VERSION)], {})
+            for state, n in snap.inflight:
+                transfers.add_metric([state], n)
             for e in snap.engines:
                 ready.add_metric([e.engine, e.role], 1.0 if e.ready else 0.0)
                 connected.add_metric([e.engine, e.role], sum(r.connected for r in e.ranks))
@@ -191,7 +197,7 @@ class _LiveCollector:
                     seen.add_metric(labels, r.since_seen_s)
                     left.add_metric(labels, r.lease_left_s)
                     orders.add_metric(labels, r.open_orders)
-        yield from (info, ready, connected, registered, inflight, seen, left, orders)
+        yield from (info, transfers, ready, connected, registered, inflight, seen, left, orders)
 
 
 def _all_done(events: list[Event], t: Transfer) -> bool:
@@ -219,9 +225,6 @@ class CoordinatorMetrics:
             "transfers that reached a terminal state, by state and reason",
             ["state", "reason"],
             registry=r,
-        )
-        self.inflight = Gauge(
-            "pushkv_transfers_inflight", "non-terminal transfers by state", ["state"], registry=r
         )
         self.rendezvous_wait = Histogram(
             "pushkv_rendezvous_wait_seconds",
@@ -286,13 +289,14 @@ class CoordinatorMetrics:
             registry=r,
         )
         # Pre-create the bounded label sets so dashboards see zeros, not gaps.
-        for s in NON_TERMINAL:
-            self.inflight.labels(s.value)
         for side in ("decode_first", "prefill_first"):
             self.rendezvous_wait.labels(side)
         self.registry.register(_LiveCollector(self))
         self._cursor = TimelineCursor(self._alive)
         self._state: dict[str, State] = {}  # last state of each non-terminal transfer
+        # Plain ints (no prometheus lock per change), exported at scrape time.
+        self._inflight: dict[State, int] = dict.fromkeys(NON_TERMINAL, 0)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -329,52 +333,60 @@ class CoordinatorMetrics:
         if len(self._state) > 2 * max(len(self._cursor), 1024):
             self._drop_vanished()
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), cached: labels() costs microseconds per call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def _track_state(self, t: Transfer) -> None:
         old = self._state.get(t.transfer_id)
         new = None if t.state.terminal else t.state
         if old is new:
             return
         if old is not None:
-            self.inflight.labels(old.value).dec()
+            self._inflight[old] -= 1
         if new is None:
             self._state.pop(t.transfer_id, None)
         else:
-            self.inflight.labels(new.value).inc()
+            self._inflight[new] += 1
             self._state[t.transfer_id] = new
 
     def _drop_vanished(self) -> None:
         for tid in [tid for tid in self._state if not self._alive(tid)]:
-            self.inflight.labels(self._state.pop(tid).value).dec()
+            self._inflight[self._state.pop(tid)] -= 1
 
     def _observe(self, t: Transfer, new: list[Event]) -> None:
         ev = t.timeline
-        before = ev[: len(ev) - len(new)]
-        reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
-        both_before = first(before, "decode_registered") is not None and (
-            first(before, "prefill_done") is not None
-        )
-        if reg is not None and pre is not None and not both_before:
-            side = "decode_first" if pre >= reg else "prefill_first"
-            self.rendezvous_wait.labels(side).observe(abs(pre - reg))
+        stages = {s for s, _, _ in new}
+        if "decode_registered" in stages or "prefill_done" in stages:
+            # Observed when the second of the two arrives (the first batch holding both).
+            reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
+            if reg is not None and pre is not None:
+                side = "decode_first" if pre >= reg else "prefill_first"
+                self._child(self.rendezvous_wait, side).observe(abs(pre - reg))
         for stage, at, rank in new:
             if stage == "ordered":
+                reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
                 if reg is not None and pre is not None:
                     self.order_latency.observe(max(at - max(reg, pre), 0.0))
             elif stage.startswith("write_"):
                 self._observe_write(t, stage, at, rank)
             elif stage in TERMINAL_STAGES:
-                self.finished.labels(stage, t.reason.value).inc()
-                self.duration.labels(stage).observe(max(at - t.created_wall, 0.0))
-        ordered = first(ev, "ordered")
-        # Once per transfer: when this batch completed the set of DONE ranks.
-        newly_done = any(s == "write_done" for s, _, _ in new)
-        all_done = newly_done and _all_done(ev, t) and not _all_done(before, t)
-        if ordered is not None and t.orders and all_done:
-            self.write_time.observe(max(last_done(ev) - ordered, 0.0))
+                self._child(self.finished, stage, t.reason.value).inc()
+                self._child(self.duration, stage).observe(max(at - t.created_wall, 0.0))
+        if "write_done" in stages and t.orders:
+            # Once per transfer: when this batch completed the set of DONE ranks.
+            before = ev[: len(ev) - len(new)]
+            ordered = first(ev, "ordered")
+            if ordered is not None and _all_done(ev, t) and not _all_done(before, t):
+                self.write_time.observe(max(last_done(ev) - ordered, 0.0))
 
     def _observe_write(self, t: Transfer, stage: str, at: float, rank: int) -> None:
         status = stage.removeprefix("write_")
-        self.write_reports.labels(status).inc()
+        self._child(self.write_reports, status).inc()
         ev = t.timeline
         ordered = first(ev, "ordered")
         if status == "posted":
@@ -385,9 +397,9 @@ class CoordinatorMetrics:
         if rec is not None:
             engine = rec.order.prefill_engine_id
             if rec.bytes:
-                self.write_bytes.labels(engine).inc(rec.bytes)
+                self._child(self.write_bytes, engine).inc(rec.bytes)
             if rec.descriptors:
-                self.write_descriptors.labels(engine).inc(rec.descriptors)
+                self._child(self.write_descriptors, engine).inc(rec.descriptors)
         if status != "done":
             return
         if rec is not None:
@@ -449,7 +461,8 @@ class CoordinatorMetrics:
                     ranks,
                 )
             )
-        return _Snapshot(core.coordinator_id, tuple(engines))
+        inflight = tuple((st.value, n) for st, n in self._inflight.items())
+        return _Snapshot(core.coordinator_id, tuple(engines), inflight)
 
 
 # ====================================================================== tracing

@@ -142,7 +142,7 @@ async def _populate(address: str, cluster: SimCluster) -> None:
         )
         event = await watch.read()
         watch.cancel()
-        assert event.transfer.transfer_id == "tx-0001"
+        assert isinstance(event, pb.TransferEvent) and event.transfer.transfer_id == "tx-0001"
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,7 @@ async def test_pushkv_coordinator_metrics_port_flag(
             await stub.ReportPrefillDone(pre_req("m-cli"))
             event = await watch.read()
             watch.cancel()
-            assert event.transfer.transfer_id == "m-cli"
+            assert isinstance(event, pb.TransferEvent) and event.transfer.transfer_id == "m-cli"
         _, s = await scrape(f"http://127.0.0.1:{port}/metrics")
         assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 1
         assert value(s, "pushkv_agents_connected", engine="p0", role="prefill") == 1

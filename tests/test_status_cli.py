@@ -264,7 +264,7 @@ def test_watch_streams_live_changes(
             await rendezvous(ch, "s-live")
 
     tc.run(live())
-    states = []
+    states: list[str] = []
     while not states or states[-1] != "complete":
         line = sink.lines.get(timeout=WAIT)
         if line.split()[1] == "s-live":
