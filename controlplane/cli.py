@@ -120,6 +120,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from agent.bench_dataplane import main as bench_dataplane
 
         return bench_dataplane(args.rest)
+    if args.which == "order":
+        from agent.bench_order import main as bench_order
+
+        return bench_order(args.rest)
+    if args.which == "serving":
+        from vllm_integration.bench_serving import main as bench_serving
+
+        return bench_serving(args.rest)
+    if args.which == "hooks":
+        from vllm_integration.bench_hooks import main as bench_hooks
+
+        return bench_hooks(args.rest)
     from controlplane.bench_coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -183,7 +195,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["dev-certs"] = _cmd_dev_certs
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
-    b.add_argument("which", choices=["dataplane", "coordinator"])
+    b.add_argument("which", choices=["dataplane", "coordinator", "order", "serving", "hooks"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     handlers["bench"] = _cmd_bench
 
