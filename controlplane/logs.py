@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:
+    from controlplane.transfer import Transfer
 
 
 def configure(level: str = "INFO", *, json: bool | None = None) -> None:
@@ -29,3 +34,31 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class TransferLog:
+    """One log line per transfer outcome (and per late release), with its ids."""
+
+    _STAGES = frozenset({"complete", "failed", "cancelled", "expired", "released"})
+
+    def __init__(self, alive: Callable[[str], bool]) -> None:
+        from controlplane.timeline import TimelineCursor
+
+        self._cursor = TimelineCursor(alive)
+        self._log = structlog.get_logger("pushkv.coordinator")
+
+    def on_transfer_changed(self, t: Transfer) -> None:
+        _, events = self._cursor.new_events(t)
+        for stage, _wall, _rank in events:
+            if stage not in self._STAGES:
+                continue
+            self._log.info(
+                "transfer_" + stage,
+                transfer_id=t.transfer_id,
+                state=t.state.value,
+                reason=t.reason.value,
+                detail=t.detail,
+                prefill_engine=t.prefill_engine,
+                decode_engine=t.decode_engine,
+                write_may_land=t.write_may_land,
+            )

@@ -17,6 +17,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
+from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics, TransferTracer, tracer_from_env
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
@@ -80,6 +81,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
     tracer = tracer_from_env(runtime)
     runtime.observers += [o for o in (metrics, tracer) if o is not None]
+    runtime.observers.append(TransferLog(runtime.core.has_transfer))
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),

@@ -7,9 +7,6 @@ Each test pins one piece of scheduler behaviour a push connector depends on
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("vllm")
-
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus

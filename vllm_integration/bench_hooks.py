@@ -83,10 +83,11 @@ class HookConfig:
     requests: int = 1024
     min_prompt: int = 64
     max_prompt: int = 600
-    output_len: int = 16
+    output_len: int = 128
     block_size: int = 32
     num_blocks: int = 8192
     forward_ms: float = 5.0
+    max_batched_tokens: int = 4096
     idle_wait_ms: float | None = None  # None: the connector's default
     deadline_s: float = 180.0
     seed: int = 0
@@ -99,8 +100,10 @@ class HookTimer:
     calls get_finished inside)."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, list[int]] = defaultdict(list)
+        self.calls: dict[str, list[int]] = defaultdict(list)  # wall-clock ns per call
+        self.cpu: dict[str, list[int]] = defaultdict(list)  # this thread's CPU ns per call
         self.step_ns = 0
+        self.step_cpu_ns = 0
         self._depth = 0
 
     def wrap(self, obj: Any, names: Sequence[str]) -> None:
@@ -109,25 +112,31 @@ class HookTimer:
             setattr(obj, name, self._timed(name, fn))
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        calls = self.calls[name]
+        calls, cpu = self.calls[name], self.cpu[name]
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += 1
+            c = time.thread_time_ns()
             t = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
                 d = time.perf_counter_ns() - t
+                dc = time.thread_time_ns() - c
+                cpu.append(dc)
                 self._depth -= 1
                 calls.append(d)
                 if self._depth == 0:
                     self.step_ns += d
+                    self.step_cpu_ns += dc
 
         return timed
 
-    def take_step(self) -> int:
-        ns, self.step_ns = self.step_ns, 0
-        return ns
+    def take_step(self) -> tuple[int, int]:
+        """(wall ns, CPU ns) of this step's outermost hook calls; resets both."""
+        out = (self.step_ns, self.step_cpu_ns)
+        self.step_ns = self.step_cpu_ns = 0
+        return out
 
 
 # ---------------------------------------------------------------- vLLM builders
@@ -160,7 +169,7 @@ def _vllm_config(cfg: HookConfig, role: str, engine_id: str) -> Any:
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=cfg.inflight,
-            max_num_batched_tokens=16384,
+            max_num_batched_tokens=cfg.max_batched_tokens,
             max_model_len=max_len,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
@@ -234,13 +243,9 @@ def _request(cfg: HookConfig, vllm_config: Any, rid: str, prompt: list[int], par
 @dataclass
 class EngineFigures:
     role: str
-    calls: dict[str, list[int]] = field(default_factory=dict)
-    sched_busy: list[int] = field(default_factory=list)
-    sched_idle: list[int] = field(default_factory=list)
-    worker_busy: list[int] = field(default_factory=list)
-    worker_idle: list[int] = field(default_factory=list)
-    total_busy: list[int] = field(default_factory=list)
-    total_idle: list[int] = field(default_factory=list)
+    calls: dict[str, list[int]] = field(default_factory=dict)  # wall ns per call
+    cpu: dict[str, list[int]] = field(default_factory=dict)  # thread CPU ns per call
+    steps: dict[str, list[int]] = field(default_factory=dict)  # per-step totals, wall ns
     completed: int = 0
     failed: int = 0
     max_inflight: int = 0
@@ -248,8 +253,12 @@ class EngineFigures:
     error: str = ""
 
 
-def _engine(cfg: HookConfig, role: str, out: Any) -> None:  # runs in a child process
+def _quiet_env() -> None:
     os.environ.update({"NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_NET_DEVICES": "lo"})
+
+
+def _engine(cfg: HookConfig, role: str, out: Any) -> None:  # EngineCore: a child process
+    _quiet_env()
     figures = EngineFigures(role)
     try:
         _engine_loop(cfg, role, figures)
@@ -258,23 +267,19 @@ def _engine(cfg: HookConfig, role: str, out: Any) -> None:  # runs in a child pr
     out.put(figures)
 
 
-def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
+def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: another process
+    """Worker half over real KV tensors; one message per engine step, like vLLM's executor."""
+    _quiet_env()
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_integration.connector import PushKVConnector
 
     prefill = role == "prefill"
-    engine_id = f"hooks-{role}-{cfg.run_id}"
-    vcfg = _vllm_config(cfg, "kv_producer" if prefill else "kv_consumer", engine_id)
+    vcfg = _vllm_config(
+        cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
+    )
     kv_cfg = _kv_cache_config(vcfg, cfg.num_blocks)
-    vcfg.cache_config.num_gpu_blocks = cfg.num_blocks
-
-    # Worker half first (as in vLLM): real KV tensors in the CPU layout, real agent.
     worker = PushKVConnector(vcfg, KVConnectorRole.WORKER, kv_cfg)
     mc = vcfg.model_config
     shape = (
@@ -288,100 +293,145 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
         for name in kv_cfg.kv_cache_groups[0].layer_names
     }
     worker.register_kv_caches(caches)
-
-    sched = Scheduler(
-        vllm_config=vcfg,
-        kv_cache_config=kv_cfg,
-        structured_output_manager=StructuredOutputManager(vcfg),
-        block_size=cfg.block_size,
-        hash_block_size=cfg.block_size,
-        log_stats=True,
-    )
-    conn = sched.connector
-    if not isinstance(conn, PushKVConnector):
-        raise TypeError(f"scheduler built {type(conn).__name__}, not PushKVConnector")
-    st, wt = HookTimer(), HookTimer()
-    st.wrap(conn, SCHED_HOOKS)
-    wt.wrap(worker, WORKER_HOOKS)
-    layer_names = list(caches)
-
-    side = "do_remote_decode" if prefill else "do_remote_prefill"
-    next_i = 0
-    live: dict[str, Any] = {}  # request id -> Request, until the scheduler lets go of it
-    t0 = time.monotonic()
-    deadline = t0 + cfg.deadline_s
-    while fig.completed + fig.failed < cfg.requests and time.monotonic() < deadline:
-        while len(sched.requests) < cfg.inflight and next_i < cfg.requests:
-            tid = f"tx-{cfg.run_id}-{next_i}"
-            req = _request(
-                cfg,
-                vcfg,
-                f"{role[0]}-{next_i}",
-                _prompt(cfg, next_i),
-                {
-                    side: True,
-                    "transfer_id": tid,
-                },
+    timer = HookTimer()
+    timer.wrap(worker, WORKER_HOOKS)
+    conn.send("ready")
+    try:
+        while (msg := conn.recv()) is not None:
+            meta, finished_req_ids, busy = msg
+            # as kv_connector_model_runner_mixin._get_kv_connector_output
+            worker.bind_connector_metadata(meta)
+            if busy:
+                for name in caches:
+                    worker.wait_for_layer_load(name)
+                time.sleep(cfg.forward_ms / 1000)  # the forward; the GIL is free meanwhile
+                for name, layer in caches.items():
+                    worker.save_kv_layer(name, layer, None)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(finished_req_ids)
+            invalid = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            conn.send(
+                (
+                    set(results.finished_sending),
+                    set(results.finished_recving),
+                    set(results.failed_recving),
+                    set(invalid),
+                    timer.take_step(),
+                )
             )
-            sched.add_request(req)
-            live[req.request_id] = req
-            next_i += 1
-        fig.max_inflight = max(fig.max_inflight, len(sched.requests))
+        conn.send((dict(timer.calls), dict(timer.cpu)))
+    finally:
+        worker.shutdown()
 
-        so = sched.schedule()
-        busy = so.total_num_scheduled_tokens > 0
-        # ---- worker (as _get_kv_connector_output)
-        worker.bind_connector_metadata(so.kv_connector_metadata)
-        if busy:
-            for name in layer_names:
-                worker.wait_for_layer_load(name)
-            time.sleep(cfg.forward_ms / 1000)  # the forward; the GIL is free meanwhile
-            for name in layer_names:
-                worker.save_kv_layer(name, caches[name], None)
-        worker.start_load_kv(None)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(so.finished_req_ids)
-        invalid = worker.get_block_ids_with_load_errors()
-        worker.clear_connector_metadata()
-        w_ns = wt.take_step()
-        kv_out = KVConnectorOutput(
-            finished_sending=set(results.finished_sending) or None,
-            finished_recving=set(results.finished_recving) or None,
-            failed_recving=set(results.failed_recving),
-            invalid_block_ids=set(invalid),
+
+def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_integration.connector import PushKVConnector
+
+    prefill = role == "prefill"
+    vcfg = _vllm_config(
+        cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
+    )
+    kv_cfg = _kv_cache_config(vcfg, cfg.num_blocks)
+    vcfg.cache_config.num_gpu_blocks = cfg.num_blocks
+
+    # The worker (and its agent) comes up first, as in vLLM.
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    wproc = ctx.Process(target=_worker, args=(cfg, role, child), name=f"hooks-{role}-worker")
+    wproc.start()
+    try:
+        if not conn.poll(120) or conn.recv() != "ready":
+            raise TimeoutError("worker not ready in 120 s")
+        sched = Scheduler(
+            vllm_config=vcfg,
+            kv_cache_config=kv_cfg,
+            structured_output_manager=StructuredOutputManager(vcfg),
+            block_size=cfg.block_size,
+            hash_block_size=cfg.block_size,
+            log_stats=True,
         )
-        # ---- the model: one token for every request whose prompt is complete
-        req_ids = list(so.num_scheduled_tokens)
-        sampled = [
-            [100] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
-            for r in req_ids
-        ]
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
-        sched.update_from_output(so, mro)
-        s_ns = st.take_step()
-        for rid in [r for r in live if r not in sched.requests]:
-            if live.pop(rid).status == RequestStatus.FINISHED_ERROR:
-                fig.failed += 1
-            else:
-                fig.completed += 1
-        if busy:
-            fig.sched_busy.append(s_ns)
-            fig.worker_busy.append(w_ns)
-            fig.total_busy.append(s_ns + w_ns)
-        else:
-            fig.sched_idle.append(s_ns)
-            fig.worker_idle.append(w_ns)
-            fig.total_idle.append(s_ns + w_ns)
-            time.sleep(0.001)  # EngineCore sleeps 1 ms after a step that ran no model
-    fig.wall_s = time.monotonic() - t0
-    fig.calls = dict(st.calls) | dict(wt.calls)
-    sched.shutdown()
-    worker.shutdown()
+        sconn = sched.connector
+        if not isinstance(sconn, PushKVConnector):
+            raise TypeError(f"scheduler built {type(sconn).__name__}, not PushKVConnector")
+        st = HookTimer()
+        st.wrap(sconn, SCHED_HOOKS)
+        steps: dict[str, list[int]] = defaultdict(list)
+
+        side = "do_remote_decode" if prefill else "do_remote_prefill"
+        next_i = 0
+        live: dict[str, Any] = {}  # request id -> Request, until the scheduler lets go of it
+        t0 = time.monotonic()
+        deadline = t0 + cfg.deadline_s
+        while fig.completed + fig.failed < cfg.requests and time.monotonic() < deadline:
+            while len(sched.requests) < cfg.inflight and next_i < cfg.requests:
+                params = {side: True, "transfer_id": f"tx-{cfg.run_id}-{next_i}"}
+                req = _request(cfg, vcfg, f"{role[0]}-{next_i}", _prompt(cfg, next_i), params)
+                sched.add_request(req)
+                live[req.request_id] = req
+                next_i += 1
+            fig.max_inflight = max(fig.max_inflight, len(sched.requests))
+
+            so = sched.schedule()
+            busy = so.total_num_scheduled_tokens > 0
+            conn.send((so.kv_connector_metadata, set(so.finished_req_ids), busy))
+            if not conn.poll(60):
+                raise TimeoutError("worker step took over 60 s")
+            sending, recving, failed, invalid, (w_ns, w_cpu) = conn.recv()
+            kv_out = KVConnectorOutput(
+                finished_sending=sending or None,
+                finished_recving=recving or None,
+                failed_recving=failed,
+                invalid_block_ids=invalid,
+            )
+            # The model: one token for every request whose prompt is complete.
+            req_ids = list(so.num_scheduled_tokens)
+            sampled = [
+                [100]
+                if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+                else []
+                for r in req_ids
+            ]
+            mro = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_out,
+            )
+            sched.update_from_output(so, mro)
+            s_ns, s_cpu = st.take_step()
+            for rid in [r for r in live if r not in sched.requests]:
+                if live.pop(rid).status == RequestStatus.FINISHED_ERROR:
+                    fig.failed += 1
+                else:
+                    fig.completed += 1
+            kind = "busy" if busy else "idle"
+            steps[f"scheduler/{kind}"].append(s_ns)
+            steps[f"worker/{kind}"].append(w_ns)
+            steps[f"all/{kind}"].append(s_ns + w_ns)
+            steps[f"all-cpu/{kind}"].append(s_cpu + w_cpu)
+            if not busy:
+                time.sleep(0.001)  # EngineCore sleeps 1 ms after a step that ran no model
+        fig.wall_s = time.monotonic() - t0
+        conn.send(None)
+        if not conn.poll(30):
+            raise TimeoutError("worker did not report its timings")
+        w_calls, w_cpu = conn.recv()
+        fig.calls = dict(st.calls) | w_calls
+        fig.cpu = dict(st.cpu) | w_cpu
+        fig.steps = dict(steps)
+        sched.shutdown()
+    finally:
+        wproc.join(30)
+        if wproc.is_alive():
+            wproc.kill()
+            wproc.join(5)
 
 
 # ---------------------------------------------------------------- reporting
@@ -401,6 +451,18 @@ def _us(ns: float) -> str:
     return "nan" if math.isnan(ns) else f"{ns / 1000:.1f}"
 
 
+STEP_ROWS: Final = (
+    ("scheduler/busy", "scheduler hooks, busy steps"),
+    ("worker/busy", "worker hooks, busy steps"),
+    ("all/busy", "all hooks, busy steps (wall)"),
+    ("all-cpu/busy", "all hooks, busy steps (thread CPU)"),
+    ("scheduler/idle", "scheduler hooks, idle steps"),
+    ("worker/idle", "worker hooks, idle steps (incl. the idle wait)"),
+    ("all/idle", "all hooks, idle steps (wall)"),
+    ("all-cpu/idle", "all hooks, idle steps (thread CPU)"),
+)
+
+
 def report(figs: Sequence[EngineFigures]) -> tuple[list[str], dict[str, Any]]:
     lines: list[str] = []
     summary: dict[str, Any] = {}
@@ -411,37 +473,30 @@ def report(figs: Sequence[EngineFigures]) -> tuple[list[str], dict[str, Any]]:
             f"up to {f.max_inflight} in flight, {f.wall_s:.1f} s"
             + (f"  ERROR: {f.error}" if f.error else "")
         )
-        lines.append("| hook | calls | p50 (µs) | p99 (µs) | max (µs) |")
-        lines.append("|---|---|---|---|---|")
+        lines.append(
+            "| hook | calls | wall p50 (µs) | wall p99 (µs) | wall max (µs) "
+            "| CPU p50 (µs) | CPU p99 (µs) |"
+        )
+        lines.append("|---|---|---|---|---|---|---|")
         for name in (*SCHED_HOOKS, *WORKER_HOOKS):
-            calls = f.calls.get(name, [])
+            calls, cpu = f.calls.get(name, []), f.cpu.get(name, [])
             if not calls:
                 continue
             lines.append(
                 f"| {name} | {len(calls)} | {_us(pct(calls, 50))} | {_us(pct(calls, 99))} "
-                f"| {_us(max(calls))} |"
+                f"| {_us(max(calls))} | {_us(pct(cpu, 50))} | {_us(pct(cpu, 99))} |"
             )
         lines.append("")
         lines.append("| per engine step | steps | p50 (µs) | p99 (µs) | max (µs) |")
         lines.append("|---|---|---|---|---|")
         s: dict[str, Any] = {}
-        for label, xs in (
-            ("scheduler hooks, busy steps", f.sched_busy),
-            ("worker hooks, busy steps", f.worker_busy),
-            ("all hooks, busy steps", f.total_busy),
-            ("scheduler hooks, idle steps", f.sched_idle),
-            ("worker hooks, idle steps (incl. idle wait)", f.worker_idle),
-            ("all hooks, idle steps", f.total_idle),
-        ):
+        for key, label in STEP_ROWS:
+            xs = f.steps.get(key, [])
             lines.append(
                 f"| {label} | {len(xs)} | {_us(pct(xs, 50))} | {_us(pct(xs, 99))} "
                 f"| {_us(max(xs) if xs else math.nan)} |"
             )
-            s[label] = {
-                "steps": len(xs),
-                "p50_us": pct(xs, 50) / 1000,
-                "p99_us": pct(xs, 99) / 1000,
-            }
+            s[key] = {"steps": len(xs), "p50_us": pct(xs, 50) / 1000, "p99_us": pct(xs, 99) / 1000}
         summary[f.role] = s
     return lines, summary
 
@@ -455,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--inflight", type=int, default=256)
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--forward-ms", type=float, default=5.0)
-    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument(
         "--idle-wait-ms", type=float, default=None, help="connector idle_wait_ms (default: its own)"
     )
@@ -477,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             requests=a.requests,
             forward_ms=a.forward_ms,
             output_len=a.output_len,
+            max_batched_tokens=a.max_batched_tokens,
             idle_wait_ms=a.idle_wait_ms,
             deadline_s=a.deadline,
         )
@@ -508,15 +565,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines, summary = report(figs)
     for line in lines:
         _say(line)
-    worst = max((s["all hooks, busy steps"]["p99_us"] for s in summary.values()), default=math.nan)
+    worst = max((s["all/busy"]["p99_us"] for s in summary.values()), default=math.nan)
+    worst_cpu = max((s["all-cpu/busy"]["p99_us"] for s in summary.values()), default=math.nan)
     _say("")
     _say(
-        f"hooks_p99_us_per_busy_step={worst:.1f} (goal <= {GOAL_US:.0f}: "
-        f"{'met' if worst <= GOAL_US else 'missed'})"
+        f"hooks_p99_us_per_busy_step={worst:.1f} (wall; goal <= {GOAL_US:.0f}: "
+        f"{'met' if worst <= GOAL_US else 'missed'}) cpu_p99_us={worst_cpu:.1f}"
     )
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        dump = {"config": cfg.__dict__, "summary": summary, "engines": [f.__dict__ for f in figs]}
+        dump = {
+            "config": cfg.__dict__,
+            "summary": summary,
+            "engines": [f.__dict__ for f in figs],
+        }
         (a.out / "bench_hooks.json").write_text(json.dumps(dump, default=str))
     return 0 if all(not f.error for f in figs) else 1
 

@@ -325,16 +325,26 @@ class RateResult:
     failed: int
     timed_out: int
     offered_rps: float
-    throughput_rps: float
+    throughput_rps: float  # ok / (last finish - first send)
+    completion_rps: float  # (ok - 1) / (last finish - first finish)
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     e2e_ms_p50: float
     sustained: bool
     errors: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
+    loadavg_before: float = math.nan  # 1-min load average of the whole box (noise)
+    loadavg_after: float = math.nan
 
 
 def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
+    """Percentiles over the successful requests, and whether the rate was sustained.
+
+    Sustained: no failed or timed-out request, and completions kept pace with
+    arrivals: (ok - 1) / (last finish - first finish) >= 0.85 x (n - 1) / (last
+    send - first send). A saturated system finishes requests at its capacity,
+    below the arrival rate, while its queue grows.
+    """
     ok = [r for r in recs if r.ok]
     ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
     tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
@@ -342,9 +352,11 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
     sent = [r.sent for r in recs]
     span = max(sent) - min(sent) if len(sent) > 1 else 0.0
     offered = (len(recs) - 1) / span if span > 0 else math.nan
-    ends = [r.last for r in ok if r.last is not None]
-    makespan = max(ends) - min(sent) if ends else 0.0
+    ends = sorted(r.last for r in ok if r.last is not None)
+    makespan = ends[-1] - min(sent) if ends else 0.0
     throughput = len(ok) / makespan if makespan > 0 else 0.0
+    finish_span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    completion_rps = (len(ends) - 1) / finish_span if finish_span > 0 else math.nan
     failed = sum(1 for r in recs if r.error)
     timed_out = sum(1 for r in recs if r.timed_out)
     sustained = (
@@ -352,9 +364,10 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
         and timed_out == 0
         and len(ok) == len(recs)
         and not math.isnan(offered)
-        and throughput >= SUSTAINED_FRACTION * offered
+        and not math.isnan(completion_rps)
+        and completion_rps >= SUSTAINED_FRACTION * offered
     )
-    errors = sorted({r.error for r in recs if r.error})[:5]
+    errors = sorted({r.error or "timed out" for r in recs if not r.ok})[:5]
     return RateResult(
         rate=rate,
         n=len(recs),
@@ -363,6 +376,7 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
         timed_out=timed_out,
         offered_rps=offered,
         throughput_rps=throughput,
+        completion_rps=completion_rps,
         ttft_ms={f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
         tpot_ms={f"p{q}": percentile(tpot, q) for q in (50, 90, 99)},
         e2e_ms_p50=percentile(e2e, 50),
@@ -453,8 +467,14 @@ def _cpu_ticks(pids: Sequence[int]) -> int:
     return total
 
 
-def idle_cpu_percent(pgids: dict[str, int], window_s: float = 2.0) -> dict[str, float]:
-    """CPU use of each process group over an idle window (spinning threads show here)."""
+def idle_cpu_percent(
+    pgids: dict[str, int], window_s: float = 3.0, settle_s: float = 2.0
+) -> dict[str, float]:
+    """CPU use of each process group over an idle window (spinning threads show here).
+
+    ``settle_s`` first: a vLLM worker spin-polls for about a second after its last step.
+    """
+    time.sleep(settle_s)  # let the engines go idle
     hz = os.sysconf("SC_CLK_TCK")
     pids = {name: _pgid_pids(g) for name, g in pgids.items()}
     before = {name: _cpu_ticks(p) for name, p in pids.items()}
@@ -879,14 +899,16 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
                 errs = _warm(dep.warm_url, wl.prompts, cfg.timeout_s)
                 if errs:
                     _say(f"  warming {dep.warm_url} failed for {len(errs)} prompts: {errs[0]}")
+            load0 = os.getloadavg()[0]
             recs = run_load(dep.front_url, wl, cfg.output_len, cfg.timeout_s)
             res = summarize(rate, recs)
+            res.loadavg_before, res.loadavg_after = load0, os.getloadavg()[0]
             run.rates.append(res)
             _say(
                 f"  rate {rate:g}/s: {res.ok}/{res.n} ok, {res.failed} failed, "
                 f"{res.timed_out} timed out; {res.throughput_rps:.2f} req/s; "
                 f"TTFT p50 {res.ttft_ms['p50']:.0f} ms p99 {res.ttft_ms['p99']:.0f} ms; "
-                f"TPOT p50 {res.tpot_ms['p50']:.1f} ms"
+                f"TPOT p50 {res.tpot_ms['p50']:.1f} ms; load avg {load0:.1f}"
                 + ("" if res.sustained else "  (not sustained)")
                 + (f"  errors: {res.errors[:2]}" if res.errors else "")
             )
