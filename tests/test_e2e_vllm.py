@@ -22,9 +22,8 @@ from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from vllm_integration.launch import (
     RouterProcess,
     VllmServer,
-    free_port,
     metric_value,
-    pushkv_config,
+    pushkv_server,
 )
 
 pytestmark = pytest.mark.e2e
@@ -44,26 +43,11 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     coord = CoordinatorProcess("--log-level", "WARNING").start()
-    pp, dp = free_port(), free_port()
-    prefill = VllmServer(
-        tiny_model_dir,
-        "prefill",
-        port=pp,
-        cpu_core=0,
-        block_size=BLOCK,
-        kv_transfer_config=pushkv_config(
-            "kv_producer", "prefill-0", coord.address, f"http://127.0.0.1:{pp}"
-        ),
+    prefill = pushkv_server(
+        tiny_model_dir, "prefill", "prefill-0", coord.address, cpu_core=0, block_size=BLOCK
     )
-    decode = VllmServer(
-        tiny_model_dir,
-        "decode",
-        port=dp,
-        cpu_core=1,
-        block_size=BLOCK,
-        kv_transfer_config=pushkv_config(
-            "kv_consumer", "decode-0", coord.address, f"http://127.0.0.1:{dp}"
-        ),
+    decode = pushkv_server(
+        tiny_model_dir, "decode", "decode-0", coord.address, cpu_core=1, block_size=BLOCK
     )
     router = RouterProcess(coord.address)
     try:

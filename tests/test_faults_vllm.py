@@ -24,9 +24,8 @@ from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from vllm_integration.launch import (
     RouterProcess,
     VllmServer,
-    free_port,
     metric_value,
-    pushkv_config,
+    pushkv_server,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
@@ -43,18 +42,7 @@ class Cluster:
     router: RouterProcess
 
     def server(self, role: str, engine_id: str, core: int) -> VllmServer:
-        port = free_port()
-        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        return VllmServer(
-            self.model,
-            engine_id,
-            port=port,
-            cpu_core=core,
-            block_size=32,
-            kv_transfer_config=pushkv_config(
-                kv_role, engine_id, self.coord.address, f"http://127.0.0.1:{port}"
-            ),
-        )
+        return pushkv_server(self.model, role, engine_id, self.coord.address, cpu_core=core)
 
 
 @pytest.fixture(scope="module")

@@ -1109,7 +1109,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     rates = (
         tuple(float(x) for x in a.rates.split(","))
         if a.rates
-        else ((1.5, 3.0) if quick else (1.0, 2.0, 3.0, 4.0))
+        else ((1.0, 2.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))
     )
     systems = tuple(a.systems.split(",")) if a.systems else SYSTEMS
     scenarios = (
@@ -1132,8 +1132,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         max_prompt=a.max_prompt,
         output_len=a.output_len,
         rates=rates,
-        duration_s=a.duration if a.duration is not None else (12.0 if quick else 30.0),
-        min_requests=a.min_requests if a.min_requests is not None else (24 if quick else 40),
+        duration_s=a.duration if a.duration is not None else (10.0 if quick else 30.0),
+        min_requests=a.min_requests if a.min_requests is not None else (20 if quick else 40),
         timeout_s=a.timeout if a.timeout is not None else (60.0 if quick else 120.0),
         max_num_seqs=a.max_num_seqs,
         seed=a.seed,

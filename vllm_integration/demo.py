@@ -25,10 +25,8 @@ from controlplane.launch import CoordinatorProcess
 from controlplane.tables import engines_table, transfers_table
 from vllm_integration.launch import (
     RouterProcess,
-    VllmServer,
-    free_port,
     metric_value,
-    pushkv_config,
+    pushkv_server,
 )
 from vllm_integration.tiny_model import build_tiny_model
 
@@ -80,26 +78,11 @@ def run(requests: int = 12, model_dir: Path = MODEL_DIR) -> int:
     lengths = [rng.choice([8, 31, 32, 33, 64, 100, 200, 333, 500]) for _ in range(requests)]
     prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
     with CoordinatorProcess("--log-level", "WARNING") as coord:
-        pp, dp = free_port(), free_port()
-        prefill = VllmServer(
-            model,
-            "prefill",
-            port=pp,
-            cpu_core=0,
-            block_size=BLOCK,
-            kv_transfer_config=pushkv_config(
-                "kv_producer", "prefill-0", coord.address, f"http://127.0.0.1:{pp}"
-            ),
+        prefill = pushkv_server(
+            model, "prefill", "prefill-0", coord.address, cpu_core=0, block_size=BLOCK
         )
-        decode = VllmServer(
-            model,
-            "decode",
-            port=dp,
-            cpu_core=1,
-            block_size=BLOCK,
-            kv_transfer_config=pushkv_config(
-                "kv_consumer", "decode-0", coord.address, f"http://127.0.0.1:{dp}"
-            ),
+        decode = pushkv_server(
+            model, "decode", "decode-0", coord.address, cpu_core=1, block_size=BLOCK
         )
         router = RouterProcess(coord.address)
         try:

@@ -151,6 +151,32 @@ def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> 
     }
 
 
+def pushkv_server(
+    model_dir: Path,
+    role: str,
+    engine_id: str,
+    coordinator: str,
+    *,
+    cpu_core: int | None,
+    block_size: int = 32,
+    **kw: Any,
+) -> VllmServer:
+    """A vLLM server with the pushkv connector; role is "prefill" or "decode"."""
+    port = free_port()
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    return VllmServer(
+        model_dir,
+        engine_id,
+        port=port,
+        cpu_core=cpu_core,
+        block_size=block_size,
+        kv_transfer_config=pushkv_config(
+            kv_role, engine_id, coordinator, f"http://127.0.0.1:{port}"
+        ),
+        **kw,
+    )
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus metric's samples whose label set contains `labels`."""
     total = 0.0
