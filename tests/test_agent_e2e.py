@@ -150,8 +150,10 @@ def test_cancel_before_post_never_writes(coord: CoordinatorProcess) -> None:
         # The order is on its way to (or queued in) the prefill agent; cancel it.
         t = req.Cancel(pb.CancelRequest(transfer_id="t3", reason="client left"), timeout=10)
         assert t.state == pb.TRANSFER_STATE_CANCELLED and t.write_may_land
-        p.call("pause", False)
+        # The cancel drops the queued order (never posted) and frees the blocks;
+        # only then is posting resumed, so a WRITE would show up if it were kept.
         assert p.wait_event("t3").kind is EventKind.BLOCKS_FREE
+        p.call("pause", False)
         e = d.wait_event("t3")
         assert e.kind is EventKind.KV_FAILED  # only once no WRITE can land
         t = wait_state(status, "t3", pb.TRANSFER_STATE_CANCELLED)

@@ -6,6 +6,7 @@ is committed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -67,7 +68,9 @@ async def open_agent(
     c: Coordinator, tls: TLSFiles, engine: str, role: int
 ) -> grpc.aio.StreamStreamCall:
     call = pbg.AgentServiceStub(chan(c, tls)).AgentStream()
-    await call.write(hello(engine, role))
+    # A refused caller may see the stream end before its hello is written.
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await call.write(hello(engine, role))
     return call
 
 

@@ -58,12 +58,17 @@ import aiohttp
 from aiohttp import web
 
 SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
+# Controls, run only when named in --systems: vLLM's NIXL connectors with NIXL's
+# progress thread switched off (not vLLM's default; see NOPROG_SHIM).
+CONTROLS: Final = ("pull-noprog", "vllm-push-noprog")
 COMPARED: Final = ("pull", "vllm-push", "pushkv")  # "sustained by all systems" uses these
 LABELS: Final = {
     "pull": "vLLM NixlConnector (pull, sequential proxy)",
     "vllm-push": "vLLM NixlPushConnector (concurrent dispatch)",
     "pushkv": "pushkv (connector + coordinator + router)",
     "single": "single engine (no disaggregation)",
+    "pull-noprog": "control: pull with NIXL's progress thread off",
+    "vllm-push-noprog": "control: vLLM push with NIXL's progress thread off",
 }
 SCENARIOS: Final = ("nocache", "prefixhit")
 SCENARIO_LABELS: Final = {
@@ -86,6 +91,42 @@ def _patched(pid, cpus):
     return _orig(pid, cpus)
 os.sched_setaffinity = _patched
 """
+
+# Control only (not vLLM's default): also construct NIXL agents without their UCX
+# progress thread (``nixl_agent_config.enable_prog_thread``), which otherwise spins
+# on the engine's own core. vLLM 0.32 offers no setting for it; the worker then
+# progresses UCX when it polls its transfers each step, as pushkv's agent does.
+NOPROG_SHIM: Final = (
+    SHIM
+    + """
+import importlib.abc
+_APIS = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+class _NoProgressThread(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _APIS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+        def patched_exec(module):
+            exec_module(module)
+            cls = module.nixl_agent_config
+            init = cls.__init__
+            def __init__(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                self.enable_pthread = False
+            cls.__init__ = __init__
+        spec.loader.exec_module = patched_exec
+        return spec
+sys.meta_path.insert(0, _NoProgressThread())
+"""
+)
 
 
 def _say(text: str = "") -> None:
@@ -175,6 +216,9 @@ class ReqRecord:
     chunks: int = 0
     error: str = ""
     timed_out: bool = False
+    sent_unix: float = 0.0
+    first_unix: float | None = None
+    response_id: str = ""  # the router's transfer id shows here as "cmpl-<transfer id>"
 
     @property
     def ok(self) -> bool:
@@ -214,6 +258,7 @@ async def _one(
     timeout_s: float,
     expect_tokens: int,
 ) -> None:
+    rec.sent_unix = time.time()
     try:
         async with asyncio.timeout(timeout_s), session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -236,6 +281,8 @@ async def _one(
                     now = time.perf_counter() - t0
                     if rec.first is None:
                         rec.first = now
+                        rec.first_unix = time.time()
+                        rec.response_id = str(chunk.get("id", ""))
                     rec.last = now
                     rec.chunks += 1
                 usage = chunk.get("usage")
@@ -335,6 +382,12 @@ class RateResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     loadavg_before: float = math.nan  # 1-min load average of the whole box (noise)
     loadavg_after: float = math.nan
+    # pushkv only: medians (ms) of each stage of the request, from the coordinator's
+    # per-transfer timeline matched to the client's clock (same host).
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    # The decode engine's (single: the engine's) prompt tokens by source during the
+    # rate: local_compute, local_cache_hit, external_kv_transfer (vLLM's counter).
+    decode_prompt_tokens: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
@@ -514,6 +567,7 @@ class Deployment:
     scenario: str
     front_url: str = ""  # base URL the load goes to
     warm_url: str = ""  # the engine whose prefix cache the prefixhit scenario warms
+    coordinator: str = ""  # pushkv only
     servers: list[Any] = field(default_factory=list)  # VllmServer
     helpers: list[Any] = field(default_factory=list)  # ChildProcess / RouterProcess / Coordinator
     workdir: Path | None = None
@@ -612,15 +666,17 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
             router = RouterProcess(coord.address)
             dep.helpers.append(router)
             router.start(timeout=120)
-            dep.front_url, dep.warm_url = router.url, d.url
+            dep.front_url, dep.warm_url, dep.coordinator = router.url, d.url, coord.address
             return dep
         # vLLM's NIXL connectors, with the unpinning shim on PYTHONPATH.
         dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
-        (dep.workdir / "sitecustomize.py").write_text(SHIM)
+        noprog = system.endswith("-noprog")
+        (dep.workdir / "sitecustomize.py").write_text(NOPROG_SHIM if noprog else SHIM)
         pythonpath = os.pathsep.join(
             x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
         )
-        connector = "NixlConnector" if system == "pull" else "NixlPushConnector"
+        pull = system.startswith("pull")
+        connector = "NixlConnector" if pull else "NixlPushConnector"
         side_p, side_d = _free_port(), _free_port()
 
         def env(side: int) -> dict[str, str]:
@@ -660,7 +716,7 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
                 "vllm_integration.bench_serving",
                 "proxy",
                 "--mode",
-                "pull" if system == "pull" else "push",
+                "pull" if pull else "push",
                 "--port",
                 str(port),
                 "--prefill",
@@ -857,6 +913,24 @@ class SystemRun:
         return next((r for r in self.rates if r.rate == rate), None)
 
 
+TOKEN_SOURCES: Final = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
+    """vLLM's prompt token counter per source, from a server's /metrics ({} on failure)."""
+    from vllm_integration.launch import metric_value
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    return {
+        src: metric_value(text, "vllm:prompt_tokens_by_source_total", f'source="{src}"')
+        for src in TOKEN_SOURCES
+    }
+
+
 def _warm(url: str, prompts: Sequence[Sequence[int]], timeout_s: float) -> list[str]:
     return asyncio.run(_post_many(url + "/v1/completions", prompts, 2, timeout_s))
 
@@ -900,9 +974,14 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
                 if errs:
                     _say(f"  warming {dep.warm_url} failed for {len(errs)} prompts: {errs[0]}")
             load0 = os.getloadavg()[0]
+            tokens0 = prompt_tokens_by_source(dep.warm_url)
             recs = run_load(dep.front_url, wl, cfg.output_len, cfg.timeout_s)
             res = summarize(rate, recs)
             res.loadavg_before, res.loadavg_after = load0, os.getloadavg()[0]
+            tokens1 = prompt_tokens_by_source(dep.warm_url)
+            res.decode_prompt_tokens = {k: v - tokens0.get(k, 0.0) for k, v in tokens1.items()}
+            if dep.coordinator:
+                res.stages_ms = pushkv_stages(dep.coordinator, recs)
             run.rates.append(res)
             _say(
                 f"  rate {rate:g}/s: {res.ok}/{res.n} ok, {res.failed} failed, "
@@ -912,10 +991,68 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
                 + ("" if res.sustained else "  (not sustained)")
                 + (f"  errors: {res.errors[:2]}" if res.errors else "")
             )
+            _say(f"    decode-side prompt tokens by source: {res.decode_prompt_tokens}")
+            if res.stages_ms:
+                _say("    pushkv stages, medians (ms): " + stages_text(res.stages_ms))
             time.sleep(1.0)  # let the engines go idle between rates
         return run
     finally:
         dep.stop()
+
+
+# =============================================================== pushkv timeline
+
+STAGES: Final = (
+    ("send->decode_registered", "sent", "decode_registered"),
+    ("send->prefill_done", "sent", "prefill_done"),
+    ("both->ordered", "both", "ordered"),
+    ("ordered->write_done", "ordered", "write_done"),
+    ("write_done->complete", "write_done", "complete"),
+    ("complete->first_token", "complete", "first"),
+    ("send->first_token", "sent", "first"),
+)
+
+
+def pushkv_stages(coordinator: str, recs: Sequence[ReqRecord]) -> dict[str, float]:
+    """Where a pushkv request's TTFT goes, from the coordinator's transfer timelines.
+
+    The router uses its transfer id as X-Request-Id, so a streamed chunk's id is
+    ``cmpl-<transfer id>``; the timeline events are unix times on this host.
+    """
+    import grpc
+    from pushkv.v1 import pushkv_pb2 as pb
+    from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+    channel = grpc.insecure_channel(coordinator)
+    try:
+        stub = pbg.StatusServiceStub(channel)
+        listed = stub.ListTransfers(pb.ListTransfersRequest(limit=10_000), timeout=10)
+    except grpc.RpcError:
+        return {}
+    finally:
+        channel.close()
+    by_id = {t.transfer_id: t for t in listed.transfers}
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for r in recs:
+        t = by_id.get(r.response_id.removeprefix("cmpl-"))
+        if t is None or r.first_unix is None:
+            continue
+        at: dict[str, float] = {"sent": r.sent_unix, "first": r.first_unix}
+        for e in t.timeline:
+            if e.stage == "write_done":  # the last rank's
+                at[e.stage] = max(at.get(e.stage, 0.0), e.unix_us / 1e6)
+            else:
+                at.setdefault(e.stage, e.unix_us / 1e6)
+        if "decode_registered" in at and "prefill_done" in at:
+            at["both"] = max(at["decode_registered"], at["prefill_done"])
+        for name, a, b in STAGES:
+            if a in at and b in at:
+                samples[name].append((at[b] - at[a]) * 1000)
+    return {name: percentile(xs, 50) for name, xs in samples.items() if xs}
+
+
+def stages_text(stages: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in stages.items())
 
 
 # =============================================================== reporting
@@ -982,33 +1119,35 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
                     f"| {'yes' if r.sustained else 'no'} |"
                 )
         lines.append("")
+        lines.append(f"ratios pushkv / baseline ({scenario}; below 1: pushkv better)")
         lines.append(
-            f"ratios pushkv / pull and pushkv / vllm-push ({scenario}; < 1: pushkv better)"
+            "| rate | pushkv vs | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 |"
         )
-        lines.append(
-            "| rate | TTFT p50 vs pull | TTFT p50 vs vllm-push | TTFT p90 vs pull "
-            "| TTFT p90 vs vllm-push | TTFT p99 vs pull | TTFT p99 vs vllm-push "
-            "| TPOT p50 vs pull | TPOT p50 vs vllm-push | TPOT p99 vs pull |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
-        pk, pl, vp = runs.get("pushkv"), runs.get("pull"), runs.get("vllm-push")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        pk = runs.get("pushkv")
         for rate in cfg.rates:
-            cells = []
-            for key, q, other in (
-                ("ttft_ms", "p50", pl),
-                ("ttft_ms", "p50", vp),
-                ("ttft_ms", "p90", pl),
-                ("ttft_ms", "p90", vp),
-                ("ttft_ms", "p99", pl),
-                ("ttft_ms", "p99", vp),
-                ("tpot_ms", "p50", pl),
-                ("tpot_ms", "p50", vp),
-                ("tpot_ms", "p99", pl),
-            ):
-                cells.append(
+            for base in ("pull", "vllm-push", *CONTROLS):
+                other = runs.get(base)
+                if other is None:
+                    continue
+                cells = [
                     _fmt(_ratio(_metric(pk, rate, key, q), _metric(other, rate, key, q)), 2)
-                )
-            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+                    for key in ("ttft_ms", "tpot_ms")
+                    for q in ("p50", "p90", "p99")
+                ]
+                lines.append(f"| {rate:g} | {base} | " + " | ".join(cells) + " |")
+        pk_run = runs.get("pushkv")
+        if pk_run is not None and any(r.stages_ms for r in pk_run.rates):
+            lines.append("")
+            lines.append(
+                f"pushkv: where TTFT goes ({scenario}; medians in ms over requests, "
+                "from the coordinator's transfer timelines)"
+            )
+            lines.append("| rate | " + " | ".join(name for name, _, _ in STAGES) + " |")
+            lines.append("|---|" + "---|" * len(STAGES))
+            for r in pk_run.rates:
+                cells = [_fmt(r.stages_ms.get(name, math.nan)) for name, _, _ in STAGES]
+                lines.append(f"| {r.rate:g} | " + " | ".join(cells) + " |")
         best = highest_common_rate(runs, cfg.rates)
         lines.append(
             f"highest rate sustained by all of {', '.join(COMPARED)}: "
@@ -1047,7 +1186,14 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
 
     scenarios = list(all_runs)
     fig, axes = plt.subplots(1, len(scenarios), figsize=(6.4 * len(scenarios), 4.6), squeeze=False)
-    styles = {"pull": "o-", "vllm-push": "s-", "pushkv": "D-", "single": "x--"}
+    styles = {
+        "pull": "o-",
+        "vllm-push": "s-",
+        "pushkv": "D-",
+        "single": "x--",
+        "pull-noprog": "o:",
+        "vllm-push-noprog": "s:",
+    }
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         for system, run in all_runs[scenario].items():
             if run.error or not run.rates:
@@ -1066,8 +1212,8 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
         ax.legend(fontsize=8)
     fig.suptitle(
         f"TTFT p50 vs rate; Llama {cfg.layers}L h{cfg.hidden} fp32, prompts "
-        f"{cfg.min_prompt}-{cfg.max_prompt} tok, {cfg.output_len} out; "
-        "P core 0, D core 1; red x: not sustained",
+        f"{cfg.min_prompt}-{cfg.max_prompt} tok, {cfg.output_len} out\n"
+        "P core 0, D core 1 (single: core 0); red x: rate not sustained",
         fontsize=9,
     )
     fig.tight_layout()
@@ -1089,7 +1235,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     ap.add_argument("--out", type=Path, help="write all raw figures to DIR/bench_serving.json")
     ap.add_argument("--plot", type=Path, default=Path("docs/bench_ttft.png"))
     ap.add_argument("--rates", type=str, help="comma-separated request rates (req/s)")
-    ap.add_argument("--systems", type=str, help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument(
+        "--systems", type=str, help=f"comma-separated, from {SYSTEMS + CONTROLS}; default {SYSTEMS}"
+    )
     ap.add_argument("--scenarios", type=str, help=f"comma-separated subset of {SCENARIOS}")
     ap.add_argument("--duration", type=float, help="seconds of arrivals per rate")
     ap.add_argument("--min-requests", type=int, help="requests per rate at least")
@@ -1116,8 +1264,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         tuple(a.scenarios.split(",")) if a.scenarios else (("nocache",) if quick else SCENARIOS)
     )
     for s in systems:
-        if s not in SYSTEMS:
-            ap.error(f"unknown system {s!r}; known: {SYSTEMS}")
+        if s not in SYSTEMS + CONTROLS:
+            ap.error(f"unknown system {s!r}; known: {SYSTEMS + CONTROLS}")
     for s in scenarios:
         if s not in SCENARIOS:
             ap.error(f"unknown scenario {s!r}; known: {SCENARIOS}")
