@@ -668,3 +668,54 @@ async def test_requests_without_pushkv_params_are_untouched(
             assert r.request_id not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
         assert eng.spy.calls == []
+
+
+async def test_unreachable_coordinator_fails_the_load_only_after_the_grace(
+    tiny_model_dir: Path,
+) -> None:
+    """A registration whose outcome is unknown must not free blocks a WRITE may hit."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    cfg = make_vllm_config(
+        tiny_model_dir,
+        connector_module="vllm_integration.connector",
+        connector_name="PushKVConnector",
+        kv_role="kv_consumer",
+        engine_id="dec-unreachable",
+        kv_connector_extra_config={
+            "coordinator": dead,
+            "rpc_timeout_s": 0.3,
+            "uncertain_grace_s": 1.0,
+        },
+        block_size=BLOCK,
+    )
+    sched = make_scheduler(cfg, num_blocks=64)
+    eng = Engine("dec-unreachable", cfg, sched, None, Spy())
+    _spy(eng.connector, eng.spy)
+    try:
+        tid = new_tid()
+        req = make_request("u1", prompt_tokens(40), cfg, kv_transfer_params=decode_params(tid))
+        sched.add_request(req)
+        sched_out, _ = step(sched)
+        spec = RecvSpec("u1", tid, tuple(eng.blocks_of("u1")))
+        assert _meta(sched_out).recv == [spec]
+        result = eng.wait_result("register")
+        assert not result.ok and not result.refused and "UNAVAILABLE" in result.error
+        failed_at = None
+        started = time.monotonic()
+        while time.monotonic() - started < DEADLINE_S:
+            sched_out, _ = step(sched)
+            if _meta(sched_out).fail:
+                failed_at = time.monotonic() - started
+                assert _meta(sched_out).fail == [spec]
+                break
+        assert failed_at is not None, "the load was never failed"
+        assert failed_at >= 1.0, f"failed after {failed_at:.2f} s, before the grace"
+        assert [c.kind for c in eng.spy.calls[:2]] == ["register", "cancel"]
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+    finally:
+        sched.shutdown()

@@ -35,10 +35,13 @@ Usage: ``python -m vllm_integration.bench_hooks [--inflight 256] [--requests 102
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
 import multiprocessing as mp
 import os
+import pstats
 import random
 import sys
 import time
@@ -91,6 +94,7 @@ class HookConfig:
     idle_wait_ms: float | None = None  # None: the connector's default
     deadline_s: float = 180.0
     seed: int = 0
+    profile_dir: str = ""
 
 
 class HookTimer:
@@ -253,6 +257,32 @@ class EngineFigures:
     error: str = ""
 
 
+def _profiler(cfg: HookConfig) -> cProfile.Profile | None:
+    """With --profile: a cProfile of this process's loop (its timings are then not figures)."""
+    if not cfg.profile_dir:
+        return None
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _dump_profile(prof: cProfile.Profile | None, cfg: HookConfig, name: str) -> None:
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(str(Path(cfg.profile_dir) / f"{name}.pstats"))
+
+
+def _print_profiles(directory: Path, top: int = 12) -> None:
+    for path in sorted(directory.glob("*.pstats")):
+        buf = io.StringIO()
+        stats = pstats.Stats(str(path), stream=buf)
+        stats.sort_stats("tottime").print_stats(r"vllm_integration|agent/|queue|threading", top)
+        _say(f"\n### cProfile {path.stem} (tottime, pushkv and queue/threading frames)")
+        body = buf.getvalue()
+        start = body.find("   ncalls")
+        _say(body[start:].rstrip() if start >= 0 else body.rstrip())
+
+
 def _quiet_env() -> None:
     os.environ.update({"NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_NET_DEVICES": "lo"})
 
@@ -296,6 +326,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
     timer = HookTimer()
     timer.wrap(worker, WORKER_HOOKS)
     conn.send("ready")
+    prof = _profiler(cfg)
     try:
         while (msg := conn.recv()) is not None:
             meta, finished_req_ids, busy = msg
@@ -321,6 +352,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
                     timer.take_step(),
                 )
             )
+        _dump_profile(prof, cfg, f"{role}-worker")
         conn.send((dict(timer.calls), dict(timer.cpu)))
     finally:
         worker.shutdown()
@@ -363,6 +395,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
         st = HookTimer()
         st.wrap(sconn, SCHED_HOOKS)
         steps: dict[str, list[int]] = defaultdict(list)
+        prof = _profiler(cfg)
 
         side = "do_remote_decode" if prefill else "do_remote_prefill"
         next_i = 0
@@ -419,6 +452,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             if not busy:
                 time.sleep(0.001)  # EngineCore sleeps 1 ms after a step that ran no model
         fig.wall_s = time.monotonic() - t0
+        _dump_profile(prof, cfg, f"{role}-scheduler")
         conn.send(None)
         if not conn.poll(30):
             raise TimeoutError("worker did not report its timings")
@@ -517,6 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--deadline", type=float, default=180.0)
     ap.add_argument("--out", type=Path, help="write raw figures to DIR/bench_hooks.json")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="cProfile every engine and worker loop into DIR and print the top pushkv "
+        "frames (the timings of such a run are inflated; do not quote them)",
+    )
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
 
     from controlplane.launch import CoordinatorProcess
@@ -536,7 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batched_tokens=a.max_batched_tokens,
             idle_wait_ms=a.idle_wait_ms,
             deadline_s=a.deadline,
+            profile_dir=str(a.profile.resolve()) if a.profile else "",
         )
+        if a.profile:
+            a.profile.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
         q: Any = ctx.Queue()
         procs = [
@@ -572,6 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"hooks_p99_us_per_busy_step={worst:.1f} (wall; goal <= {GOAL_US:.0f}: "
         f"{'met' if worst <= GOAL_US else 'missed'}) cpu_p99_us={worst_cpu:.1f}"
     )
+    if a.profile:
+        _print_profiles(a.profile)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         dump = {

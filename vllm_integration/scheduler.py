@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 from vllm_integration import compat
@@ -33,6 +34,10 @@ class PushSchedulerHalf:
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
         self._waiting: dict[str, RecvSpec] = {}  # decode requests waiting for KV
+        # Registrations whose outcome is unknown (coordinator unreachable):
+        # request id -> when every order that might exist has passed its deadline.
+        self._uncertain: dict[str, float] = {}
+        self.uncertain_grace_s = settings.uncertain_grace_s
         self._meta = PushKVMetadata()
 
     # ------------------------------------------------------------ decode
@@ -74,7 +79,35 @@ class PushSchedulerHalf:
             if (
                 c.kind == "register"
                 and c.request_id in self._waiting
-                and (not res.ok or (res.terminal and not res.write_may_land))
+                and not res.ok
+                and not (res.refused)
+            ):
+                # The coordinator could not be reached: it may or may not hold the
+                # registration, so a WRITE may still be ordered. Cancel, and give
+                # up only once any order would have passed its deadline.
+                log.warning("registering %s failed (%s); cancelling", c.transfer_id, res.error)
+                self.client.submit(
+                    Call(
+                        "cancel",
+                        c.request_id,
+                        c.transfer_id,
+                        reason=f"registration outcome unknown: {res.error}",
+                    )
+                )
+                self._uncertain[c.request_id] = time.monotonic() + self.uncertain_grace_s
+            elif (
+                c.kind == "cancel"
+                and c.request_id in self._uncertain
+                and res.ok
+                and not res.write_may_land
+                and c.request_id in self._waiting
+            ):
+                del self._uncertain[c.request_id]
+                self._meta.fail.append(self._waiting[c.request_id])
+            elif (
+                c.kind == "register"
+                and c.request_id in self._waiting
+                and (res.refused or (res.terminal and not res.write_may_land))
             ):
                 # Refused, unreachable or already ended: no WRITE was ordered,
                 # so the blocks are safe; fail the load now instead of waiting.
@@ -99,6 +132,12 @@ class PushSchedulerHalf:
                 self._meta.free.append((c.request_id, c.transfer_id))
             elif not res.ok:
                 log.warning("coordinator %s for %s failed: %s", c.kind, c.transfer_id, res.error)
+        if self._uncertain:
+            now = time.monotonic()
+            for rid in [r for r, dl in self._uncertain.items() if now >= dl]:
+                del self._uncertain[rid]
+                if rid in self._waiting:
+                    self._meta.fail.append(self._waiting[rid])
         meta, self._meta = self._meta, PushKVMetadata()
         meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         return meta
@@ -108,6 +147,7 @@ class PushSchedulerHalf:
         # a failed load never registers (or waits) a second time.
         for rid in getattr(output, "finished_recving", None) or ():
             self._waiting.pop(rid, None)
+            self._uncertain.pop(rid, None)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

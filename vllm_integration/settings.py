@@ -22,6 +22,10 @@ class ConnectorSettings:
     # On an engine step with nothing scheduled, the worker waits up to this long
     # for an agent event instead of letting the engine spin (0 disables).
     idle_wait_ms: float = 5.0
+    # When a registration's outcome is unknown (coordinator unreachable), the
+    # decode side fails the load only after this long: longer than the
+    # coordinator's write timeout plus an agent lease, so no WRITE can land.
+    uncertain_grace_s: float = 30.0
     # Prometheus metrics of the connector: worker rank r serves them on
     # 0.0.0.0:(metrics_port + r). 0 disables.
     metrics_port: int = 0

@@ -144,7 +144,9 @@ class PushWorkerHalf:
             self._recv[spec.transfer_id] = _Recv(spec.request_id, spec.block_ids)
             expect.append(spec.transfer_id)
         for spec in meta.fail:
-            self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
+            # Only while still waiting: reporting a request twice crashes vLLM.
+            if spec.transfer_id in self._recv:
+                self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
         for rid, tid in meta.send:
             self._send[tid] = rid
         if self.agent is not None:
