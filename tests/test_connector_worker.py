@@ -221,6 +221,16 @@ def test_push_lands_byte_for_byte_and_frees_after_finished(
         assert d.half.get_finished(set(), idle=False) == (None, None)
     t = get_transfer(stubs, tid)
     assert t.state == pb.TRANSFER_STATE_COMPLETE and not t.write_may_land
+    # The connector's metrics saw the real events.
+    d_lbl = {"engine": d.engine_id, "rank": "0"}
+    p_lbl = {"engine": p.engine_id, "rank": "0"}
+    d_reg, p_reg = d.half.metrics.registry, p.half.metrics.registry
+    assert d_reg.get_sample_value("pushkv_connector_transfers_ready_total", d_lbl) == 1
+    assert (
+        d_reg.get_sample_value("pushkv_connector_agent_events_total", {**d_lbl, "kind": "kv_ready"})
+        == 1
+    )
+    assert p_reg.get_sample_value("pushkv_connector_requests_freed_total", p_lbl) == 1
 
 
 def test_prefill_frees_only_after_its_id_was_finished(
@@ -337,6 +347,15 @@ def test_cancelled_transfer_fails_the_load_with_its_blocks(
         assert time.monotonic() < deadline, "the failed load was never reported"
     # Same step: finished AND failed (vLLM's aggregator needs both), and the blocks.
     assert r == StepResult({"dfail"}, {"dfail"}, set(blocks))
+    half = conn._worker
+    assert half is not None
+    lbl = {"engine": engine_id, "rank": "0"}
+    assert (
+        half.metrics.registry.get_sample_value("pushkv_connector_transfers_failed_total", lbl) == 1
+    )
+    assert half.metrics.registry.get_sample_value(
+        "pushkv_connector_load_error_blocks_total", lbl
+    ) == len(blocks)
     for _ in range(3):  # reported once
         assert worker_step(conn, PushKVMetadata(idle=True)) == StepResult(set(), set(), set())
 
