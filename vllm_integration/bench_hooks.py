@@ -497,6 +497,21 @@ STEP_ROWS: Final = (
 )
 
 
+def timer_overhead(n: int = 20_000) -> tuple[float, float]:
+    """(wall ns, CPU ns) that HookTimer itself adds to one call: a timed no-op, median."""
+
+    class _Noop:
+        def hook(self) -> None:
+            return None
+
+    obj = _Noop()
+    timer = HookTimer()
+    timer.wrap(obj, ("hook",))
+    for _ in range(n):
+        obj.hook()
+    return pct(timer.calls["hook"], 50), pct(timer.cpu["hook"], 50)
+
+
 def report(figs: Sequence[EngineFigures]) -> tuple[list[str], dict[str, Any]]:
     lines: list[str] = []
     summary: dict[str, Any] = {}
@@ -604,6 +619,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cfg.requests} transfers, prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, block "
         f"{cfg.block_size}, simulated forward {cfg.forward_ms} ms; "
         f"{time.monotonic() - t0:.0f} s"
+    )
+    wall_ns, cpu_ns = timer_overhead()
+    _say(
+        f"timer overhead of one timed call (a no-op, median): wall {wall_ns / 1000:.2f} µs, "
+        f"thread CPU {cpu_ns / 1000:.2f} µs; a step times 10-20 calls"
     )
     lines, summary = report(figs)
     for line in lines:
