@@ -154,8 +154,11 @@ class PushWorkerHalf:
                 self.agent.expect(expect)
             if meta.send:
                 self.agent.hold([tid for _, tid in meta.send])
-        for tid in [t for t in self._early if t in self._recv or t in self._send]:
-            self._apply(self._early.pop(tid))
+        if self._early:  # events that came before their mapping (rare)
+            for tid in [*expect, *(t for _, t in meta.send)]:
+                early = self._early.pop(tid, None)
+                if early is not None:
+                    self._apply(early)
         for rid, tid in meta.free:
             # Only while still held: the agent's BLOCKS_FREE may have come first.
             if self._send.get(tid) == rid:
@@ -167,8 +170,9 @@ class PushWorkerHalf:
     ) -> tuple[set[str] | None, set[str] | None]:
         # Only requests whose blocks we hold matter (the send mapping comes in the
         # same step as their finished id); keeping every id would grow forever.
-        held = set(self._send.values()) | self._free_ready
-        self._sched_finished |= finished_req_ids & held
+        if finished_req_ids:
+            held = set(self._send.values()) | self._free_ready
+            self._sched_finished |= finished_req_ids & held
         if self.agent is not None:
             events = self.agent.poll_events()
             waiting = bool(self._recv or self._send)
