@@ -156,6 +156,9 @@ class BenchConfig:
     seed: int = 0
     kv_lease_s: int | None = None  # vLLM NIXL kv_lease_duration; None: vLLM's default (30 s)
     startup_timeout_s: float = 300.0
+    # pushkv connector settings to override (kv_connector_extra_config), e.g.
+    # {"idle_wait_ms": 0}; empty: the connector's defaults.
+    pushkv_extra: tuple[tuple[str, str], ...] = ()
     warmup_requests: int = 3
     systems: tuple[str, ...] = SYSTEMS
     scenarios: tuple[str, ...] = SCENARIOS
@@ -661,26 +664,16 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
             dep.helpers.append(coord)
             coord.start()
             pp, dp = _free_port(), _free_port()
-            p = _server(
-                cfg,
-                "prefill",
-                0,
-                scenario,
-                port=pp,
-                kv_transfer_config=pushkv_config(
-                    "kv_producer", PREFILL_ENGINE_ID, coord.address, f"http://127.0.0.1:{pp}"
-                ),
+            p_conf = pushkv_config(
+                "kv_producer", PREFILL_ENGINE_ID, coord.address, f"http://127.0.0.1:{pp}"
             )
-            d = _server(
-                cfg,
-                "decode",
-                1,
-                scenario,
-                port=dp,
-                kv_transfer_config=pushkv_config(
-                    "kv_consumer", DECODE_ENGINE_ID, coord.address, f"http://127.0.0.1:{dp}"
-                ),
+            d_conf = pushkv_config(
+                "kv_consumer", DECODE_ENGINE_ID, coord.address, f"http://127.0.0.1:{dp}"
             )
+            for conf in (p_conf, d_conf):
+                conf["kv_connector_extra_config"].update(dict(cfg.pushkv_extra))
+            p = _server(cfg, "prefill", 0, scenario, port=pp, kv_transfer_config=p_conf)
+            d = _server(cfg, "decode", 1, scenario, port=dp, kv_transfer_config=d_conf)
             dep.servers += [p, d]
             p.start()
             d.start()
@@ -993,12 +986,20 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
     run = SystemRun(system, scenario)
     t0 = time.monotonic()
     _say(f"[{scenario}] {system}: starting ({LABELS[system]}) ...")
-    try:
-        dep = deploy(cfg, system, scenario)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        run.error = f"start failed: {exc}".splitlines()[0][:300]
-        _say(f"[{scenario}] {system}: {run.error}")
+    dep: Deployment | None = None
+    for attempt in (1, 2):  # ports come from free_port(): another process may take one first
+        try:
+            dep = deploy(cfg, system, scenario)
+            break
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            lines = str(exc).splitlines() or [""]
+            cause = [ln for ln in lines[1:] if "Error" in ln or "error:" in ln][-1:]
+            why = " ".join(["start failed:", lines[0], *cause])[:400]
+            _say(f"[{scenario}] {system}: {why} (attempt {attempt} of 2)")
+            run.error = why
+    if dep is None:
         return run
+    run.error = ""
     try:
         run.startup_s = round(time.monotonic() - t0, 1)
         run.affinity = {name: thread_affinity(g) for name, g in dep.pgids().items()}
@@ -1273,10 +1274,20 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
                 continue
             xs = [r.rate for r in run.rates]
             ys = [r.ttft_ms["p50"] for r in run.rates]
-            ax.plot(xs, ys, styles.get(system, "o-"), label=system)
-            for r in run.rates:
-                if not r.sustained:
-                    ax.annotate("x", (r.rate, r.ttft_ms["p50"]), color="red", ha="center")
+            style = styles.get(system, "o-")
+            if system == "single":
+                ax.plot(xs, ys, style, color="black", label=system)
+            else:
+                ax.plot(xs, ys, style, label=system)
+            bad = [r for r in run.rates if not r.sustained and not math.isnan(r.ttft_ms["p50"])]
+            ax.scatter(
+                [r.rate for r in bad],
+                [r.ttft_ms["p50"] for r in bad],
+                s=170,
+                facecolors="none",
+                edgecolors="red",
+                linewidths=1.2,
+            )
         ax.set_title(f"{scenario}: {SCENARIO_LABELS[scenario]}", fontsize=9)
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel("TTFT p50 (ms)")
@@ -1286,7 +1297,7 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
     fig.suptitle(
         f"TTFT p50 vs rate; Llama {cfg.layers}L h{cfg.hidden} fp32, prompts "
         f"{cfg.min_prompt}-{cfg.max_prompt} tok, {cfg.output_len} out\n"
-        "P core 0, D core 1 (single: core 0); red x: rate not sustained",
+        "P core 0, D core 1 (single: core 0); red ring: rate not sustained",
         fontsize=9,
     )
     fig.tight_layout()
@@ -1296,6 +1307,13 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
 
 
 # =============================================================== entry point
+
+
+def _setting(ap: argparse.ArgumentParser, kv: str) -> tuple[str, str]:
+    key, sep, value = kv.partition("=")
+    if not sep or not key:
+        ap.error(f"--pushkv-setting wants KEY=VALUE, not {kv!r}")
+    return key, value
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
@@ -1324,6 +1342,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     ap.add_argument("--timeout", type=float, help="per-request timeout (s)")
     ap.add_argument("--kv-lease", type=int, help="vLLM NIXL kv_lease_duration (default: vLLM's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--pushkv-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a pushkv kv_connector_extra_config setting (repeatable), e.g. "
+        "idle_wait_ms=0; default: the connector's own defaults",
+    )
     ap.add_argument("--model-dir", type=Path, help="default .cache/bench-model-<shape>")
     a = ap.parse_args(argv)
     quick = bool(a.quick)
@@ -1359,6 +1385,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         max_num_seqs=a.max_num_seqs,
         seed=a.seed,
         kv_lease_s=a.kv_lease,
+        pushkv_extra=tuple(_setting(ap, kv) for kv in a.pushkv_setting),
         systems=systems,
         scenarios=scenarios,
         quick=quick,
@@ -1414,6 +1441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(json.dumps(dump, indent=1, default=str))
         _say(f"raw figures: {path}")
     primary_name = "nocache" if "nocache" in all_runs else next(iter(all_runs))
+    if highest_common_rate(primary, cfg.rates) is None:
+        primary_name += "; no rate was sustained by all compared systems: lowest rate used"
     _say(f"wall time {time.monotonic() - t0:.0f} s; ratios taken at {best} req/s ({primary_name})")
     _say(last)
     return 0
