@@ -1389,7 +1389,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         systems=systems,
         scenarios=scenarios,
         quick=quick,
-        startup_timeout_s=240.0 if quick else 300.0,
+        startup_timeout_s=150.0 if quick else 300.0,
     )
     return cfg, a
 
