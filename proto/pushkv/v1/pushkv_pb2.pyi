@@ -312,11 +312,16 @@ class AgentHello(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     INFLIGHT_ORDER_IDS_FIELD_NUMBER: _builtins.int
     API_URL_FIELD_NUMBER: _builtins.int
+    ACCEPTS_BATCHES_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
     api_url: _builtins.str
     """The engine's OpenAI-compatible API base URL, for routers (optional)."""
+    accepts_batches: _builtins.bool
+    """The agent understands CoordinatorMessage.batch; without it the
+    coordinator sends one message per order or notice.
+    """
     @_builtins.property
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
@@ -335,10 +340,11 @@ class AgentHello(_message.Message):
         layout: Global___KVLayout | None = ...,
         inflight_order_ids: _abc.Iterable[_builtins.str] | None = ...,
         api_url: _builtins.str = ...,
+        accepts_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "identity", b"identity", "inflight_order_ids", b"inflight_order_ids", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "inflight_order_ids", b"inflight_order_ids", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -433,6 +439,7 @@ class AgentMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     WRITE_FIELD_NUMBER: _builtins.int
     ARRIVAL_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___AgentHello: ...
     @_builtins.property
@@ -441,6 +448,13 @@ class AgentMessage(_message.Message):
     def write(self) -> Global___WriteReport: ...
     @_builtins.property
     def arrival(self) -> Global___ArrivalReport: ...
+    @_builtins.property
+    def batch(self) -> Global___AgentBatch:
+        """Several reports in one message: an agent sends what queued up since its
+        last send. Items are handled in order, as if sent one by one; a batch
+        holds no hello and no nested batch.
+        """
+
     def __init__(
         self,
         *,
@@ -448,16 +462,37 @@ class AgentMessage(_message.Message):
         heartbeat: Global___Heartbeat | None = ...,
         write: Global___WriteReport | None = ...,
         arrival: Global___ArrivalReport | None = ...,
+        batch: Global___AgentBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "write", b"write"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "batch", b"batch", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "write", b"write"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "write", b"write"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrival", b"arrival", "batch", b"batch", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "write", b"write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "write", "arrival"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "heartbeat", "write", "arrival", "batch"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___AgentMessage: _TypeAlias = AgentMessage  # noqa: Y015
+
+@_typing.final
+class AgentBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___AgentMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentBatch: _TypeAlias = AgentBatch  # noqa: Y015
 
 @_typing.final
 class Welcome(_message.Message):
@@ -726,6 +761,7 @@ class CoordinatorMessage(_message.Message):
     ORDER_FIELD_NUMBER: _builtins.int
     CANCEL_ORDER_FIELD_NUMBER: _builtins.int
     NOTICE_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
@@ -740,6 +776,12 @@ class CoordinatorMessage(_message.Message):
     def cancel_order(self) -> Global___CancelOrder: ...
     @_builtins.property
     def notice(self) -> Global___TransferNotice: ...
+    @_builtins.property
+    def batch(self) -> Global___CoordinatorBatch:
+        """Several messages in one: handled in order, as if sent one by one. Never
+        holds a welcome or a nested batch.
+        """
+
     def __init__(
         self,
         *,
@@ -750,16 +792,37 @@ class CoordinatorMessage(_message.Message):
         order: Global___TransferOrder | None = ...,
         cancel_order: Global___CancelOrder | None = ...,
         notice: Global___TransferNotice | None = ...,
+        batch: Global___CoordinatorBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel_order", b"cancel_order", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "notice", b"notice", "order", b"order", "peer", b"peer", "peer_fenced", b"peer_fenced", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "cancel_order", b"cancel_order", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "notice", b"notice", "order", b"order", "peer", b"peer", "peer_fenced", b"peer_fenced", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_order", b"cancel_order", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "notice", b"notice", "order", b"order", "peer", b"peer", "peer_fenced", b"peer_fenced", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "cancel_order", b"cancel_order", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "notice", b"notice", "order", b"order", "peer", b"peer", "peer_fenced", b"peer_fenced", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "heartbeat_ack", "peer", "peer_fenced", "order", "cancel_order", "notice"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["welcome", "heartbeat_ack", "peer", "peer_fenced", "order", "cancel_order", "notice", "batch"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___CoordinatorMessage: _TypeAlias = CoordinatorMessage  # noqa: Y015
+
+@_typing.final
+class CoordinatorBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___CoordinatorMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___CoordinatorMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorBatch: _TypeAlias = CoordinatorBatch  # noqa: Y015
 
 @_typing.final
 class BeginTransferRequest(_message.Message):
@@ -874,6 +937,115 @@ class CancelRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
+
+@_typing.final
+class TransferCall(_message.Message):
+    """One call of a Submit batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGISTER_FIELD_NUMBER: _builtins.int
+    PREFILL_DONE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def register(self) -> Global___RegisterDecodeBlocksRequest: ...
+    @_builtins.property
+    def prefill_done(self) -> Global___ReportPrefillDoneRequest: ...
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest: ...
+    def __init__(
+        self,
+        *,
+        register: Global___RegisterDecodeBlocksRequest | None = ...,
+        prefill_done: Global___ReportPrefillDoneRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register", "prefill_done", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___TransferCall: _TypeAlias = TransferCall  # noqa: Y015
+
+@_typing.final
+class CallResult(_message.Message):
+    """The outcome of one call of a Submit batch: what the unary RPC would have
+    answered, without the full status.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    WRITE_MAY_LAND_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """a gRPC status code; 0 = OK"""
+    message: _builtins.str
+    """the error text when code != 0"""
+    state: Global___TransferState.ValueType
+    """the transfer's state after the call (code 0)"""
+    write_may_land: _builtins.bool
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        state: Global___TransferState.ValueType = ...,
+        write_may_land: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "state", b"state", "write_may_land", b"write_may_land"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallResult: _TypeAlias = CallResult  # noqa: Y015
+
+@_typing.final
+class SubmitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferCall]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___TransferCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
+
+@_typing.final
+class SubmitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallResult]:
+        """one per call, in order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CallResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitResponse: _TypeAlias = SubmitResponse  # noqa: Y015
 
 @_typing.final
 class RankStatus(_message.Message):

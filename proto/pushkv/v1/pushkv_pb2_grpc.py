@@ -128,6 +128,11 @@ class TransferServiceStub(object):
                 request_serializer=pushkv_dot_v1_dot_pushkv__pb2.CancelRequest.SerializeToString,
                 response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.TransferStatus.FromString,
                 _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/pushkv.v1.TransferService/Submit',
+                request_serializer=pushkv_dot_v1_dot_pushkv__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.SubmitResponse.FromString,
+                _registered_method=True)
 
 
 class TransferServiceServicer(object):
@@ -157,6 +162,17 @@ class TransferServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request, context):
+        """Several registrations, prefill reports and cancels in one RPC: an engine's
+        scheduler sends what one step produced. Calls are applied in order, each
+        as its unary RPC would be, and each gets its own result; one refused call
+        does not affect the others. The RPC itself fails only when the caller may
+        not submit at all (authentication) or the batch is malformed or too large.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +195,11 @@ def add_TransferServiceServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.CancelRequest.FromString,
                     response_serializer=pushkv_dot_v1_dot_pushkv__pb2.TransferStatus.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.SubmitRequest.FromString,
+                    response_serializer=pushkv_dot_v1_dot_pushkv__pb2.SubmitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +310,33 @@ class TransferService(object):
             '/pushkv.v1.TransferService/Cancel',
             pushkv_dot_v1_dot_pushkv__pb2.CancelRequest.SerializeToString,
             pushkv_dot_v1_dot_pushkv__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pushkv.v1.TransferService/Submit',
+            pushkv_dot_v1_dot_pushkv__pb2.SubmitRequest.SerializeToString,
+            pushkv_dot_v1_dot_pushkv__pb2.SubmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

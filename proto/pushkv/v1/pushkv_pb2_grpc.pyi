@@ -71,6 +71,13 @@ class TransferServiceStub:
     RegisterDecodeBlocks: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.RegisterDecodeBlocksRequest, _pushkv_pb2.TransferStatus]
     ReportPrefillDone: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.ReportPrefillDoneRequest, _pushkv_pb2.TransferStatus]
     Cancel: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.CancelRequest, _pushkv_pb2.TransferStatus]
+    Submit: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.SubmitRequest, _pushkv_pb2.SubmitResponse]
+    """Several registrations, prefill reports and cancels in one RPC: an engine's
+    scheduler sends what one step produced. Calls are applied in order, each
+    as its unary RPC would be, and each gets its own result; one refused call
+    does not affect the others. The RPC itself fails only when the caller may
+    not submit at all (authentication) or the batch is malformed or too large.
+    """
 
 @_typing.type_check_only
 class TransferServiceAsyncStub(TransferServiceStub):
@@ -79,6 +86,13 @@ class TransferServiceAsyncStub(TransferServiceStub):
     RegisterDecodeBlocks: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.RegisterDecodeBlocksRequest, _pushkv_pb2.TransferStatus]  # type: ignore[assignment]
     ReportPrefillDone: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.ReportPrefillDoneRequest, _pushkv_pb2.TransferStatus]  # type: ignore[assignment]
     Cancel: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.CancelRequest, _pushkv_pb2.TransferStatus]  # type: ignore[assignment]
+    Submit: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.SubmitRequest, _pushkv_pb2.SubmitResponse]  # type: ignore[assignment]
+    """Several registrations, prefill reports and cancels in one RPC: an engine's
+    scheduler sends what one step produced. Calls are applied in order, each
+    as its unary RPC would be, and each gets its own result; one refused call
+    does not affect the others. The RPC itself fails only when the caller may
+    not submit at all (authentication) or the batch is malformed or too large.
+    """
 
 class TransferServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -108,6 +122,19 @@ class TransferServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _pushkv_pb2.CancelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_pushkv_pb2.TransferStatus, _abc.Awaitable[_pushkv_pb2.TransferStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def Submit(
+        self,
+        request: _pushkv_pb2.SubmitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pushkv_pb2.SubmitResponse, _abc.Awaitable[_pushkv_pb2.SubmitResponse]]:
+        """Several registrations, prefill reports and cancels in one RPC: an engine's
+        scheduler sends what one step produced. Calls are applied in order, each
+        as its unary RPC would be, and each gets its own result; one refused call
+        does not affect the others. The RPC itself fails only when the caller may
+        not submit at all (authentication) or the batch is malformed or too large.
+        """
 
 def add_TransferServiceServicer_to_server(servicer: TransferServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
