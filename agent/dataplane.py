@@ -213,11 +213,12 @@ class DataPlane:
         elif isinstance(msg, NoticeMsg):
             self._on_notice(msg)
         elif isinstance(msg, ExpectMsg):
-            if msg.transfer_id not in self._told:
-                self._arrivals.setdefault(msg.transfer_id, _Arrivals(time.monotonic()))
+            now = time.monotonic()
+            for tid in msg.transfer_ids:
+                if tid not in self._told:
+                    self._arrivals.setdefault(tid, _Arrivals(now))
         elif isinstance(msg, HoldMsg):
-            if msg.transfer_id not in self._freed:
-                self._held.add(msg.transfer_id)
+            self._held.update(t for t in msg.transfer_ids if t not in self._freed)
         elif isinstance(msg, PauseMsg):
             self._paused = msg.paused
         elif isinstance(msg, CoordinatorChangedMsg):

@@ -62,16 +62,16 @@ class NoticeMsg:
 
 @dataclass(frozen=True, slots=True)
 class ExpectMsg:
-    """Host (decode): blocks for this transfer are registered; watch for its WRITEs."""
+    """Host (decode): blocks for these transfers are registered; watch for their WRITEs."""
 
-    transfer_id: str
+    transfer_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class HoldMsg:
-    """Host (prefill): blocks of this transfer are held until BLOCKS_FREE."""
+    """Host (prefill): blocks of these transfers are held until BLOCKS_FREE."""
 
-    transfer_id: str
+    transfer_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

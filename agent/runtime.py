@@ -6,8 +6,9 @@ queue, and events come back through a queue the host drains when it likes.
 
 from __future__ import annotations
 
+import collections
 import enum
-import queue
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,10 @@ class AgentConfig:
 class Agent:
     def __init__(self, config: AgentConfig, *, channel_factory: ChannelFactory | None = None):
         self.config = config
-        self._events: queue.Queue[HostEvent] = queue.Queue()
+        # Events for the host: the NIXL thread appends, the host pops. The host's
+        # poll is lock-free; `_event_ready` only wakes a host in wait_event.
+        self._events: collections.deque[HostEvent] = collections.deque()
+        self._event_ready = threading.Event()
         self._link: CoordinatorLink | None = None
         if channel_factory is None and config.tls.enabled:
             config.tls.check()
@@ -68,7 +72,7 @@ class Agent:
             self._make_endpoint,
             is_prefill=config.role is AgentRole.PREFILL,
             emit_report=self._report,
-            emit_event=self._events.put,
+            emit_event=self._emit_event,
             lease_ok=self._lease_ok,
             name=f"pushkv-nixl-{config.tp_rank}",
         )
@@ -81,6 +85,10 @@ class Agent:
             ep.close()
             raise
         return ep
+
+    def _emit_event(self, event: HostEvent) -> None:
+        self._events.append(event)
+        self._event_ready.set()
 
     def _report(self, msg: object) -> None:
         if self._link is not None:
@@ -149,13 +157,11 @@ class Agent:
 
     def expect(self, transfer_ids: Sequence[str]) -> None:
         """Decode: these transfers' blocks are registered; watch for their WRITEs."""
-        for tid in transfer_ids:
-            self._dataplane.inbox.put(ExpectMsg(tid))
+        self._dataplane.inbox.put(ExpectMsg(tuple(transfer_ids)))
 
     def hold(self, transfer_ids: Sequence[str]) -> None:
         """Prefill: these transfers' blocks are held until a BLOCKS_FREE event."""
-        for tid in transfer_ids:
-            self._dataplane.inbox.put(HoldMsg(tid))
+        self._dataplane.inbox.put(HoldMsg(tuple(transfer_ids)))
 
     def pause_posting(self, paused: bool) -> None:
         """Prefill: hold new WRITEs (queued orders wait, cancel drops them) or resume."""
@@ -163,18 +169,23 @@ class Agent:
 
     def poll_events(self) -> list[HostEvent]:
         """Everything that happened since the last call; never blocks."""
+        events = self._events
+        if not events:
+            return []
         out: list[HostEvent] = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        while events:
+            out.append(events.popleft())
+        return out
 
     def wait_event(self, timeout: float) -> HostEvent | None:
-        try:
-            return self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The next event, waiting up to `timeout` seconds for one."""
+        if self._events:
+            return self._events.popleft()
+        self._event_ready.clear()
+        # Re-check after clearing: an event emitted before the clear is queued.
+        if not self._events:
+            self._event_ready.wait(timeout)
+        return self._events.popleft() if self._events else None
 
     @property
     def writes_posted(self) -> int:

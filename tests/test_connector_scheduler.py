@@ -11,7 +11,6 @@ whose agents registered.  The worker is played by the harness (`step` feeds
 
 from __future__ import annotations
 
-import queue
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -110,18 +109,10 @@ class Engine:
         build_connector_meta drains results without waiting, so a test waits
         here first to make the next step deterministic.
         """
-        held: list[Result] = []
-        try:
-            while True:
-                r = self.client.results.get(timeout=timeout)
-                held.append(r)
-                if r.call.kind == kind:
-                    return r
-        except queue.Empty:
-            raise AssertionError(f"no {kind!r} result within {timeout} s") from None
-        finally:
-            for r in held:
-                self.client.results.put(r)
+        r = self.client.wait_result(lambda r: r.call.kind == kind, timeout)
+        if r is None:
+            raise AssertionError(f"no {kind!r} result within {timeout} s")
+        return r
 
 
 def _spy(conn: PushKVConnector, spy: Spy) -> None:

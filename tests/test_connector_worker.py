@@ -250,7 +250,7 @@ def test_prefill_frees_only_after_its_id_was_finished(
     # The agent's BLOCKS_FREE comes before the worker knows the transfer.
     e = p.half.agent.wait_event(DEADLINE_S)
     assert e is not None and (e.kind, e.transfer_id) == (EventKind.BLOCKS_FREE, tid)
-    p.half.agent._events.put(e)  # leave it for the worker to pick up
+    p.half.agent._events.appendleft(e)  # leave it for the worker to pick up
     assert p.half.get_finished(set(), idle=False) == (None, None)
 
     p.half.start_load_kv(PushKVMetadata(send=[("preq2", tid)]))

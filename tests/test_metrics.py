@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from agent.events import EventKind
 from controlplane import metrics as cmetrics
 from controlplane.launch import CoordinatorProcess
 from controlplane.server import Coordinator, ServerSettings, start
@@ -374,7 +375,7 @@ async def test_connector_metrics_served_per_rank() -> None:
         m.failed.inc()
         m.load_error_blocks.inc(3)
         m.freed.inc(2)
-        m.event("kv_ready")
+        m.event(EventKind.KV_READY)
         _, s = await scrape(f"http://127.0.0.1:{base}/metrics")
     finally:
         m.close()

@@ -70,6 +70,10 @@ WORKER_HOOKS: Final = (
     "clear_connector_metadata",
 )
 GOAL_US: Final = 50.0
+# Hooks vLLM calls once (or twice) per request that starts or finishes in a step.
+PER_REQUEST_HOOKS: Final = frozenset(
+    {"get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"}
+)
 
 
 def _say(text: str = "") -> None:
@@ -108,6 +112,7 @@ class HookTimer:
         self.cpu: dict[str, list[int]] = defaultdict(list)  # this thread's CPU ns per call
         self.step_ns = 0
         self.step_cpu_ns = 0
+        self.step_request_calls = 0  # calls of per-request hooks this step
         self._depth = 0
 
     def wrap(self, obj: Any, names: Sequence[str]) -> None:
@@ -117,9 +122,12 @@ class HookTimer:
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         calls, cpu = self.calls[name], self.cpu[name]
+        per_request = name in PER_REQUEST_HOOKS
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += 1
+            if per_request:
+                self.step_request_calls += 1
             c = time.thread_time_ns()
             t = time.perf_counter_ns()
             try:
@@ -141,6 +149,10 @@ class HookTimer:
         out = (self.step_ns, self.step_cpu_ns)
         self.step_ns = self.step_cpu_ns = 0
         return out
+
+    def take_request_calls(self) -> int:
+        n, self.step_request_calls = self.step_request_calls, 0
+        return n
 
 
 # ---------------------------------------------------------------- vLLM builders
@@ -449,6 +461,13 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             steps[f"worker/{kind}"].append(w_ns)
             steps[f"all/{kind}"].append(s_ns + w_ns)
             steps[f"all-cpu/{kind}"].append(s_cpu + w_cpu)
+            n_req = st.take_request_calls()
+            if busy and n_req == 0:
+                steps["all/busy-quiet"].append(s_ns + w_ns)
+                steps["all-cpu/busy-quiet"].append(s_cpu + w_cpu)
+            elif busy:
+                steps["all/per-request-call"].append((s_ns + w_ns) // n_req)
+                steps["all-cpu/per-request-call"].append((s_cpu + w_cpu) // n_req)
             if not busy:
                 time.sleep(0.001)  # EngineCore sleeps 1 ms after a step that ran no model
         fig.wall_s = time.monotonic() - t0
@@ -494,6 +513,10 @@ STEP_ROWS: Final = (
     ("worker/idle", "worker hooks, idle steps (incl. the idle wait)"),
     ("all/idle", "all hooks, idle steps (wall)"),
     ("all-cpu/idle", "all hooks, idle steps (thread CPU)"),
+    ("all/busy-quiet", "busy steps where no request started or finished (wall)"),
+    ("all-cpu/busy-quiet", "busy steps where no request started or finished (thread CPU)"),
+    ("all/per-request-call", "other busy steps, all hooks / per-request hook calls (wall)"),
+    ("all-cpu/per-request-call", "other busy steps, all hooks / per-request hook calls (CPU)"),
 )
 
 

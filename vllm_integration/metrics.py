@@ -26,6 +26,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from agent.events import EventKind
+
 log = logging.getLogger("pushkv.metrics")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -108,11 +110,12 @@ class ConnectorMetrics:
             [*labels, "kind"],
             registry=r,
         )
-        self._values = values
+        # One child per kind, bound once: no label lookup per event.
+        self._by_kind = {k: self._events.labels(*values, k.value) for k in EventKind}
         self._server: WSGIServer | None = None
 
-    def event(self, kind: str) -> None:
-        self._events.labels(*self._values, kind).inc()
+    def event(self, kind: EventKind) -> None:
+        self._by_kind[kind].inc()
 
     def serve(self, base_port: int) -> int | None:
         """Serve on 0.0.0.0:(base_port + rank) if base_port > 0; returns the port."""

@@ -7,12 +7,10 @@ The transfer id is the only key the two legs share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class TransferParams:
+class TransferParams(NamedTuple):  # a tuple: cheap to build on the engine thread
     transfer_id: str
     prefill_side: bool  # this engine computes the KV and pushes it
     decode_side: bool  # this engine receives the KV

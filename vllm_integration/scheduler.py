@@ -11,7 +11,6 @@ and keeps the blocks until the worker's agent says they may be freed.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -53,16 +52,18 @@ class PushSchedulerHalf:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        if rid in self._registered:  # called again for the same request
+            return
         p = TransferParams.parse(compat.kv_transfer_params(request))
-        if p is None or not p.decode_side or rid in self._registered:
+        if p is None or not p.decode_side:
             return
         self._registered.add(rid)
         n_tokens = compat.prompt_len(request)
         local = self._local_hit.pop(rid, 0)
         if num_external_tokens > 0:
             ids = compat.first_group_block_ids(blocks)
-            needed = math.ceil(n_tokens / self.block_size)
-            dst = block_tuple(ids[local // self.block_size : needed])
+            needed = -(-n_tokens // self.block_size)
+            dst = tuple(ids[local // self.block_size : needed])
             spec = RecvSpec(rid, p.transfer_id, dst)
             self._waiting[rid] = spec
             self._meta.recv.append(spec)

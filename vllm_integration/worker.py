@@ -86,6 +86,8 @@ class PushWorkerHalf:
         self.agent: Agent | None = None
         self._recv: dict[str, _Recv] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
+        # Prefill requests whose blocks we hold: values of _send plus _free_ready.
+        self._held: set[str] = set()
         self._early: dict[str, HostEvent] = {}  # events that came before the mapping
         self._sched_finished: set[str] = set()  # prefill requests vLLM has finished
         self._free_ready: set[str] = set()  # prefill requests whose blocks may be freed
@@ -149,6 +151,7 @@ class PushWorkerHalf:
                 self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
         for rid, tid in meta.send:
             self._send[tid] = rid
+            self._held.add(rid)
         if self.agent is not None:
             if expect:
                 self.agent.expect(expect)
@@ -170,9 +173,8 @@ class PushWorkerHalf:
     ) -> tuple[set[str] | None, set[str] | None]:
         # Only requests whose blocks we hold matter (the send mapping comes in the
         # same step as their finished id); keeping every id would grow forever.
-        if finished_req_ids:
-            held = set(self._send.values()) | self._free_ready
-            self._sched_finished |= finished_req_ids & held
+        if finished_req_ids and self._held:
+            self._sched_finished |= finished_req_ids & self._held
         if self.agent is not None:
             events = self.agent.poll_events()
             waiting = bool(self._recv or self._send)
@@ -183,14 +185,20 @@ class PushWorkerHalf:
                 events = [e] if e else []
                 events += self.agent.poll_events()
             for e in events:
-                self.metrics.event(e.kind.value)
+                self.metrics.event(e.kind)
                 self._apply(e)
-        sending = self._free_ready & self._sched_finished
-        self.metrics.freed.inc(len(sending))
-        self._free_ready -= sending
-        self._sched_finished -= sending
+        sending: set[str] = set()
+        if self._free_ready and self._sched_finished:
+            sending = self._free_ready & self._sched_finished
+            if sending:
+                self.metrics.freed.inc(len(sending))
+                self._free_ready -= sending
+                self._sched_finished -= sending
+                self._held -= sending
+        if not self._recving_done:
+            return (sending or None), None
         recving, self._recving_done = self._recving_done, set()
-        return (sending or None), (recving or None)
+        return (sending or None), recving
 
     def take_failed(self) -> set[str]:
         """Requests among the last finished_recving whose KV did not arrive."""
