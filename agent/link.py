@@ -52,6 +52,8 @@ _FATAL = {
     grpc.StatusCode.UNAUTHENTICATED,
 }
 ARRIVAL_REPLAY_S = 30.0
+# At most this many queued reports go out as one AgentMessage.batch.
+MAX_OUT_BATCH = 256
 
 ChannelFactory = Callable[[str], grpc.Channel]
 
@@ -130,10 +132,16 @@ class CoordinatorLink:
         backoff_min_s: float = 0.05,
         backoff_max_s: float = 2.0,
         name: str = "pushkv-link",
+        batching: bool = True,
     ) -> None:
         self.outbox: queue.Queue[Outbound] = queue.Queue()
         self._address = address
-        self._hello = hello
+        # With batching, queued reports go up as one AgentBatch, and the
+        # coordinator may send us CoordinatorBatch (hello.accepts_batches).
+        self._batching = batching
+        self._hello = pb.AgentHello()
+        self._hello.CopyFrom(hello)
+        self._hello.accepts_batches = batching
         self._deliver = deliver
         self._channel_factory = channel_factory or grpc.insecure_channel
         self._backoff = (backoff_min_s, backoff_max_s)
@@ -227,9 +235,7 @@ class CoordinatorLink:
             except queue.Empty:
                 item = None
             if item is not None:
-                if isinstance(item, ArrivalMsg):
-                    self._recent_arrivals.append((time.monotonic(), item))
-                yield report_to_pb(item)
+                yield self._coalesce(item)
             now = time.monotonic()
             if now >= next_hb:
                 seq += 1
@@ -239,9 +245,30 @@ class CoordinatorLink:
                 yield pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq))
                 next_hb = now + self._hb_interval_s
 
+    def _coalesce(self, first: Outbound) -> pb.AgentMessage:
+        """`first` and, when batching, every report already queued behind it
+        (never waits for more)."""
+        items = [first]
+        while self._batching and len(items) < MAX_OUT_BATCH:
+            try:
+                items.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        for item in items:
+            if isinstance(item, ArrivalMsg):
+                self._recent_arrivals.append((now, item))
+        if len(items) == 1:
+            return report_to_pb(first)
+        return pb.AgentMessage(batch=pb.AgentBatch(messages=[report_to_pb(r) for r in items]))
+
     def _on_message(self, msg: pb.CoordinatorMessage) -> None:
         kind = msg.WhichOneof("kind")
-        if kind == "welcome":
+        if kind == "batch":
+            for item in msg.batch.messages:
+                if item.WhichOneof("kind") not in ("batch", "welcome"):  # never inside one
+                    self._on_message(item)
+        elif kind == "welcome":
             w = msg.welcome
             self._lease_s = w.lease_ms / 1000 or self._lease_s
             self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s

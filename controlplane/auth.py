@@ -6,6 +6,7 @@ identity:
   engine:<engine_id>   an engine (its agents and its connector's scheduler half):
                        agent stream, registrations and reports for that engine only
   router               BeginTransfer, Cancel, and the read-only status API
+  Submit (a batch)     each call is authorized like its unary RPC
   operator:<name>      the read-only status API only
 
 Without TLS (development mode) every caller is trusted.
@@ -45,6 +46,8 @@ _METHODS: dict[str, frozenset[Kind]] = {
     "/pushkv.v1.TransferService/ReportPrefillDone": frozenset({Kind.ENGINE}),
     "/pushkv.v1.TransferService/BeginTransfer": frozenset({Kind.ROUTER}),
     "/pushkv.v1.TransferService/Cancel": frozenset({Kind.ROUTER, Kind.ENGINE}),
+    # Each call of a batch is then checked against its unary method's rule.
+    "/pushkv.v1.TransferService/Submit": frozenset({Kind.ROUTER, Kind.ENGINE}),
     "/pushkv.v1.StatusService/": frozenset({Kind.ENGINE, Kind.ROUTER, Kind.OPERATOR}),
 }
 

@@ -25,6 +25,7 @@ from controlplane.domain import (
     SendPeerFenced,
     TransferChanged,
 )
+from controlplane.errors import InvalidArgument
 from controlplane.rendezvous import Rendezvous, TransferFilter
 from controlplane.settings import CoreSettings
 from controlplane.timeline import TransferObserver
@@ -33,6 +34,8 @@ from controlplane.transfer import Transfer
 log = structlog.get_logger("pushkv.coordinator")
 
 OUTBOX_LIMIT = 100_000
+# At most this many queued messages go out as one CoordinatorMessage.batch.
+MAX_OUT_BATCH = 256
 WATCH_QUEUE_LIMIT = 10_000
 
 
@@ -44,6 +47,26 @@ class AgentSession:
     )
     known_peers: set[tuple[AgentKey, str]] = field(default_factory=set)
     closed: bool = False
+    accepts_batches: bool = False  # AgentHello.accepts_batches
+
+    def take(self, first: pb.CoordinatorMessage) -> tuple[pb.CoordinatorMessage, bool]:
+        """What to send now, given the message just taken from the outbox, and
+        whether the session ended. With a batching agent, everything already
+        queued behind `first` goes out with it (never waits for more)."""
+        q = self.outbox
+        if not self.accepts_batches or q.empty():
+            return first, False
+        items = [first]
+        ended = False
+        while len(items) < MAX_OUT_BATCH and not q.empty():
+            nxt = q.get_nowait()
+            if nxt is None:
+                ended = True
+                break
+            items.append(nxt)
+        if len(items) == 1:
+            return first, ended
+        return pb.CoordinatorMessage(batch=pb.CoordinatorBatch(messages=items)), ended
 
     @property
     def key(self) -> AgentKey:
@@ -181,12 +204,14 @@ class Runtime:
         s.send(pb.CoordinatorMessage(peer=convert.peer_to_pb(rec.reg)))
 
     # ---------------------------------------------------------------- agents
-    def open_session(self, reg: AgentRegistration) -> AgentSession:
+    def open_session(
+        self, reg: AgentRegistration, *, accepts_batches: bool = False
+    ) -> AgentSession:
         effects = self.core.agent_hello(reg)
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()
-        s = AgentSession(reg)
+        s = AgentSession(reg, accepts_batches=accepts_batches)
         self._sessions[reg.key] = s
         st = self.core.settings
         s.send(
@@ -216,10 +241,24 @@ class Runtime:
             log.info("agent_disconnected", engine_id=s.key.engine_id, rank=s.key.rank)
 
     def on_agent_message(self, s: AgentSession, msg: pb.AgentMessage) -> None:
-        key, inc = s.key, s.reg.incarnation
-        if not self.core.agent_seen(key, inc):
+        """One message from an agent's stream. A bad report raises (the caller
+        logs it); inside a batch, a bad item is logged and the rest still apply."""
+        if not self.core.agent_seen(s.key, s.reg.incarnation):
             s.close()  # fenced or lost: the agent must reconnect and register again
             return
+        if msg.WhichOneof("kind") != "batch":
+            self._on_item(s, msg)
+            return
+        for item in msg.batch.messages:
+            try:
+                if item.WhichOneof("kind") in ("batch", "hello"):
+                    raise InvalidArgument("a batch holds no hello and no nested batch")
+                self._on_item(s, item)
+            except Exception as exc:
+                log.warning("agent_message_rejected", agent=str(s.key), error=str(exc))
+
+    def _on_item(self, s: AgentSession, msg: pb.AgentMessage) -> None:
+        key, inc = s.key, s.reg.incarnation
         kind = msg.WhichOneof("kind")
         if kind == "heartbeat":
             s.send(

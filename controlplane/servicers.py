@@ -12,8 +12,8 @@ import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import convert
-from controlplane.auth import Authorizer, Kind
+from controlplane import convert, status_map
+from controlplane.auth import Authorizer, Kind, Principal
 from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -24,6 +24,7 @@ from controlplane.errors import (
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.rendezvous import TransferFilter
 from controlplane.runtime import Runtime
+from controlplane.transfer import Transfer
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -31,6 +32,16 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 HELLO_TIMEOUT_S = 10.0
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 10_000
+
+
+# A Submit batch holds at most this many calls (each as heavy as its unary RPC).
+MAX_SUBMIT_CALLS = 1024
+# The unary method whose authorization rules each kind of Submit call follows.
+_CALL_METHOD = {
+    "register": "/pushkv.v1.TransferService/RegisterDecodeBlocks",
+    "prefill_done": "/pushkv.v1.TransferService/ReportPrefillDone",
+    "cancel": "/pushkv.v1.TransferService/Cancel",
+}
 
 
 class TransferServicer(pbg.TransferServiceServicer):
@@ -50,7 +61,29 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
     ) -> pb.TransferStatus:
+        return self._rt.status(self._register(self._authz.principal(context), request))
+
+    async def ReportPrefillDone(
+        self, request: pb.ReportPrefillDoneRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        return self._rt.status(self._prefill_done(self._authz.principal(context), request))
+
+    async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
+        return self._rt.status(self._cancel(self._authz.principal(context), request))
+
+    async def Submit(self, request: pb.SubmitRequest, context: Ctx) -> pb.SubmitResponse:
+        calls = request.calls
+        if len(calls) > MAX_SUBMIT_CALLS:
+            raise InvalidArgument(
+                f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})", field="calls"
+            )
         p = self._authz.principal(context)
+        results = [self._submit_one(p, call) for call in calls]
+        return pb.SubmitResponse(results=results)
+
+    # The bodies below are shared by the unary RPCs and Submit, so both paths
+    # authorize, validate, apply and log identically.
+    def _register(self, p: Principal, request: pb.RegisterDecodeBlocksRequest) -> Transfer:
         self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
         t, effects = self._rt.core.register_decode(
             request.transfer_id,
@@ -62,12 +95,9 @@ class TransferServicer(pbg.TransferServiceServicer):
         log.debug(
             "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
         )
-        return self._rt.status(t)
+        return t
 
-    async def ReportPrefillDone(
-        self, request: pb.ReportPrefillDoneRequest, context: Ctx
-    ) -> pb.TransferStatus:
-        p = self._authz.principal(context)
+    def _prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
         self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
         t, effects = self._rt.core.prefill_done(
             request.transfer_id,
@@ -77,10 +107,9 @@ class TransferServicer(pbg.TransferServiceServicer):
         )
         self._rt.apply(effects)
         log.debug("prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id)
-        return self._rt.status(t)
+        return t
 
-    async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
-        p = self._authz.principal(context)
+    def _cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:
         if p.kind is Kind.ENGINE and self._rt.core.has_transfer(request.transfer_id):
             known = self._rt.core.get(request.transfer_id)
             if p.name not in (known.prefill_engine, known.decode_engine):
@@ -88,7 +117,24 @@ class TransferServicer(pbg.TransferServiceServicer):
         t, effects = self._rt.core.cancel(request.transfer_id, request.reason)
         self._rt.apply(effects)
         log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
-        return self._rt.status(t)
+        return t
+
+    def _submit_one(self, p: Principal, call: pb.TransferCall) -> pb.CallResult:
+        kind = call.WhichOneof("kind")
+        try:
+            if kind is None:
+                raise InvalidArgument("empty call: set register, prefill_done or cancel")
+            self._authz.check_method(p, _CALL_METHOD[kind])
+            if kind == "register":
+                t = self._register(p, call.register)
+            elif kind == "prefill_done":
+                t = self._prefill_done(p, call.prefill_done)
+            else:
+                t = self._cancel(p, call.cancel)
+        except Exception as exc:  # each call fails alone, with its unary RPC's code
+            code, message = status_map.outcome(exc, f"Submit/{kind}")
+            return pb.CallResult(code=code.value[0], message=message)
+        return pb.CallResult(state=convert.STATE_TO_PB[t.state], write_may_land=t.write_may_land)
 
 
 def _filter(
@@ -171,7 +217,10 @@ class AgentServicer(pbg.AgentServiceServicer):
             first.hello.identity.engine_id,
             field="hello.identity.engine_id",
         )
-        session = self._rt.open_session(convert.registration_from_pb(first.hello))
+        session = self._rt.open_session(
+            convert.registration_from_pb(first.hello),
+            accepts_batches=first.hello.accepts_batches,
+        )
         broken: list[PushKVError] = []
 
         async def read() -> None:
@@ -190,13 +239,16 @@ class AgentServicer(pbg.AgentServiceServicer):
 
         reader = asyncio.get_running_loop().create_task(read(), name=f"agent-{session.key}")
         try:
-            while True:
-                msg = await session.outbox.get()
-                if msg is None:
-                    if broken:
-                        raise broken[0]
-                    return
-                yield msg
+            msg = await session.outbox.get()
+            if msg is not None:
+                yield msg  # the welcome, always alone
+                while (msg := await session.outbox.get()) is not None:
+                    out, ended = session.take(msg)
+                    yield out
+                    if ended:
+                        break
+            if broken:
+                raise broken[0]
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -32,11 +32,18 @@ def code_for(exc: errors.PushKVError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
+def outcome(exc: BaseException, rpc: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call answers (a unary RPC, or one
+    call of a Submit batch). Anything but a domain error is logged as a bug."""
     if isinstance(exc, errors.PushKVError):
-        await context.abort(code_for(exc), str(exc))
-    log.exception("rpc_failed", rpc=rpc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see coordinator log)")
+        return code_for(exc), str(exc)
+    log.error("rpc_failed", rpc=rpc, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "internal error (see coordinator log)"
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
+    code, message = outcome(exc, rpc)
+    await context.abort(code, message)
 
 
 class _Undecodable:

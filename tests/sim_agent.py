@@ -6,6 +6,10 @@ moves no bytes.  Everything it receives lands in `inbox`; tests wait on it with
 deadlines via `expect`.  `SimCluster` starts the ranks of one prefill and one
 decode engine and, with ``auto_complete``, answers every order: the prefill
 rank reports POSTED + DONE and the decode rank it wrote into reports arrival.
+With ``batching`` an agent says ``accepts_batches`` in its hello, sends its
+auto-completion reports as one ``AgentBatch``, and unpacks ``CoordinatorBatch``
+into `inbox` (`batches_seen` counts them). A clean COMPLETE sends no notice:
+wait for it with `wait_terminal`.
 
 `ThreadedCoordinator` runs a coordinator on a private event loop in a daemon
 thread, for tests that use the blocking grpc API (fuzzing, reflection).
@@ -103,6 +107,20 @@ def blocks(*groups: Sequence[int]) -> list[pb.BlockIds]:
     return [pb.BlockIds(ids=list(g)) for g in groups]
 
 
+def write_report(
+    order: pb.TransferOrder, status: int, detail: str = "", nbytes: int = 0
+) -> pb.AgentMessage:
+    return pb.AgentMessage(
+        write=pb.WriteReport(
+            order_id=order.order_id,
+            transfer_id=order.transfer_id,
+            status=status,  # type: ignore[arg-type]
+            detail=detail,
+            bytes=nbytes,
+        )
+    )
+
+
 class StreamEnded(AssertionError):
     """The agent stream ended while a test waited for a message."""
 
@@ -123,6 +141,7 @@ class SimAgent:
         heartbeat_interval: float | None = None,
         nixl_metadata: bytes | None = None,
         kv_layout: pb.KVLayout | None = None,
+        batching: bool = False,
     ) -> None:
         self.address = address
         self.engine_id = engine_id
@@ -141,6 +160,9 @@ class SimAgent:
             nixl_metadata=nixl_metadata,
             kv_layout=kv_layout,
         )
+        self.batching = batching
+        self.hello.hello.accepts_batches = batching
+        self.batches_seen = 0  # CoordinatorMessage.batch received (unpacked into inbox)
         # Every message received, in order; None once the stream ended.
         self.inbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
         self.acks: asyncio.Queue[pb.HeartbeatAck] = asyncio.Queue()
@@ -208,14 +230,13 @@ class SimAgent:
                 msg = await self._call.read()
                 if msg is grpc.aio.EOF:
                     break
-                kind = msg.WhichOneof("kind")
-                if kind == "heartbeat_ack":
-                    self.acks.put_nowait(msg.heartbeat_ack)
-                self.inbox.put_nowait(msg)
-                if kind == "order":
-                    self.orders_seen.append(msg.order)
-                    if self.auto_complete:
-                        await self._complete(msg.order)
+                if msg.WhichOneof("kind") == "batch":
+                    self.batches_seen += 1
+                    items = list(msg.batch.messages)
+                else:
+                    items = [msg]
+                for item in items:
+                    await self._received(item)
             self.code = await self._call.code()
             self.details = await self._call.details()
         except grpc.aio.AioRpcError as exc:
@@ -226,9 +247,27 @@ class SimAgent:
             self.ended.set()
             self.inbox.put_nowait(None)
 
+    async def _received(self, msg: pb.CoordinatorMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "heartbeat_ack":
+            self.acks.put_nowait(msg.heartbeat_ack)
+        self.inbox.put_nowait(msg)
+        if kind == "order":
+            self.orders_seen.append(msg.order)
+            if self.auto_complete:
+                await self._complete(msg.order)
+
     async def _complete(self, order: pb.TransferOrder) -> None:
-        await self.report_write(order, pb.WRITE_STATUS_POSTED)
-        await self.report_write(order, pb.WRITE_STATUS_DONE)
+        if self.batching:
+            await self.send_batch(
+                [
+                    write_report(order, pb.WRITE_STATUS_POSTED),
+                    write_report(order, pb.WRITE_STATUS_DONE),
+                ]
+            )
+        else:
+            await self.report_write(order, pb.WRITE_STATUS_POSTED)
+            await self.report_write(order, pb.WRITE_STATUS_DONE)
         for tgt in order.targets:
             peer = self.arrival_peers.get((tgt.decode_engine_id, tgt.decode_rank))
             if peer is not None:
@@ -276,20 +315,13 @@ class SimAgent:
         async with self._write_lock:
             await self._call.write(msg)
 
+    async def send_batch(self, msgs: Sequence[pb.AgentMessage]) -> None:
+        await self.send(pb.AgentMessage(batch=pb.AgentBatch(messages=msgs)))
+
     async def report_write(
         self, order: pb.TransferOrder, status: int, detail: str = "", nbytes: int = 0
     ) -> None:
-        await self.send(
-            pb.AgentMessage(
-                write=pb.WriteReport(
-                    order_id=order.order_id,
-                    transfer_id=order.transfer_id,
-                    status=status,  # type: ignore[arg-type]
-                    detail=detail,
-                    bytes=nbytes,
-                )
-            )
-        )
+        await self.send(write_report(order, status, detail, nbytes))
 
     async def report_arrival(self, transfer_id: str, ranks: Sequence[int]) -> None:
         await self.send(
@@ -335,9 +367,11 @@ class SimCluster:
         *,
         auto_complete: bool = True,
         heartbeat_interval: float | None = None,
+        batching: bool = False,
     ) -> None:
         common: dict[str, Any] = {"incarnation": incarnation}
         common["heartbeat_interval"] = heartbeat_interval
+        common["batching"] = batching
         self.prefill = [
             SimAgent(
                 address,
@@ -405,6 +439,37 @@ async def rendezvous(
         await stub.ReportPrefillDone(pre)
         status = await stub.RegisterDecodeBlocks(dec)
     return status
+
+
+TERMINAL_STATES = (
+    pb.TRANSFER_STATE_COMPLETE,
+    pb.TRANSFER_STATE_FAILED,
+    pb.TRANSFER_STATE_CANCELLED,
+    pb.TRANSFER_STATE_EXPIRED,
+)
+
+
+async def wait_terminal(
+    channel: grpc.aio.Channel, transfer_ids: Sequence[str], timeout: float = DEFAULT_TIMEOUT
+) -> dict[str, pb.TransferStatus]:
+    """Wait until every transfer is terminal (WatchTransfers, no polling)."""
+    want = set(transfer_ids)
+    got: dict[str, pb.TransferStatus] = {}
+    call: Any = pbg.StatusServiceStub(channel).WatchTransfers(
+        pb.WatchTransfersRequest(states=TERMINAL_STATES, include_existing=True), timeout=timeout
+    )
+    try:
+        async for event in call:
+            if event.transfer.transfer_id in want:
+                got[event.transfer.transfer_id] = event.transfer
+                if len(got) == len(want):
+                    break
+    except grpc.aio.AioRpcError as exc:
+        missing = sorted(want - set(got))
+        raise AssertionError(f"not terminal within {timeout}s: {missing} ({exc.code()})") from None
+    finally:
+        call.cancel()
+    return got
 
 
 # ---------------------------------------------------------------- coordinator thread

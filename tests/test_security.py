@@ -168,6 +168,52 @@ async def test_engine_acts_only_for_itself(coord: Coordinator, pki: Path) -> Non
     p_call.cancel()
 
 
+async def test_submit_authorizes_each_call_like_its_unary_rpc(
+    coord: Coordinator, pki: Path
+) -> None:
+    d_call = await open_agent(coord, files(pki, "engine-D"), "D", pb.ROLE_DECODE)
+    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    denied = grpc.StatusCode.PERMISSION_DENIED.value[0]
+    ok = grpc.StatusCode.OK.value[0]
+    as_p = pb.ReportPrefillDoneRequest(
+        transfer_id="t3", prefill_engine_id="P", block_ids=[pb.BlockIds(ids=[1, 2])], num_tokens=20
+    )
+    d = pbg.TransferServiceStub(chan(coord, files(pki, "engine-D")))
+    r = await d.Submit(
+        pb.SubmitRequest(
+            calls=[
+                pb.TransferCall(register=register("D", "t1")),  # its own engine
+                pb.TransferCall(register=register("P", "t2")),  # another engine's
+                pb.TransferCall(prefill_done=as_p),
+            ]
+        ),
+        timeout=5,
+    )
+    assert [x.code for x in r.results] == [ok, denied, denied]
+    assert r.results[0].state == pb.TRANSFER_STATE_REGISTERED
+    assert "engine:D may not act for engine 'P'" in r.results[1].message
+
+    # P may not cancel a transfer it is not part of; the router may, but the
+    # router may not register blocks.
+    p = pbg.TransferServiceStub(chan(coord, files(pki, "engine-P")))
+    cancel_t1 = pb.TransferCall(cancel=pb.CancelRequest(transfer_id="t1", reason="test"))
+    r = await p.Submit(pb.SubmitRequest(calls=[cancel_t1]), timeout=5)
+    assert [x.code for x in r.results] == [denied]
+    router = pbg.TransferServiceStub(chan(coord, files(pki, "router")))
+    r = await router.Submit(
+        pb.SubmitRequest(calls=[pb.TransferCall(register=register("D", "t4")), cancel_t1]),
+        timeout=5,
+    )
+    assert [x.code for x in r.results] == [denied, ok]
+    assert r.results[1].state == pb.TRANSFER_STATE_CANCELLED
+    # An operator may not submit at all: the RPC itself is refused.
+    op = pbg.TransferServiceStub(chan(coord, files(pki, "operator-alice")))
+    assert await code_of(op.Submit(pb.SubmitRequest(), timeout=5)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    d_call.cancel()
+
+
 @pytest.fixture
 def tls_coord_process(pki: Path) -> Iterator[CoordinatorProcess]:
     c = CoordinatorProcess(
