@@ -10,7 +10,10 @@ Invariants:
   is resolved by a DONE/FAILED/DROPPED report, or when its agent incarnation's
   lease is over (agents never post once their lease lapsed).
 - The decode side is told "write_may_land=False" exactly once per terminal
-  transfer, and only then may it reuse the blocks.
+  transfer, and only then may it reuse the blocks. The one exception is a
+  transfer COMPLETE through its orders (reason NONE): no notice is sent, since
+  every prefill rank freed its blocks on its own DONE and every decode rank
+  reported KV_READY to its host before it sent the arrival that completed it.
 """
 
 from __future__ import annotations
@@ -534,7 +537,8 @@ class Rendezvous:
             else:
                 rec.state, rec.detail = RankState.FAILED, "agent gone before it reported"
                 self._close_order(t, rec)
-        effects += self._notify(t)
+        if state is not State.COMPLETE or reason is not Reason.NONE:
+            effects += self._notify(t)  # a clean COMPLETE is known to every rank already
         return effects
 
     def _released(self, t: Transfer) -> list[Effect]:

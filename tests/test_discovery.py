@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import reflection_client as rc
-from tests.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
+from tests.sim_agent import SimCluster, ThreadedCoordinator, rendezvous, wait_terminal
 
 PUSHKV = ("pushkv.v1.AgentService", "pushkv.v1.TransferService", "pushkv.v1.StatusService")
 
@@ -22,8 +22,8 @@ async def _complete_one(address: str, cluster: SimCluster, tid: str) -> None:
     await cluster.start()
     async with grpc.aio.insecure_channel(address) as ch:
         await rendezvous(ch, tid)
-    n = await cluster.decode[0].expect("notice")
-    assert (n.transfer_id, n.state) == (tid, pb.TRANSFER_STATE_COMPLETE)
+        t = (await wait_terminal(ch, [tid]))[tid]
+    assert t.state == pb.TRANSFER_STATE_COMPLETE
 
 
 @pytest.fixture(scope="module")

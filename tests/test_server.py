@@ -15,7 +15,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.settings import CoreSettings
-from tests.sim_agent import SimAgent, SimCluster, blocks, hello, rendezvous
+from tests.sim_agent import SimAgent, SimCluster, blocks, hello, rendezvous, wait_terminal
 
 WAIT = 5.0
 TERMINAL = {
@@ -110,6 +110,16 @@ async def settle(*agents: SimAgent) -> None:
     await asyncio.gather(*(a.heartbeat() for a in agents))
 
 
+def drain(agent: SimAgent) -> list[pb.CoordinatorMessage]:
+    """Everything in the agent's inbox now (call after `settle`/a heartbeat)."""
+    out = []
+    while not agent.inbox.empty():
+        msg = agent.inbox.get_nowait()
+        if msg is not None:
+            out.append(msg)
+    return out
+
+
 async def finish(p: SimAgent, d: SimAgent, order: pb.TransferOrder) -> None:
     await p.report_write(order, pb.WRITE_STATUS_POSTED)
     await p.report_write(order, pb.WRITE_STATUS_DONE)
@@ -153,12 +163,12 @@ async def test_rendezvous_orders_the_prefill_agent_and_completes(
 
     await p.report_write(order, pb.WRITE_STATUS_DONE)
     await d.report_arrival("t1", [0])
+    st = (await wait_terminal(channel, ["t1"]))["t1"]
+    # A clean COMPLETE sends no notice: each agent already knew (DONE / arrival).
     for agent in (p, d):
-        n = await agent.expect("notice")
-        assert n.transfer_id == "t1" and n.state == pb.TRANSFER_STATE_COMPLETE
-        assert not n.write_may_land
+        await agent.heartbeat()  # everything sent before this ack is in the inbox
+        assert [m for m in drain(agent) if m.WhichOneof("kind") == "notice"] == []
 
-    st = await get(channel, "t1")
     assert st.state == pb.TRANSFER_STATE_COMPLETE
     assert list(st.outstanding_ranks) == [] and not st.write_may_land
     assert st.ranks[0].order_id == order.order_id
@@ -175,12 +185,8 @@ async def test_auto_completing_sims_finish_many_transfers(
         await asyncio.gather(
             *(rendezvous(channel, tid, decode_first=i % 2 == 0) for i, tid in enumerate(ids))
         )
-        done = set()
-        while len(done) < len(ids):
-            n = await c.decode[0].expect("notice")
-            assert n.state == pb.TRANSFER_STATE_COMPLETE, n
-            done.add(n.transfer_id)
-        assert done == set(ids)
+        done = await wait_terminal(channel, ids)
+        assert {t.state for t in done.values()} == {pb.TRANSFER_STATE_COMPLETE}
         assert sorted(o.transfer_id for o in c.prefill[0].orders_seen) == sorted(ids)
 
 
@@ -235,8 +241,8 @@ async def test_cancel_before_the_order_means_no_order_is_ever_sent(
     order = await p.expect("order")
     assert order.transfer_id == "kept"
     await finish(p, d, order)
-    n = await d.expect("notice")
-    assert (n.transfer_id, n.state) == ("kept", pb.TRANSFER_STATE_COMPLETE)
+    done = await wait_terminal(channel, ["kept"])
+    assert done["kept"].state == pb.TRANSFER_STATE_COMPLETE
     assert [o.transfer_id for o in p.orders_seen] == ["kept"]
 
 
@@ -317,10 +323,8 @@ async def test_two_prefill_ranks_write_into_two_decode_ranks(
         assert st.state == pb.TRANSFER_STATE_WRITING and list(st.outstanding_ranks) == [1]
 
         await finish(c.prefill[1], c.decode[1], orders[1])
-        for a in c.agents:
-            n = await a.expect("notice")
-            assert n.state == pb.TRANSFER_STATE_COMPLETE and not n.write_may_land
-        st = await get(channel, "t")
+        st = (await wait_terminal(channel, ["t"]))["t"]
+        assert st.state == pb.TRANSFER_STATE_COMPLETE and not st.write_may_land
         assert list(st.outstanding_ranks) == []
         assert [(r.prefill_rank, r.state, r.arrived) for r in st.ranks] == [
             (0, pb.RANK_STATE_DONE, True),
@@ -373,8 +377,8 @@ async def test_a_new_prefill_incarnation_fences_the_old_one(
         o2 = await p2.expect("order")
         assert o2.transfer_id == "t2" and o2.prefill_incarnation == "i2"
         await finish(p2, d, o2)
-        n = await d.expect("notice")
-        assert (n.transfer_id, n.state) == ("t2", pb.TRANSFER_STATE_COMPLETE)
+        done = await wait_terminal(channel, ["t2"])
+        assert done["t2"].state == pb.TRANSFER_STATE_COMPLETE
 
 
 async def test_a_new_decode_incarnation_sends_peer_fenced_to_its_writers(
@@ -421,12 +425,12 @@ async def test_heartbeats_are_acked_with_the_lease(cluster: SimCluster) -> None:
 async def test_list_transfers_filters_by_state_engine_and_limit(
     coord: Coordinator, channel: grpc.aio.Channel
 ) -> None:
-    async with SimCluster(coord.address, auto_complete=True) as c:
+    async with SimCluster(coord.address, auto_complete=True):
         await transfers(channel).RegisterDecodeBlocks(decode_req("a-registered", [1]))
         await transfers(channel).ReportPrefillDone(prefill_req("b-prefilled", [1, 2, 3]))
         await rendezvous(channel, "c-complete")
-        n = await c.decode[0].expect("notice")
-        assert n.state == pb.TRANSFER_STATE_COMPLETE
+        done = await wait_terminal(channel, ["c-complete"])
+        assert done["c-complete"].state == pb.TRANSFER_STATE_COMPLETE
         await transfers(channel).RegisterDecodeBlocks(decode_req("d-cancelled", [2]))
         await transfers(channel).Cancel(pb.CancelRequest(transfer_id="d-cancelled"))
 
@@ -507,9 +511,10 @@ async def test_watch_streams_every_state_change(
 async def test_watch_replays_existing_then_filters_new_events(
     coord: Coordinator, channel: grpc.aio.Channel
 ) -> None:
-    async with SimCluster(coord.address, auto_complete=True) as c:
+    async with SimCluster(coord.address, auto_complete=True):
         await rendezvous(channel, "old")
-        assert (await c.decode[0].expect("notice")).state == pb.TRANSFER_STATE_COMPLETE
+        done = await wait_terminal(channel, ["old"])
+        assert done["old"].state == pb.TRANSFER_STATE_COMPLETE
         await transfers(channel).RegisterDecodeBlocks(decode_req("waiting", [5]))
 
         req = pb.WatchTransfersRequest(states=[pb.TRANSFER_STATE_COMPLETE], include_existing=True)
