@@ -163,6 +163,9 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     scenarios: tuple[str, ...] = SCENARIOS
     quick: bool = False
+    # "workers": only each engine's worker threads are bound to its core;
+    # "engines": every process of an engine (API server, EngineCore, worker).
+    pin: str = "workers"
 
     @property
     def max_model_len(self) -> int:
@@ -624,6 +627,7 @@ def _server(cfg: BenchConfig, name: str, core: int, scenario: str, **kw: Any) ->
         cfg.model_dir,
         name,
         cpu_core=core,
+        pin_process=cfg.pin == "engines",
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
@@ -1351,6 +1355,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         "idle_wait_ms=0; default: the connector's own defaults",
     )
     ap.add_argument("--model-dir", type=Path, help="default .cache/bench-model-<shape>")
+    ap.add_argument(
+        "--pin",
+        choices=("workers", "engines"),
+        default="workers",
+        help="core layout, the same for every system: bind only each engine's worker "
+        "threads to its core (default), or every process of the engine (API server, "
+        "EngineCore, worker)",
+    )
     a = ap.parse_args(argv)
     quick = bool(a.quick)
     rates = (
@@ -1390,6 +1402,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         scenarios=scenarios,
         quick=quick,
         startup_timeout_s=150.0 if quick else 300.0,
+        pin=a.pin,
     )
     return cfg, a
 
@@ -1406,6 +1419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
     build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)
     _say(
+        f"core layout: --pin {cfg.pin}; "
         f"model {cfg.model_dir}: Llama {cfg.layers} layers, hidden {cfg.hidden}, fp32, block "
         f"{cfg.block_size}; prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, "
         f"{cfg.output_len} output tokens; rates {cfg.rates}; systems {cfg.systems}; "

@@ -38,6 +38,9 @@ class VllmServer:
     port: int = 0
     kv_transfer_config: dict[str, Any] | None = None
     cpu_core: int | None = None  # OMP threads bind here (one core per engine)
+    # Also pin every process of the server (API server, EngineCore, worker) to
+    # cpu_core, not only the worker's OMP threads.
+    pin_process: bool = False
     block_size: int = 32
     max_model_len: int = 1024
     max_num_seqs: int = 16
@@ -97,6 +100,8 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
+            if self.pin_process and self.cpu_core is not None:
+                cmd = ["taskset", "-c", str(self.cpu_core), *cmd]  # children inherit it
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )

@@ -1,0 +1,120 @@
+"""The scheduler half's coordinator client against a real coordinator.
+
+Calls go out as Submit batches; each call keeps its own outcome; a coordinator
+without Submit (an older release) is served one unary RPC per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane.servicers import TransferServicer
+from tests.sim_agent import SimCluster, ThreadedCoordinator
+from vllm_integration.client import Call, CoordinatorClient, Result
+
+DEADLINE_S = 20.0
+
+
+def _serve() -> Iterator[ThreadedCoordinator]:
+    with ThreadedCoordinator() as tc:
+        cluster = SimCluster(tc.address, auto_complete=False)
+        tc.run(cluster.start())
+        yield tc
+        tc.run(cluster.close())
+
+
+@pytest.fixture
+def server() -> Iterator[ThreadedCoordinator]:
+    yield from _serve()
+
+
+@pytest.fixture
+def old_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ThreadedCoordinator]:
+    """An older coordinator: its TransferService has no Submit (UNIMPLEMENTED)."""
+
+    async def no_submit(
+        self: object, request: object, context: grpc.aio.ServicerContext[object, object]
+    ) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(TransferServicer, "Submit", no_submit)
+    yield from _serve()
+
+
+def results_for(client: CoordinatorClient, n: int) -> list[Result]:
+    """Wait for n results in total (bounded) and drain them."""
+    got: list[Result] = []
+    while len(got) < n:
+        r = client.wait_result(lambda _: True, DEADLINE_S)
+        assert r is not None, f"only {len(got)} of {n} results within {DEADLINE_S} s"
+        got += client.drain()
+    return got
+
+
+def calls(n: int) -> list[Call]:
+    out: list[Call] = []
+    for i in range(n):
+        tid = f"batch-{i}"
+        out.append(Call("register", f"d{i}", tid, "d0", (10 + i, 11 + i), 40))
+        out.append(Call("prefill_done", f"p{i}", tid, "p0", (1, 2, 3), 40))
+    return out
+
+
+def test_calls_are_batched_and_each_keeps_its_outcome(server: ThreadedCoordinator) -> None:
+    client = CoordinatorClient(server.address, timeout_s=5.0)
+    try:
+        sent = calls(100)
+        # A call the coordinator refuses sits between accepted ones.
+        sent.insert(7, Call("register", "bad", "batch-bad", "no-such-engine", (1,), 40))
+        for c in sent:
+            client.submit(c)
+        got = results_for(client, len(sent))
+        assert [r.call for r in got] == sent  # one result per call, in order
+        bad = got[7]
+        assert bad.refused and bad.error.startswith("FAILED_PRECONDITION")
+        for r in got[:7] + got[8:]:
+            assert r.ok, r.error
+            assert r.state in (
+                pb.TRANSFER_STATE_REGISTERED,
+                pb.TRANSFER_STATE_PREFILL_DONE,
+                pb.TRANSFER_STATE_ORDERED,
+                pb.TRANSFER_STATE_WRITING,
+                pb.TRANSFER_STATE_COMPLETE,
+            )
+        # 201 calls went out in fewer RPCs than calls (the thread drains the queue).
+        assert 1 <= client.batches_sent < len(sent)
+    finally:
+        client.close()
+
+
+def test_a_coordinator_without_submit_gets_unary_calls(old_server: ThreadedCoordinator) -> None:
+    client = CoordinatorClient(old_server.address, timeout_s=5.0)
+    try:
+        sent = calls(5)
+        for c in sent:
+            client.submit(c)
+        got = results_for(client, len(sent))
+        assert [r.call for r in got] == sent
+        assert all(r.ok for r in got), [r.error for r in got]
+        assert client.batches_sent == 0
+    finally:
+        client.close()
+
+
+def test_an_unreachable_coordinator_fails_every_call_as_unknown_outcome() -> None:
+    client = CoordinatorClient("127.0.0.1:1", timeout_s=0.5, attempts=2)
+    try:
+        sent = calls(2)
+        for c in sent:
+            client.submit(c)
+        got = results_for(client, len(sent))
+        assert [r.call for r in got] == sent
+        # Not refused: the coordinator may or may not hold them.
+        assert all(not r.ok and not r.refused for r in got)
+        assert all(r.error.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")) for r in got)
+    finally:
+        client.close()
