@@ -11,6 +11,19 @@ Processes (multiprocessing "spawn"; nothing gRPC lives in this controller):
   ReportPrefillDone for each transfer, both issued at once in random order, at
   a fixed offered rate (open loop: a slow answer does not slow the offer).
 
+Two runs, each on a fresh coordinator: unbatched (the unary RPCs, one stream
+message per report) and batched (``--batch``: each client submits what became
+due once per ``--step-ms``, like an engine's scheduler step, as Submit calls;
+the agents accept CoordinatorBatch and send one AgentBatch per coordinator
+message they handled).
+
+A clean COMPLETE sends no notice, so a transfer counts as completed when the
+coordinator has applied both its DONE and its arrival: it handles a stream's
+messages in order, so the ack of a heartbeat sent after a report proves the
+report was applied (at most one such barrier per stream every 10 ms). Failed
+transfers still get a notice; "drained" also asks the coordinator that no
+transfer is left unfinished.
+
 The offered rate rises step by step until the coordinator saturates (completed
 rendezvous/s fall below 90 % of the offer, or the backlog does not drain).
 "Order latency" is measured at half the saturation rate: from the moment the
@@ -127,12 +140,15 @@ def _rss_bytes(pid: int) -> int:
 # ============================================================ agent process
 
 
-def _agent_main(conn: Connection, address: str, cpus: set[int] | None) -> None:
+def _agent_main(conn: Connection, address: str, cpus: set[int] | None, batched: bool) -> None:
     _pin(cpus)
-    asyncio.run(_agents(conn, address))
+    asyncio.run(_agents(conn, address, batched))
 
 
-async def _agents(conn: Connection, address: str) -> None:
+CONFIRM_PERIOD_S = 0.01  # at most one barrier heartbeat per stream per period
+
+
+async def _agents(conn: Connection, address: str, batched: bool) -> None:
     import grpc
     from pushkv.v1 import pushkv_pb2 as pb
     from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -150,95 +166,175 @@ async def _agents(conn: Connection, address: str) -> None:
                 nixl_agent_name=f"{engine}-0",
                 nixl_metadata=b"x" * 256,
                 layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
+                accepts_batches=batched,
             )
         )
 
     ordered: dict[str, float] = {}
-    finished: dict[str, tuple[float, int]] = {}  # tid -> (when, state)
-    # grpc-stubs does not describe grpc.aio well: the aio objects are Any here.
-    channel: Any = grpc.aio.insecure_channel(address)
-    stub: Any = pbg.AgentServiceStub(channel)
+    failed: dict[str, tuple[float, int]] = {}  # tid -> (when, state) from failure notices
+    # A clean COMPLETE sends no notice. A transfer counts as completed when the
+    # coordinator has processed both its DONE (prefill stream) and its arrival
+    # (decode stream): it handles a stream's messages in order, so the ack of a
+    # heartbeat sent after a report proves that report was applied.
+    confirmed: dict[str, float] = {}
+    half_done: dict[str, float] = {}  # one of the two final reports confirmed
+    grpc_channel: Any = grpc.aio.insecure_channel(address)
+    stub: Any = pbg.AgentServiceStub(grpc_channel)
+    status: Any = pbg.StatusServiceStub(grpc_channel)
     eof: Any = grpc.aio.EOF  # type: ignore[attr-defined]
     pre, dec = stub.AgentStream(), stub.AgentStream()
-    locks = {id(pre): asyncio.Lock(), id(dec): asyncio.Lock()}
 
-    async def send(call: Any, msg: Any) -> None:
-        async with locks[id(call)]:
-            await call.write(msg)
+    class Stream:
+        def __init__(self, call: Any) -> None:
+            self.call = call
+            self.lock = asyncio.Lock()
+            self.unconfirmed: list[str] = []  # tids whose final report went out
+            self.waiting: dict[int, list[str]] = {}  # heartbeat seq -> tids it confirms
+            self.wake = asyncio.Event()
+            self.seq = 0
 
-    await send(pre, hello(PREFILL, pb.ROLE_PREFILL))
-    await send(dec, hello(DECODE, pb.ROLE_DECODE))
+        async def send(self, msgs: list[Any], final: list[str]) -> None:
+            async with self.lock:
+                if batched and len(msgs) > 1:
+                    await self.call.write(pb.AgentMessage(batch=pb.AgentBatch(messages=msgs)))
+                else:
+                    for m in msgs:
+                        await self.call.write(m)
+                self.unconfirmed += final
+            if final:
+                self.wake.set()
+
+        def acked(self, seq: int) -> None:
+            now = time.monotonic()
+            for tid in self.waiting.pop(seq, ()):
+                other = half_done.pop(tid, None)
+                if other is None:
+                    half_done[tid] = now
+                else:
+                    confirmed[tid] = now
+            self.wake.set()
+
+        async def confirm_loop(self) -> None:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if self.waiting or not self.unconfirmed:
+                    continue  # one barrier in flight at a time
+                self.seq += 1
+                async with self.lock:
+                    self.waiting[self.seq], self.unconfirmed = self.unconfirmed, []
+                    await self.call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=self.seq)))
+                await asyncio.sleep(CONFIRM_PERIOD_S)  # pacing of the barriers
+
+    sp, sd = Stream(pre), Stream(dec)
+    await sp.call.write(hello(PREFILL, pb.ROLE_PREFILL))
+    await sd.call.write(hello(DECODE, pb.ROLE_DECODE))
     for call in (pre, dec):
         first = await call.read()
         assert first.WhichOneof("kind") == "welcome", first
+
+    def items(msg: Any) -> Any:
+        return msg.batch.messages if msg.WhichOneof("kind") == "batch" else (msg,)
 
     async def prefill_loop() -> None:
         while True:
             msg = await pre.read()
             if msg is eof:
                 return
-            if msg.WhichOneof("kind") != "order":
-                continue
-            o = msg.order
-            ordered[o.transfer_id] = time.monotonic()
-            for status in (pb.WRITE_STATUS_POSTED, pb.WRITE_STATUS_DONE):
-                report = pb.WriteReport(
-                    order_id=o.order_id, transfer_id=o.transfer_id, status=status
-                )
-                await send(pre, pb.AgentMessage(write=report))
-            arrival = pb.ArrivalReport(transfer_id=o.transfer_id, prefill_ranks=[o.prefill_rank])
-            await send(dec, pb.AgentMessage(arrival=arrival))
+            reports: list[Any] = []
+            arrivals: list[Any] = []
+            tids: list[str] = []
+            for m in items(msg):
+                kind = m.WhichOneof("kind")
+                if kind == "heartbeat_ack":
+                    sp.acked(m.heartbeat_ack.seq)
+                if kind != "order":
+                    continue
+                o = m.order
+                ordered[o.transfer_id] = time.monotonic()
+                for st in (pb.WRITE_STATUS_POSTED, pb.WRITE_STATUS_DONE):
+                    w = pb.WriteReport(order_id=o.order_id, transfer_id=o.transfer_id, status=st)
+                    reports.append(pb.AgentMessage(write=w))
+                a = pb.ArrivalReport(transfer_id=o.transfer_id, prefill_ranks=[o.prefill_rank])
+                arrivals.append(pb.AgentMessage(arrival=a))
+                tids.append(o.transfer_id)
+            if tids:
+                await sp.send(reports, tids)
+                await sd.send(arrivals, tids)
 
     async def decode_loop() -> None:
         while True:
             msg = await dec.read()
             if msg is eof:
                 return
-            if msg.WhichOneof("kind") == "notice" and not msg.notice.write_may_land:
-                finished[msg.notice.transfer_id] = (time.monotonic(), msg.notice.state)
+            for m in items(msg):
+                kind = m.WhichOneof("kind")
+                if kind == "heartbeat_ack":
+                    sd.acked(m.heartbeat_ack.seq)
+                elif kind == "notice" and not m.notice.write_may_land:
+                    failed[m.notice.transfer_id] = (time.monotonic(), m.notice.state)
 
     async def heartbeats() -> None:
-        seq = 0
         while True:
             await asyncio.sleep(1.0)  # lease keep-alive period
-            seq += 1
-            for call in (pre, dec):
-                await send(call, pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq)))
+            for s in (sp, sd):
+                async with s.lock:  # seq 0 is never a barrier
+                    await s.call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=0)))
 
-    tasks = [asyncio.create_task(c()) for c in (prefill_loop, decode_loop, heartbeats)]
+    tasks = [
+        asyncio.create_task(c())
+        for c in (prefill_loop, decode_loop, heartbeats, sp.confirm_loop, sd.confirm_loop)
+    ]
     conn.send("ready")
+    live_states = [
+        pb.TRANSFER_STATE_AWAITING,
+        pb.TRANSFER_STATE_REGISTERED,
+        pb.TRANSFER_STATE_PREFILL_DONE,
+        pb.TRANSFER_STATE_ORDERED,
+        pb.TRANSFER_STATE_WRITING,
+    ]
     while True:
         cmd = await asyncio.to_thread(conn.recv)
         if cmd[0] == "collect":
             prefix: str = cmd[1]
             picked_o = {k: v for k, v in ordered.items() if k.startswith(prefix)}
-            picked_f = {k: v for k, v in finished.items() if k.startswith(prefix)}
+            picked_f = {k: (t, 6) for k, t in confirmed.items() if k.startswith(prefix)}
+            picked_f.update({k: v for k, v in failed.items() if k.startswith(prefix)})
             for k in picked_o:
                 del ordered[k]
             for k in picked_f:
-                del finished[k]
+                confirmed.pop(k, None)
+                failed.pop(k, None)
             conn.send((picked_o, picked_f))
         elif cmd[0] == "count":
             prefix = cmd[1]
-            conn.send(sum(1 for k in finished if k.startswith(prefix)))
+            done = sum(1 for k in confirmed if k.startswith(prefix))
+            conn.send(done + sum(1 for k in failed if k.startswith(prefix)))
+        elif cmd[0] == "live":  # transfers not yet terminal, per the coordinator
+            r = await status.ListTransfers(
+                pb.ListTransfersRequest(states=live_states, limit=1), timeout=RPC_TIMEOUT_S
+            )
+            conn.send(int(r.total_matching))
         else:
             break
     for t in tasks:
         t.cancel()
     for call in (pre, dec):
         call.cancel()
-    await channel.close()
+    await grpc_channel.close()
 
 
 # ============================================================ client process
 
 
-def _client_main(conn: Connection, address: str, client_id: int, cpus: set[int] | None) -> None:
+def _client_main(
+    conn: Connection, address: str, client_id: int, cpus: set[int] | None, batch: int
+) -> None:
     _pin(cpus)
-    asyncio.run(_client(conn, address, client_id))
+    asyncio.run(_client(conn, address, client_id, batch))
 
 
-async def _client(conn: Connection, address: str, client_id: int) -> None:
+async def _client(conn: Connection, address: str, client_id: int, batch: int) -> None:
     import grpc
     from pushkv.v1 import pushkv_pb2 as pb
     from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -249,27 +345,31 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
     d_blocks = [pb.BlockIds(ids=[7, 8, 9])]
     p_blocks = [pb.BlockIds(ids=[1, 2, 3])]
 
-    async def decode(tid: str) -> float:
-        await stub.RegisterDecodeBlocks(
-            pb.RegisterDecodeBlocksRequest(
-                transfer_id=tid, decode_engine_id=DECODE, block_ids=d_blocks, num_tokens=TOKENS
-            ),
-            timeout=RPC_TIMEOUT_S,
+    def decode_req(tid: str) -> Any:
+        return pb.RegisterDecodeBlocksRequest(
+            transfer_id=tid, decode_engine_id=DECODE, block_ids=d_blocks, num_tokens=TOKENS
         )
+
+    def prefill_req(tid: str) -> Any:
+        return pb.ReportPrefillDoneRequest(
+            transfer_id=tid, prefill_engine_id=PREFILL, block_ids=p_blocks, num_tokens=TOKENS
+        )
+
+    async def decode(tid: str) -> float:
+        await stub.RegisterDecodeBlocks(decode_req(tid), timeout=RPC_TIMEOUT_S)
         return time.monotonic()
 
     async def prefill(tid: str) -> float:
-        await stub.ReportPrefillDone(
-            pb.ReportPrefillDoneRequest(
-                transfer_id=tid, prefill_engine_id=PREFILL, block_ids=p_blocks, num_tokens=TOKENS
-            ),
-            timeout=RPC_TIMEOUT_S,
-        )
+        await stub.ReportPrefillDone(prefill_req(tid), timeout=RPC_TIMEOUT_S)
         return time.monotonic()
 
     returned: dict[str, float] = {}
     errors: dict[str, int] = {}
     first_detail: dict[str, str] = {}
+
+    def error(code: str, detail: str) -> None:
+        errors[code] = errors.get(code, 0) + 1
+        first_detail.setdefault(code, detail)
 
     async def one(tid: str, both: bool) -> None:
         start = time.monotonic()
@@ -282,33 +382,78 @@ async def _client(conn: Connection, address: str, client_id: int) -> None:
             t2 = asyncio.ensure_future(second(tid))
             returned[tid] = max(await asyncio.gather(t1, t2))
         except grpc.aio.AioRpcError as exc:
-            errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-            first_detail.setdefault(exc.code().name, f"{exc.details()} {exc.debug_error_string()}")
+            error(exc.code().name, f"{exc.details()} {exc.debug_error_string()}")
+
+    async def submit(calls: list[Any]) -> tuple[float, list[Any]]:
+        resp = await stub.Submit(pb.SubmitRequest(calls=calls), timeout=RPC_TIMEOUT_S)
+        return time.monotonic(), list(resp.results)
+
+    async def many(tids: list[str]) -> None:
+        """A decode engine's and a prefill engine's Submit for these transfers."""
+        dec = [pb.TransferCall(register=decode_req(t)) for t in tids]
+        pre = [pb.TransferCall(prefill_done=prefill_req(t)) for t in tids]
+        first, second = (dec, pre) if rng.random() < 0.5 else (pre, dec)
+        try:
+            (t1, r1), (t2, r2) = await asyncio.gather(submit(first), submit(second))
+        except grpc.aio.AioRpcError as exc:
+            for _ in tids:
+                error(exc.code().name, f"{exc.details()} {exc.debug_error_string()}")
+            return
+        when = max(t1, t2)
+        for tid, a, b in zip(tids, r1, r2, strict=True):
+            bad = a if a.code else b if b.code else None
+            if bad is None:
+                returned[tid] = when
+            else:
+                error(grpc.StatusCode(_STATUS[bad.code]).name, bad.message)
+
+    _STATUS = {c.value[0]: c.value for c in grpc.StatusCode}
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)
         if cmd[0] == "run":
-            _, prefix, rate, duration, max_outstanding = cmd
+            _, prefix, rate, duration, max_outstanding, step_s = cmd
             returned.clear()
             errors.clear()
             pending: set[asyncio.Task[None]] = set()
+            outstanding = [0]
             n = max(1, int(rate * duration))
             t0 = time.monotonic()
             issued = dropped = 0
             while issued + dropped < n:
                 due = min(n, int((time.monotonic() - t0) * rate) + 1)
+                new: list[str] = []
                 while issued + dropped < due:
                     i = issued + dropped
-                    if len(pending) >= max_outstanding:
+                    if outstanding[0] + len(new) >= max_outstanding:
                         dropped += 1
                         continue
-                    task = asyncio.create_task(one(f"{prefix}-c{client_id}-{i}", True))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                    new.append(f"{prefix}-c{client_id}-{i}")
                     issued += 1
+                # Unbatched: each transfer's two unary RPCs. Batched: what is
+                # due now, in Submits of at most `batch` calls (never waiting).
+                chunks = [new[i : i + batch] for i in range(0, len(new), batch)] if batch else []
+                coros = [many(c) for c in chunks] if batch else [one(t, True) for t in new]
+                sizes = [len(c) for c in chunks] if batch else [1] * len(new)
+                for coro, size in zip(coros, sizes, strict=True):
+                    task = asyncio.create_task(coro)
+                    outstanding[0] += size
+                    pending.add(task)
+
+                    def finished(
+                        t: asyncio.Task[None],
+                        size: int = size,
+                        pending: set[asyncio.Task[None]] = pending,
+                        outstanding: list[int] = outstanding,
+                    ) -> None:
+                        pending.discard(t)
+                        outstanding[0] -= size
+
+                    task.add_done_callback(finished)
                 next_at = t0 + (issued + dropped) / rate
-                # Pacing of the open-loop offer (not synchronisation).
-                await asyncio.sleep(max(next_at - time.monotonic(), 0.0005))
+                # Pacing of the open-loop offer (not synchronisation). Batched, a
+                # client is an engine: it submits once per scheduler step.
+                await asyncio.sleep(max(next_at - time.monotonic(), step_s, 0.0005))
             t_end = time.monotonic()
             if pending:
                 await asyncio.wait(pending)
@@ -384,8 +529,8 @@ class Bench:
         assert pid is not None
         return conn, port, pid
 
-    def start_agents(self, address: str) -> Connection:
-        conn = self._spawn(_agent_main, address, self.load_cpus)
+    def start_agents(self, address: str, batched: bool = False) -> Connection:
+        conn = self._spawn(_agent_main, address, self.load_cpus, batched)
         if not conn.poll(30) or conn.recv() != "ready":
             raise RuntimeError("agents did not start")
         return conn
@@ -407,12 +552,16 @@ class Bench:
         name: str,
         rate: float,
         duration: float,
+        step_s: float = 0.0,
     ) -> Step:
+        """One open-loop step."""
         step = Step(offered=rate)
         per_client = rate / len(clients)
+        agents.send(("live",))
+        live_before = int(agents.recv())  # held ones, or an overloaded step's leftovers
         cpu0 = _cpu_seconds(coord_pid)
         for c in clients:
-            c.send(("run", name, per_client, duration, self.args.max_outstanding))
+            c.send(("run", name, per_client, duration, self.args.max_outstanding, step_s))
         results = [c.recv() for c in clients]  # every RPC of the step has returned
         cpu1, wall1 = _cpu_seconds(coord_pid), time.monotonic()
         t_start = min(r[0] for r in results)
@@ -433,7 +582,9 @@ class Bench:
             if done >= want or time.monotonic() > deadline:
                 break
             time.sleep(0.05)  # polling another process's counter, with a deadline
-        step.drained = done >= want
+        agents.send(("live",))
+        live = int(agents.recv())
+        step.drained = done >= want and live <= live_before
         agents.send(("collect", name + "-"))
         ordered, finished = agents.recv()
         step.coord_cpu = (cpu1 - cpu0) / max(wall1 - t_start, 1e-9)
@@ -447,27 +598,34 @@ class Bench:
         ]
         return step
 
-    def throughput(self) -> tuple[list[Step], Step | None, str]:
+    def throughput(self, batch: int, profile: str | None) -> tuple[list[Step], Step | None]:
+        """Saturation and half-load latency; `batch` > 0: Submit batches of at
+        most that many calls, and batching agents."""
         a = self.args
-        conn, port, pid = self.start_coordinator(a.profile)
+        conn, port, pid = self.start_coordinator(profile)
         address = f"127.0.0.1:{port}"
-        print(f"coordinator pid {pid} on {address} (attach py-spy here)", flush=True)
-        agents = self.start_agents(address)
-        clients = [self._spawn(_client_main, address, i, self.load_cpus) for i in range(a.clients)]
+        mode = f"batched (Submit <= {batch} calls, agent batches)" if batch else "unbatched"
+        print(f"{mode}: coordinator pid {pid} on {address} (attach py-spy here)", flush=True)
+        agents = self.start_agents(address, batched=batch > 0)
+        clients = [
+            self._spawn(_client_main, address, i, self.load_cpus, batch) for i in range(a.clients)
+        ]
         steps: list[Step] = []
         half: Step | None = None
+        start_rate = a.start_rate * (a.batch_start_factor if batch else 1)
         try:
-            self.run_step(clients, agents, pid, "warm", a.start_rate / 2, 1.0)
-            rate = a.start_rate
+            step_s = a.step_ms / 1000 if batch else 0.0
+            self.run_step(clients, agents, pid, "warm", start_rate / 2, 1.0, step_s=step_s)
+            rate = start_rate
             for i in range(a.max_steps):
-                s = self.run_step(clients, agents, pid, f"s{i}", rate, a.duration)
+                s = self.run_step(clients, agents, pid, f"s{i}", rate, a.duration, step_s=step_s)
                 steps.append(s)
                 _print_row(s)
                 if s.saturated or rate >= a.max_rate:
                     break
                 rate *= a.factor
             sat = max(s.completed_per_s for s in steps)
-            half = self.run_step(clients, agents, pid, "half", sat / 2, a.duration)
+            half = self.run_step(clients, agents, pid, "half", sat / 2, a.duration, step_s=step_s)
             half.offered = sat / 2
             _print_row(half, "half-sat")
         finally:
@@ -479,7 +637,7 @@ class Bench:
                 if conn.poll(30):
                     conn.recv()
             self.stop_all()
-        return steps, half, address
+        return steps, half
 
     # ------------------------------------------------------------ memory
     def memory(self) -> tuple[int, int, int, Step | None]:
@@ -488,7 +646,7 @@ class Bench:
         address = f"127.0.0.1:{port}"
         agents = self.start_agents(address)
         loaded: Step | None = None
-        client = self._spawn(_client_main, address, 99, self.load_cpus)
+        client = self._spawn(_client_main, address, 99, self.load_cpus, 0)
         try:
             client.send(("fill", "warm", min(1000, a.inflight), 200))
             client.recv()
@@ -557,7 +715,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=200.0,
         help="rendezvous/s offered while --inflight transfers are held",
     )
-    p.add_argument("--profile", metavar="FILE", help="cProfile the coordinator into FILE")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="calls per Submit in the batched run (0: unbatched run only)",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=10.0,
+        help="batched run: each client submits once per this period (an engine step)",
+    )
+    p.add_argument(
+        "--batch-start-factor",
+        type=float,
+        default=3.0,
+        help="the batched run starts at this many times --start-rate",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="cProfile the coordinator into FILE (FILE.batched for the batched run)",
+    )
     p.add_argument("--profile-top", type=int, default=25)
     return p
 
@@ -580,22 +760,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'order_p99':>9} {'coordCPU':>7} {'dropped':>7} {'failed':>6} {'drained':>7}  errors"
     )
     t0 = time.monotonic()
+    runs: list[tuple[str, list[Step], Step | None]] = []
     try:
-        steps, half, _ = bench.throughput()
+        steps, half = bench.throughput(0, args.profile)
+        runs.append(("unbatched", steps, half))
+        if args.batch > 0:
+            prof = args.profile and args.profile + ".batched"
+            steps, half = bench.throughput(args.batch, prof)
+            runs.append(("batched", steps, half))
         before, after, held, loaded = bench.memory()
     finally:
         bench.stop_all()
-    sat = max(steps, key=lambda s: s.completed_per_s)
     per = (after - before) / held if held else float("nan")
-    print(
-        f"\nsaturation: {sat.completed_per_s:.0f} rendezvous/s "
-        f"(offered {sat.offered:.0f}/s, coordinator CPU {sat.coord_cpu * 100:.0f}%)"
-    )
-    if half is not None:
+    figures: dict[str, tuple[float, float, float]] = {}
+    print()
+    for name, steps, half in runs:
+        sat = max(steps, key=lambda s: s.completed_per_s)
+        p50 = _pct(half.order_ms, 0.5) if half else float("nan")
+        p99 = _pct(half.order_ms, 0.99) if half else float("nan")
+        figures[name] = (sat.completed_per_s, p50, p99)
         print(
-            f"order latency at {half.offered:.0f}/s: p50 {_pct(half.order_ms, 0.5):.2f} ms, "
-            f"p99 {_pct(half.order_ms, 0.99):.2f} ms ({len(half.order_ms)} orders)"
+            f"{name} saturation: {sat.completed_per_s:.0f} rendezvous/s "
+            f"(offered {sat.offered:.0f}/s, coordinator CPU {sat.coord_cpu * 100:.0f}%)"
         )
+        if half is not None:
+            print(
+                f"{name} order latency at {half.offered:.0f}/s: p50 {p50:.2f} ms, "
+                f"p99 {p99:.2f} ms ({len(half.order_ms)} orders)"
+            )
+    if "batched" in figures:
+        print(f"batched / unbatched: {figures['batched'][0] / figures['unbatched'][0]:.1f}x")
     print(
         f"memory: VmRSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB for {held} "
         f"REGISTERED transfers = {per:.0f} bytes each"
@@ -610,12 +804,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"elapsed {time.monotonic() - t0:.0f} s")
     if args.profile:
         _print_profile(args.profile, args.profile_top)
-    p50 = _pct(half.order_ms, 0.5) if half else float("nan")
-    p99 = _pct(half.order_ms, 0.99) if half else float("nan")
-    print(
-        f"rendezvous_per_s={sat.completed_per_s:.0f} order_p50_ms={p50:.2f} "
+        if args.batch > 0:
+            print("\n(batched run)")
+            _print_profile(args.profile + ".batched", args.profile_top)
+    rps, p50, p99 = figures["unbatched"]
+    line = (
+        f"rendezvous_per_s={rps:.0f} order_p50_ms={p50:.2f} "
         f"order_p99_ms={p99:.2f} bytes_per_inflight={per:.0f}"
     )
+    if "batched" in figures:
+        rps, p50, p99 = figures["batched"]
+        line += (
+            f" rendezvous_per_s_batched={rps:.0f} order_p50_ms_batched={p50:.2f}"
+            f" order_p99_ms_batched={p99:.2f}"
+        )
+    print(line)
     return 0
 
 

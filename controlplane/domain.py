@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 TransferId = NewType("TransferId", str)
@@ -116,10 +116,11 @@ class AgentRegistration:
     nixl_metadata: bytes
     layout: KVLayout
     api_url: str = ""
+    # Derived once: read several times per report on the hot path.
+    key: AgentKey = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> AgentKey:
-        return AgentKey(self.engine_id, self.tp_rank)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", AgentKey(self.engine_id, self.tp_rank))
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,8 @@ class TransferLog:
         self._log = structlog.get_logger("pushkv.coordinator")
 
     def on_transfer_changed(self, t: Transfer) -> None:
+        if not t.state.terminal:
+            return  # every logged stage is terminal (the cursor catches up later)
         _, events = self._cursor.new_events(t)
         for stage, _wall, _rank in events:
             if stage not in self._STAGES:
