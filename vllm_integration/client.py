@@ -166,7 +166,7 @@ class CoordinatorClient:
                 if not self._calls:
                     if self._closed:
                         return
-                    self._wake.wait()  # submit() and close() set it
+                    self._wake.wait(1.0)  # submit() and close() set it
                     continue
                 batch: list[Call] = []
                 while self._calls and len(batch) < MAX_BATCH:

@@ -116,8 +116,8 @@ class PushKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if compat.KVConnectorTransferResults is None:  # pragma: no cover - vLLM < 0.30
             return sending, recving
         return compat.KVConnectorTransferResults(
-            finished_sending=set(sending or ()),
-            finished_recving=set(recving or ()),
+            finished_sending=sending or set(),
+            finished_recving=recving or set(),
             failed_recving=failed,
         )
 
