@@ -128,6 +128,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from vllm_integration.bench_serving import main as bench_serving
 
         return bench_serving(args.rest)
+    if args.which == "core":
+        from controlplane.bench_core import main as bench_core
+
+        return bench_core(args.rest)
     if args.which == "hooks":
         from vllm_integration.bench_hooks import main as bench_hooks
 
@@ -195,7 +199,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     handlers["dev-certs"] = _cmd_dev_certs
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
-    b.add_argument("which", choices=["dataplane", "coordinator", "order", "serving", "hooks"])
+    b.add_argument(
+        "which", choices=["dataplane", "coordinator", "core", "order", "serving", "hooks"]
+    )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     handlers["bench"] = _cmd_bench
 

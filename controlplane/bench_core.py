@@ -1,0 +1,276 @@
+"""``pushkv bench core``: the coordinator's own CPU per rendezvous, without the network.
+
+Drives one Runtime in-process through the code the gRPC handlers run:
+``TransferServicer.Submit`` (decode registrations, then prefill reports, in
+batches of ``--batch`` calls) and ``Runtime.on_agent_message`` (one
+``AgentBatch`` of POSTED + DONE reports on the prefill session, one of
+arrivals on the decode session), with the engine pair, settings and
+observers of ``pushkv bench coordinator`` (TP 1, 3 blocks per side). Request
+messages are parsed from bytes and the coordinator's outgoing batches
+serialized, as gRPC would, and timed as phases of their own. Building the
+requests (the clients' work) is not timed.
+
+Prints microseconds per rendezvous by phase, median (and range) over
+``--reps`` repetitions of ``--n`` rendezvous each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import io
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane.bench_coordinator import CORE_SETTINGS, DECODE, PREFILL, TOKENS
+
+PHASES = ("parse", "register", "prefill_done", "take", "serialize", "write", "arrival")
+CORE_PHASES = ("register", "prefill_done", "take", "write", "arrival")
+
+
+def _hello(engine: str, role: Any) -> pb.AgentHello:
+    region = pb.KVRegion(base_addr=0x1000_0000, block_len=4096, num_blocks=4096)
+    return pb.AgentHello(
+        identity=pb.AgentIdentity(
+            engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="b1"
+        ),
+        nixl_agent_name=f"{engine}-0",
+        nixl_metadata=b"x" * 256,
+        layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
+        accepts_batches=True,
+    )
+
+
+def _run(coro: Any) -> Any:
+    """Run a coroutine that never awaits (Submit) to its result, with no loop."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("coroutine awaited")
+
+
+async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str, float]:
+    from controlplane import convert
+    from controlplane.auth import Authorizer
+    from controlplane.clock import SystemClock
+    from controlplane.logs import TransferLog
+    from controlplane.metrics import CoordinatorMetrics
+    from controlplane.runtime import Runtime
+    from controlplane.servicers import TransferServicer
+    from controlplane.settings import CoreSettings
+
+    rt = Runtime(CoreSettings(**CORE_SETTINGS), SystemClock())
+    if with_metrics:
+        rt.observers.append(CoordinatorMetrics(rt))
+    rt.observers.append(TransferLog(rt.core.has_transfer))
+    srv = TransferServicer(rt, Authorizer(tls_enabled=False))
+    sp = rt.open_session(
+        convert.registration_from_pb(_hello(PREFILL, pb.ROLE_PREFILL)), accepts_batches=True
+    )
+    sd = rt.open_session(
+        convert.registration_from_pb(_hello(DECODE, pb.ROLE_DECODE)), accepts_batches=True
+    )
+    for s in (sp, sd):
+        while not s.outbox.empty():
+            s.outbox.get_nowait()  # the welcomes
+
+    d_blocks = [pb.BlockIds(ids=[7, 8, 9])]
+    p_blocks = [pb.BlockIds(ids=[1, 2, 3])]
+    parse_submit: Callable[[bytes], pb.SubmitRequest] = pb.SubmitRequest.FromString
+    parse_agent: Callable[[bytes], pb.AgentMessage] = pb.AgentMessage.FromString
+    acc = dict.fromkeys(PHASES, 0)
+    clock = time.perf_counter_ns
+    done = 0
+    gc.collect()
+    while done < n:
+        k = min(batch, n - done)
+        tids = [f"r{rep}-{done + i}" for i in range(k)]
+        done += k
+        reg_bytes = pb.SubmitRequest(
+            calls=[
+                pb.TransferCall(
+                    register=pb.RegisterDecodeBlocksRequest(
+                        transfer_id=t,
+                        decode_engine_id=DECODE,
+                        block_ids=d_blocks,
+                        num_tokens=TOKENS,
+                    )
+                )
+                for t in tids
+            ]
+        ).SerializeToString()
+        pre_bytes = pb.SubmitRequest(
+            calls=[
+                pb.TransferCall(
+                    prefill_done=pb.ReportPrefillDoneRequest(
+                        transfer_id=t,
+                        prefill_engine_id=PREFILL,
+                        block_ids=p_blocks,
+                        num_tokens=TOKENS,
+                    )
+                )
+                for t in tids
+            ]
+        ).SerializeToString()
+
+        t0 = clock()
+        reg_req = parse_submit(reg_bytes)
+        pre_req = parse_submit(pre_bytes)
+        t1 = clock()
+        r1 = _run(srv.Submit(reg_req, None))  # type: ignore[arg-type]
+        r1.SerializeToString()
+        t2 = clock()
+        r2 = _run(srv.Submit(pre_req, None))  # type: ignore[arg-type]
+        r2.SerializeToString()
+        t3 = clock()
+        out: list[pb.CoordinatorMessage] = []
+        q = sp.outbox
+        while not q.empty():
+            first = q.get_nowait()
+            assert first is not None
+            msg, _ = sp.take(first)
+            out.append(msg)
+        t4 = clock()
+        for msg in out:
+            msg.SerializeToString()
+        t5 = clock()
+        acc["parse"] += t1 - t0
+        acc["register"] += t2 - t1
+        acc["prefill_done"] += t3 - t2
+        acc["take"] += t4 - t3
+        acc["serialize"] += t5 - t4
+
+        orders = [
+            m.order
+            for msg in out
+            for m in (msg.batch.messages if msg.WhichOneof("kind") == "batch" else (msg,))
+            if m.WhichOneof("kind") == "order"
+        ]
+        assert len(orders) == k, (len(orders), k)
+        writes = pb.AgentMessage(
+            batch=pb.AgentBatch(
+                messages=[
+                    pb.AgentMessage(
+                        write=pb.WriteReport(
+                            order_id=o.order_id, transfer_id=o.transfer_id, status=st
+                        )
+                    )
+                    for o in orders
+                    for st in (pb.WRITE_STATUS_POSTED, pb.WRITE_STATUS_DONE)
+                ]
+            )
+        ).SerializeToString()
+        arrivals = pb.AgentMessage(
+            batch=pb.AgentBatch(
+                messages=[
+                    pb.AgentMessage(
+                        arrival=pb.ArrivalReport(
+                            transfer_id=o.transfer_id, prefill_ranks=[o.prefill_rank]
+                        )
+                    )
+                    for o in orders
+                ]
+            )
+        ).SerializeToString()
+        t0 = clock()
+        wmsg = parse_agent(writes)
+        amsg = parse_agent(arrivals)
+        t1 = clock()
+        rt.on_agent_message(sp, wmsg)
+        t2 = clock()
+        rt.on_agent_message(sd, amsg)
+        t3 = clock()
+        acc["parse"] += t1 - t0
+        acc["write"] += t2 - t1
+        acc["arrival"] += t3 - t2
+    live = sum(1 for t in rt.core.transfers() if not t.state.terminal)
+    if live:
+        raise RuntimeError(f"{live} transfers not terminal")
+    for s in (sp, sd):
+        rt.close_session(s)
+    return {p: ns / 1000 / n for p, ns in acc.items()}
+
+
+def _quiet_logs(level: str) -> None:
+    from controlplane import logs
+
+    saved = sys.stderr
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept open: the logger writes here)
+    try:
+        logs.configure(level, json=True)
+    finally:
+        sys.stderr = saved
+
+
+def run(n: int, batch: int, reps: int, with_metrics: bool) -> list[dict[str, float]]:
+    results = []
+    for rep in range(reps):
+        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep)))
+    return results
+
+
+def _fmt(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):7.1f} ({min(values):6.1f}-{max(values):6.1f})"
+
+
+def report(results: list[dict[str, float]], out: io.TextIOBase | Any = sys.stdout) -> float:
+    """Print the table; returns the median core total."""
+    for r in results:
+        r["core"] = sum(r[p] for p in CORE_PHASES)
+        r["total"] = sum(r[p] for p in PHASES)
+    out.write("phase          us/rendezvous median (min-max)\n")
+    for p in (*PHASES, "core", "total"):
+        out.write(f"  {p:12s} {_fmt([r[p] for r in results])}\n")
+    core = statistics.median(r["core"] for r in results)
+    total = statistics.median(r["total"] for r in results)
+    out.write(
+        f"core_us_per_rendezvous={core:.1f} total_us_per_rendezvous={total:.1f} "
+        f"rendezvous_per_core_s={1e6 / total:.0f}\n"
+    )
+    return core
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pushkv bench core", description=__doc__)
+    p.add_argument("--n", type=int, default=20_000, help="rendezvous per repetition")
+    p.add_argument("--batch", type=int, default=64, help="calls per Submit and reports per batch")
+    p.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
+    p.add_argument("--metrics", action="store_true", help="also run the Prometheus observer")
+    p.add_argument(
+        "--log-level", default="WARNING", help="coordinator log level (INFO: outcome lines)"
+    )
+    p.add_argument("--profile", default="", help="write cProfile stats of one repetition here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_logs(args.log_level)
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        run(args.n, args.batch, 1, args.metrics)
+        prof.disable()
+        prof.dump_stats(args.profile)
+        print(f"profile written to {args.profile}")
+        return 0
+    print(
+        f"{args.reps} x {args.n} rendezvous, batches of {args.batch}, "
+        f"metrics={'on' if args.metrics else 'off'}, log level {args.log_level}"
+    )
+    report(run(args.n, args.batch, args.reps, args.metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
