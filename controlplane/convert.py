@@ -78,8 +78,8 @@ def blocks_to_pb(blocks: Blocks) -> list[pb.BlockIds]:
     return [pb.BlockIds(ids=list(g)) for g in blocks]
 
 
-def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
-    return [list(g.ids) for g in groups]
+def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[tuple[int, ...]]:
+    return [tuple(g.ids) for g in groups]
 
 
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:

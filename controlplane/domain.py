@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NamedTuple, NewType
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -14,9 +14,15 @@ OrderId = NewType("OrderId", str)
 Blocks = tuple[tuple[int, ...], ...]
 
 
+# Enum members are singletons compared by identity, so identity hashing is
+# equivalent to Enum's hash(name) and runs in C (hot in dict and set lookups).
+
+
 class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+    __hash__ = object.__hash__
 
 
 class State(enum.Enum):
@@ -29,6 +35,8 @@ class State(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
+
+    __hash__ = object.__hash__
 
     @property
     def terminal(self) -> bool:
@@ -49,6 +57,8 @@ class Reason(enum.Enum):
     NOTHING_TO_WRITE = "nothing_to_write"
     PREFILL_ABORTED = "prefill_aborted"
 
+    __hash__ = object.__hash__
+
 
 class RankState(enum.Enum):
     ORDERED = "ordered"
@@ -57,10 +67,15 @@ class RankState(enum.Enum):
     FAILED = "failed"
     DROPPED = "dropped"
 
+    __hash__ = object.__hash__
+
     @property
     def resolved(self) -> bool:
         """True once no WRITE of this order can still land."""
-        return self in (RankState.DONE, RankState.FAILED, RankState.DROPPED)
+        return self in _RESOLVED
+
+
+_RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
 
 
 class WriteStatus(enum.Enum):
@@ -69,9 +84,12 @@ class WriteStatus(enum.Enum):
     FAILED = "failed"
     DROPPED = "dropped"
 
+    __hash__ = object.__hash__
 
-@dataclass(frozen=True, slots=True)
-class AgentKey:
+
+class AgentKey(NamedTuple):
+    """A tuple: hashed and compared in C (a key of several hot dicts)."""
+
     engine_id: EngineId
     rank: int
 
@@ -95,14 +113,13 @@ class KVLayout:
     regions: tuple[KVRegion, ...]
     memory_kind: str = "DRAM"
     compat_hash: str = ""
+    # Derived once: read by every registration and prefill report.
+    num_blocks: int = field(init=False, repr=False, compare=False)
+    num_groups: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_blocks(self) -> int:
-        return min((r.num_blocks for r in self.regions), default=0)
-
-    @property
-    def num_groups(self) -> int:
-        return max((r.group for r in self.regions), default=-1) + 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_blocks", min((r.num_blocks for r in self.regions), default=0))
+        object.__setattr__(self, "num_groups", max((r.group for r in self.regions), default=-1) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,17 +176,18 @@ class Notice:
 
 
 # ------------------------------------------------------------------ effects
-# The core returns these; the transport delivers them.
+# The core returns these; the transport delivers them. Transient, so not
+# frozen: a frozen dataclass costs a setattr call per field to build.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendOrder:
     to: AgentKey
     incarnation: str
     order: Order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendCancelOrder:
     to: AgentKey
     incarnation: str
@@ -178,14 +196,14 @@ class SendCancelOrder:
     reason: Reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendNotice:
     to: AgentKey
     incarnation: str
     notice: Notice
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendPeerFenced:
     to: AgentKey
     incarnation: str
@@ -193,7 +211,7 @@ class SendPeerFenced:
     peer_incarnation: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransferChanged:
     transfer_id: TransferId
 

@@ -16,9 +16,20 @@ if TYPE_CHECKING:
     from controlplane.transfer import Transfer
 
 
+class _Levels:
+    debug = True  # until configure() says otherwise (structlog's default logs all)
+
+
+def debug_enabled() -> bool:
+    """Whether configure() lets debug lines through: hot paths skip building
+    a debug call (structlog's lazy proxy costs a few calls even when filtered)."""
+    return _Levels.debug
+
+
 def configure(level: str = "INFO", *, json: bool | None = None) -> None:
     as_json = (not sys.stderr.isatty()) if json is None else json
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    _Levels.debug = lvl <= logging.DEBUG
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )

@@ -42,7 +42,7 @@ class EngineRecord:
 class Registry:
     def __init__(self, lease_s: float) -> None:
         self._lease_s = lease_s
-        self._engines: dict[EngineId, EngineRecord] = {}
+        self._engines: dict[str, EngineRecord] = {}
         # Incarnations replaced or lost while their process may still run:
         # (key, incarnation) -> the moment its lease is certainly over.
         self._ghosts: dict[tuple[AgentKey, str], float] = {}
@@ -51,7 +51,7 @@ class Registry:
     def engines(self) -> Iterator[EngineRecord]:
         return iter(self._engines.values())
 
-    def engine(self, engine_id: EngineId) -> EngineRecord | None:
+    def engine(self, engine_id: str) -> EngineRecord | None:
         return self._engines.get(engine_id)
 
     def require_engine(self, engine_id: EngineId, role: Role, *, field_name: str) -> EngineRecord:

@@ -63,6 +63,14 @@ from controlplane.transfer import OrderRecord, Side, Transfer
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
 _MOVING = (State.ORDERED, State.WRITING)
+_RANK_OF_REPORT = {
+    WriteStatus.DONE: RankState.DONE,
+    WriteStatus.FAILED: RankState.FAILED,
+    WriteStatus.DROPPED: RankState.DROPPED,
+}
+# Timeline stage names, without an Enum .value lookup (a Python property) per event.
+_WRITE_STAGE = {r: f"write_{r.value}" for r in RankState}
+_STAGE = {st: st.value for st in State}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +96,8 @@ class Rendezvous:
         self.settings = settings
         self._clock = clock
         self.registry = Registry(settings.lease_s)
-        self._transfers: dict[TransferId, Transfer] = {}
+        # Keyed by plain str: lookups need no TransferId() call (ids in it were validated).
+        self._transfers: dict[str, Transfer] = {}
         self._inflight = 0
         self._inflight_by_engine: dict[EngineId, int] = {}
         self._deadlines: list[tuple[float, int, TransferId]] = []
@@ -100,7 +109,7 @@ class Rendezvous:
 
     # ================================================================ queries
     def get(self, transfer_id: str) -> Transfer:
-        t = self._transfers.get(TransferId(transfer_id))
+        t = self._transfers.get(transfer_id)
         if t is None:
             raise NotFound(f"no transfer {transfer_id!r}", field="transfer_id")
         return t
@@ -180,7 +189,7 @@ class Rendezvous:
         nbytes: int = 0,
         descriptors: int = 0,
     ) -> list[Effect]:
-        t = self._transfers.get(TransferId(transfer_id))
+        t = self._transfers.get(transfer_id)
         rec = self._order_by_id(t, order_id) if t else None
         if t is None or rec is None:
             return []  # unknown or forgotten order: nothing to update
@@ -198,14 +207,10 @@ class Rendezvous:
                 t.state = State.WRITING
             return effects
         was_open = t.write_may_land
-        rec.state = {
-            WriteStatus.DONE: RankState.DONE,
-            WriteStatus.FAILED: RankState.FAILED,
-            WriteStatus.DROPPED: RankState.DROPPED,
-        }[status]
+        rec.state = _RANK_OF_REPORT[status]
         rec.detail, rec.bytes, rec.descriptors = detail, nbytes, descriptors
         self._close_order(t, rec)
-        t.mark(f"write_{rec.state.value}", wall, rank)
+        t.mark(_WRITE_STAGE[rec.state], wall, rank)
         if t.state in _MOVING:
             if status is WriteStatus.FAILED:
                 why = f"prefill rank {rank}: {detail or 'WRITE failed'}"
@@ -222,20 +227,22 @@ class Rendezvous:
     def arrival_report(
         self, key: AgentKey, incarnation: str, transfer_id: str, prefill_ranks: Sequence[int]
     ) -> list[Effect]:
-        t = self._transfers.get(TransferId(transfer_id))
+        t = self._transfers.get(transfer_id)
         if t is None or t.decode is None:
             return []
         if key.engine_id != t.decode.engine_id or not self.registry.is_current(key, incarnation):
             raise PermissionDenied(f"{key}@{incarnation} is not a decode rank of {transfer_id}")
+        ranks = set(prefill_ranks)
         expected = t.expected.get(key.rank, frozenset())
-        unexpected = set(prefill_ranks) - expected
-        if unexpected:
+        if not ranks <= expected:
             raise InvalidArgument(
-                f"ranks {sorted(unexpected)} do not write into decode rank {key.rank}",
+                f"ranks {sorted(ranks - expected)} do not write into decode rank {key.rank}",
                 field="arrival.prefill_ranks",
             )
-        got = t.arrived.setdefault(key.rank, set())
-        new = set(prefill_ranks) - got
+        got = t.arrived.get(key.rank)
+        if got is None:
+            got = t.arrived[key.rank] = set()
+        new = ranks - got
         if not new:
             return []
         got.update(new)
@@ -323,7 +330,15 @@ class Rendezvous:
         return min(candidates, default=None)
 
     # ================================================================ internals
-    def _create(self, tid: TransferId, state: State, engines: Sequence[EngineId]) -> Transfer:
+    def _create(
+        self,
+        tid: TransferId,
+        state: State,
+        engines: Sequence[EngineId],
+        now: float | None = None,
+        wall: float | None = None,
+    ) -> Transfer:
+        """A new transfer; `now` and `wall` are the clocks, if the caller just read them."""
         s = self.settings
         if self._inflight >= s.max_inflight:
             raise ResourceExhausted(f"{self._inflight} transfers in flight (max {s.max_inflight})")
@@ -332,18 +347,19 @@ class Rendezvous:
                 raise ResourceExhausted(
                     f"engine {e} has {s.max_inflight_per_engine} transfers in flight"
                 )
-        now, wall = self._clock.monotonic(), self._clock.wall()
+        if now is None or wall is None:
+            now, wall = self._clock.monotonic(), self._clock.wall()
         t = Transfer(tid, state, now, wall, now, wall)
         self._transfers[tid] = t
         self._inflight += 1
         for e in engines:
             self._count_engine(t, e)
-        self._set_deadline(t, s.rendezvous_timeout_s)
+        self._set_deadline(t, s.rendezvous_timeout_s, now)
         return t
 
-    def _set_deadline(self, t: Transfer, seconds: float) -> None:
+    def _set_deadline(self, t: Transfer, seconds: float, now: float | None = None) -> None:
         t.deadline_version += 1
-        t.deadline_mono = self._clock.monotonic() + seconds
+        t.deadline_mono = (self._clock.monotonic() if now is None else now) + seconds
         heapq.heappush(self._deadlines, (t.deadline_mono, t.deadline_version, t.transfer_id))
 
     def _count_engine(self, t: Transfer, engine: EngineId) -> None:
@@ -365,9 +381,14 @@ class Rendezvous:
     ) -> tuple[Transfer, list[Effect]]:
         s = self.settings
         field = "decode_engine_id" if role is Role.DECODE else "prefill_engine_id"
-        tid = validation.transfer_id(transfer_id, s.max_id_len)
-        eid = validation.engine_id(engine, field=field, max_len=s.max_id_len)
-        eng = self.registry.require_engine(eid, role, field_name=field)
+        t = self._transfers.get(transfer_id)
+        # Ids already held (a known transfer, a registered engine) were validated then.
+        tid = t.transfer_id if t is not None else validation.transfer_id(transfer_id, s.max_id_len)
+        eng = self.registry.engine(engine)
+        if eng is None or eng.role is not role:
+            eid = validation.engine_id(engine, field=field, max_len=s.max_id_len)
+            eng = self.registry.require_engine(eid, role, field_name=field)
+        eid = eng.engine_id
         layout = eng.ranks[min(eng.ranks)].reg.layout
         checked = validation.blocks(
             blocks,
@@ -391,9 +412,9 @@ class Rendezvous:
                     field=f"block_ids[{g}]",
                 )
         side = Side(eid, checked, num_tokens)
-        t = self._transfers.get(tid)
+        now, wall = self._clock.monotonic(), self._clock.wall()
         if t is None:
-            t = self._create(tid, State.AWAITING, [eid])
+            t = self._create(tid, State.AWAITING, [eid], now, wall)
         else:
             announced = t.announced_decode if role is Role.DECODE else t.announced_prefill
             if announced and announced != eid:
@@ -416,7 +437,6 @@ class Rendezvous:
             # Cancelled or expired before this side arrived: the answer says so.
             return t, []
         self._count_engine(t, eid)
-        wall = self._clock.wall()
         effects: list[Effect] = [TransferChanged(tid)]
         if role is Role.DECODE:
             t.decode = side
@@ -428,7 +448,7 @@ class Rendezvous:
             effects += self._issue_orders(t)
         else:
             t.state = State.REGISTERED if role is Role.DECODE else State.PREFILL_DONE
-            self._set_deadline(t, s.rendezvous_timeout_s)
+            self._set_deadline(t, s.rendezvous_timeout_s, now)
         return t, effects
 
     def _issue_orders(self, t: Transfer) -> list[Effect]:
@@ -453,7 +473,8 @@ class Rendezvous:
             src.append(prompt_ids[len(prompt_ids) - len(d_ids) :] if d_ids else ())
         s = self.settings
         self._set_deadline(t, s.write_timeout_s)
-        deadline_unix = self._clock.wall() + s.write_timeout_s
+        wall = self._clock.wall()
+        deadline_unix = wall + s.write_timeout_s
         effects: list[Effect] = []
         for rank in range(pe.tp_size):
             # Equal TP: prefill rank r writes whole blocks into decode rank r.
@@ -476,14 +497,16 @@ class Rendezvous:
                 deadline_unix=deadline_unix,
                 num_tokens=t.decode.num_tokens,
             )
-            t.orders[rank] = OrderRecord(order)
-            t.expected[rank] = frozenset({rank})
-            self._open_orders.setdefault((p_agent.key, p_agent.incarnation), set()).add(
-                (t.transfer_id, rank)
-            )
+            t.orders[rank] = OrderRecord(order, p_agent.key)
+            t.expected[rank] = frozenset((rank,))
+            bucket_key = (p_agent.key, p_agent.incarnation)
+            bucket = self._open_orders.get(bucket_key)
+            if bucket is None:
+                bucket = self._open_orders[bucket_key] = set()
+            bucket.add((t.transfer_id, rank))
             effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
         t.state = State.ORDERED
-        t.mark("ordered", self._clock.wall())
+        t.mark("ordered", wall)
         return effects
 
     @staticmethod
@@ -507,7 +530,10 @@ class Rendezvous:
         return ""
 
     def _maybe_complete(self, t: Transfer) -> list[Effect]:
-        if all(o.state is RankState.DONE for o in t.orders.values()) and t.all_arrived():
+        for o in t.orders.values():
+            if o.state is not RankState.DONE:
+                return []
+        if t.all_arrived():
             return self._finish(t, State.COMPLETE, Reason.NONE, "")
         return []
 
@@ -517,7 +543,7 @@ class Rendezvous:
         t.state, t.reason, t.detail = state, reason, detail
         now = self._clock.monotonic()
         t.terminal_mono = now
-        t.mark(state.value, self._clock.wall())
+        t.mark(_STAGE[state], self._clock.wall())
         self._inflight -= 1
         for e in t.counted:
             left = self._inflight_by_engine.get(e, 0) - 1
@@ -658,7 +684,11 @@ class Rendezvous:
             del self._transfers[tid]
 
     def has_transfer(self, transfer_id: str) -> bool:
-        return TransferId(transfer_id) in self._transfers
+        return transfer_id in self._transfers
+
+    def transfer(self, transfer_id: str) -> Transfer | None:
+        """The transfer, or None if unknown or forgotten."""
+        return self._transfers.get(transfer_id)
 
 
 def blocks_of(groups: Blocks) -> list[list[int]]:

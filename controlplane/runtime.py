@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane import convert
+from controlplane import convert, logs
 from controlplane.clock import Clock
 from controlplane.domain import (
     AgentKey,
@@ -143,9 +143,10 @@ class Runtime:
                 if s is None:
                     continue  # replayed when the agent reconnects
                 for tgt in e.order.targets:
-                    self._ensure_peer(s, AgentKey(tgt.decode_engine_id, tgt.decode_rank))
+                    self._ensure_peer(s, tgt.decode_engine_id, tgt.decode_rank)
                 s.send(pb.CoordinatorMessage(order=convert.order_to_pb(e.order)))
-                log.debug("order_sent", transfer_id=e.order.transfer_id, agent=str(e.to))
+                if logs.debug_enabled():
+                    log.debug("order_sent", transfer_id=e.order.transfer_id, agent=str(e.to))
             elif isinstance(e, SendCancelOrder):
                 s = self._session(e.to, e.incarnation)
                 if s is not None:
@@ -176,14 +177,17 @@ class Runtime:
                             )
                         )
                     )
-        for tid in changed:
-            self._observe(tid)
-            self._publish(tid)
-
-    def _observe(self, transfer_id: str) -> None:
-        if not self.observers or not self.core.has_transfer(transfer_id):
+        if not changed or not (self.observers or self._watchers):
             return
-        t = self.core.get(transfer_id)
+        for tid in changed:
+            t = self.core.transfer(tid)
+            if t is None:
+                continue
+            self._observe(t)
+            if self._watchers:
+                self._publish(t)
+
+    def _observe(self, t: Transfer) -> None:
         for obs in self.observers:
             try:
                 obs.on_transfer_changed(t)
@@ -196,11 +200,15 @@ class Runtime:
             return None
         return s
 
-    def _ensure_peer(self, s: AgentSession, peer: AgentKey) -> None:
-        rec = self.core.registry.agent(peer)
-        if rec is None or (peer, rec.incarnation) in s.known_peers:
+    def _ensure_peer(self, s: AgentSession, engine_id: str, rank: int) -> None:
+        eng = self.core.registry.engine(engine_id)
+        rec = eng.ranks.get(rank) if eng is not None else None
+        if rec is None:
             return
-        s.known_peers.add((peer, rec.incarnation))
+        peer = (rec.key, rec.incarnation)
+        if peer in s.known_peers:
+            return
+        s.known_peers.add(peer)
         s.send(pb.CoordinatorMessage(peer=convert.peer_to_pb(rec.reg)))
 
     # ---------------------------------------------------------------- agents
@@ -246,20 +254,21 @@ class Runtime:
         if not self.core.agent_seen(s.key, s.reg.incarnation):
             s.close()  # fenced or lost: the agent must reconnect and register again
             return
-        if msg.WhichOneof("kind") != "batch":
-            self._on_item(s, msg)
+        kind = msg.WhichOneof("kind")
+        if kind != "batch":
+            self._on_item(s, msg, kind)
             return
         for item in msg.batch.messages:
             try:
-                if item.WhichOneof("kind") in ("batch", "hello"):
+                kind = item.WhichOneof("kind")
+                if kind in {"batch", "hello"}:
                     raise InvalidArgument("a batch holds no hello and no nested batch")
-                self._on_item(s, item)
+                self._on_item(s, item, kind)
             except Exception as exc:
                 log.warning("agent_message_rejected", agent=str(s.key), error=str(exc))
 
-    def _on_item(self, s: AgentSession, msg: pb.AgentMessage) -> None:
-        key, inc = s.key, s.reg.incarnation
-        kind = msg.WhichOneof("kind")
+    def _on_item(self, s: AgentSession, msg: pb.AgentMessage, kind: str | None) -> None:
+        key, inc = s.reg.key, s.reg.incarnation
         if kind == "heartbeat":
             s.send(
                 pb.CoordinatorMessage(
@@ -318,10 +327,7 @@ class Runtime:
     def unwatch(self, w: Watcher) -> None:
         self._watchers.discard(w)
 
-    def _publish(self, transfer_id: str) -> None:
-        if not self._watchers or not self.core.has_transfer(transfer_id):
-            return
-        t = self.core.get(transfer_id)
+    def _publish(self, t: Transfer) -> None:
         now = self.clock.wall()
         event: pb.TransferEvent | None = None
         for w in list(self._watchers):

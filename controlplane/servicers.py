@@ -12,7 +12,7 @@ import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import convert, status_map
+from controlplane import convert, logs, status_map
 from controlplane.auth import Authorizer, Kind, Principal
 from controlplane.errors import (
     FailedPrecondition,
@@ -92,9 +92,10 @@ class TransferServicer(pbg.TransferServiceServicer):
             request.num_tokens,
         )
         self._rt.apply(effects)
-        log.debug(
-            "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
-        )
+        if logs.debug_enabled():
+            log.debug(
+                "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
+            )
         return t
 
     def _prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
@@ -106,7 +107,10 @@ class TransferServicer(pbg.TransferServiceServicer):
             request.num_tokens,
         )
         self._rt.apply(effects)
-        log.debug("prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id)
+        if logs.debug_enabled():
+            log.debug(
+                "prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id
+            )
         return t
 
     def _cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:

@@ -15,18 +15,18 @@ from controlplane.domain import (
     TransferId,
 )
 
+_RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
+
 
 @dataclass(slots=True)
 class OrderRecord:
     order: Order
+    # The prefill agent the order went to: (order.prefill_engine_id, order.prefill_rank).
+    agent: AgentKey
     state: RankState = RankState.ORDERED
     detail: str = ""
     bytes: int = 0
     descriptors: int = 0
-
-    @property
-    def agent(self) -> AgentKey:
-        return AgentKey(self.order.prefill_engine_id, self.order.prefill_rank)
 
 
 @dataclass(slots=True)
@@ -74,7 +74,10 @@ class Transfer:
 
     @property
     def write_may_land(self) -> bool:
-        return any(not o.state.resolved for o in self.orders.values())
+        for o in self.orders.values():  # noqa: SIM110 (any() over a generator is slower)
+            if o.state not in _RESOLVED:
+                return True
+        return False
 
     def outstanding_ranks(self) -> list[int]:
         """Prefill ranks whose WRITE is not done or whose arrival is not counted."""
@@ -86,7 +89,12 @@ class Transfer:
         )
 
     def all_arrived(self) -> bool:
-        return all(self.arrived.get(d, set()) >= exp for d, exp in self.expected.items())
+        arrived = self.arrived
+        for d, exp in self.expected.items():
+            got = arrived.get(d)
+            if (exp and got is None) or (got is not None and not got >= exp):
+                return False
+        return True
 
     def mark(self, stage: str, wall: float, rank: int = -1) -> None:
         self.timeline.append((stage, wall, rank))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -60,7 +61,16 @@ def blocks(
             f"has {len(groups)} KV groups; the engine's KV layout has {num_groups}", field=field
         )
     out: list[tuple[int, ...]] = []
+    limit = num_blocks if num_blocks is not None else math.inf
     for g, ids in enumerate(groups):
+        group = tuple(ids)
+        n = len(group)
+        # Fast path: one pass each in C; the loop below names the first problem.
+        if n <= max_per_group and (
+            not n or (min(group) >= 0 and max(group) < limit and len(set(group)) == n)
+        ):
+            out.append(group)
+            continue
         where = f"{field}[{g}]"
         if len(ids) > max_per_group:
             raise InvalidArgument(f"more than {max_per_group} block ids", field=where)
