@@ -27,6 +27,8 @@ class Kind(enum.Enum):
     ROUTER = "router"
     OPERATOR = "operator"
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing, in C
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -65,9 +67,18 @@ def parse_identity(common_name: str) -> Principal:
     )
 
 
+def _allowed(kind: Kind, method: str) -> bool:
+    for prefix, kinds in _METHODS.items():
+        if method.startswith(prefix):
+            return kind in kinds
+    return True  # health and reflection are open to every authenticated caller
+
+
 class Authorizer:
     def __init__(self, tls_enabled: bool) -> None:
         self.tls_enabled = tls_enabled
+        # (kind, method) -> allowed; methods are the server's few (each Submit call checks one).
+        self._allowed: dict[tuple[Kind, str], bool] = {}
 
     def principal(self, context: Any) -> Principal:
         if not self.tls_enabled:
@@ -80,14 +91,14 @@ class Authorizer:
         return parse_identity(raw.decode() if isinstance(raw, bytes) else str(raw))
 
     def check_method(self, principal: Principal, method: str) -> None:
-        if principal.kind is Kind.TRUSTED:
+        kind = principal.kind
+        if kind is Kind.TRUSTED:
             return
-        for prefix, kinds in _METHODS.items():
-            if method.startswith(prefix):
-                if principal.kind not in kinds:
-                    raise PermissionDenied(f"{principal} may not call {method}")
-                return
-        # Health and reflection are open to every authenticated caller.
+        allowed = self._allowed.get((kind, method))
+        if allowed is None:
+            allowed = self._allowed[(kind, method)] = _allowed(kind, method)
+        if not allowed:
+            raise PermissionDenied(f"{principal} may not call {method}")
 
     @staticmethod
     def require_engine(principal: Principal, engine_id: str, *, field: str) -> None:

@@ -79,7 +79,7 @@ def blocks_to_pb(blocks: Blocks) -> list[pb.BlockIds]:
 
 
 def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[tuple[int, ...]]:
-    return [tuple(g.ids) for g in groups]
+    return [tuple(g.ids[:]) for g in groups]  # a slice copies in one C call
 
 
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
@@ -150,28 +150,42 @@ def peer_to_pb(reg: AgentRegistration) -> pb.PeerInfo:
     )
 
 
+def _fill_order(m: pb.TransferOrder, order: Order) -> None:
+    # Filled in place: passing sub-messages as constructor arguments copies each one.
+    m.order_id = order.order_id
+    m.transfer_id = order.transfer_id
+    m.prefill_rank = order.prefill_rank
+    m.prefill_incarnation = order.prefill_incarnation
+    m.deadline_unix_ms = int(order.deadline_unix * 1000)
+    m.num_tokens = order.num_tokens
+    for t in order.targets:
+        w = m.targets.add(
+            decode_engine_id=t.decode_engine_id,
+            decode_rank=t.decode_rank,
+            decode_incarnation=t.decode_incarnation,
+            slice_offset=t.slice_offset,
+            slice_len=t.slice_len,
+            expected_writers=t.expected_writers,
+        )
+        add = w.src_blocks.add
+        for g in t.src_blocks:
+            add().ids.extend(g)
+        add = w.dst_blocks.add
+        for g in t.dst_blocks:
+            add().ids.extend(g)
+
+
 def order_to_pb(order: Order) -> pb.TransferOrder:
-    return pb.TransferOrder(
-        order_id=order.order_id,
-        transfer_id=order.transfer_id,
-        prefill_rank=order.prefill_rank,
-        prefill_incarnation=order.prefill_incarnation,
-        targets=[
-            pb.WriteTarget(
-                decode_engine_id=t.decode_engine_id,
-                decode_rank=t.decode_rank,
-                decode_incarnation=t.decode_incarnation,
-                src_blocks=blocks_to_pb(t.src_blocks),
-                dst_blocks=blocks_to_pb(t.dst_blocks),
-                slice_offset=t.slice_offset,
-                slice_len=t.slice_len,
-                expected_writers=t.expected_writers,
-            )
-            for t in order.targets
-        ],
-        deadline_unix_ms=int(order.deadline_unix * 1000),
-        num_tokens=order.num_tokens,
-    )
+    m = pb.TransferOrder()
+    _fill_order(m, order)
+    return m
+
+
+def order_message(order: Order) -> pb.CoordinatorMessage:
+    """CoordinatorMessage(order=order_to_pb(order)), without the copy."""
+    msg = pb.CoordinatorMessage()
+    _fill_order(msg.order, order)
+    return msg
 
 
 def notice_to_pb(n: Notice) -> pb.TransferNotice:

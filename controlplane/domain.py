@@ -37,13 +37,13 @@ class State(enum.Enum):
     EXPIRED = "expired"
 
     __hash__ = object.__hash__
-
-    @property
-    def terminal(self) -> bool:
-        return self in _TERMINAL
+    # Set on each member below: a plain attribute, read many times per change.
+    terminal: bool
 
 
 _TERMINAL = frozenset({State.COMPLETE, State.FAILED, State.CANCELLED, State.EXPIRED})
+for _st in State:
+    _st.terminal = _st in _TERMINAL
 
 
 class Reason(enum.Enum):
@@ -68,14 +68,13 @@ class RankState(enum.Enum):
     DROPPED = "dropped"
 
     __hash__ = object.__hash__
-
-    @property
-    def resolved(self) -> bool:
-        """True once no WRITE of this order can still land."""
-        return self in _RESOLVED
+    # True once no WRITE of this order can still land (set on each member below).
+    resolved: bool
 
 
 _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
+for _rs in RankState:
+    _rs.resolved = _rs in _RESOLVED
 
 
 class WriteStatus(enum.Enum):

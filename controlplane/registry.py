@@ -36,7 +36,12 @@ class EngineRecord:
 
     @property
     def ready(self) -> bool:
-        return len(self.ranks) == self.tp_size and all(a.connected for a in self.ranks.values())
+        if len(self.ranks) != self.tp_size:
+            return False
+        for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)
+            if not a.connected:
+                return False
+        return True
 
 
 class Registry:

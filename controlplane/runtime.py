@@ -144,7 +144,7 @@ class Runtime:
                     continue  # replayed when the agent reconnects
                 for tgt in e.order.targets:
                     self._ensure_peer(s, tgt.decode_engine_id, tgt.decode_rank)
-                s.send(pb.CoordinatorMessage(order=convert.order_to_pb(e.order)))
+                s.send(convert.order_message(e.order))
                 if logs.debug_enabled():
                     log.debug("order_sent", transfer_id=e.order.transfer_id, agent=str(e.to))
             elif isinstance(e, SendCancelOrder):

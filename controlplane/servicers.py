@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -78,8 +78,11 @@ class TransferServicer(pbg.TransferServiceServicer):
                 f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})", field="calls"
             )
         p = self._authz.principal(context)
-        results = [self._submit_one(p, call) for call in calls]
-        return pb.SubmitResponse(results=results)
+        response = pb.SubmitResponse()
+        add = response.results.add  # results built in place: no copy per result
+        for call in calls:
+            self._submit_one(p, call, add)
+        return response
 
     # The bodies below are shared by the unary RPCs and Submit, so both paths
     # authorize, validate, apply and log identically.
@@ -123,7 +126,10 @@ class TransferServicer(pbg.TransferServiceServicer):
         log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
         return t
 
-    def _submit_one(self, p: Principal, call: pb.TransferCall) -> pb.CallResult:
+    def _submit_one(
+        self, p: Principal, call: pb.TransferCall, add: Callable[..., pb.CallResult]
+    ) -> None:
+        """Apply one call; its CallResult is made by `add` (the response's results.add)."""
         kind = call.WhichOneof("kind")
         try:
             if kind is None:
@@ -137,8 +143,9 @@ class TransferServicer(pbg.TransferServiceServicer):
                 t = self._cancel(p, call.cancel)
         except Exception as exc:  # each call fails alone, with its unary RPC's code
             code, message = status_map.outcome(exc, f"Submit/{kind}")
-            return pb.CallResult(code=code.value[0], message=message)
-        return pb.CallResult(state=convert.STATE_TO_PB[t.state], write_may_land=t.write_may_land)
+            add(code=code.value[0], message=message)
+            return
+        add(state=convert.STATE_TO_PB[t.state], write_may_land=t.write_may_land)
 
 
 def _filter(
