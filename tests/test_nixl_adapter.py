@@ -14,11 +14,13 @@ import pickle
 import signal
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 
+from agent import nixl_adapter
 from agent.nixl_adapter import (
     _VECTOR_MIN_BLOCKS,
     FailureReason,
@@ -106,19 +108,54 @@ def test_plan_vectorized_path_matches_python_path() -> None:
 @pytest.mark.parametrize("vector_min", [1, 10**9])
 def test_plan_rejects_bad_ids_on_both_paths(vector_min: int) -> None:
     layout = _Layout.of([KVRegion(4096, 64, 32)], "x")
-    n = _VECTOR_MIN_BLOCKS + 4
+    n = 20
     ok = list(range(n))
     cases = [
         (ok, ok[:-1], "vs"),
         ([*ok[:-1], 32], ok, "local block id 32 out of range"),
         (ok, [-1, *ok[1:]], "peer block id -1 out of range"),
         (ok, [0, *ok[:-1]], "duplicate remote block ids"),
+        # one run on both sides (the contiguous fast path), running off either end
+        (list(range(13, 13 + n)), ok, "local block id 32 out of range"),
+        (ok, list(range(-1, n - 1)), "peer block id -1 out of range"),
     ]
     for lb, rb, match in cases:
         with pytest.raises(NixlError, match=match) as info:
             _plan_write(layout, layout, lb, rb, "peer", vector_min=vector_min)
         assert info.value.reason is FailureReason.INVALID_REQUEST
     assert _plan_write(layout, layout, [], [], "peer").num_descriptors == 0
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "ndarray", "range"])
+def test_plan_contiguous_fast_path_accepts_any_sequence(kind: str) -> None:
+    convert: dict[str, Callable[[Sequence[int]], Any]] = {
+        "list": list,
+        "tuple": tuple,
+        "ndarray": np.array,
+        "range": lambda ids: ids if isinstance(ids, range) else list(ids),
+    }
+    as_kind = convert[kind]
+    local = _Layout.of([KVRegion(1 << 20, 4096, 300), KVRegion(1 << 30, 512, 300)], "local")
+    remote = _Layout.of([KVRegion(1 << 21, 4096, 300), KVRegion(1 << 31, 512, 300)], "remote")
+    for n in (1, 2, 64, 256):
+        plan = _plan_write(
+            local, remote, as_kind(range(5, 5 + n)), as_kind(range(40, 40 + n)), "peer"
+        )
+        assert plan.num_descriptors == 2 and plan.nbytes == n * (4096 + 512)
+        assert _rows(plan.local_rows) == [
+            ((1 << 20) + 5 * 4096, n * 4096, 0),
+            ((1 << 30) + 5 * 512, n * 512, 0),
+        ]
+        assert _rows(plan.remote_rows)[1] == ((1 << 31) + 40 * 512, n * 512, 0)
+    # consecutive on one side only: no merge, one descriptor per block and region
+    plan = _plan_write(local, remote, as_kind(range(64)), as_kind(range(63, -1, -1)), "peer")
+    assert plan.num_descriptors == 128
+    scattered = np.random.default_rng(3).permutation(256).tolist()
+    for vector_min in (1, 10**9):
+        plan = _plan_write(
+            local, remote, as_kind(scattered), as_kind(range(256)), "peer", vector_min=vector_min
+        )
+        assert plan.num_descriptors == 2 * len(merge_runs(scattered, range(256)))
 
 
 def test_nixl_error_carries_reason_and_pickles() -> None:
@@ -306,11 +343,18 @@ def test_contiguous_write_is_one_descriptor_per_region(
     ep.release(handle)
 
 
-def test_large_mixed_write_lands_exactly(pair: tuple[NixlEndpoint, PeerKey, Target]) -> None:
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_large_mixed_write_lands_exactly(
+    pair: tuple[NixlEndpoint, PeerKey, Target], monkeypatch: pytest.MonkeyPatch, vectorized: bool
+) -> None:
     ep, key, target = pair
     local = [*range(10), 12, 14, 15, 16, 20, 21, 22, 23, 11, 13]
     remote = [*range(10, 20), 0, 2, 3, 4, 25, 26, 27, 28, 31, 30]
-    assert len(local) >= _VECTOR_MIN_BLOCKS  # exercises the vectorized planner
+    if vectorized:  # numpy planner and Nx3 descriptor arrays, as for big writes
+        monkeypatch.setattr(nixl_adapter, "_VECTOR_MIN_BLOCKS", 16)
+        monkeypatch.setattr(nixl_adapter, "_PY_ROWS_MAX", 0)
+    else:
+        assert len(local) < _VECTOR_MIN_BLOCKS  # one Python pass, tuple rows
     handle = ep.post_write(key, local, remote, b"req-big")
     assert handle.num_descriptors == len(merge_runs(local, remote)) * len(BLOCK_LENS)
     wait_done(ep, handle)
