@@ -94,8 +94,10 @@ def _quiet_logs() -> None:
 def _coordinator_main(conn: Connection, cpus: set[int] | None, profile: str | None) -> None:
     _pin(cpus)
     _quiet_logs()
-    from controlplane.server import ServerSettings, start
+    from controlplane.server import ServerSettings, start, tune_gc
     from controlplane.settings import CoreSettings
+
+    tune_gc()  # as `pushkv coordinator` does
 
     async def run() -> None:
         coord = await start(ServerSettings(port=0, core=CoreSettings(**CORE_SETTINGS)))

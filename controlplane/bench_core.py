@@ -210,7 +210,13 @@ def _quiet_logs(level: str) -> None:
         sys.stderr = saved
 
 
-def run(n: int, batch: int, reps: int, with_metrics: bool) -> list[dict[str, float]]:
+def run(
+    n: int, batch: int, reps: int, with_metrics: bool, default_gc: bool = False
+) -> list[dict[str, float]]:
+    from controlplane.server import tune_gc
+
+    if not default_gc:
+        tune_gc()  # as `pushkv coordinator` does
     results = []
     for rep in range(reps):
         results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep)))
@@ -247,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="WARNING", help="coordinator log level (INFO: outcome lines)"
     )
+    p.add_argument(
+        "--default-gc", action="store_true", help="keep Python's GC thresholds (no tune_gc)"
+    )
     p.add_argument("--profile", default="", help="write cProfile stats of one repetition here")
     return p
 
@@ -259,16 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         prof = cProfile.Profile()
         prof.enable()
-        run(args.n, args.batch, 1, args.metrics)
+        run(args.n, args.batch, 1, args.metrics, args.default_gc)
         prof.disable()
         prof.dump_stats(args.profile)
         print(f"profile written to {args.profile}")
         return 0
     print(
         f"{args.reps} x {args.n} rendezvous, batches of {args.batch}, "
-        f"metrics={'on' if args.metrics else 'off'}, log level {args.log_level}"
+        f"metrics={'on' if args.metrics else 'off'}, log level {args.log_level}, "
+        f"gc {'default' if args.default_gc else 'tuned'}"
     )
-    report(run(args.n, args.batch, args.reps, args.metrics))
+    report(run(args.n, args.batch, args.reps, args.metrics, args.default_gc))
     return 0
 
 
