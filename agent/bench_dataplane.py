@@ -9,6 +9,12 @@ alternately:
 * memcpy: ``np.copyto`` of the same blocks with the same pattern in-process, one
   copy per merged run (the same runs NIXL gets as descriptors).
 
+* with ``--cma-floor``, also the kernel floor of that WRITE: the same bytes
+  moved into the target by ``process_vm_writev`` called directly (ctypes), ONE
+  call carrying every run as an iovec.  UCX's CMA transport makes one such
+  call per descriptor (per 512 KiB segment), so WRITE time minus this floor is
+  what NIXL, UCX and the per-descriptor system calls add.
+
 "scattered" draws fresh random distinct block ids on BOTH sides per repetition
 (so runs rarely merge); "contiguous" writes blocks [s, s+n) to [t, t+n).  All
 buffers are pre-touched.  After each block size one scattered WRITE with a
@@ -19,6 +25,7 @@ sets ``UCX_NET_DEVICES=lo`` unless already set.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import os
 import statistics
@@ -82,7 +89,7 @@ def _target_main(conn: Connection) -> None:
                 ep = NixlEndpoint(name)
                 ep.register_kv([KVRegion(p.ctypes.data, block_len, num_blocks) for p in pools])
                 layout = [(r.base_addr, r.block_len, r.num_blocks) for r in ep.regions]
-                conn.send(("ready", ep.metadata(), layout))
+                conn.send(("ready", ep.metadata(), layout, os.getpid()))
             elif cmd[0] == "verify" and ep is not None:
                 _, pairs, notif = cmd
                 conn.send(("verified", _verify_target(ep, pools, pairs, notif)))
@@ -121,6 +128,7 @@ class Row:
     write_us: float
     memcpy_us: float
     nbytes: int
+    floor_us: float | None = None
 
     @property
     def write_gbps(self) -> float:
@@ -133,6 +141,10 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.write_gbps / self.memcpy_gbps
+
+    @property
+    def floor_ratio(self) -> float | None:
+        return None if self.floor_us is None else self.memcpy_us / self.floor_us
 
 
 class _Bench:
@@ -161,12 +173,13 @@ class _Bench:
         rows: list[Row] = []
         with NixlEndpoint(f"bench-init-{tag}") as ep:
             ep.register_kv([KVRegion(p.ctypes.data, block_len, pool_blocks) for p in src])
-            _, md, layout = self._recv("ready")
+            _, md, layout, pid = self._recv("ready")
             peer = PeerKey(f"bench-target-{tag}", "0")
             ep.add_peer(peer, md, [KVRegion(a, bl, n) for a, bl, n in layout])
+            floor = _CmaFloor(pid, src, [a for a, _, _ in layout]) if self.args.cma_floor else None
             for count in counts:
                 for layout_name in ("scattered", "contiguous"):
-                    rows.append(self._measure(ep, peer, src, dst, count, layout_name))
+                    rows.append(self._measure(ep, peer, src, dst, count, layout_name, floor))
             self._verify(ep, peer, pool_blocks, min(8, pool_blocks // 2))
         return rows
 
@@ -192,12 +205,14 @@ class _Bench:
         dst: Sequence[_U8],
         count: int,
         layout: str,
+        floor: _CmaFloor | None = None,
     ) -> Row:
         pool_blocks, block_len = src[0].shape
         nbytes = count * block_len * len(src)
         reps = self._reps(nbytes)
         writes: list[float] = []
         copies: list[float] = []
+        floors: list[float] = []
         descs: list[int] = []
         for rep in range(reps + 2):  # two warm-up repetitions
             local, remote = self._pattern(pool_blocks, count, layout)
@@ -208,9 +223,11 @@ class _Bench:
             else:
                 c = _time_memcpy(src, dst, runs)
                 w, d = _time_write(ep, peer, local, remote)
+            f = floor.time(runs) if floor is not None else 0.0
             if rep >= 2:
                 writes.append(w)
                 copies.append(c)
+                floors.append(f)
                 descs.append(d)
         return Row(
             blocks=count,
@@ -220,6 +237,7 @@ class _Bench:
             write_us=statistics.median(writes) * 1e6,
             memcpy_us=statistics.median(copies) * 1e6,
             nbytes=nbytes,
+            floor_us=statistics.median(floors) * 1e6 if floor is not None else None,
         )
 
     def _verify(self, ep: NixlEndpoint, peer: PeerKey, pool_blocks: int, count: int) -> None:
@@ -232,6 +250,49 @@ class _Bench:
         result = self._recv("verified")[1]
         if result != "ok":
             raise RuntimeError(f"target verification failed: {result}")
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+class _CmaFloor:
+    """The same runs written into the target with ONE direct ``process_vm_writev``."""
+
+    IOV_MAX = 1024
+
+    def __init__(self, pid: int, src: Sequence[_U8], remote_bases: Sequence[int]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._call = libc.process_vm_writev
+        self._call.restype = ctypes.c_ssize_t
+        self._call.argtypes = (
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        )
+        self._pid = pid
+        self._pairs = [
+            (s.ctypes.data, base, s.shape[1]) for s, base in zip(src, remote_bases, strict=True)
+        ]
+
+    def time(self, runs: Sequence[tuple[int, int, int]]) -> float:
+        """Seconds for the copy, including building the iovecs (as WRITE builds descriptors)."""
+        t0 = time.perf_counter()
+        local = [(la + ls * bl, n * bl) for la, _, bl in self._pairs for ls, _, n in runs]
+        remote = [(ra + rs * bl, n * bl) for _, ra, bl in self._pairs for _, rs, n in runs]
+        for i in range(0, len(local), self.IOV_MAX):
+            lv = [_Iovec(a, n) for a, n in local[i : i + self.IOV_MAX]]
+            rv = [_Iovec(a, n) for a, n in remote[i : i + self.IOV_MAX]]
+            want = sum(n for _, n in local[i : i + self.IOV_MAX])
+            larr = (_Iovec * len(lv))(*lv)
+            rarr = (_Iovec * len(rv))(*rv)
+            got = self._call(self._pid, larr, len(lv), rarr, len(rv), 0)
+            if got != want:
+                raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} B")
+        return time.perf_counter() - t0
 
 
 def _wait(ep: NixlEndpoint, handle: WriteHandle) -> None:
@@ -267,18 +328,24 @@ def _size(n: int) -> str:
 
 
 def _print_table(rows: Sequence[Row]) -> None:
+    floor = any(r.floor_us is not None for r in rows)
     head = (
         f"{'blocks':>6} {'block':>8} {'layout':<10} {'descs':>5} {'write µs p50':>13} "
         f"{'memcpy µs p50':>14} {'write GB/s':>10} {'memcpy GB/s':>11} {'write/memcpy':>12}"
     )
+    if floor:
+        head += f" {'cma µs p50':>11} {'cma/memcpy':>10}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(
+        line = (
             f"{r.blocks:>6} {_size(r.block_len):>8} {r.layout:<10} {r.descs:>5} "
             f"{r.write_us:>13.1f} {r.memcpy_us:>14.1f} {r.write_gbps:>10.2f} "
             f"{r.memcpy_gbps:>11.2f} {r.ratio:>12.2f}"
         )
+        if r.floor_us is not None and r.floor_ratio is not None:
+            line += f" {r.floor_us:>11.1f} {r.floor_ratio:>10.2f}"
+        print(line)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -291,6 +358,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--regions", type=int, default=1, help="KV regions per block (default 1)")
     p.add_argument("--max-mib", type=int, default=256, help="skip combos moving more MiB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--block-kib",
+        type=int,
+        action="append",
+        choices=[b // KiB for b in BLOCK_SIZES],
+        help="only this block size (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--cma-floor",
+        action="store_true",
+        help="also time one direct process_vm_writev of the same runs (kernel floor)",
+    )
     args = p.parse_args(argv)
     if args.regions < 1 or args.reps < 0:
         p.error("--regions must be >= 1 and --reps >= 0")
@@ -311,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     try:
         bench = _Bench(conn, args)
-        for block_len in BLOCK_SIZES:
+        sizes = [b for b in BLOCK_SIZES if not args.block_kib or b // KiB in args.block_kib]
+        for block_len in sizes:
             counts = [c for c in counts_all if c * block_len * args.regions <= args.max_mib * MiB]
             if counts:
                 rows += bench.run_size(block_len, counts)
@@ -327,12 +407,15 @@ def main(argv: list[str] | None = None) -> int:
         f"elapsed={time.monotonic() - t_start:.1f}s"
     )
     _print_table(rows)
-    goal = {r.layout: r.ratio for r in rows if (r.blocks, r.block_len) == GOAL}
+    goal = {r.layout: r for r in rows if (r.blocks, r.block_len) == GOAL}
     if len(goal) == 2:
         print(
-            f"write_vs_memcpy_64x128KiB_scattered={goal['scattered']:.2f} "
-            f"contiguous={goal['contiguous']:.2f}"
+            f"write_vs_memcpy_64x128KiB_scattered={goal['scattered'].ratio:.2f} "
+            f"contiguous={goal['contiguous'].ratio:.2f}"
         )
+        sf, cf = goal["scattered"].floor_ratio, goal["contiguous"].floor_ratio
+        if sf is not None and cf is not None:
+            print(f"cma_floor_vs_memcpy_64x128KiB_scattered={sf:.2f} contiguous={cf:.2f}")
     return 0
 
 
