@@ -139,8 +139,9 @@ class AgentRegistration:
         object.__setattr__(self, "key", AgentKey(self.engine_id, self.tp_rank))
 
 
-@dataclass(frozen=True, slots=True)
-class WriteTarget:
+# Orders are immutable tuples: one built per prefill rank of every transfer,
+# and a NamedTuple builds in one call where a frozen dataclass sets each field.
+class WriteTarget(NamedTuple):
     decode_engine_id: EngineId
     decode_rank: int
     decode_incarnation: str
@@ -151,8 +152,7 @@ class WriteTarget:
     slice_len: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Order:
+class Order(NamedTuple):
     order_id: OrderId
     transfer_id: TransferId
     prefill_engine_id: EngineId

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 
 class _Levels:
-    debug = True  # until configure() says otherwise (structlog's default logs all)
+    # Until configure() says otherwise (structlog's default logs everything).
+    debug = True
+    info = True
 
 
 def debug_enabled() -> bool:
@@ -30,6 +32,7 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
     as_json = (not sys.stderr.isatty()) if json is None else json
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     _Levels.debug = lvl <= logging.DEBUG
+    _Levels.info = lvl <= logging.INFO
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )
@@ -59,7 +62,7 @@ class TransferLog:
         self._log = structlog.get_logger("pushkv.coordinator")
 
     def on_transfer_changed(self, t: Transfer) -> None:
-        if not t.state.terminal:
+        if not t.state.terminal or not _Levels.info:
             return  # every logged stage is terminal (the cursor catches up later)
         _, events = self._cursor.new_events(t)
         for stage, _wall, _rank in events:
