@@ -79,7 +79,9 @@ def blocks_to_pb(blocks: Blocks) -> list[pb.BlockIds]:
 
 
 def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[tuple[int, ...]]:
-    return [tuple(g.ids[:]) for g in groups]  # a slice copies in one C call
+    if len(groups) == 1:  # the common case: one KV group
+        return [tuple(groups[0].ids[:])]  # a slice copies in one C call
+    return [tuple(g.ids[:]) for g in groups]
 
 
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:

@@ -461,7 +461,7 @@ class Rendezvous:
         problem = self._mismatch(t, pe, de)
         if problem:
             return self._finish(t, State.FAILED, Reason.MISMATCH, problem)
-        if all(len(ids) == 0 for ids in t.decode.blocks):
+        if not any(t.decode.blocks):  # every group empty
             return self._finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )

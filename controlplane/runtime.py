@@ -134,6 +134,9 @@ class Runtime:
 
     # ---------------------------------------------------------------- effects
     def apply(self, effects: Sequence[Effect]) -> None:
+        if len(effects) == 1 and type(effects[0]) is TransferChanged:
+            self._changed(effects[0].transfer_id)  # most reports change one transfer only
+            return
         changed: dict[str, None] = {}
         for e in effects:
             if isinstance(e, TransferChanged):
@@ -177,22 +180,23 @@ class Runtime:
                             )
                         )
                     )
-        if not changed or not (self.observers or self._watchers):
-            return
         for tid in changed:
-            t = self.core.transfer(tid)
-            if t is None:
-                continue
-            self._observe(t)
-            if self._watchers:
-                self._publish(t)
+            self._changed(tid)
 
-    def _observe(self, t: Transfer) -> None:
+    def _changed(self, transfer_id: str) -> None:
+        """Tell the observers and the watchers about a changed transfer."""
+        if not (self.observers or self._watchers):
+            return
+        t = self.core.transfer(transfer_id)
+        if t is None:
+            return
         for obs in self.observers:
             try:
                 obs.on_transfer_changed(t)
             except Exception:  # observability must never break the rendezvous
                 log.exception("observer_failed", observer=type(obs).__name__)
+        if self._watchers:
+            self._publish(t)
 
     def _session(self, key: AgentKey, incarnation: str) -> AgentSession | None:
         s = self._sessions.get(key)
