@@ -217,13 +217,21 @@ class _Bench:
         for rep in range(reps + 2):  # two warm-up repetitions
             local, remote = self._pattern(pool_blocks, count, layout)
             runs = merge_runs(local, remote)
+            f = 0.0
+            if floor is not None and rep % 3 == 2:
+                f = floor.time(runs)
             if rep % 2 == 0:
                 w, d = _time_write(ep, peer, local, remote)
+                if floor is not None and rep % 3 == 0:
+                    f = floor.time(runs)
                 c = _time_memcpy(src, dst, runs)
             else:
                 c = _time_memcpy(src, dst, runs)
+                if floor is not None and rep % 3 == 1:
+                    f = floor.time(runs)
                 w, d = _time_write(ep, peer, local, remote)
-            f = floor.time(runs) if floor is not None else 0.0
+            if floor is not None and rep % 3 != 2 and f == 0.0:
+                f = floor.time(runs)  # last: every position is taken over 6 reps
             if rep >= 2:
                 writes.append(w)
                 copies.append(c)
