@@ -98,6 +98,7 @@ WRITE_BUCKETS = (
 BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 12))  # 4 KiB .. 4 GiB
 
 NON_TERMINAL = tuple(s for s in State if not s.terminal)
+_SIDE_STAGES = frozenset({"decode_registered", "prefill_done"})
 SNAPSHOT_TIMEOUT_S = 2.0
 
 
@@ -360,24 +361,27 @@ class CoordinatorMetrics:
 
     def _observe(self, t: Transfer, new: list[Event]) -> None:
         ev = t.timeline
-        stages = {s for s, _, _ in new}
-        if "decode_registered" in stages or "prefill_done" in stages:
-            # Observed when the second of the two arrives (the first batch holding both).
-            reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
-            if reg is not None and pre is not None:
-                side = "decode_first" if pre >= reg else "prefill_first"
-                self._child(self.rendezvous_wait, side).observe(abs(pre - reg))
+        arrived_side = wrote = False
         for stage, at, rank in new:
-            if stage == "ordered":
+            if stage in _SIDE_STAGES:
+                arrived_side = True
+            elif stage == "ordered":
                 reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
                 if reg is not None and pre is not None:
                     self.order_latency.observe(max(at - max(reg, pre), 0.0))
             elif stage.startswith("write_"):
                 self._observe_write(t, stage, at, rank)
+                wrote = wrote or stage == "write_done"
             elif stage in TERMINAL_STAGES:
                 self._child(self.finished, stage, t.reason.value).inc()
                 self._child(self.duration, stage).observe(max(at - t.created_wall, 0.0))
-        if "write_done" in stages and t.orders:
+        if arrived_side:
+            # Observed when the second of the two arrives (the first batch holding both).
+            reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
+            if reg is not None and pre is not None:
+                side = "decode_first" if pre >= reg else "prefill_first"
+                self._child(self.rendezvous_wait, side).observe(abs(pre - reg))
+        if wrote and t.orders:
             # Once per transfer: when this batch completed the set of DONE ranks.
             before = ev[: len(ev) - len(new)]
             ordered = first(ev, "ordered")
