@@ -413,6 +413,7 @@ class Rendezvous:
                 )
         side = Side(eid, checked, num_tokens)
         now, wall = self._clock.monotonic(), self._clock.wall()
+        created = t is None
         if t is None:
             t = self._create(tid, State.AWAITING, [eid], now, wall)
         else:
@@ -448,7 +449,8 @@ class Rendezvous:
             effects += self._issue_orders(t)
         else:
             t.state = State.REGISTERED if role is Role.DECODE else State.PREFILL_DONE
-            self._set_deadline(t, s.rendezvous_timeout_s, now)
+            if not created:  # _create set this very deadline
+                self._set_deadline(t, s.rendezvous_timeout_s, now)
         return t, effects
 
     def _issue_orders(self, t: Transfer) -> list[Effect]:
