@@ -331,7 +331,8 @@ class CoordinatorMetrics:
         self._track_state(t)
         if events:
             self._observe(t, events)
-        if len(self._state) > 2 * max(len(self._cursor), 1024):
+        n = len(self._state)
+        if n > 2048 and n > 2 * len(self._cursor):  # i.e. n > 2 * max(cursor, 1024)
             self._drop_vanished()
 
     def _child(self, metric: Any, *labels: str) -> Any:
