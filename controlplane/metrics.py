@@ -8,9 +8,17 @@ terminal state) is counted exactly once per transfer.
 Labels stay bounded: states, reasons, WRITE statuses, engine ids and ranks
 (engines are few and long-lived), never transfer ids.
 
-Engine, lease and in-flight-per-engine gauges are computed when Prometheus
-scrapes: the scrape thread asks the event loop for a snapshot (the core is not
-thread-safe), so the values are exact at scrape time.
+The event counters and histograms are plain Python numbers (`_Count`,
+`_Hist`, per label tuple), updated without locks: the observer only runs on
+the event loop's thread, the one thread that changes transfers. A custom
+collector exports them when Prometheus scrapes, with prometheus_client's
+names, types, help texts and samples (`_total`, cumulative `_bucket{le}`,
+`_count`, `_sum`, `_created`). Engine, lease and in-flight gauges are computed
+at scrape time too. The scrape thread asks the event loop for one snapshot of
+both (the core is not thread-safe), so a scrape is exact and consistent; if the
+loop does not answer, the event series are copied from the scrape thread
+(`dict(...)` and `list(...)` copies of builtins, atomic under the GIL) and the
+live gauges are left out.
 """
 
 from __future__ import annotations
@@ -21,14 +29,25 @@ import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import metrics as _prom_metrics
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample
+from prometheus_client.utils import INF, floatToGoString
 
 from controlplane.domain import State
 from controlplane.protocol import PROTOCOL_VERSION
@@ -102,6 +121,120 @@ _SIDE_STAGES = frozenset({"decode_registered", "prefill_done"})
 SNAPSHOT_TIMEOUT_S = 2.0
 
 
+# ------------------------------------------------------------ event series
+
+
+def _use_created() -> bool:
+    """prometheus_client's switch (PROMETHEUS_DISABLE_CREATED_SERIES)."""
+    return bool(getattr(_prom_metrics, "_use_created", True))
+
+
+def _go_float(x: float) -> str:
+    """A label value as prometheus_client writes `le` (1e-05, 4.294967296e+09, +Inf)."""
+    s: str = floatToGoString(x)  # type: ignore[no-untyped-call]
+    return s
+
+
+class _Count:
+    """One counter series; `created` as prometheus_client sets it (first use)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value: float = 0
+        self.created = time.time()
+
+    def copy(self) -> tuple[float, float]:
+        return self.value, self.created
+
+
+class _Hist:
+    """One histogram series: per-bucket (not cumulative) counts, as prometheus_client keeps them."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # sorted, ending with +Inf
+        self.counts = [0] * len(bounds)
+        self.sum: float = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        # The first bucket with amount <= bound, as prometheus_client's Histogram.observe.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def copy(self) -> tuple[list[int], float, float]:
+        return list(self.counts), self.sum, self.created
+
+
+S = TypeVar("S", _Count, _Hist)
+# One family's series at one moment: (label values, series.copy()).
+_FamilyCopy = list[tuple[tuple[str, ...], Any]]
+
+
+class _Family(Generic[S]):
+    """A counter or histogram family: its series by label values, made on first use.
+
+    Only the event loop's thread adds series or changes them; `copy` may run on
+    another thread (a scrape whose loop did not answer): `dict(...)` of a dict
+    and the series' `list(...)` are single C-level copies under the GIL.
+    """
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], make: Callable[[], S]) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self._make: Callable[[], S] = make
+        self.series: dict[tuple[str, ...], S] = {}
+        if not labels:
+            self.series[()] = make()
+
+    def child(self, *values: str) -> S:
+        s = self.series.get(values)
+        if s is None:
+            s = self.series[values] = self._make()
+        return s
+
+    def copy(self) -> _FamilyCopy:
+        return [(k, s.copy()) for k, s in dict(self.series).items()]
+
+
+class _CounterFamily(_Family[_Count]):
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> None:
+        super().__init__(name, doc, labels, _Count)
+
+    def export(self, series: _FamilyCopy | None, created: bool) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, (value, at) in series or ():
+            fam.add_metric(values, float(value), created=at if created else None)
+        return fam
+
+
+class _HistFamily(_Family[_Hist]):
+    def __init__(
+        self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    ) -> None:
+        bounds = (*(float(b) for b in buckets), INF)
+        self._le: tuple[str, ...] = tuple(map(_go_float, bounds))
+        super().__init__(name, doc, labels, lambda: _Hist(bounds))
+
+    def export(self, series: _FamilyCopy | None, created: bool) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, (counts, total, at) in series or ():
+            acc = 0.0
+            buckets = []
+            for le, n in zip(self._le, counts, strict=True):
+                acc += n
+                buckets.append((le, acc))
+            fam.add_metric(values, buckets, total)  # _bucket..., _count, _sum
+            if created:
+                labels = dict(zip(self.labels, values, strict=True))
+                fam.samples.append(Sample(f"{self.name}_created", labels, at))
+        return fam
+
+
+# ------------------------------------------------------------ scrape-time gauges
+
+
 @dataclass(frozen=True, slots=True)
 class _RankLease:
     engine: str
@@ -127,22 +260,27 @@ class _Snapshot:
     coordinator_id: str
     engines: tuple[_EngineSnap, ...]
     inflight: tuple[tuple[str, int], ...]  # (state, transfers)
+    events: list[_FamilyCopy]  # CoordinatorMetrics.families, copied on the loop
 
 
-class _LiveCollector:
-    """Engine, lease and per-engine gauges, read from the core at scrape time."""
+class _Collector:
+    """Every family of the coordinator, from one snapshot taken at scrape time."""
 
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self._m = metrics
 
-    def describe(self) -> Iterable[Any]:
-        return list(self._families(None))
+    def describe(self) -> Iterable[Metric]:
+        return [*self._m.export_events(None), *self._live(None)]
 
-    def collect(self) -> Iterable[Any]:
-        return list(self._families(self._m.snapshot()))
+    def collect(self) -> Iterable[Metric]:
+        snap = self._m.snapshot()
+        # Without the loop's answer: the event series copied from this thread.
+        events = snap.events if snap is not None else self._m.copy_events()
+        return [*self._m.export_events(events), *self._live(snap)]
 
     @staticmethod
-    def _families(snap: _Snapshot | None) -> Iterator[Any]:
+    def _live(snap: _Snapshot | None) -> Iterator[Metric]:
+        """Engine, lease and in-flight gauges, read from the core."""
         info = InfoMetricFamily(
             "pushkv_coordinator", "this coordinator", labels=["coordinator_id", "protocol"]
         )
@@ -217,87 +355,96 @@ class CoordinatorMetrics:
         self._rt = runtime
         self._loop = loop or asyncio.get_running_loop()
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.started = Counter(
-            "pushkv_transfers_started", "transfers the coordinator created", registry=r
+        self.started = _CounterFamily(
+            "pushkv_transfers_started", "transfers the coordinator created"
         )
-        self.finished = Counter(
+        self.finished = _CounterFamily(
             "pushkv_transfers_finished",
             "transfers that reached a terminal state, by state and reason",
-            ["state", "reason"],
-            registry=r,
+            ("state", "reason"),
         )
-        self.rendezvous_wait = Histogram(
+        self.rendezvous_wait = _HistFamily(
             "pushkv_rendezvous_wait_seconds",
             "gap between decode registration and prefill done; side = which came first",
-            ["side"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
+            WAIT_BUCKETS,
+            ("side",),
         )
-        self.order_latency = Histogram(
+        self.order_latency = _HistFamily(
             "pushkv_order_latency_seconds",
             "from the second of (registration, prefill done) to the orders being issued",
-            buckets=FAST_BUCKETS,
-            registry=r,
+            FAST_BUCKETS,
         )
-        self.write_post = Histogram(
+        self.write_post = _HistFamily(
             "pushkv_write_post_seconds",
             "per prefill rank: from the order to the agent's POSTED report",
-            buckets=WRITE_BUCKETS,
-            registry=r,
+            WRITE_BUCKETS,
         )
-        self.write_completion = Histogram(
+        self.write_completion = _HistFamily(
             "pushkv_write_completion_seconds",
             "per prefill rank: from POSTED (or the order) to the DONE report",
-            buckets=WRITE_BUCKETS,
-            registry=r,
+            WRITE_BUCKETS,
         )
-        self.write_time = Histogram(
+        self.write_time = _HistFamily(
             "pushkv_transfer_write_seconds",
             "per transfer: from the order to the last rank's DONE report",
-            buckets=WRITE_BUCKETS,
-            registry=r,
+            WRITE_BUCKETS,
         )
-        self.duration = Histogram(
+        self.duration = _HistFamily(
             "pushkv_transfer_duration_seconds",
             "per transfer: from creation to its terminal state",
-            ["state"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
+            WAIT_BUCKETS,
+            ("state",),
         )
-        self.write_reports = Counter(
+        self.write_reports = _CounterFamily(
             "pushkv_write_reports",
             "WRITE reports applied, by status (posted, done, failed, dropped)",
-            ["status"],
-            registry=r,
+            ("status",),
         )
-        self.write_bytes = Counter(
+        self.write_bytes = _CounterFamily(
             "pushkv_write_bytes",
             "bytes WRITTEN, as reported by the prefill agents, per prefill engine",
-            ["engine"],
-            registry=r,
+            ("engine",),
         )
-        self.write_descriptors = Counter(
+        self.write_descriptors = _CounterFamily(
             "pushkv_write_descriptors",
             "NIXL descriptors posted, as reported by the prefill agents, per prefill engine",
-            ["engine"],
-            registry=r,
+            ("engine",),
         )
-        self.write_size = Histogram(
+        self.write_size = _HistFamily(
             "pushkv_write_size_bytes",
             "bytes of one prefill rank's WRITE (DONE reports)",
-            buckets=BYTE_BUCKETS,
-            registry=r,
+            BYTE_BUCKETS,
+        )
+        # Exported in this order (the order they were registered in before).
+        self.families: tuple[_CounterFamily | _HistFamily, ...] = (
+            self.started,
+            self.finished,
+            self.rendezvous_wait,
+            self.order_latency,
+            self.write_post,
+            self.write_completion,
+            self.write_time,
+            self.duration,
+            self.write_reports,
+            self.write_bytes,
+            self.write_descriptors,
+            self.write_size,
         )
         # Pre-create the bounded label sets so dashboards see zeros, not gaps.
         for side in ("decode_first", "prefill_first"):
-            self.rendezvous_wait.labels(side)
-        self.registry.register(_LiveCollector(self))
+            self.rendezvous_wait.child(side)
+        # The unlabelled series, bound once.
+        self._started = self.started.child()
+        self._order_latency = self.order_latency.child()
+        self._write_post = self.write_post.child()
+        self._write_completion = self.write_completion.child()
+        self._write_time = self.write_time.child()
+        self._write_size = self.write_size.child()
+        self.registry.register(_Collector(self))
         self._cursor = TimelineCursor(self._alive)
         self._state: dict[str, State] = {}  # last state of each non-terminal transfer
         # Plain ints (no prometheus lock per change), exported at scrape time.
         self._inflight: dict[State, int] = dict.fromkeys(NON_TERMINAL, 0)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -327,21 +474,13 @@ class CoordinatorMetrics:
     def on_transfer_changed(self, t: Transfer) -> None:
         fresh, events = self._cursor.new_events(t)
         if fresh:
-            self.started.inc()
+            self._started.value += 1
         self._track_state(t)
         if events:
             self._observe(t, events)
         n = len(self._state)
         if n > 2048 and n > 2 * len(self._cursor):  # i.e. n > 2 * max(cursor, 1024)
             self._drop_vanished()
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        """metric.labels(*labels), cached: labels() costs microseconds per call."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def _track_state(self, t: Transfer) -> None:
         old = self._state.get(t.transfer_id)
@@ -369,50 +508,50 @@ class CoordinatorMetrics:
             elif stage == "ordered":
                 reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
                 if reg is not None and pre is not None:
-                    self.order_latency.observe(max(at - max(reg, pre), 0.0))
+                    self._order_latency.observe(max(at - max(reg, pre), 0.0))
             elif stage.startswith("write_"):
                 self._observe_write(t, stage, at, rank)
                 wrote = wrote or stage == "write_done"
             elif stage in TERMINAL_STAGES:
-                self._child(self.finished, stage, t.reason.value).inc()
-                self._child(self.duration, stage).observe(max(at - t.created_wall, 0.0))
+                self.finished.child(stage, t.reason.value).value += 1
+                self.duration.child(stage).observe(max(at - t.created_wall, 0.0))
         if arrived_side:
             # Observed when the second of the two arrives (the first batch holding both).
             reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
             if reg is not None and pre is not None:
                 side = "decode_first" if pre >= reg else "prefill_first"
-                self._child(self.rendezvous_wait, side).observe(abs(pre - reg))
+                self.rendezvous_wait.child(side).observe(abs(pre - reg))
         if wrote and t.orders:
             # Once per transfer: when this batch completed the set of DONE ranks.
             before = ev[: len(ev) - len(new)]
             ordered = first(ev, "ordered")
             if ordered is not None and _all_done(ev, t) and not _all_done(before, t):
-                self.write_time.observe(max(last_done(ev) - ordered, 0.0))
+                self._write_time.observe(max(last_done(ev) - ordered, 0.0))
 
     def _observe_write(self, t: Transfer, stage: str, at: float, rank: int) -> None:
         status = stage.removeprefix("write_")
-        self._child(self.write_reports, status).inc()
+        self.write_reports.child(status).value += 1
         ev = t.timeline
         ordered = first(ev, "ordered")
         if status == "posted":
             if ordered is not None:
-                self.write_post.observe(max(at - ordered, 0.0))
+                self._write_post.observe(max(at - ordered, 0.0))
             return
         rec = t.orders.get(rank)
         if rec is not None:
             engine = rec.order.prefill_engine_id
             if rec.bytes:
-                self._child(self.write_bytes, engine).inc(rec.bytes)
+                self.write_bytes.child(engine).value += rec.bytes
             if rec.descriptors:
-                self._child(self.write_descriptors, engine).inc(rec.descriptors)
+                self.write_descriptors.child(engine).value += rec.descriptors
         if status != "done":
             return
         if rec is not None:
-            self.write_size.observe(rec.bytes)
+            self._write_size.observe(rec.bytes)
         start = first(ev, "write_posted", rank)
         start = start if start is not None else ordered
         if start is not None:
-            self.write_completion.observe(max(at - start, 0.0))
+            self._write_completion.observe(max(at - start, 0.0))
 
     # ------------------------------------------------------------ scrape
     def snapshot(self) -> _Snapshot | None:
@@ -467,7 +606,18 @@ class CoordinatorMetrics:
                 )
             )
         inflight = tuple((st.value, n) for st, n in self._inflight.items())
-        return _Snapshot(core.coordinator_id, tuple(engines), inflight)
+        return _Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
+
+    def copy_events(self) -> list[_FamilyCopy]:
+        """The event series now, family by family (on the loop, or see `_Family`)."""
+        return [f.copy() for f in self.families]
+
+    def export_events(self, copies: list[_FamilyCopy] | None) -> list[Metric]:
+        """The counter and histogram families; without `copies`, no samples (describe)."""
+        created = _use_created()
+        if copies is None:
+            return [f.export(None, created) for f in self.families]
+        return [f.export(c, created) for f, c in zip(self.families, copies, strict=True)]
 
 
 # ====================================================================== tracing

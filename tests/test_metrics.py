@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,7 +18,9 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
@@ -125,9 +129,18 @@ async def complete(
 
 
 async def test_coordinator_metrics_after_real_transfers(
-    coord: Coordinator, cluster: SimCluster
+    coord: Coordinator, cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert coord.metrics_port
+    assert coord.metrics_port and coord.metrics is not None
+    # The observer's plain counters take no lock: it must only run on the loop's thread.
+    threads: set[int] = set()
+    observe = coord.metrics.on_transfer_changed
+
+    def on_changed(t: Any) -> None:
+        threads.add(threading.get_ident())
+        observe(t)
+
+    monkeypatch.setattr(coord.metrics, "on_transfer_changed", on_changed)
     async with grpc.aio.insecure_channel(coord.address) as ch:
         stub = pbg.TransferServiceStub(ch)
         await complete(ch, cluster, "m-decode-first", decode_first=True)
@@ -138,6 +151,7 @@ async def test_coordinator_metrics_after_real_transfers(
 
         text, s = await scrape(f"http://127.0.0.1:{coord.metrics_port}/metrics")
 
+    assert threads == {threading.get_ident()}
     assert value(s, "pushkv_transfers_started_total") == 4
     assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 2
     assert value(s, "pushkv_transfers_finished_total", state="cancelled", reason="cancelled") == 1
@@ -168,6 +182,28 @@ async def test_coordinator_metrics_after_real_transfers(
     assert value(s, "pushkv_write_descriptors_total", engine="p0") == 12
     assert value(s, "pushkv_write_size_bytes_count") == 2
     assert value(s, "pushkv_write_size_bytes_sum") == 2 * BLOCK_BYTES
+    # Cumulative buckets: both 24 KiB WRITEs fall in (16 KiB, 64 KiB].
+    size = {dict(k[1])["le"]: v for k, v in s.items() if k[0] == "pushkv_write_size_bytes_bucket"}
+    assert list(size) == [*(floatToGoString(b) for b in cmetrics.BYTE_BUCKETS), "+Inf"]
+    assert (size["4096.0"], size["16384.0"], size["65536.0"], size["+Inf"]) == (0, 0, 2, 2)
+    for side in ("decode_first", "prefill_first"):
+        wait = [
+            v
+            for k, v in s.items()
+            if k[0] == "pushkv_rendezvous_wait_seconds_bucket" and ("side", side) in k[1]
+        ]
+        assert len(wait) == len(cmetrics.WAIT_BUCKETS) + 1
+        assert wait == sorted(wait) and wait[-1] == 1
+    # prometheus_client's *_created series, per label set (docs/operations.md).
+    for name, labels in (
+        ("pushkv_transfers_started_created", {}),
+        ("pushkv_transfers_finished_created", {"state": "complete", "reason": "none"}),
+        ("pushkv_write_bytes_created", {"engine": "p0"}),
+        ("pushkv_write_size_bytes_created", {}),
+        ("pushkv_rendezvous_wait_seconds_created", {"side": "decode_first"}),
+        ("pushkv_transfer_duration_seconds_created", {"state": "cancelled"}),
+    ):
+        assert value(s, name, **labels) > 1e9, name
 
     for engine, role in (("p0", "prefill"), ("d0", "decode")):
         assert value(s, "pushkv_engine_ready", engine=engine, role=role) == 1
@@ -186,6 +222,74 @@ async def test_coordinator_metrics_after_real_transfers(
     ours = [k for k in s if not k[0].startswith(("python_", "process_"))]
     assert all(name.startswith("pushkv_") for name, _ in ours)
     assert "m-decode-first" not in text and "transfer_id" not in text
+
+
+class _Families:
+    """A registry collector for some of CoordinatorMetrics' plain families."""
+
+    def __init__(self, *families: Any) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return [f.export(f.copy(), True) for f in self.families]
+
+
+def without_created(text: bytes) -> str:
+    return re.sub(r"(?m)^(\S+_created(?:\{.*\})?) \S+$", r"\1 T", text.decode())
+
+
+def test_plain_families_export_as_prometheus_client() -> None:
+    """Same observations: the same exposition as prometheus_client's own metrics."""
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    hist = Histogram("x_seconds", "doc h", ["side"], buckets=(0.001, 0.5, 2.0), registry=theirs)
+    plain = Histogram("y_bytes", "doc y", buckets=cmetrics.BYTE_BUCKETS, registry=theirs)
+    count = Counter("x_events", "doc c", ["state", "reason"], registry=theirs)
+    hist.labels("decode_first")  # pre-created, never observed
+    my_hist = cmetrics._HistFamily("x_seconds", "doc h", (0.001, 0.5, 2.0), ("side",))
+    my_plain = cmetrics._HistFamily("y_bytes", "doc y", cmetrics.BYTE_BUCKETS)
+    my_count = cmetrics._CounterFamily("x_events", "doc c", ("state", "reason"))
+    my_hist.child("decode_first")
+    ours.register(_Families(my_hist, my_plain, my_count))
+    # Bounds exactly, between, below the first, above the last, ints.
+    for i, v in enumerate((0.0, 0.001, 0.0011, 0.5, 2.0, 2.5, 1e9, -1.0, 3, 0.25)):
+        side = ("decode_first", "prefill_first")[i % 2]
+        hist.labels(side).observe(v)
+        my_hist.child(side).observe(v)
+        plain.observe(v * 1e6)
+        my_plain.child().observe(v * 1e6)
+        count.labels("complete" if i % 3 else "failed", "none").inc(i)
+        my_count.child("complete" if i % 3 else "failed", "none").value += i
+    mine = generate_latest(ours)
+    assert without_created(mine) == without_created(generate_latest(theirs))
+    created = [ln for ln in mine.splitlines() if b"_created" in ln and not ln.startswith(b"#")]
+    assert len(created) == 2 + 1 + 2  # one per series
+    assert b'x_seconds_bucket{le="+Inf",side="prefill_first"} 5.0' in mine
+
+
+def test_scrape_copies_while_the_loop_adds_series() -> None:
+    """A scrape thread copying while the loop thread adds series never fails."""
+    fam = cmetrics._HistFamily("z_seconds", "doc", cmetrics.WAIT_BUCKETS, ("engine",))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def scraper() -> None:
+        while not stop.is_set():
+            try:
+                fam.export(fam.copy(), True)
+            except BaseException as exc:  # pragma: no cover - the failure reported below
+                errors.append(exc)
+                return
+
+    th = threading.Thread(target=scraper)
+    th.start()
+    try:
+        for i in range(20_000):
+            fam.child(f"e{i}").observe(i * 1e-4)
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors
+    assert len(fam.copy()) == 20_000
 
 
 async def test_failures_are_counted_by_reason(coord: Coordinator, cluster: SimCluster) -> None:
