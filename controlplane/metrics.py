@@ -49,7 +49,7 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 from prometheus_client.utils import INF, floatToGoString
 
-from controlplane.domain import State
+from controlplane.domain import RankState, State
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.timeline import (
     TERMINAL_STAGES,
@@ -118,6 +118,8 @@ BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 12))  # 4 KiB .. 4 GiB
 
 NON_TERMINAL = tuple(s for s in State if not s.terminal)
 _SIDE_STAGES = frozenset({"decode_registered", "prefill_done"})
+# WRITE stage -> the status label of pushkv_write_reports_total.
+_WRITE_STAGES = {f"write_{r.value}": r.value for r in RankState}  # as rendezvous marks them
 SNAPSHOT_TIMEOUT_S = 2.0
 
 
@@ -339,13 +341,8 @@ class _Collector:
         yield from (info, transfers, ready, connected, registered, inflight, seen, left, orders)
 
 
-def _all_done(events: list[Event], t: Transfer) -> bool:
-    done = {r for s, _, r in events if s == "write_done"}
-    return all(r in done for r in t.orders)
-
-
-def last_done(events: list[Event]) -> float:
-    return max(at for s, at, _ in events if s == "write_done")
+def _done_ranks(events: list[Event]) -> set[int]:
+    return {r for s, _, r in events if s == "write_done"}
 
 
 class CoordinatorMetrics:
@@ -475,25 +472,23 @@ class CoordinatorMetrics:
         fresh, events = self._cursor.new_events(t)
         if fresh:
             self._started.value += 1
-        self._track_state(t)
+        # In-flight by state: the last state of each non-terminal transfer.
+        tid = t.transfer_id
+        old = self._state.get(tid)
+        new = None if t.state.terminal else t.state
+        if old is not new:
+            if old is not None:
+                self._inflight[old] -= 1
+            if new is None:
+                del self._state[tid]
+            else:
+                self._inflight[new] += 1
+                self._state[tid] = new
         if events:
             self._observe(t, events)
         n = len(self._state)
         if n > 2048 and n > 2 * len(self._cursor):  # i.e. n > 2 * max(cursor, 1024)
             self._drop_vanished()
-
-    def _track_state(self, t: Transfer) -> None:
-        old = self._state.get(t.transfer_id)
-        new = None if t.state.terminal else t.state
-        if old is new:
-            return
-        if old is not None:
-            self._inflight[old] -= 1
-        if new is None:
-            self._state.pop(t.transfer_id, None)
-        else:
-            self._inflight[new] += 1
-            self._state[t.transfer_id] = new
 
     def _drop_vanished(self) -> None:
         for tid in [tid for tid in self._state if not self._alive(tid)]:
@@ -509,7 +504,7 @@ class CoordinatorMetrics:
                 reg, pre = first(ev, "decode_registered"), first(ev, "prefill_done")
                 if reg is not None and pre is not None:
                     self._order_latency.observe(max(at - max(reg, pre), 0.0))
-            elif stage.startswith("write_"):
+            elif stage in _WRITE_STAGES:
                 self._observe_write(t, stage, at, rank)
                 wrote = wrote or stage == "write_done"
             elif stage in TERMINAL_STAGES:
@@ -523,17 +518,21 @@ class CoordinatorMetrics:
                 self.rendezvous_wait.child(side).observe(abs(pre - reg))
         if wrote and t.orders:
             # Once per transfer: when this batch completed the set of DONE ranks.
-            before = ev[: len(ev) - len(new)]
-            ordered = first(ev, "ordered")
-            if ordered is not None and _all_done(ev, t) and not _all_done(before, t):
-                self._write_time.observe(max(last_done(ev) - ordered, 0.0))
+            done = _done_ranks(ev)
+            if done.issuperset(t.orders) and not _done_ranks(ev[: len(ev) - len(new)]).issuperset(
+                t.orders
+            ):
+                ordered = first(ev, "ordered")
+                if ordered is not None:
+                    last = max(at for s, at, _ in ev if s == "write_done")
+                    self._write_time.observe(max(last - ordered, 0.0))
 
     def _observe_write(self, t: Transfer, stage: str, at: float, rank: int) -> None:
-        status = stage.removeprefix("write_")
+        status = _WRITE_STAGES[stage]
         self.write_reports.child(status).value += 1
         ev = t.timeline
-        ordered = first(ev, "ordered")
         if status == "posted":
+            ordered = first(ev, "ordered")
             if ordered is not None:
                 self._write_post.observe(max(at - ordered, 0.0))
             return
@@ -549,7 +548,7 @@ class CoordinatorMetrics:
         if rec is not None:
             self._write_size.observe(rec.bytes)
         start = first(ev, "write_posted", rank)
-        start = start if start is not None else ordered
+        start = start if start is not None else first(ev, "ordered")
         if start is not None:
             self._write_completion.observe(max(at - start, 0.0))
 
