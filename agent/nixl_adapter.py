@@ -201,18 +201,10 @@ def merge_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, i
         raise ValueError(
             f"local and remote block lists differ in length ({len(local)} vs {len(remote)})"
         )
-    runs: list[tuple[int, int, int]] = []
-    l_start = r_start = length = 0
-    for lb, rb in zip(local, remote, strict=True):
-        if length and lb == l_start + length and rb == r_start + length:
-            length += 1
-            continue
-        if length:
-            runs.append((l_start, r_start, length))
-        l_start, r_start, length = int(lb), int(rb), 1
-    if length:
-        runs.append((l_start, r_start, length))
-    return runs
+    if not len(local):
+        return []
+    starts_l, starts_r, lengths = _find_runs(_int_list(local), _int_list(remote))
+    return list(zip(starts_l, starts_r, lengths or [1] * len(starts_l), strict=True))
 
 
 _U64 = npt.NDArray[np.uint64]

@@ -150,27 +150,32 @@ def _agent_main(conn: Connection, address: str, cpus: set[int] | None, batched: 
 CONFIRM_PERIOD_S = 0.01  # at most one barrier heartbeat per stream per period
 
 
+def agent_hello(engine: str, role: Any, *, batched: bool) -> Any:
+    """The hello of the benchmark's simulated agent rank of `engine` (TP 1)."""
+    from pushkv.v1 import pushkv_pb2 as pb
+
+    from controlplane.protocol import PROTOCOL_VERSION
+
+    region = pb.KVRegion(base_addr=0x1000_0000, block_len=4096, num_blocks=4096)
+    return pb.AgentHello(
+        protocol_version=PROTOCOL_VERSION,
+        identity=pb.AgentIdentity(
+            engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="b1"
+        ),
+        nixl_agent_name=f"{engine}-0",
+        nixl_metadata=b"x" * 256,
+        layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
+        accepts_batches=batched,
+    )
+
+
 async def _agents(conn: Connection, address: str, batched: bool) -> None:
     import grpc
     from pushkv.v1 import pushkv_pb2 as pb
     from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-    from controlplane.protocol import PROTOCOL_VERSION
-
     def hello(engine: str, role: Any) -> Any:
-        region = pb.KVRegion(base_addr=0x1000_0000, block_len=4096, num_blocks=4096)
-        return pb.AgentMessage(
-            hello=pb.AgentHello(
-                protocol_version=PROTOCOL_VERSION,
-                identity=pb.AgentIdentity(
-                    engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="b1"
-                ),
-                nixl_agent_name=f"{engine}-0",
-                nixl_metadata=b"x" * 256,
-                layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
-                accepts_batches=batched,
-            )
-        )
+        return pb.AgentMessage(hello=agent_hello(engine, role, batched=batched))
 
     ordered: dict[str, float] = {}
     failed: dict[str, tuple[float, int]] = {}  # tid -> (when, state) from failure notices

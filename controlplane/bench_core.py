@@ -29,23 +29,14 @@ from typing import Any
 
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane.bench_coordinator import CORE_SETTINGS, DECODE, PREFILL, TOKENS
+from controlplane.bench_coordinator import CORE_SETTINGS, DECODE, PREFILL, TOKENS, agent_hello
 
 PHASES = ("parse", "register", "prefill_done", "take", "serialize", "write", "arrival")
 CORE_PHASES = ("register", "prefill_done", "take", "write", "arrival")
 
 
-def _hello(engine: str, role: Any) -> pb.AgentHello:
-    region = pb.KVRegion(base_addr=0x1000_0000, block_len=4096, num_blocks=4096)
-    return pb.AgentHello(
-        identity=pb.AgentIdentity(
-            engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="b1"
-        ),
-        nixl_agent_name=f"{engine}-0",
-        nixl_metadata=b"x" * 256,
-        layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
-        accepts_batches=True,
-    )
+def _submit_bytes(tids: list[str], make: Callable[[str], pb.TransferCall]) -> bytes:
+    return pb.SubmitRequest(calls=[make(t) for t in tids]).SerializeToString()
 
 
 def _run(coro: Any) -> Any:
@@ -73,10 +64,12 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
     rt.observers.append(TransferLog(rt.core.has_transfer))
     srv = TransferServicer(rt, Authorizer(tls_enabled=False))
     sp = rt.open_session(
-        convert.registration_from_pb(_hello(PREFILL, pb.ROLE_PREFILL)), accepts_batches=True
+        convert.registration_from_pb(agent_hello(PREFILL, pb.ROLE_PREFILL, batched=True)),
+        accepts_batches=True,
     )
     sd = rt.open_session(
-        convert.registration_from_pb(_hello(DECODE, pb.ROLE_DECODE)), accepts_batches=True
+        convert.registration_from_pb(agent_hello(DECODE, pb.ROLE_DECODE, batched=True)),
+        accepts_batches=True,
     )
     for s in (sp, sd):
         while not s.outbox.empty():
@@ -94,32 +87,22 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         k = min(batch, n - done)
         tids = [f"r{rep}-{done + i}" for i in range(k)]
         done += k
-        reg_bytes = pb.SubmitRequest(
-            calls=[
-                pb.TransferCall(
-                    register=pb.RegisterDecodeBlocksRequest(
-                        transfer_id=t,
-                        decode_engine_id=DECODE,
-                        block_ids=d_blocks,
-                        num_tokens=TOKENS,
-                    )
+        reg_bytes = _submit_bytes(
+            tids,
+            lambda t: pb.TransferCall(
+                register=pb.RegisterDecodeBlocksRequest(
+                    transfer_id=t, decode_engine_id=DECODE, block_ids=d_blocks, num_tokens=TOKENS
                 )
-                for t in tids
-            ]
-        ).SerializeToString()
-        pre_bytes = pb.SubmitRequest(
-            calls=[
-                pb.TransferCall(
-                    prefill_done=pb.ReportPrefillDoneRequest(
-                        transfer_id=t,
-                        prefill_engine_id=PREFILL,
-                        block_ids=p_blocks,
-                        num_tokens=TOKENS,
-                    )
+            ),
+        )
+        pre_bytes = _submit_bytes(
+            tids,
+            lambda t: pb.TransferCall(
+                prefill_done=pb.ReportPrefillDoneRequest(
+                    transfer_id=t, prefill_engine_id=PREFILL, block_ids=p_blocks, num_tokens=TOKENS
                 )
-                for t in tids
-            ]
-        ).SerializeToString()
+            ),
+        )
 
         t0 = clock()
         reg_req = parse_submit(reg_bytes)

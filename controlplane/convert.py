@@ -177,14 +177,8 @@ def _fill_order(m: pb.TransferOrder, order: Order) -> None:
             add().ids.extend(g)
 
 
-def order_to_pb(order: Order) -> pb.TransferOrder:
-    m = pb.TransferOrder()
-    _fill_order(m, order)
-    return m
-
-
 def order_message(order: Order) -> pb.CoordinatorMessage:
-    """CoordinatorMessage(order=order_to_pb(order)), without the copy."""
+    """The order as a CoordinatorMessage, filled in place (no sub-message copy)."""
     msg = pb.CoordinatorMessage()
     _fill_order(msg.order, order)
     return msg
