@@ -631,6 +631,16 @@ class Bench:
                 if s.saturated or rate >= a.max_rate:
                     break
                 rate *= a.factor
+            if len(steps) > 1 and steps[-1].saturated:
+                # Between the last rate kept up with and the first that was not.
+                low = steps[-2].offered
+                for j in range(1, a.refine + 1):
+                    r = low * a.factor ** (j / (a.refine + 1))
+                    s = self.run_step(clients, agents, pid, f"r{j}", r, a.duration, step_s=step_s)
+                    steps.append(s)
+                    _print_row(s, "refine")
+                    if s.saturated:
+                        break
             sat = max(s.completed_per_s for s in steps)
             half = self.run_step(clients, agents, pid, "half", sat / 2, a.duration, step_s=step_s)
             half.offered = sat / 2
@@ -677,6 +687,14 @@ class Bench:
         return before, after, ok, loaded
 
 
+def core_build() -> str:
+    """Which build of the core the spawned coordinator imports (same environment)."""
+    import controlplane
+
+    n = controlplane.NATIVE
+    return "core: compiled (mypyc)" if n.compiled else f"core: pure Python ({n.detail})"
+
+
 def _print_row(s: Step, label: str = "") -> None:
     errs = ",".join(f"{k}:{v}" for k, v in sorted(s.errors.items())) or "-"
     print(
@@ -712,6 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factor", type=float, default=1.5, help="rate growth per step")
     p.add_argument("--max-rate", type=float, default=50_000.0)
     p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument(
+        "--refine",
+        type=int,
+        default=2,
+        help="extra steps between the last rate sustained and the first saturated one",
+    )
     p.add_argument("--duration", type=float, default=8.0, help="seconds per step")
     p.add_argument("--drain-s", type=float, default=15.0, help="max wait for a backlog")
     p.add_argument("--max-outstanding", type=int, default=4000, help="per client")
@@ -725,8 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch",
         type=int,
-        default=64,
-        help="calls per Submit in the batched run (0: unbatched run only)",
+        default=256,
+        help="calls per Submit in the batched run, as the connector's client sends "
+        "(0: unbatched run only)",
     )
     p.add_argument(
         "--step-ms",
@@ -737,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-start-factor",
         type=float,
-        default=3.0,
+        default=5.0,
         help="the batched run starts at this many times --start-rate",
     )
     p.add_argument(
@@ -757,6 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.inflight = min(args.inflight, 10_000)
         args.max_steps = min(args.max_steps, 8)
     bench = Bench(args)
+    print(core_build())
     print(
         f"coordinator CPUs {sorted(bench.coord_cpus or []) or 'any'}, "
         f"load CPUs {sorted(bench.load_cpus or []) or 'any'}, {args.clients} clients, "

@@ -29,7 +29,14 @@ from typing import Any
 
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane.bench_coordinator import CORE_SETTINGS, DECODE, PREFILL, TOKENS, agent_hello
+from controlplane.bench_coordinator import (
+    CORE_SETTINGS,
+    DECODE,
+    PREFILL,
+    TOKENS,
+    agent_hello,
+    core_build,
+)
 
 PHASES = ("parse", "register", "prefill_done", "take", "serialize", "write", "arrival")
 CORE_PHASES = ("register", "prefill_done", "take", "write", "arrival")
@@ -256,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prof.dump_stats(args.profile)
         print(f"profile written to {args.profile}")
         return 0
+    print(core_build())
     print(
         f"{args.reps} x {args.n} rendezvous, batches of {args.batch}, "
         f"metrics={'on' if args.metrics else 'off'}, log level {args.log_level}, "

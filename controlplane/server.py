@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.logs import TransferLog
@@ -128,27 +128,25 @@ def _write_port_file(path: str, port: int) -> None:
     tmp.replace(path)  # atomic: readers never see a partial file
 
 
-# Every transfer leaves a dozen long-lived containers behind (kept for
-# --retention-s), so with Python's default gen-0 threshold (700 allocations)
-# the cyclic GC ran every ~50 rendezvous, ~20% of the coordinator's CPU.
-GC_THRESHOLDS = (10_000, 10, 10)
-
-
 def tune_gc() -> None:
-    """Collect less often: for the process that runs the coordinator (serve)."""
-    gc.set_threshold(*GC_THRESHOLDS)
+    """The GC policy of the process that runs the coordinator (see gcpolicy)."""
+    gcpolicy.install()
 
 
 async def serve(settings: ServerSettings) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
     tune_gc()
-    coord = await start(settings)
-    if settings.port_file:
-        _write_port_file(settings.port_file, coord.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("coordinator_stopping", grace_s=settings.shutdown_grace_s)
-    await coord.stop(settings.shutdown_grace_s)
+    full_gc = asyncio.create_task(gcpolicy.full_collections())  # owned here
+    try:
+        coord = await start(settings)
+        if settings.port_file:
+            _write_port_file(settings.port_file, coord.port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("coordinator_stopping", grace_s=settings.shutdown_grace_s)
+        await coord.stop(settings.shutdown_grace_s)
+    finally:
+        full_gc.cancel()

@@ -32,3 +32,7 @@ else
   echo "$want" > "$stamp"
   echo "setup: done"
 fi
+# The coordinator's core compiled with mypyc (controlplane/.native); quick when fresh.
+# Without a C compiler pushkv runs the same core as pure Python.
+"$VENV/bin/python" scripts/build_native.py \
+  || echo "setup: compiling the core failed; the coordinator runs it as pure Python" >&2

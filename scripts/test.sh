@@ -14,5 +14,11 @@ ruff check .
 ruff format --check .
 echo "== mypy (strict)"
 mypy controlplane agent vllm_integration scripts
-echo "== pytest"
-python -m pytest -ra "$@"
+echo "== pytest (compiled core)"
+PUSHKV_NATIVE=1 python -m pytest -ra "$@"
+if [ $# -eq 0 ]; then
+  echo "== pytest (the core as pure Python)"
+  PUSHKV_NATIVE=0 python -m pytest -q tests/test_rendezvous.py tests/test_server.py \
+    tests/test_batching.py tests/test_fuzz.py tests/test_native.py tests/test_status_cli.py \
+    tests/test_metrics.py tests/test_security.py
+fi

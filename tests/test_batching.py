@@ -252,17 +252,17 @@ class _Collect:
 async def test_the_link_batches_both_ways_only_when_enabled(
     coord: Coordinator, channel: grpc.aio.Channel, batching: bool
 ) -> None:
-    seen: list[str] = []
-    rt = coord.runtime
-    handle = rt.on_agent_message
-
-    def spy(s: Any, msg: pb.AgentMessage) -> None:
-        seen.append(msg.WhichOneof("kind") or "")
-        handle(s, msg)
-
-    rt.on_agent_message = spy  # type: ignore[method-assign]
+    seen: list[str] = []  # what the link put on the wire
     got = _Collect()
     link = CoordinatorLink(coord.address, hello("p0", "prefill").hello, got, batching=batching)
+    coalesce = link._coalesce
+
+    def spy(first: Any) -> pb.AgentMessage:
+        msg = coalesce(first)
+        seen.append(msg.WhichOneof("kind") or "")
+        return msg
+
+    link._coalesce = spy  # type: ignore[method-assign]
     # Reports queued before the stream opens go up together (or one by one).
     for i in range(3):
         link.send(ArrivalMsg(f"x{i}", (0,)))
@@ -274,7 +274,7 @@ async def test_the_link_batches_both_ways_only_when_enabled(
             msgs = await asyncio.to_thread(got.take, 4)
             assert isinstance(msgs[0], PeerMsg)
             assert [m.transfer_id for m in msgs[1:] if isinstance(m, OrderMsg)] == list("abc")
-            session = rt._sessions[AgentKey("p0", 0)]  # type: ignore[arg-type]
+            session = coord.runtime._sessions[AgentKey("p0", 0)]  # type: ignore[arg-type]
             assert session.accepts_batches is batching
         finally:
             await asyncio.to_thread(link.stop)

@@ -12,8 +12,8 @@ from ConnectorSettings' fields. Regenerate after changing any of them:
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-import inspect
 import os
 import re
 import sys
@@ -58,13 +58,23 @@ NOTES: dict[tuple[str, str], str] = {
 # ---------------------------------------------------------------- sources
 
 
+def class_source(cls: type) -> str:
+    """The class's source text, read from its .py file (its module may run compiled)."""
+    path = ROOT.joinpath(*cls.__module__.split(".")).with_suffix(".py")
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            return "\n".join(text.splitlines()[node.lineno - 1 : node.end_lineno])
+    raise LookupError(f"class {cls.__name__} not in {path}")
+
+
 def field_comments(cls: type) -> dict[str, str]:
     """Comment lines above each dataclass field (a block covers the fields right below it)."""
     out: dict[str, str] = {}
     comment: list[str] = []
     current = ""
     prev_was_field = False
-    for raw in inspect.getsource(cls).splitlines():
+    for raw in class_source(cls).splitlines():
         line = raw.strip()
         if line.startswith("#"):
             if prev_was_field or not comment:

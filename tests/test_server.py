@@ -460,28 +460,6 @@ async def test_list_transfers_filters_by_state_engine_and_limit(
         assert err.details().startswith("states:")
 
 
-async def _watch(
-    channel: grpc.aio.Channel, coord: Coordinator, req: pb.WatchTransfersRequest
-) -> Any:
-    """Open a watch and return once the coordinator has registered the watcher."""
-    registered = asyncio.Event()
-    rt = coord.runtime
-    original = rt.watch
-
-    def watch(flt: Any) -> Any:
-        w = original(flt)
-        registered.set()
-        return w
-
-    rt.watch = watch  # type: ignore[method-assign]
-    try:
-        call = status(channel).WatchTransfers(req)
-        await asyncio.wait_for(registered.wait(), WAIT)
-        return call
-    finally:
-        rt.watch = original  # type: ignore[method-assign]
-
-
 async def _next_event(call: Any) -> pb.TransferStatus:
     ev = await asyncio.wait_for(call.read(), WAIT)
     assert ev is not grpc.aio.EOF
@@ -492,8 +470,12 @@ async def test_watch_streams_every_state_change(
     coord: Coordinator, channel: grpc.aio.Channel
 ) -> None:
     async with SimCluster(coord.address, auto_complete=True):
-        call = await _watch(channel, coord, pb.WatchTransfersRequest(engine_id="d0"))
+        await transfers(channel).RegisterDecodeBlocks(decode_req("w0", [5]))
+        req = pb.WatchTransfersRequest(engine_id="d0", include_existing=True)
+        call = status(channel).WatchTransfers(req)
         try:
+            # The replay of an existing transfer proves the watch is registered.
+            assert (await _next_event(call)).transfer_id == "w0"
             await rendezvous(channel, "w1")
             seen = []
             while not seen or seen[-1] not in TERMINAL:
@@ -518,9 +500,9 @@ async def test_watch_replays_existing_then_filters_new_events(
         await transfers(channel).RegisterDecodeBlocks(decode_req("waiting", [5]))
 
         req = pb.WatchTransfersRequest(states=[pb.TRANSFER_STATE_COMPLETE], include_existing=True)
-        call = await _watch(channel, coord, req)
+        call = status(channel).WatchTransfers(req)
         try:
-            first = await _next_event(call)
+            first = await _next_event(call)  # replayed: the watch is registered from here
             assert (first.transfer_id, first.state) == ("old", pb.TRANSFER_STATE_COMPLETE)
             await transfers(channel).RegisterDecodeBlocks(decode_req("skipped", [6]))
             await rendezvous(channel, "new")

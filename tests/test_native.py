@@ -1,0 +1,96 @@
+"""The compiled core is used only when it is a build of today's sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import controlplane
+from controlplane import _native, rendezvous
+
+
+def _fake_build(pkg: Path) -> Path:
+    """A package dir whose .native/ claims to be a build of its sources."""
+    native = pkg / _native.DIRNAME
+    (native / "controlplane").mkdir(parents=True)
+    sources = {}
+    for mod in _native.MODULES:
+        src = pkg / f"{mod}.py"
+        src.write_text(f"NAME = {mod!r}\n")
+        sources[mod] = _native.source_hash(src)
+        (native / "controlplane" / f"{mod}{_native.abi_tag()}").write_bytes(b"")
+    manifest = {"abi": _native.abi_tag(), "sources": sources}
+    (native / _native.MANIFEST).write_text(json.dumps(manifest))
+    return native
+
+
+def test_this_process_runs_the_build_its_environment_asks_for() -> None:
+    compiled = rendezvous.__file__.endswith(_native.abi_tag())
+    assert controlplane.NATIVE.compiled is compiled
+    if os.environ.get(_native.ENV) == "1":  # scripts/test.sh: the suite runs compiled
+        assert compiled, controlplane.NATIVE.detail
+
+
+def test_a_fresh_build_goes_first_and_an_edited_source_retires_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    native = _fake_build(tmp_path)
+    monkeypatch.setenv(_native.ENV, "auto")
+    path = [str(tmp_path)]
+    assert _native.activate(path).compiled
+    assert path == [str(native / "controlplane"), str(tmp_path)]
+    assert str(native) in sys.path
+
+    (tmp_path / "rendezvous.py").write_text("NAME = 'edited'\n")
+    path = [str(tmp_path)]
+    state = _native.activate(path)
+    assert not state.compiled and "rendezvous.py changed" in state.detail
+    assert path == [str(tmp_path)]
+    monkeypatch.setenv(_native.ENV, "1")
+    with pytest.raises(ImportError, match=r"rendezvous\.py changed"):
+        _native.activate([str(tmp_path)])
+
+
+def test_missing_foreign_or_disabled_builds_are_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert "not built" in _native.check(tmp_path).detail
+    native = _fake_build(tmp_path)
+    manifest = json.loads((native / _native.MANIFEST).read_text())
+    (native / _native.MANIFEST).write_text(json.dumps({**manifest, "abi": ".cpython-39-x.so"}))
+    assert "built for .cpython-39-x.so" in _native.check(tmp_path).detail
+    (native / _native.MANIFEST).write_text("{not json")
+    assert "unreadable" in _native.check(tmp_path).detail
+    (native / _native.MANIFEST).write_text(json.dumps(manifest))
+    next((native / "controlplane").glob("transfer.*")).unlink()
+    assert "transfer missing" in _native.check(tmp_path).detail
+
+    _fake_build(tmp_path / "again")
+    monkeypatch.setenv(_native.ENV, "0")
+    path = [str(tmp_path / "again")]
+    assert _native.activate(path) == (False, f"{_native.ENV}=0")
+    assert path == [str(tmp_path / "again")]
+    monkeypatch.setenv(_native.ENV, "yes")
+    with pytest.raises(ImportError, match="expected auto, 0 or 1"):
+        _native.activate(path)
+
+
+def test_pushkv_native_0_imports_the_sources() -> None:
+    code = "import controlplane.rendezvous as r, controlplane as c; print(r.__file__, c.NATIVE)"
+    env = {**os.environ, _native.ENV: "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0].endswith("controlplane/rendezvous.py")
