@@ -32,6 +32,7 @@ MODULES = (
     "timeline",
     "rendezvous",
     "convert",
+    "runtime",
 )
 DIRNAME = ".native"
 MANIFEST = "manifest.json"
