@@ -771,6 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cProfile the coordinator into FILE (FILE.batched for the batched run)",
     )
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--batched-only", action="store_true", help="skip the unbatched run")
     return p
 
 
@@ -795,8 +796,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     runs: list[tuple[str, list[Step], Step | None]] = []
     try:
-        steps, half = bench.throughput(0, args.profile)
-        runs.append(("unbatched", steps, half))
+        if not args.batched_only:
+            steps, half = bench.throughput(0, args.profile)
+            runs.append(("unbatched", steps, half))
         if args.batch > 0:
             prof = args.profile and args.profile + ".batched"
             steps, half = bench.throughput(args.batch, prof)
@@ -821,7 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{name} order latency at {half.offered:.0f}/s: p50 {p50:.2f} ms, "
                 f"p99 {p99:.2f} ms ({len(half.order_ms)} orders)"
             )
-    if "batched" in figures:
+    if "batched" in figures and "unbatched" in figures:
         print(f"batched / unbatched: {figures['batched'][0] / figures['unbatched'][0]:.1f}x")
     print(
         f"memory: VmRSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB for {held} "
@@ -836,15 +838,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(f"elapsed {time.monotonic() - t0:.0f} s")
     if args.profile:
-        _print_profile(args.profile, args.profile_top)
+        if not args.batched_only:
+            _print_profile(args.profile, args.profile_top)
         if args.batch > 0:
             print("\n(batched run)")
             _print_profile(args.profile + ".batched", args.profile_top)
-    rps, p50, p99 = figures["unbatched"]
-    line = (
-        f"rendezvous_per_s={rps:.0f} order_p50_ms={p50:.2f} "
-        f"order_p99_ms={p99:.2f} bytes_per_inflight={per:.0f}"
-    )
+    line = f"bytes_per_inflight={per:.0f}"
+    if "unbatched" in figures:
+        rps, p50, p99 = figures["unbatched"]
+        line = f"rendezvous_per_s={rps:.0f} order_p50_ms={p50:.2f} order_p99_ms={p99:.2f} " + line
     if "batched" in figures:
         rps, p50, p99 = figures["batched"]
         line += (

@@ -152,7 +152,7 @@ def peer_to_pb(reg: AgentRegistration) -> pb.PeerInfo:
     )
 
 
-def _fill_order(m: pb.TransferOrder, order: Order) -> None:
+def fill_order(m: pb.TransferOrder, order: Order) -> None:
     # Filled in place: passing sub-messages as constructor arguments copies each one.
     m.order_id = order.order_id
     m.transfer_id = order.transfer_id
@@ -180,7 +180,7 @@ def _fill_order(m: pb.TransferOrder, order: Order) -> None:
 def order_message(order: Order) -> pb.CoordinatorMessage:
     """The order as a CoordinatorMessage, filled in place (no sub-message copy)."""
     msg = pb.CoordinatorMessage()
-    _fill_order(msg.order, order)
+    fill_order(msg.order, order)
     return msg
 
 

@@ -19,6 +19,7 @@ from controlplane.domain import (
     AgentKey,
     AgentRegistration,
     Effect,
+    Order,
     SendCancelOrder,
     SendNotice,
     SendOrder,
@@ -38,41 +39,66 @@ OUTBOX_LIMIT = 100_000
 MAX_OUT_BATCH = 256
 WATCH_QUEUE_LIMIT = 10_000
 
+# An outbox holds orders as domain values: each is filled straight into the
+# message that carries it (a protobuf sub-message added to a batch is copied).
+Outgoing = pb.CoordinatorMessage | Order
+
+
+def _message(item: Outgoing) -> pb.CoordinatorMessage:
+    return item if isinstance(item, pb.CoordinatorMessage) else convert.order_message(item)
+
 
 @dataclass(eq=False)
 class AgentSession:
     reg: AgentRegistration
-    outbox: asyncio.Queue[pb.CoordinatorMessage | None] = field(
+    outbox: asyncio.Queue[Outgoing | None] = field(
         default_factory=lambda: asyncio.Queue(OUTBOX_LIMIT)
     )
     known_peers: set[tuple[AgentKey, str]] = field(default_factory=set)
     closed: bool = False
     accepts_batches: bool = False  # AgentHello.accepts_batches
 
-    def take(self, first: pb.CoordinatorMessage) -> tuple[pb.CoordinatorMessage, bool]:
-        """What to send now, given the message just taken from the outbox, and
+    def take(self, first: Outgoing) -> tuple[pb.CoordinatorMessage, bool]:
+        """What to send now, given the item just taken from the outbox, and
         whether the session ended. With a batching agent, everything already
         queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
         if not self.accepts_batches or q.empty():
-            return first, False
-        items = [first]
+            return _message(first), False
+        nxt = q.get_nowait()
+        if nxt is None:
+            return _message(first), True
+        out = pb.CoordinatorMessage()
+        msgs = out.batch.messages
+        n = 0
         ended = False
-        while len(items) < MAX_OUT_BATCH and not q.empty():
-            nxt = q.get_nowait()
-            if nxt is None:
+        for item in (first, nxt):
+            if isinstance(item, pb.CoordinatorMessage):
+                msgs.append(item)
+            else:
+                convert.fill_order(msgs.add().order, item)
+            n += 1
+        while n < MAX_OUT_BATCH and not q.empty():
+            item2 = q.get_nowait()
+            if item2 is None:
                 ended = True
                 break
-            items.append(nxt)
-        if len(items) == 1:
-            return first, ended
-        return pb.CoordinatorMessage(batch=pb.CoordinatorBatch(messages=items)), ended
+            if isinstance(item2, pb.CoordinatorMessage):
+                msgs.append(item2)
+            else:
+                convert.fill_order(msgs.add().order, item2)
+            n += 1
+        return out, ended
+
+    @staticmethod
+    def message(item: Outgoing) -> pb.CoordinatorMessage:
+        return _message(item)
 
     @property
     def key(self) -> AgentKey:
         return self.reg.key
 
-    def send(self, msg: pb.CoordinatorMessage) -> None:
+    def send(self, msg: Outgoing) -> None:
         if self.closed:
             return
         try:
@@ -147,7 +173,7 @@ class Runtime:
                     continue  # replayed when the agent reconnects
                 for tgt in e.order.targets:
                     self._ensure_peer(s, tgt.decode_engine_id, tgt.decode_rank)
-                s.send(convert.order_message(e.order))
+                s.send(e.order)
                 if logs.debug_enabled():
                     log.debug("order_sent", transfer_id=e.order.transfer_id, agent=str(e.to))
             elif isinstance(e, SendCancelOrder):

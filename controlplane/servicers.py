@@ -252,7 +252,7 @@ class AgentServicer(pbg.AgentServiceServicer):
         try:
             msg = await session.outbox.get()
             if msg is not None:
-                yield msg  # the welcome, always alone
+                yield session.message(msg)  # the welcome, always alone
                 while (msg := await session.outbox.get()) is not None:
                     out, ended = session.take(msg)
                     yield out
