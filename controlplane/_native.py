@@ -33,6 +33,8 @@ MODULES = (
     "rendezvous",
     "convert",
     "runtime",
+    "calls",
+    "auth",
 )
 DIRNAME = ".native"
 MANIFEST = "manifest.json"

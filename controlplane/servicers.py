@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -12,19 +12,18 @@ import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import convert, logs, status_map
-from controlplane.auth import Authorizer, Kind, Principal
+from controlplane import convert
+from controlplane.auth import Authorizer
+from controlplane.calls import TransferCalls
 from controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
-    PermissionDenied,
     PushKVError,
     ResourceExhausted,
 )
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.rendezvous import TransferFilter
 from controlplane.runtime import Runtime
-from controlplane.transfer import Transfer
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -36,18 +35,13 @@ MAX_LIST_LIMIT = 10_000
 
 # A Submit batch holds at most this many calls (each as heavy as its unary RPC).
 MAX_SUBMIT_CALLS = 1024
-# The unary method whose authorization rules each kind of Submit call follows.
-_CALL_METHOD = {
-    "register": "/pushkv.v1.TransferService/RegisterDecodeBlocks",
-    "prefill_done": "/pushkv.v1.TransferService/ReportPrefillDone",
-    "cancel": "/pushkv.v1.TransferService/Cancel",
-}
 
 
 class TransferServicer(pbg.TransferServiceServicer):
     def __init__(self, rt: Runtime, authz: Authorizer) -> None:
         self._rt = rt
         self._authz = authz
+        self._calls = TransferCalls(rt, authz)
 
     async def BeginTransfer(
         self, request: pb.BeginTransferRequest, context: Ctx
@@ -61,15 +55,15 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
     ) -> pb.TransferStatus:
-        return self._rt.status(self._register(self._authz.principal(context), request))
+        return self._rt.status(self._calls.register(self._authz.principal(context), request))
 
     async def ReportPrefillDone(
         self, request: pb.ReportPrefillDoneRequest, context: Ctx
     ) -> pb.TransferStatus:
-        return self._rt.status(self._prefill_done(self._authz.principal(context), request))
+        return self._rt.status(self._calls.prefill_done(self._authz.principal(context), request))
 
     async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
-        return self._rt.status(self._cancel(self._authz.principal(context), request))
+        return self._rt.status(self._calls.cancel(self._authz.principal(context), request))
 
     async def Submit(self, request: pb.SubmitRequest, context: Ctx) -> pb.SubmitResponse:
         calls = request.calls
@@ -77,75 +71,9 @@ class TransferServicer(pbg.TransferServiceServicer):
             raise InvalidArgument(
                 f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})", field="calls"
             )
-        p = self._authz.principal(context)
         response = pb.SubmitResponse()
-        add = response.results.add  # results built in place: no copy per result
-        for call in calls:
-            self._submit_one(p, call, add)
+        self._calls.submit(self._authz.principal(context), calls, response)
         return response
-
-    # The bodies below are shared by the unary RPCs and Submit, so both paths
-    # authorize, validate, apply and log identically.
-    def _register(self, p: Principal, request: pb.RegisterDecodeBlocksRequest) -> Transfer:
-        self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
-        t, effects = self._rt.core.register_decode(
-            request.transfer_id,
-            request.decode_engine_id,
-            convert.blocks_from_pb(request.block_ids),
-            request.num_tokens,
-        )
-        self._rt.apply(effects)
-        if logs.debug_enabled():
-            log.debug(
-                "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
-            )
-        return t
-
-    def _prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
-        self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
-        t, effects = self._rt.core.prefill_done(
-            request.transfer_id,
-            request.prefill_engine_id,
-            convert.blocks_from_pb(request.block_ids),
-            request.num_tokens,
-        )
-        self._rt.apply(effects)
-        if logs.debug_enabled():
-            log.debug(
-                "prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id
-            )
-        return t
-
-    def _cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:
-        if p.kind is Kind.ENGINE and self._rt.core.has_transfer(request.transfer_id):
-            known = self._rt.core.get(request.transfer_id)
-            if p.name not in (known.prefill_engine, known.decode_engine):
-                raise PermissionDenied(f"{p} is not part of transfer {request.transfer_id}")
-        t, effects = self._rt.core.cancel(request.transfer_id, request.reason)
-        self._rt.apply(effects)
-        log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
-        return t
-
-    def _submit_one(
-        self, p: Principal, call: pb.TransferCall, add: Callable[..., pb.CallResult]
-    ) -> None:
-        """Apply one call; its CallResult is made by `add` (the response's results.add)."""
-        kind = call.WhichOneof("kind")
-        try:
-            if kind is None:
-                raise InvalidArgument("empty call: set register, prefill_done or cancel")
-            self._authz.check_method(p, _CALL_METHOD[kind])
-            if kind == "register":
-                t = self._register(p, call.register)
-            elif kind == "prefill_done":
-                t = self._prefill_done(p, call.prefill_done)
-            else:
-                t = self._cancel(p, call.cancel)
-        except Exception as exc:  # each call fails alone, with its unary RPC's code
-            code, message = status_map.outcome(exc, f"Submit/{kind}")
-            add(code=code.value[0], message=message)
-            return
-        add(state=convert.STATE_TO_PB[t.state], write_may_land=t.write_may_land)
 
 
 def _filter(

@@ -1,0 +1,98 @@
+"""The bodies of the transfer calls, shared by their unary RPCs and Submit.
+
+Both paths authorize, validate, apply and log identically; errors leave as
+PushKVError and are mapped to status codes in one place (status_map). No gRPC
+here beyond the request and response messages, so the module compiles with
+the rest of the core (controlplane/_native.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane import convert, logs, status_map
+from controlplane.auth import Authorizer, Kind, Principal
+from controlplane.errors import InvalidArgument, PermissionDenied
+from controlplane.runtime import Runtime
+from controlplane.transfer import Transfer
+
+log = structlog.get_logger("pushkv.coordinator")
+
+# The unary method whose authorization rules each kind of Submit call follows.
+CALL_METHOD = {
+    "register": "/pushkv.v1.TransferService/RegisterDecodeBlocks",
+    "prefill_done": "/pushkv.v1.TransferService/ReportPrefillDone",
+    "cancel": "/pushkv.v1.TransferService/Cancel",
+}
+
+
+class TransferCalls:
+    def __init__(self, rt: Runtime, authz: Authorizer) -> None:
+        self._rt = rt
+        self._authz = authz
+
+    def register(self, p: Principal, request: pb.RegisterDecodeBlocksRequest) -> Transfer:
+        self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
+        t, effects = self._rt.core.register_decode(
+            request.transfer_id,
+            request.decode_engine_id,
+            convert.blocks_from_pb(request.block_ids),
+            request.num_tokens,
+        )
+        self._rt.apply(effects)
+        if logs.debug_enabled():
+            log.debug(
+                "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
+            )
+        return t
+
+    def prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
+        self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
+        t, effects = self._rt.core.prefill_done(
+            request.transfer_id,
+            request.prefill_engine_id,
+            convert.blocks_from_pb(request.block_ids),
+            request.num_tokens,
+        )
+        self._rt.apply(effects)
+        if logs.debug_enabled():
+            log.debug(
+                "prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id
+            )
+        return t
+
+    def cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:
+        if p.kind is Kind.ENGINE and self._rt.core.has_transfer(request.transfer_id):
+            known = self._rt.core.get(request.transfer_id)
+            if p.name not in (known.prefill_engine, known.decode_engine):
+                raise PermissionDenied(f"{p} is not part of transfer {request.transfer_id}")
+        t, effects = self._rt.core.cancel(request.transfer_id, request.reason)
+        self._rt.apply(effects)
+        log.info("transfer_cancelled", transfer_id=t.transfer_id, reason=request.reason)
+        return t
+
+    def submit(
+        self, p: Principal, calls: Sequence[pb.TransferCall], response: pb.SubmitResponse
+    ) -> None:
+        """Apply each call in order; one CallResult each, built in place in `response`."""
+        add = response.results.add
+        for call in calls:
+            kind = call.WhichOneof("kind")
+            try:
+                if kind is None:
+                    raise InvalidArgument("empty call: set register, prefill_done or cancel")
+                self._authz.check_method(p, CALL_METHOD[kind])
+                if kind == "register":
+                    t = self.register(p, call.register)
+                elif kind == "prefill_done":
+                    t = self.prefill_done(p, call.prefill_done)
+                else:
+                    t = self.cancel(p, call.cancel)
+            except Exception as exc:  # each call fails alone, with its unary RPC's code
+                code, message = status_map.outcome(exc, f"Submit/{kind}")
+                add(code=code.value[0], message=message)
+                continue
+            add(state=convert.STATE_TO_PB[t.state], write_may_land=t.write_may_land)
