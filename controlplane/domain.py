@@ -179,11 +179,15 @@ class Notice:
 # frozen: a frozen dataclass costs a setattr call per field to build.
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class SendOrder:
     to: AgentKey
     incarnation: str
     order: Order
+
+    # Written out: a dataclass-made __init__ stays interpreted when compiled.
+    def __init__(self, to: AgentKey, incarnation: str, order: Order) -> None:
+        self.to, self.incarnation, self.order = to, incarnation, order
 
 
 @dataclass(slots=True)
@@ -210,9 +214,12 @@ class SendPeerFenced:
     peer_incarnation: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class TransferChanged:
     transfer_id: TransferId
+
+    def __init__(self, transfer_id: TransferId) -> None:
+        self.transfer_id = transfer_id
 
 
 Effect = SendOrder | SendCancelOrder | SendNotice | SendPeerFenced | TransferChanged

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from controlplane.domain import (
     AgentKey,
@@ -18,18 +18,34 @@ from controlplane.domain import (
 _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
 
 
-@dataclass(slots=True)
+# The records below write their own __init__ (init=False): a dataclass-made
+# __init__ stays interpreted code when the module is compiled (_native.py).
+
+
+@dataclass(slots=True, init=False)
 class OrderRecord:
     order: Order
     # The prefill agent the order went to: (order.prefill_engine_id, order.prefill_rank).
     agent: AgentKey
-    state: RankState = RankState.ORDERED
-    detail: str = ""
-    bytes: int = 0
-    descriptors: int = 0
+    state: RankState
+    detail: str
+    bytes: int
+    descriptors: int
+
+    def __init__(
+        self,
+        order: Order,
+        agent: AgentKey,
+        state: RankState = RankState.ORDERED,
+        detail: str = "",
+        bytes: int = 0,
+        descriptors: int = 0,
+    ) -> None:
+        self.order, self.agent, self.state = order, agent, state
+        self.detail, self.bytes, self.descriptors = detail, bytes, descriptors
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Side:
     """What one engine said about the transfer."""
 
@@ -37,8 +53,11 @@ class Side:
     blocks: Blocks
     num_tokens: int
 
+    def __init__(self, engine_id: EngineId, blocks: Blocks, num_tokens: int) -> None:
+        self.engine_id, self.blocks, self.num_tokens = engine_id, blocks, num_tokens
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Transfer:
     transfer_id: TransferId
     state: State
@@ -46,23 +65,44 @@ class Transfer:
     created_wall: float
     deadline_mono: float
     updated_wall: float
-    reason: Reason = Reason.NONE
-    detail: str = ""
-    announced_prefill: EngineId | None = None
-    announced_decode: EngineId | None = None
-    decode: Side | None = None
-    prefill: Side | None = None
-    orders: dict[int, OrderRecord] = field(default_factory=dict)
+    reason: Reason
+    detail: str
+    announced_prefill: EngineId | None
+    announced_decode: EngineId | None
+    decode: Side | None
+    prefill: Side | None
+    orders: dict[int, OrderRecord]
     # decode rank -> prefill ranks expected to write into it / already arrived
-    expected: dict[int, frozenset[int]] = field(default_factory=dict)
-    arrived: dict[int, set[int]] = field(default_factory=dict)
+    expected: dict[int, frozenset[int]]
+    arrived: dict[int, set[int]]
     # (stage, unix seconds, rank or -1)
-    timeline: list[tuple[str, float, int]] = field(default_factory=list)
-    terminal_mono: float | None = None
+    timeline: list[tuple[str, float, int]]
+    terminal_mono: float | None
     # Bumped on every deadline change so stale heap entries are ignored.
-    deadline_version: int = 0
+    deadline_version: int
     # Engines whose in-flight count includes this transfer.
-    counted: set[EngineId] = field(default_factory=set)
+    counted: set[EngineId]
+
+    def __init__(
+        self,
+        transfer_id: TransferId,
+        state: State,
+        created_mono: float,
+        created_wall: float,
+        deadline_mono: float,
+        updated_wall: float,
+    ) -> None:
+        self.transfer_id, self.state = transfer_id, state
+        self.created_mono, self.created_wall = created_mono, created_wall
+        self.deadline_mono, self.updated_wall = deadline_mono, updated_wall
+        self.reason, self.detail = Reason.NONE, ""
+        self.announced_prefill = self.announced_decode = None
+        self.decode = self.prefill = None
+        self.orders, self.expected, self.arrived = {}, {}, {}
+        self.timeline = []
+        self.terminal_mono = None
+        self.deadline_version = 0
+        self.counted = set()
 
     @property
     def prefill_engine(self) -> EngineId | None:
