@@ -1,6 +1,6 @@
 """Selects the compiled (mypyc) build of the coordinator's core, when there is a fresh one.
 
-``python scripts/build_native.py`` compiles the modules in ``MODULES`` into
+``pushkv build-native`` (controlplane/native_build.py) compiles the modules in ``MODULES`` into
 ``controlplane/.native/`` and records the SHA-256 of each source there. At
 import, ``controlplane/__init__.py`` calls ``activate``: it puts that folder
 first on the package's ``__path__`` only if every recorded hash matches the

@@ -98,6 +98,18 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_native_flags(p: argparse.ArgumentParser) -> None:
+    from controlplane.native_build import add_arguments
+
+    add_arguments(p)
+
+
+def _cmd_build_native(args: argparse.Namespace) -> int:
+    from controlplane.native_build import run
+
+    return run(args)
+
+
 def _cmd_dev_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -197,6 +209,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     k.add_argument("--operator", action="append", default=[], help="operator name (repeatable)")
     k.add_argument("--host", action="append", default=[], help="server host/IP (repeatable)")
     handlers["dev-certs"] = _cmd_dev_certs
+
+    n = sub.add_parser(
+        "build-native", help="compile the coordinator's core with mypyc (docs/operations.md)"
+    )
+    _add_native_flags(n)
+    handlers["build-native"] = _cmd_build_native
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
     b.add_argument(

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import structlog
 from pushkv.v1 import pushkv_pb2 as pb
@@ -41,7 +42,7 @@ WATCH_QUEUE_LIMIT = 10_000
 
 # An outbox holds orders as domain values: each is filled straight into the
 # message that carries it (a protobuf sub-message added to a batch is copied).
-Outgoing = pb.CoordinatorMessage | Order
+Outgoing: TypeAlias = pb.CoordinatorMessage | Order
 
 
 def _message(item: Outgoing) -> pb.CoordinatorMessage:

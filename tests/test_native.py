@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,45 @@ def test_pushkv_native_0_imports_the_sources() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0].endswith("controlplane/rendezvous.py")
+
+
+def test_a_copy_of_the_package_compiles_and_runs_compiled(tmp_path: Path) -> None:
+    """As for an installed (non-editable) copy: no project config beside it."""
+    pkg = tmp_path / "controlplane"
+    shutil.copytree(
+        Path(controlplane.__file__).parent, pkg, ignore=shutil.ignore_patterns(".native*")
+    )
+    env = {**os.environ, _native.ENV: "0"}
+    build = (
+        "from pathlib import Path; from controlplane import native_build; "
+        f"print(native_build.build(Path({str(pkg)!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", build],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _native.check(pkg).compiled
+    use = (
+        "import controlplane.rendezvous as r; from controlplane.clock import SystemClock; "
+        "from controlplane.settings import CoreSettings; "
+        "rv = r.Rendezvous(CoreSettings(), SystemClock()); t, _ = rv.cancel('x', 'test'); "
+        "print(r.__file__, t.state.value)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", use],
+        env={**os.environ, _native.ENV: "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, state = out.stdout.split()
+    assert path.startswith(str(pkg / _native.DIRNAME)) and state == "cancelled"
