@@ -60,7 +60,7 @@ def check(package_dir: Path) -> NativeState:
     try:
         manifest = json.loads((native / MANIFEST).read_text())
     except FileNotFoundError:
-        return NativeState(False, "not built (python scripts/build_native.py)")
+        return NativeState(False, "not built")
     except (OSError, ValueError) as exc:
         return NativeState(False, f"unreadable {DIRNAME}/{MANIFEST}: {exc}")
     if manifest.get("abi") != abi_tag():
@@ -88,7 +88,10 @@ def activate(package_path: list[str]) -> NativeState:
     state = check(package_dir)
     if not state.compiled:
         if mode == "1":
-            raise ImportError(f"{ENV}=1 but the compiled core is unusable: {state.detail}")
+            raise ImportError(
+                f"{ENV}=1 but the compiled core is unusable: {state.detail}; "
+                f"build it with `{ENV}=0 pushkv build-native`"
+            )
         return state
     native = package_dir / DIRNAME
     package_path.insert(0, str(native / "controlplane"))

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+import controlplane
 from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
@@ -118,6 +119,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         host=settings.host,
         port=port,
         coordinator_id=runtime.core.coordinator_id,
+        core="compiled" if controlplane.NATIVE.compiled else "python",
     )
     return Coordinator(server, runtime, health_servicer, port, metrics, tracer)
 

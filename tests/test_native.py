@@ -137,3 +137,17 @@ def test_a_copy_of_the_package_compiles_and_runs_compiled(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stderr[-2000:]
     path, state = out.stdout.split()
     assert path.startswith(str(pkg / _native.DIRNAME)) and state == "cancelled"
+
+
+async def test_the_coordinator_logs_which_core_it_runs() -> None:
+    from structlog.testing import capture_logs
+
+    from controlplane.server import ServerSettings, start
+
+    with capture_logs() as logs:
+        coord = await start(ServerSettings(port=0))
+        await coord.stop(0)
+    started = [e for e in logs if e["event"] == "coordinator_started"]
+    assert started and started[0]["core"] == (
+        "compiled" if controlplane.NATIVE.compiled else "python"
+    )
