@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import structlog
 from pushkv.v1 import pushkv_pb2 as pb
@@ -49,6 +49,14 @@ def _message(item: Outgoing) -> pb.CoordinatorMessage:
     return item if isinstance(item, pb.CoordinatorMessage) else convert.order_message(item)
 
 
+def _add(msgs: Any, item: Outgoing) -> None:
+    """Append `item` to a CoordinatorBatch's messages (an order is filled in place)."""
+    if isinstance(item, pb.CoordinatorMessage):
+        msgs.append(item)
+    else:
+        convert.fill_order(msgs.add().order, item)
+
+
 @dataclass(eq=False)
 class AgentSession:
     reg: AgentRegistration
@@ -71,25 +79,16 @@ class AgentSession:
             return _message(first), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
-        n = 0
-        ended = False
-        for item in (first, nxt):
-            if isinstance(item, pb.CoordinatorMessage):
-                msgs.append(item)
-            else:
-                convert.fill_order(msgs.add().order, item)
-            n += 1
+        _add(msgs, first)
+        _add(msgs, nxt)
+        n = 2
         while n < MAX_OUT_BATCH and not q.empty():
-            item2 = q.get_nowait()
-            if item2 is None:
-                ended = True
-                break
-            if isinstance(item2, pb.CoordinatorMessage):
-                msgs.append(item2)
-            else:
-                convert.fill_order(msgs.add().order, item2)
+            item = q.get_nowait()
+            if item is None:
+                return out, True
+            _add(msgs, item)
             n += 1
-        return out, ended
+        return out, False
 
     @staticmethod
     def message(item: Outgoing) -> pb.CoordinatorMessage:

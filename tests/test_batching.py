@@ -280,3 +280,42 @@ async def test_the_link_batches_both_ways_only_when_enabled(
             await asyncio.to_thread(link.stop)
     reports = [k for k in seen if k in ("arrival", "batch")]
     assert reports == (["batch"] if batching else ["arrival"] * 3)
+
+
+async def test_an_outbox_batch_keeps_orders_and_messages_in_order() -> None:
+    from controlplane import convert
+    from controlplane.clock import SystemClock
+    from controlplane.domain import EngineId, Order, OrderId, TransferId
+    from controlplane.runtime import Runtime
+
+    rt = Runtime(CoreSettings(), SystemClock())
+    session = rt.open_session(
+        convert.registration_from_pb(hello("p0", "prefill").hello), accepts_batches=True
+    )
+    while not session.outbox.empty():
+        session.outbox.get_nowait()  # the welcome
+
+    def order(tid: str) -> Order:
+        return Order(OrderId("o-" + tid), TransferId(tid), EngineId("p0"), 0, "i1", (), 0.0, 16)
+
+    session.send(order("t1"))
+    session.send(pb.CoordinatorMessage(notice=pb.TransferNotice(transfer_id="n1")))
+    session.send(order("t2"))
+    session.close()
+    out, ended = session.take(session.outbox.get_nowait())
+    assert ended
+    got = [
+        (m.WhichOneof("kind"), m.order.transfer_id or m.notice.transfer_id)
+        for m in out.batch.messages
+    ]
+    assert got == [("order", "t1"), ("notice", "n1"), ("order", "t2")]
+    assert out.batch.messages[0].order.num_tokens == 16
+
+    lone = Runtime(CoreSettings(), SystemClock()).open_session(
+        convert.registration_from_pb(hello("p0", "prefill").hello), accepts_batches=True
+    )
+    while not lone.outbox.empty():
+        lone.outbox.get_nowait()
+    lone.send(order("t3"))
+    msg, ended = lone.take(lone.outbox.get_nowait())
+    assert not ended and msg.WhichOneof("kind") == "order" and msg.order.transfer_id == "t3"
