@@ -49,6 +49,7 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 from prometheus_client.utils import INF, floatToGoString
 
+import controlplane
 from controlplane.domain import RankState, State
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.timeline import (
@@ -61,6 +62,10 @@ from controlplane.transfer import Transfer
 
 if TYPE_CHECKING:
     from controlplane.runtime import Runtime
+
+# Which build of the core this process runs (controlplane/_native.py).
+_CORE = "compiled" if controlplane.NATIVE.compiled else "python"
+
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -284,7 +289,9 @@ class _Collector:
     def _live(snap: _Snapshot | None) -> Iterator[Metric]:
         """Engine, lease and in-flight gauges, read from the core."""
         info = InfoMetricFamily(
-            "pushkv_coordinator", "this coordinator", labels=["coordinator_id", "protocol"]
+            "pushkv_coordinator",
+            "this coordinator",
+            labels=["coordinator_id", "protocol", "core"],
         )
         ready = GaugeMetricFamily(
             "pushkv_engine_ready",
@@ -325,7 +332,7 @@ class _Collector:
             "pushkv_transfers_inflight", "non-terminal transfers by state", labels=["state"]
         )
         if snap is not None:
-            info.add_metric([snap.coordinator_id, str(PROTOCOL_VERSION)], {})
+            info.add_metric([snap.coordinator_id, str(PROTOCOL_VERSION), _CORE], {})
             for state, n in snap.inflight:
                 transfers.add_metric([state], n)
             for e in snap.engines:

@@ -24,6 +24,7 @@ from prometheus_client.utils import floatToGoString
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+import controlplane
 from agent.events import EventKind
 from controlplane import metrics as cmetrics
 from controlplane.launch import CoordinatorProcess
@@ -217,6 +218,7 @@ async def test_coordinator_metrics_after_real_transfers(
     assert value(s, "pushkv_engine_inflight_transfers", engine="p0", role="prefill") == 0
     info = [k for k in s if k[0] == "pushkv_coordinator_info"]
     assert dict(info[0][1])["coordinator_id"] == coord.runtime.core.coordinator_id
+    assert dict(info[0][1])["core"] == ("compiled" if controlplane.NATIVE.compiled else "python")
 
     # Every metric of ours is pushkv_-prefixed, and no label carries a transfer id.
     ours = [k for k in s if not k[0].startswith(("python_", "process_"))]
