@@ -122,6 +122,7 @@ def rig() -> Iterator[Rig]:
         for h in (r.p, r.d, p, d, *r.extra):
             h.stop()
         proxy.close()
+        r.coord.stop()  # a test may have replaced the coordinator (crash and restart)
         coord.stop()
 
 
