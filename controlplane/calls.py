@@ -8,13 +8,14 @@ the rest of the core (controlplane/_native.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import convert, logs, status_map
 from controlplane.auth import Authorizer, Kind, Principal
+from controlplane.domain import Effect
 from controlplane.errors import InvalidArgument, PermissionDenied
 from controlplane.runtime import Runtime
 from controlplane.transfer import Transfer
@@ -36,32 +37,33 @@ class TransferCalls:
 
     def register(self, p: Principal, request: pb.RegisterDecodeBlocksRequest) -> Transfer:
         self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
-        t, effects = self._rt.core.register_decode(
-            request.transfer_id,
-            request.decode_engine_id,
-            convert.blocks_from_pb(request.block_ids),
-            request.num_tokens,
+        return self._side(
+            self._rt.core.register_decode, request, request.decode_engine_id, "decode_registered"
         )
-        self._rt.apply(effects)
-        if logs.debug_enabled():
-            log.debug(
-                "decode_registered", transfer_id=t.transfer_id, engine_id=request.decode_engine_id
-            )
-        return t
 
     def prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
         self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
-        t, effects = self._rt.core.prefill_done(
+        return self._side(
+            self._rt.core.prefill_done, request, request.prefill_engine_id, "prefill_done"
+        )
+
+    def _side(
+        self,
+        report: Callable[[str, str, list[tuple[int, ...]], int], tuple[Transfer, list[Effect]]],
+        request: pb.RegisterDecodeBlocksRequest | pb.ReportPrefillDoneRequest,
+        engine_id: str,
+        event: str,
+    ) -> Transfer:
+        """One side's report (an authorized caller): apply it to the core."""
+        t, effects = report(
             request.transfer_id,
-            request.prefill_engine_id,
+            engine_id,
             convert.blocks_from_pb(request.block_ids),
             request.num_tokens,
         )
         self._rt.apply(effects)
         if logs.debug_enabled():
-            log.debug(
-                "prefill_done", transfer_id=t.transfer_id, engine_id=request.prefill_engine_id
-            )
+            log.debug(event, transfer_id=t.transfer_id, engine_id=engine_id)
         return t
 
     def cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:

@@ -45,7 +45,8 @@ WATCH_QUEUE_LIMIT = 10_000
 Outgoing: TypeAlias = pb.CoordinatorMessage | Order
 
 
-def _message(item: Outgoing) -> pb.CoordinatorMessage:
+def to_message(item: Outgoing) -> pb.CoordinatorMessage:
+    """An outbox item as the message that carries it alone."""
     return item if isinstance(item, pb.CoordinatorMessage) else convert.order_message(item)
 
 
@@ -73,10 +74,10 @@ class AgentSession:
         queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
         if not self.accepts_batches or q.empty():
-            return _message(first), False
+            return to_message(first), False
         nxt = q.get_nowait()
         if nxt is None:
-            return _message(first), True
+            return to_message(first), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
         _add(msgs, first)
@@ -89,10 +90,6 @@ class AgentSession:
             _add(msgs, item)
             n += 1
         return out, False
-
-    @staticmethod
-    def message(item: Outgoing) -> pb.CoordinatorMessage:
-        return _message(item)
 
     @property
     def key(self) -> AgentKey:

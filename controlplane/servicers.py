@@ -23,7 +23,7 @@ from controlplane.errors import (
 )
 from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.rendezvous import TransferFilter
-from controlplane.runtime import Runtime
+from controlplane.runtime import Runtime, to_message
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -180,7 +180,7 @@ class AgentServicer(pbg.AgentServiceServicer):
         try:
             msg = await session.outbox.get()
             if msg is not None:
-                yield session.message(msg)  # the welcome, always alone
+                yield to_message(msg)  # the welcome, always alone
                 while (msg := await session.outbox.get()) is not None:
                     out, ended = session.take(msg)
                     yield out
