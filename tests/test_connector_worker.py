@@ -25,6 +25,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from agent.nixl_adapter import KVRegion, quiet_nixl_env
 from controlplane.launch import CoordinatorProcess
+from tests.test_agent_e2e import wait_state
 from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_integration.compat import KVConnectorRole
@@ -144,10 +145,6 @@ def prefill_done(
     )
 
 
-def get_transfer(stubs: Stubs, tid: str) -> pb.TransferStatus:
-    return stubs.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-
-
 @dataclass
 class Finished:
     sending: list[str]
@@ -219,7 +216,9 @@ def test_push_lands_byte_for_byte_and_frees_after_finished(
     for _ in range(3):
         assert p.half.get_finished({"preq"}, idle=False) == (None, None)
         assert d.half.get_finished(set(), idle=False) == (None, None)
-    t = get_transfer(stubs, tid)
+    # The decode rank tells its host KV_READY before it sends the arrival that
+    # completes the transfer, so the coordinator may lag the host by a message.
+    t = wait_state(stubs.status, tid, pb.TRANSFER_STATE_COMPLETE)
     assert t.state == pb.TRANSFER_STATE_COMPLETE and not t.write_may_land
     # The connector's metrics saw the real events.
     d_lbl = {"engine": d.engine_id, "rank": "0"}
