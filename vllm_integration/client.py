@@ -12,7 +12,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -129,6 +129,9 @@ class CoordinatorClient:
         self._calls.append(call)
         if not self._wake.is_set():  # the thread is (or is about to go) asleep
             self._wake.set()
+
+    def has_results(self) -> bool:
+        return bool(self._results)
 
     def drain(self) -> list[Result]:
         out: list[Result] = []
@@ -250,7 +253,3 @@ class CoordinatorClient:
                     details,
                 )
         return _error_result(c, code, details)
-
-
-def block_tuple(ids: Sequence[int]) -> tuple[int, ...]:
-    return tuple(ids)

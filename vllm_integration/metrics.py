@@ -114,8 +114,8 @@ class ConnectorMetrics:
         self._by_kind = {k: self._events.labels(*values, k.value) for k in EventKind}
         self._server: WSGIServer | None = None
 
-    def event(self, kind: EventKind) -> None:
-        self._by_kind[kind].inc()
+    def event(self, kind: EventKind, n: int = 1) -> None:
+        self._by_kind[kind].inc(n)
 
     def serve(self, base_port: int) -> int | None:
         """Serve on 0.0.0.0:(base_port + rank) if base_port > 0; returns the port."""

@@ -2,29 +2,31 @@
 
 Prefill leg: {"do_remote_decode": true, "transfer_id": T}
 Decode leg:  {"do_remote_prefill": true, "transfer_id": T}
-The transfer id is the only key the two legs share.
+The transfer id is the only key the two legs share. Anything else (no
+transfer id, both flags or neither) is not a pushkv request.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 
-class TransferParams(NamedTuple):  # a tuple: cheap to build on the engine thread
-    transfer_id: str
-    prefill_side: bool  # this engine computes the KV and pushes it
-    decode_side: bool  # this engine receives the KV
+# Both run on vLLM's engine thread for every request: they build nothing.
+def decode_tid(raw: Any) -> str | None:
+    """The transfer id if `raw` is a decode leg's params, else None."""
+    if not isinstance(raw, dict) or raw.get("do_remote_prefill") is not True:
+        return None
+    tid = raw.get("transfer_id")
+    if not isinstance(tid, str) or not tid or raw.get("do_remote_decode") is True:
+        return None
+    return tid
 
-    @classmethod
-    def parse(cls, raw: dict[str, Any] | None) -> TransferParams | None:
-        """None for requests that are not part of a pushkv transfer."""
-        if not isinstance(raw, dict):
-            return None
-        tid = raw.get("transfer_id")
-        if not isinstance(tid, str) or not tid:
-            return None
-        prefill = raw.get("do_remote_decode") is True
-        decode = raw.get("do_remote_prefill") is True
-        if prefill == decode:
-            return None
-        return cls(tid, prefill, decode)
+
+def prefill_tid(raw: Any) -> str | None:
+    """The transfer id if `raw` is a prefill leg's params, else None."""
+    if not isinstance(raw, dict) or raw.get("do_remote_decode") is not True:
+        return None
+    tid = raw.get("transfer_id")
+    if not isinstance(tid, str) or not tid or raw.get("do_remote_prefill") is True:
+        return None
+    return tid

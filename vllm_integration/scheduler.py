@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from vllm_integration import compat
-from vllm_integration.client import Call, CoordinatorClient, block_tuple
+from vllm_integration.client import Call, CoordinatorClient
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.params import TransferParams
+from vllm_integration.params import decode_tid, prefill_tid
 from vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
@@ -40,41 +40,62 @@ class PushSchedulerHalf:
         self._meta = PushKVMetadata()
 
     # ------------------------------------------------------------ decode
+    # The per-request hooks below run on vLLM's engine thread, once or twice
+    # per request: they read attributes directly and build no objects beyond
+    # what they hand on (see docs/benchmarks.md, "Connector hooks").
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        p = TransferParams.parse(compat.kv_transfer_params(request))
-        if p is None or not p.decode_side or request.request_id in self._registered:
+        raw = request.kv_transfer_params
+        if raw is None:
             return 0, False
-        self._local_hit[request.request_id] = num_computed_tokens
-        remaining = compat.prompt_len(request) - num_computed_tokens
+        rid = request.request_id
+        if rid in self._registered or decode_tid(raw) is None:
+            return 0, False
+        self._local_hit[rid] = num_computed_tokens
+        remaining = request.num_prompt_tokens - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        raw = request.kv_transfer_params
+        if raw is None:
+            return
         rid = request.request_id
         if rid in self._registered:  # called again for the same request
             return
-        p = TransferParams.parse(compat.kv_transfer_params(request))
-        if p is None or not p.decode_side:
+        tid = decode_tid(raw)
+        if tid is None:
             return
         self._registered.add(rid)
-        n_tokens = compat.prompt_len(request)
+        n_tokens = request.num_prompt_tokens
         local = self._local_hit.pop(rid, 0)
         if num_external_tokens > 0:
-            ids = compat.first_group_block_ids(blocks)
-            needed = -(-n_tokens // self.block_size)
-            dst = tuple(ids[local // self.block_size : needed])
-            spec = RecvSpec(rid, p.transfer_id, dst)
+            bs = self.block_size
+            dst = compat.first_group_block_ids(blocks, local // bs, -(-n_tokens // bs))
+            spec = RecvSpec(rid, tid, dst)
             self._waiting[rid] = spec
             self._meta.recv.append(spec)
         else:
             # Full local prefix hit: nothing to write, but the coordinator must
             # learn it so the prefill side frees its blocks at once.
             dst = ()
-        self.client.submit(Call("register", rid, p.transfer_id, self.engine_id, dst, n_tokens))
+        self.client.submit(Call("register", rid, tid, self.engine_id, dst, n_tokens))
 
     # ------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
+        if self.client.has_results():
+            self._take_results()
+        if self._uncertain:
+            now = time.monotonic()
+            for rid in [r for r, dl in self._uncertain.items() if now >= dl]:
+                del self._uncertain[rid]
+                if rid in self._waiting:
+                    self._meta.fail.append(self._waiting[rid])
+        meta, self._meta = self._meta, PushKVMetadata()
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return meta
+
+    def _take_results(self) -> None:
         for res in self.client.drain():
             c = res.call
             if (
@@ -133,15 +154,6 @@ class PushSchedulerHalf:
                 self._meta.free.append((c.request_id, c.transfer_id))
             elif not res.ok:
                 log.warning("coordinator %s for %s failed: %s", c.kind, c.transfer_id, res.error)
-        if self._uncertain:
-            now = time.monotonic()
-            for rid in [r for r, dl in self._uncertain.items() if now >= dl]:
-                del self._uncertain[rid]
-                if rid in self._waiting:
-                    self._meta.fail.append(self._waiting[rid])
-        meta, self._meta = self._meta, PushKVMetadata()
-        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-        return meta
 
     def update_connector_output(self, output: Any) -> None:
         # A request stays in _registered until it finishes, so a recompute after
@@ -153,46 +165,57 @@ class PushSchedulerHalf:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
-        self._local_hit.pop(rid, None)
-        p = TransferParams.parse(compat.kv_transfer_params(request))
-        if p is None:
+        raw = request.kv_transfer_params
+        if raw is None:
             return False, None
-        if p.prefill_side:
-            if compat.finished_normally(request) and block_ids:
+        rid = request.request_id
+        if self._local_hit:
+            self._local_hit.pop(rid, None)
+        if rid in self._registered:  # a decode leg we registered
+            self._registered.discard(rid)
+            # A recompute after a failed load keeps the request registered, so
+            # this is the request's end either way.
+            if rid in self._waiting:
+                self._cancel_decode(request, self._waiting[rid].transfer_id)
+            return False, None
+        tid = prefill_tid(raw)
+        if tid is not None:
+            if request.status in compat.FINISHED_NORMALLY and block_ids:
                 self.client.submit(
                     Call(
                         "prefill_done",
                         rid,
-                        p.transfer_id,
+                        tid,
                         self.engine_id,
-                        block_tuple(block_ids),
-                        compat.prompt_len(request),
+                        tuple(block_ids),
+                        request.num_prompt_tokens,
                     )
                 )
-                self._meta.send.append((rid, p.transfer_id))
-                return True, {"transfer_id": p.transfer_id}
-            self.client.submit(
-                Call("cancel", rid, p.transfer_id, reason="prefill request ended without KV")
-            )
+                self._meta.send.append((rid, tid))
+                return True, {"transfer_id": tid}
+            self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))
             return False, None
-        if rid in self._waiting or rid not in self._registered:
-            # Ended before its KV arrived (aborted while waiting, load failed, or
-            # never scheduled, e.g. rejected by the API server): cancel, so the
-            # prefill side frees its blocks now instead of at the deadline. While
-            # a load is in flight vLLM keeps the blocks until a worker reports the
-            # request as received, which happens once no WRITE can land.
-            what = "aborted" if request.status == compat.RequestStatus.FINISHED_ABORTED else "ended"
-            self.client.submit(
-                Call(
-                    "cancel",
-                    rid,
-                    p.transfer_id,
-                    reason=f"decode request {what} before its KV arrived ({request.status.name})",
-                )
-            )
-        self._registered.discard(rid)
+        tid = decode_tid(raw)
+        if tid is not None:  # never registered, e.g. rejected before scheduling
+            self._cancel_decode(request, tid)
         return False, None
+
+    def _cancel_decode(self, request: Any, tid: str) -> None:
+        """A decode leg ended before its KV arrived (aborted while waiting, load
+        failed, or never scheduled): cancel, so the prefill side frees its blocks
+        now instead of at the deadline. While a load is in flight vLLM keeps the
+        blocks until a worker reports the request as received, which happens once
+        no WRITE can land."""
+        status = request.status
+        what = "aborted" if status == compat.RequestStatus.FINISHED_ABORTED else "ended"
+        self.client.submit(
+            Call(
+                "cancel",
+                request.request_id,
+                tid,
+                reason=f"decode request {what} before its KV arrived ({status.name})",
+            )
+        )
 
     def has_pending_work(self) -> bool:
         return False

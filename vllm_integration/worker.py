@@ -139,8 +139,8 @@ class PushWorkerHalf:
 
     # ------------------------------------------------------------ per step
     def start_load_kv(self, meta: PushKVMetadata | None) -> None:
-        if meta is None:
-            return
+        if meta is None or not (meta.recv or meta.send or meta.fail or meta.free):
+            return  # most steps: nothing started or ended
         expect = []
         for spec in meta.recv:
             self._recv[spec.transfer_id] = _Recv(spec.request_id, spec.block_ids)
@@ -160,8 +160,8 @@ class PushWorkerHalf:
         if self._early:  # events that came before their mapping (rare)
             for tid in [*expect, *(t for _, t in meta.send)]:
                 early = self._early.pop(tid, None)
-                if early is not None:
-                    self._apply(early)
+                if early is not None and self._apply(early):  # counted on arrival
+                    self.metrics.ready.inc()
         for rid, tid in meta.free:
             # Only while still held: the agent's BLOCKS_FREE may have come first.
             if self._send.get(tid) == rid:
@@ -184,9 +184,8 @@ class PushWorkerHalf:
                 e = self.agent.wait_event(self.settings.idle_wait_ms / 1000)
                 events = [e] if e else []
                 events += self.agent.poll_events()
-            for e in events:
-                self.metrics.event(e.kind)
-                self._apply(e)
+            if events:
+                self._apply_all(events)
         sending: set[str] = set()
         if self._free_ready and self._sched_finished:
             sending = self._free_ready & self._sched_finished
@@ -202,33 +201,52 @@ class PushWorkerHalf:
 
     def take_failed(self) -> set[str]:
         """Requests among the last finished_recving whose KV did not arrive."""
+        if not self._failed:
+            return set()
         failed, self._failed = self._failed, set()
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if not self._load_errors:
+            return set()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     # ------------------------------------------------------------ events
-    def _apply(self, e: HostEvent) -> None:
+    def _apply_all(self, events: list[HostEvent]) -> None:
+        # Counters are bumped once per kind per step: each inc takes a lock.
+        counts = dict.fromkeys(EventKind, 0)
+        ready = 0
+        for e in events:
+            counts[e.kind] += 1
+            ready += self._apply(e)
+        for kind, n in counts.items():
+            if n:
+                self.metrics.event(kind, n)
+        if ready:
+            self.metrics.ready.inc(ready)
+
+    def _apply(self, e: HostEvent) -> int:
+        """Apply one agent event; 1 if it released a decode request, else 0."""
         tid = e.transfer_id
         if e.kind is EventKind.BLOCKS_FREE:
             rid = self._send.pop(tid, None)
             if rid is None:
                 self._remember_early(e)
-                return
+                return 0
             self._free_ready.add(rid)
-            return
+            return 0
         recv = self._recv.get(tid)
         if recv is None:
             self._remember_early(e)
-            return
+            return 0
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
             self._recving_done.add(recv.request_id)
-            self.metrics.ready.inc()
-        elif e.kind is EventKind.KV_FAILED:
+            return 1
+        if e.kind is EventKind.KV_FAILED:
             self._fail(tid, recv.request_id, recv.block_ids, e.detail)
+        return 0
 
     def _fail(self, tid: str, rid: str, block_ids: tuple[int, ...], detail: str = "") -> None:
         self._recv.pop(tid, None)
