@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -109,6 +109,11 @@ class DataPlane:
         name: str = "pushkv-nixl",
     ) -> None:
         self.inbox: queue.Queue[Inbound | None] = queue.Queue()
+        # The host's bookkeeping (expect, hold), appended by vLLM's engine
+        # thread without a lock; drained every step. Set only while this thread
+        # sleeps longer than a fast poll, and then the host wakes it.
+        self._host: deque[ExpectMsg | HoldMsg] = deque()
+        self._asleep = False
         self._factory = endpoint_factory
         self._prefill = is_prefill
         self._report = emit_report
@@ -169,14 +174,31 @@ class DataPlane:
         finally:
             self._ep.close()
 
+    def from_host(self, msg: ExpectMsg | HoldMsg) -> None:
+        """Queue the host's bookkeeping; costs a wake-up only if this thread is idle."""
+        self._host.append(msg)
+        # Checked after the append: a thread going to sleep sets _asleep before
+        # it looks at _host, so one of the two sees the other.
+        if self._asleep:
+            self.inbox.put(ExpectMsg(()))
+
     def _step(self) -> bool:
         batch: list[Inbound | None] = []
+        delay = self._delay()
+        if delay > FAST_POLL_S:
+            self._asleep = True
+            if self._host:
+                delay = 0.0
         try:
-            batch.append(self.inbox.get(timeout=self._delay()))
+            batch.append(self.inbox.get(timeout=delay))
             while True:
                 batch.append(self.inbox.get_nowait())
         except queue.Empty:
             pass
+        self._asleep = False
+        host = self._host
+        while host:
+            self._handle(host.popleft())
         # The whole batch is applied before posting, so a cancel that arrived
         # with its order drops it.
         for item in batch:

@@ -157,11 +157,11 @@ class Agent:
 
     def expect(self, transfer_ids: Sequence[str]) -> None:
         """Decode: these transfers' blocks are registered; watch for their WRITEs."""
-        self._dataplane.inbox.put(ExpectMsg(tuple(transfer_ids)))
+        self._dataplane.from_host(ExpectMsg(tuple(transfer_ids)))
 
     def hold(self, transfer_ids: Sequence[str]) -> None:
         """Prefill: these transfers' blocks are held until a BLOCKS_FREE event."""
-        self._dataplane.inbox.put(HoldMsg(tuple(transfer_ids)))
+        self._dataplane.from_host(HoldMsg(tuple(transfer_ids)))
 
     def pause_posting(self, paused: bool) -> None:
         """Prefill: hold new WRITEs (queued orders wait, cancel drops them) or resume."""
