@@ -175,11 +175,16 @@ class DataPlane:
             self._ep.close()
 
     def from_host(self, msg: ExpectMsg | HoldMsg) -> None:
-        """Queue the host's bookkeeping; costs a wake-up only if this thread is idle."""
+        """Queue the host's bookkeeping without a lock.
+
+        An expectation wakes this thread if it is idle, since it starts the fast
+        polling of notifications. A hold is only read if the coordinator
+        restarts, so it waits for the next step (at most IDLE_POLL_MAX_S).
+        """
         self._host.append(msg)
         # Checked after the append: a thread going to sleep sets _asleep before
         # it looks at _host, so one of the two sees the other.
-        if self._asleep:
+        if self._asleep and type(msg) is ExpectMsg:
             self.inbox.put(ExpectMsg(()))
 
     def _step(self) -> bool:

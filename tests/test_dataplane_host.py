@@ -66,14 +66,31 @@ def sleepy_decode_plane(monkeypatch: pytest.MonkeyPatch) -> Iterator[DataPlane]:
         assert not plane.alive
 
 
-def test_host_message_wakes_only_a_sleeping_thread() -> None:
-    plane, _arrays = _plane(is_prefill=True)  # not started: the protocol alone
-    plane.from_host(HoldMsg(("t1",)))
+def test_only_an_expectation_wakes_and_only_a_sleeping_thread() -> None:
+    plane, _arrays = _plane(is_prefill=False)  # not started: the protocol alone
+    plane.from_host(ExpectMsg(("t1",)))
     assert plane.inbox.empty()  # awake (polling fast): no wake-up token
     plane._asleep = True
     plane.from_host(HoldMsg(("t2",)))
+    assert plane.inbox.empty()  # a hold never wakes it
+    plane.from_host(ExpectMsg(("t3",)))
     assert plane.inbox.qsize() == 1  # asleep: one token wakes it
-    assert [m.transfer_ids for m in plane._host] == [("t1",), ("t2",)]
+    assert [m.transfer_ids for m in plane._host] == [("t1",), ("t2",), ("t3",)]
+
+
+def test_hold_reaches_a_sleeping_thread_at_its_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dp_mod, "IDLE_POLL_MAX_S", 0.2)
+    plane, _arrays = _plane(is_prefill=True)
+    plane._idle = 0.2
+    plane.start()
+    try:
+        _wait_until(lambda: plane._asleep, "the NIXL thread goes to sleep")
+        plane.from_host(HoldMsg(("tx-h",)))
+        _wait_until(lambda: plane._held == {"tx-h"}, "the hold is applied")
+    finally:
+        plane.stop()
 
 
 def test_expectation_reaches_a_sleeping_thread_at_once(sleepy_decode_plane: DataPlane) -> None:

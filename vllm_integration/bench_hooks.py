@@ -22,7 +22,7 @@ Two loads, both by default (``--load``):
   process of ``--rate`` requests/s (seeded, the same schedule on both engines,
   as a router dispatching both legs at once would give), whether or not
   earlier ones have finished; ``--inflight`` is vLLM's ``max_num_seqs``. At the
-  default rate the decode engine holds about 200-250 requests, and a step sees
+  default rate (200/s) the decode engine runs about 190 requests, and a step sees
   the arrivals and departures a serving engine sees.
 - ``closed``: each engine keeps ``--inflight`` requests in flight. Requests
   that start together finish together, so arrivals and departures come in
@@ -34,6 +34,9 @@ totals are kept apart and summed. Steps are split into busy steps (tokens
 scheduled: the forward waits for them) and idle steps (nothing scheduled; the
 worker's ``get_finished`` may then wait up to ``idle_wait_ms`` for an agent
 event on purpose, instead of letting the engine spin).
+
+As in vLLM, each process freezes its start-up heap (``freeze_gc_heap``) before
+the loop, so a full garbage collection does not rescan torch and vLLM.
 
 Differences from a real engine, all pessimistic for pushkv: the scheduler and
 worker halves share one process and one GIL (in vLLM, EngineCore and the
@@ -135,6 +138,7 @@ class HookTimer:
         self.step_ns = 0
         self.step_cpu_ns = 0
         self.step_request_calls = 0  # calls of per-request hooks this step
+        self.step_parts: dict[str, int] = defaultdict(int)  # wall ns per hook this step
         self._depth = 0
 
     def wrap(self, obj: Any, names: Sequence[str]) -> None:
@@ -163,8 +167,15 @@ class HookTimer:
                 if self._depth == 0:
                     self.step_ns += d
                     self.step_cpu_ns += dc
+                    self.step_parts[name] += d
 
         return timed
+
+    def take_parts(self) -> dict[str, int]:
+        """Wall ns of this step's outermost calls, by hook; resets them."""
+        out = dict(self.step_parts)
+        self.step_parts.clear()
+        return out
 
     def take_step(self) -> tuple[int, int]:
         """(wall ns, CPU ns) of this step's outermost hook calls; resets both."""
@@ -288,6 +299,8 @@ class EngineFigures:
     failed: int = 0
     max_inflight: int = 0
     mean_inflight: float = 0.0  # over busy steps
+    # per busy step: (wall ns of all hooks, per-request hook calls, wall ns by hook)
+    busy_detail: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
     wall_s: float = 0.0
     error: str = ""
 
@@ -337,6 +350,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
     _quiet_env()
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.gc_utils import freeze_gc_heap
 
     from vllm_integration.connector import PushKVConnector
 
@@ -358,6 +372,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
         for name in kv_cfg.kv_cache_groups[0].layer_names
     }
     worker.register_kv_caches(caches)
+    freeze_gc_heap()  # as vLLM's worker does once warmed up
     timer = HookTimer()
     timer.wrap(worker, WORKER_HOOKS)
     conn.send("ready")
@@ -385,6 +400,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
                     set(results.failed_recving),
                     set(invalid),
                     timer.take_step(),
+                    timer.take_parts(),
                 )
             )
         _dump_profile(prof, cfg, f"{role}-worker")
@@ -394,6 +410,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
 
 
 def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
+    from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
@@ -424,6 +441,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             hash_block_size=cfg.block_size,
             log_stats=True,
         )
+        freeze_gc_heap()  # as EngineCore.__init__ does once the scheduler is built
         sconn = sched.connector
         if not isinstance(sconn, PushKVConnector):
             raise TypeError(f"scheduler built {type(sconn).__name__}, not PushKVConnector")
@@ -456,7 +474,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             conn.send((so.kv_connector_metadata, set(so.finished_req_ids), busy))
             if not conn.poll(60):
                 raise TimeoutError("worker step took over 60 s")
-            sending, recving, failed, invalid, (w_ns, w_cpu) = conn.recv()
+            sending, recving, failed, invalid, (w_ns, w_cpu), w_parts = conn.recv()
             kv_out = KVConnectorOutput(
                 finished_sending=sending or None,
                 finished_recving=recving or None,
@@ -479,6 +497,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             )
             sched.update_from_output(so, mro)
             s_ns, s_cpu = st.take_step()
+            s_parts = st.take_parts()
             for rid in [r for r in live if r not in sched.requests]:
                 if live.pop(rid).status == RequestStatus.FINISHED_ERROR:
                     fig.failed += 1
@@ -493,6 +512,8 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             steps[f"all/{kind}"].append(s_ns + w_ns)
             steps[f"all-cpu/{kind}"].append(s_cpu + w_cpu)
             n_req = st.take_request_calls()
+            if busy:
+                fig.busy_detail.append((s_ns + w_ns, n_req, s_parts | w_parts))
             if busy and n_req == 0:
                 steps["all/busy-quiet"].append(s_ns + w_ns)
                 steps["all-cpu/busy-quiet"].append(s_cpu + w_cpu)
@@ -567,6 +588,28 @@ def timer_overhead(n: int = 20_000) -> tuple[float, float]:
     return pct(timer.calls["hook"], 50), pct(timer.cpu["hook"], 50)
 
 
+def _tail_breakdown(detail: Sequence[tuple[int, int, dict[str, int]]]) -> list[str]:
+    """Where the slowest 1% of busy steps (at least 3) spent their hook time."""
+    if not detail:
+        return []
+    ranked = sorted(detail, key=lambda d: d[0], reverse=True)
+    tail = ranked[: max(3, len(ranked) // 100)]
+    median = ranked[len(ranked) // 2]
+    by_hook: dict[str, int] = defaultdict(int)
+    for _, _, parts in tail:
+        for name, ns in parts.items():
+            by_hook[name] += ns
+    total = sum(d[0] for d in tail) or 1
+    top = sorted(by_hook.items(), key=lambda kv: kv[1], reverse=True)[:5]
+    shares = ", ".join(f"{n} {100 * ns / total:.0f}%" for n, ns in top)
+    return [
+        "",
+        f"slowest {len(tail)} busy steps: {_us(total / len(tail))} µs on average, "
+        f"{sum(d[1] for d in tail) / len(tail):.1f} per-request hook calls each "
+        f"(the median step: {median[1]}); by hook: {shares}",
+    ]
+
+
 def report(figs: Sequence[EngineFigures]) -> tuple[list[str], dict[str, Any]]:
     lines: list[str] = []
     summary: dict[str, Any] = {}
@@ -602,6 +645,7 @@ def report(figs: Sequence[EngineFigures]) -> tuple[list[str], dict[str, Any]]:
             )
             s[key] = {"steps": len(xs), "p50_us": pct(xs, 50) / 1000, "p99_us": pct(xs, 99) / 1000}
         summary[f.role] = s
+        lines.extend(_tail_breakdown(f.busy_detail))
     return lines, summary
 
 
@@ -646,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="open-loop Poisson arrivals, closed loop (waves), or both (default)",
     )
     ap.add_argument(
-        "--rate", type=float, default=300.0, help="Poisson arrivals, requests/s (default 300)"
+        "--rate", type=float, default=200.0, help="Poisson arrivals, requests/s (default 200)"
     )
     ap.add_argument(
         "--inflight",
