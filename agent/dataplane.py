@@ -108,7 +108,8 @@ class DataPlane:
         lease_ok: Callable[[], bool],
         name: str = "pushkv-nixl",
     ) -> None:
-        self.inbox: queue.Queue[Inbound | None] = queue.Queue()
+        # SimpleQueue: put never waits on a lock this thread holds (C, no Condition).
+        self.inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
         # The host's bookkeeping (expect, hold), appended by vLLM's engine
         # thread without a lock; drained every step. Set only while this thread
         # sleeps longer than a fast poll, and then the host wakes it.

@@ -6,6 +6,7 @@ without Submit (an older release) is served one unary RPC per call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,6 +15,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.servicers import TransferServicer
 from tests.sim_agent import SimCluster, ThreadedCoordinator
+from vllm_integration import client as client_mod
 from vllm_integration.client import Call, CoordinatorClient, Result
 
 DEADLINE_S = 20.0
@@ -89,6 +91,25 @@ def test_calls_are_batched_and_each_keeps_its_outcome(server: ThreadedCoordinato
         assert 1 <= client.batches_sent < len(sent)
     finally:
         client.close()
+
+
+def test_a_sleeping_client_thread_is_woken_by_each_submit(
+    server: ThreadedCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Idle, the thread would sleep a minute: only submit() can wake it in time.
+    monkeypatch.setattr(client_mod, "IDLE_WAKE_S", 60.0)
+    client = CoordinatorClient(server.address, timeout_s=5.0)
+    try:
+        for c in calls(3):  # each round trip ends with the thread asleep again
+            deadline = time.monotonic() + DEADLINE_S
+            while not client._sleeping:  # owned by the client thread
+                assert time.monotonic() < deadline, "the client thread never went to sleep"
+                time.sleep(0.001)
+            client.submit(c)
+            assert [r.call for r in results_for(client, 1)] == [c]
+    finally:
+        client.close()
+    assert not client._thread.is_alive()  # close() woke it too
 
 
 def test_a_coordinator_without_submit_gets_unary_calls(old_server: ThreadedCoordinator) -> None:

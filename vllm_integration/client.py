@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from controlplane.tls import channel as tls_channel
 log = logging.getLogger("pushkv.connector")
 
 MAX_BATCH = 256  # calls per Submit RPC (the coordinator accepts more)
+IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this often
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -118,7 +120,11 @@ class CoordinatorClient:
         self._attempts = attempts
         self._calls: collections.deque[Call] = collections.deque()
         self._results: collections.deque[Result] = collections.deque()
-        self._wake = threading.Event()
+        # Wake-ups for the client thread while it sleeps. A SimpleQueue, not an
+        # Event: putting takes no lock the client thread may hold (an Event's
+        # Condition), so the engine thread never waits for the client thread.
+        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._sleeping = False
         self._done = threading.Condition()  # only for wait_result (tests, tools)
         self._closed = False
         self.batches_sent = 0
@@ -127,8 +133,10 @@ class CoordinatorClient:
 
     def submit(self, call: Call) -> None:
         self._calls.append(call)
-        if not self._wake.is_set():  # the thread is (or is about to go) asleep
-            self._wake.set()
+        # Checked after the append; the thread sets _sleeping before it looks
+        # at _calls, so one of the two sees the other.
+        if self._sleeping:
+            self._wakeups.put(None)
 
     def has_results(self) -> bool:
         return bool(self._results)
@@ -155,7 +163,7 @@ class CoordinatorClient:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
-        self._wake.set()
+        self._wakeups.put(None)
         self._thread.join(timeout)
 
     # ------------------------------------------------------------ client thread
@@ -165,11 +173,10 @@ class CoordinatorClient:
         batched = True  # until the coordinator says it has no Submit
         try:
             while True:
-                self._wake.clear()
                 if not self._calls:
                     if self._closed:
                         return
-                    self._wake.wait(1.0)  # submit() and close() set it
+                    self._sleep(IDLE_WAKE_S)
                     continue
                 batch: list[Call] = []
                 while self._calls and len(batch) < MAX_BATCH:
@@ -187,6 +194,24 @@ class CoordinatorClient:
                     self._done.notify_all()
         finally:
             channel.close()
+
+    def _sleep(self, timeout: float) -> None:
+        """Until submit() or close() wakes this thread, or `timeout` passes."""
+        self._sleeping = True
+        try:
+            if self._calls or self._closed:
+                return
+            try:
+                self._wakeups.get(timeout=timeout)
+            except queue.Empty:
+                return
+        finally:
+            self._sleeping = False
+        while True:  # drop wake-ups of calls this thread takes anyway
+            try:
+                self._wakeups.get_nowait()
+            except queue.Empty:
+                return
 
     def _submit(self, stub: pbg.TransferServiceStub, batch: list[Call]) -> list[Result] | None:
         """One Submit RPC for the batch; None if the coordinator predates Submit."""
