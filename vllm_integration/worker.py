@@ -10,23 +10,16 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from agent.events import EventKind, HostEvent
 from agent.nixl_adapter import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
-from vllm_integration.metadata import PushKVMetadata
+from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
-
-
-@dataclass(slots=True)
-class _Recv:
-    request_id: str
-    block_ids: tuple[int, ...]
 
 
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
@@ -84,7 +77,7 @@ class PushWorkerHalf:
         self.num_blocks = num_blocks
         self.compat_key = compat_key
         self.agent: Agent | None = None
-        self._recv: dict[str, _Recv] = {}  # transfer id -> decode request waiting
+        self._recv: dict[str, RecvSpec] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
         # Prefill requests whose blocks we hold: values of _send plus _free_ready.
         self._held: set[str] = set()
@@ -143,7 +136,7 @@ class PushWorkerHalf:
             return  # most steps: nothing started or ended
         expect = []
         for spec in meta.recv:
-            self._recv[spec.transfer_id] = _Recv(spec.request_id, spec.block_ids)
+            self._recv[spec.transfer_id] = spec
             expect.append(spec.transfer_id)
         for spec in meta.fail:
             # Only while still waiting: reporting a request twice crashes vLLM.
