@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
-import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -30,6 +29,7 @@ from controlplane import metrics as cmetrics
 from controlplane.launch import CoordinatorProcess
 from controlplane.server import Coordinator, ServerSettings, start
 from tests.sim_agent import SimAgent, SimCluster, blocks
+from vllm_integration.launch import free_port
 from vllm_integration.metrics import ConnectorMetrics, outcome_of
 from vllm_integration.router import Router, RouterSettings
 
@@ -366,13 +366,6 @@ async def test_tracing_one_span_per_transfer(
 
 
 # ---------------------------------------------------------------- CLI flag
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

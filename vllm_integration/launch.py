@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,14 +23,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+_EPHEMERAL_FALLBACK = (32768, 60999)  # Linux's default ip_local_port_range
 
-def free_port() -> int:
-    import socket
 
-    with socket.socket() as s:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
+def free_port(low: int = 10000) -> int:
+    """A loopback port that is free now, for a server started a moment later.
+
+    It is drawn below the kernel's ephemeral range when it can be: the kernel
+    hands ports in that range to every bind(0) and outgoing connection, so one
+    taken from there could be given to another socket before our server binds
+    it. Only an explicit bind to the same number can still take this one."""
+    lo, _hi = _ephemeral_range()
+    if lo - low >= 1000:
+        for port in random.sample(range(low, lo), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the range: let the kernel choose
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 @dataclass

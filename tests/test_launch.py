@@ -1,0 +1,40 @@
+"""vllm_integration.launch.free_port: ports for servers that tests and benchmarks start."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from vllm_integration import launch
+from vllm_integration.launch import free_port
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    lo, _hi = launch._ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < lo  # no bind(0) or outgoing connection is given it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_taken_port_is_not_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        # The only candidates are the taken port and the one above it.
+        monkeypatch.setattr(launch, "_ephemeral_range", lambda: (taken + 1000, 65535))
+        monkeypatch.setattr(launch.random, "sample", lambda _r, _k: [taken, taken + 1])
+        assert free_port(low=taken) == taken + 1
+
+
+def test_without_room_below_the_range_the_kernel_chooses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_lo, real_hi = launch._ephemeral_range()
+    monkeypatch.setattr(launch, "_ephemeral_range", lambda: (10500, 60999))
+    port = free_port()  # 10000-10499: too few to draw from
+    assert real_lo <= port <= real_hi  # the kernel's own choice
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
