@@ -223,7 +223,6 @@ def hellos(draw: st.DrawFn) -> pb.AgentMessage:
             nixl_agent_name=draw(st.one_of(st.just("n"), IDS)),
             nixl_metadata=draw(st.binary(max_size=64)),
             layout=draw(layouts()),
-            inflight_order_ids=draw(st.lists(IDS, max_size=3)),
             api_url=draw(st.one_of(st.just(""), st.text(max_size=3000))),
         )
     )

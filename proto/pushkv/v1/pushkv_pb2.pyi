@@ -310,7 +310,6 @@ class AgentHello(_message.Message):
     NIXL_AGENT_NAME_FIELD_NUMBER: _builtins.int
     NIXL_METADATA_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
-    INFLIGHT_ORDER_IDS_FIELD_NUMBER: _builtins.int
     API_URL_FIELD_NUMBER: _builtins.int
     ACCEPTS_BATCHES_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
@@ -326,10 +325,6 @@ class AgentHello(_message.Message):
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
     def layout(self) -> Global___KVLayout: ...
-    @_builtins.property
-    def inflight_order_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Soft state resent after a reconnect (orders not yet resolved)."""
-
     def __init__(
         self,
         *,
@@ -338,13 +333,12 @@ class AgentHello(_message.Message):
         nixl_agent_name: _builtins.str = ...,
         nixl_metadata: _builtins.bytes = ...,
         layout: Global___KVLayout | None = ...,
-        inflight_order_ids: _abc.Iterable[_builtins.str] | None = ...,
         api_url: _builtins.str = ...,
         accepts_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "inflight_order_ids", b"inflight_order_ids", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
