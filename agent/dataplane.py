@@ -1,8 +1,9 @@
 """The NIXL thread: the only thread that touches the agent's NixlEndpoint.
 
-It takes commands from one inbox queue (orders, cancels, peers, notices from
-the coordinator link; expectations from the host), posts and polls WRITEs,
-reads notifications, and emits reports (to the link) and host events.
+It takes commands from its inbox queue (orders, cancels, peers, notices from
+the coordinator link) and the host's bookkeeping from a deque (expectations,
+holds; `from_host`), posts and polls WRITEs, reads notifications, and emits
+reports (to the link) and host events.
 
 Invariants:
 - An order is posted at most once; a cancel that finds it queued drops it, so
