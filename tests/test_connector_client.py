@@ -6,7 +6,6 @@ without Submit (an older release) is served one unary RPC per call.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,6 +14,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.servicers import TransferServicer
 from tests.sim_agent import SimCluster, ThreadedCoordinator
+from tests.waits import wait_until
 from vllm_integration import client as client_mod
 from vllm_integration.client import Call, CoordinatorClient, Result
 
@@ -101,10 +101,7 @@ def test_a_sleeping_client_thread_is_woken_by_each_submit(
     client = CoordinatorClient(server.address, timeout_s=5.0)
     try:
         for c in calls(3):  # each round trip ends with the thread asleep again
-            deadline = time.monotonic() + DEADLINE_S
-            while not client._sleeping:  # owned by the client thread
-                assert time.monotonic() < deadline, "the client thread never went to sleep"
-                time.sleep(0.001)
+            wait_until(lambda: client._sleeping, "the client thread goes to sleep")
             client.submit(c)
             assert [r.call for r in results_for(client, 1)] == [c]
     finally:

@@ -7,9 +7,8 @@ a fast poll. These tests run a real DataPlane over a real NIXL endpoint.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,19 +18,9 @@ from agent.dataplane import DataPlane
 from agent.messages import ExpectMsg, HoldMsg
 from agent.nixl_adapter import NixlEndpoint
 from tests.nixl_peer import regions_of
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-DEADLINE_S = 10.0
-
-
-def _wait_until(cond: Callable[[], bool], what: str) -> None:
-    """Poll `cond` until it holds or the deadline passes (state owned by another thread)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {DEADLINE_S} s: {what}")
-        time.sleep(0.001)
 
 
 def _plane(is_prefill: bool) -> tuple[DataPlane, list[np.ndarray]]:
@@ -86,19 +75,19 @@ def test_hold_reaches_a_sleeping_thread_at_its_next_step(
     plane._idle = 0.2
     plane.start()
     try:
-        _wait_until(lambda: plane._asleep, "the NIXL thread goes to sleep")
+        wait_until(lambda: plane._asleep, "the NIXL thread goes to sleep")
         plane.from_host(HoldMsg(("tx-h",)))
-        _wait_until(lambda: plane._held == {"tx-h"}, "the hold is applied")
+        wait_until(lambda: plane._held == {"tx-h"}, "the hold is applied")
     finally:
         plane.stop()
 
 
 def test_expectation_reaches_a_sleeping_thread_at_once(sleepy_decode_plane: DataPlane) -> None:
     plane = sleepy_decode_plane
-    _wait_until(lambda: plane._asleep, "the NIXL thread goes to sleep")
+    wait_until(lambda: plane._asleep, "the NIXL thread goes to sleep")
     # Without the wake-up the thread would sleep a whole minute, past the deadline.
     plane.from_host(ExpectMsg(("tx-1",)))
-    _wait_until(lambda: "tx-1" in plane._arrivals, "the expectation is applied")
+    wait_until(lambda: "tx-1" in plane._arrivals, "the expectation is applied")
     assert not plane._host
 
 
@@ -107,6 +96,6 @@ def test_hold_is_applied_while_the_thread_polls_fast() -> None:
     plane.start()
     try:
         plane.from_host(HoldMsg(("tx-a", "tx-b")))
-        _wait_until(lambda: plane._held == {"tx-a", "tx-b"}, "the hold is applied")
+        wait_until(lambda: plane._held == {"tx-a", "tx-b"}, "the hold is applied")
     finally:
         plane.stop()

@@ -82,17 +82,25 @@ def test_missing_foreign_or_disabled_builds_are_not_used(
         _native.activate(path)
 
 
+def _python(
+    code: str, *, env: dict[str, str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter; its output, not raised on failure."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_pushkv_native_0_imports_the_sources() -> None:
     code = "import controlplane.rendezvous as r, controlplane as c; print(r.__file__, c.NATIVE)"
     env = {**os.environ, _native.ENV: "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = _python(code, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0].endswith("controlplane/rendezvous.py")
 
@@ -108,15 +116,7 @@ def test_a_copy_of_the_package_compiles_and_runs_compiled(tmp_path: Path) -> Non
         "from pathlib import Path; from controlplane import native_build; "
         f"print(native_build.build(Path({str(pkg)!r})))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", build],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    out = _python(build, env=env, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert _native.check(pkg).compiled
     use = (
@@ -125,15 +125,7 @@ def test_a_copy_of_the_package_compiles_and_runs_compiled(tmp_path: Path) -> Non
         "rv = r.Rendezvous(CoreSettings(), SystemClock()); t, _ = rv.cancel('x', 'test'); "
         "print(r.__file__, t.state.value)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", use],
-        env={**os.environ, _native.ENV: "1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = _python(use, env={**os.environ, _native.ENV: "1"}, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     path, state = out.stdout.split()
     assert path.startswith(str(pkg / _native.DIRNAME)) and state == "cancelled"

@@ -10,23 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+DECODE_LEG = "do_remote_prefill"  # the flag a decode leg carries
+PREFILL_LEG = "do_remote_decode"  # the flag a prefill leg carries
 
-# Both run on vLLM's engine thread for every request: they build nothing.
-def decode_tid(raw: Any) -> str | None:
-    """The transfer id if `raw` is a decode leg's params, else None."""
-    if not isinstance(raw, dict) or raw.get("do_remote_prefill") is not True:
+
+def leg_tid(raw: Any, flag: str, other: str) -> str | None:
+    """The transfer id if `raw` carries `flag` (and not `other`), else None.
+
+    Runs on vLLM's engine thread for every request: it builds nothing."""
+    if not isinstance(raw, dict) or raw.get(flag) is not True:
         return None
     tid = raw.get("transfer_id")
-    if not isinstance(tid, str) or not tid or raw.get("do_remote_decode") is True:
-        return None
-    return tid
-
-
-def prefill_tid(raw: Any) -> str | None:
-    """The transfer id if `raw` is a prefill leg's params, else None."""
-    if not isinstance(raw, dict) or raw.get("do_remote_decode") is not True:
-        return None
-    tid = raw.get("transfer_id")
-    if not isinstance(tid, str) or not tid or raw.get("do_remote_prefill") is True:
+    if not isinstance(tid, str) or not tid or raw.get(other) is True:
         return None
     return tid

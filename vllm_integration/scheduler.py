@@ -17,7 +17,7 @@ from typing import Any
 from vllm_integration import compat
 from vllm_integration.client import Call, CoordinatorClient
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.params import decode_tid, prefill_tid
+from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
 from vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
@@ -50,7 +50,7 @@ class PushSchedulerHalf:
         if raw is None:
             return 0, False
         rid = request.request_id
-        if rid in self._registered or decode_tid(raw) is None:
+        if rid in self._registered or leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
             return 0, False
         self._local_hit[rid] = num_computed_tokens
         remaining = request.num_prompt_tokens - num_computed_tokens
@@ -63,7 +63,7 @@ class PushSchedulerHalf:
         rid = request.request_id
         if rid in self._registered:  # called again for the same request
             return
-        tid = decode_tid(raw)
+        tid = leg_tid(raw, DECODE_LEG, PREFILL_LEG)
         if tid is None:
             return
         self._registered.add(rid)
@@ -178,7 +178,7 @@ class PushSchedulerHalf:
             if rid in self._waiting:
                 self._cancel_decode(request, self._waiting[rid].transfer_id)
             return False, None
-        tid = prefill_tid(raw)
+        tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
         if tid is not None:
             if request.status in compat.FINISHED_NORMALLY and block_ids:
                 self.client.submit(
@@ -195,7 +195,7 @@ class PushSchedulerHalf:
                 return True, {"transfer_id": tid}
             self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))
             return False, None
-        tid = decode_tid(raw)
+        tid = leg_tid(raw, DECODE_LEG, PREFILL_LEG)
         if tid is not None:  # never registered, e.g. rejected before scheduling
             self._cancel_decode(request, tid)
         return False, None
