@@ -1231,13 +1231,42 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
             f"highest rate sustained by all of {', '.join(COMPARED)}: "
             + (f"{best:g} req/s" if best is not None else "none")
         )
+        ref = single_floor(cfg, runs)
+        if ref is not None:
+            lines.append(ref)
     return lines
 
 
-def final_line(cfg: BenchConfig, runs: dict[str, SystemRun]) -> tuple[str, float | None]:
+def single_floor(cfg: BenchConfig, runs: dict[str, SystemRun]) -> str | None:
+    """The single engine's TTFT p50 over pull's at the comparison rate: the ratio a
+    system with no transfer and no second engine reaches on this machine, a
+    reference for the TTFT goals. None unless both ran."""
+    if "single" not in runs or "pull" not in runs:
+        return None
+    rate = comparison_rate(cfg, runs)
+    if rate is None:
+        return None
+    x = _ratio(
+        _metric(runs["single"], rate, "ttft_ms", "p50"),
+        _metric(runs["pull"], rate, "ttft_ms", "p50"),
+    )
+    return (
+        f"reference at {rate:g} req/s: single-engine TTFT p50 / pull = {_fmt(x, 2)} "
+        "(no transfer, no second engine)"
+    )
+
+
+def comparison_rate(cfg: BenchConfig, runs: dict[str, SystemRun]) -> float | None:
+    """Where the final line's ratios are taken: the highest rate all compared
+    systems sustained, else the lowest rate (said in the table)."""
     best = highest_common_rate(runs, cfg.rates)
-    if best is None:  # nothing sustained by all: fall back to the lowest rate, said in the table
+    if best is None:
         best = cfg.rates[0] if cfg.rates else None
+    return best
+
+
+def final_line(cfg: BenchConfig, runs: dict[str, SystemRun]) -> tuple[str, float | None]:
+    best = comparison_rate(cfg, runs)
     pk, pl, vp = runs.get("pushkv"), runs.get("pull"), runs.get("vllm-push")
     if best is None:
         x = y = z = math.nan

@@ -1,0 +1,88 @@
+"""The serving benchmark's summary: which rate the ratios are taken at, and what
+they are, from synthetic per-rate results (the benchmark itself runs real
+servers for minutes and is not part of the suite)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from vllm_integration.bench_serving import (
+    BenchConfig,
+    RateResult,
+    SystemRun,
+    final_line,
+    report,
+    single_floor,
+)
+
+RATES = (0.5, 1.0, 2.0)
+
+
+def _rate(rate: float, ttft: float, tpot: float, sustained: bool = True) -> RateResult:
+    q = {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}
+    t = {"p50": tpot, "p90": tpot * 2, "p99": tpot * 3}
+    return RateResult(rate, 10, 10, 0, 0, rate, rate, rate, q, t, ttft + 100, sustained)
+
+
+def _run(system: str, rows: list[tuple[float, float, bool]], tpot: float = 10.0) -> SystemRun:
+    run = SystemRun(system, "nocache")
+    run.rates = [_rate(r, ttft, tpot, ok) for r, ttft, ok in rows]
+    return run
+
+
+def _cfg(systems: tuple[str, ...]) -> BenchConfig:
+    return BenchConfig(model_dir=Path("/nonexistent"), rates=RATES, systems=systems)
+
+
+def _runs(vllm_push_sustains_2: bool) -> dict[str, SystemRun]:
+    return {
+        "pull": _run("pull", [(0.5, 400, True), (1.0, 600, True), (2.0, 900, True)], tpot=10),
+        "vllm-push": _run(
+            "vllm-push",
+            [(0.5, 800, True), (1.0, 1000, True), (2.0, 5000, vllm_push_sustains_2)],
+        ),
+        "pushkv": _run("pushkv", [(0.5, 200, True), (1.0, 300, True), (2.0, 300, True)], tpot=5),
+        "single": _run("single", [(0.5, 150, True), (1.0, 180, True), (2.0, 240, True)]),
+    }
+
+
+def test_ratios_are_taken_at_the_highest_rate_every_compared_system_sustained() -> None:
+    runs = _runs(vllm_push_sustains_2=False)
+    line, rate = final_line(_cfg(tuple(runs)), runs)
+    assert rate == 1.0
+    assert line == (
+        "ttft_p50_ratio_vs_pull=0.500 ttft_p50_ratio_vs_vllm_push=0.300 "
+        "tpot_p50_ratio_vs_pull=0.500"
+    )
+    runs = _runs(vllm_push_sustains_2=True)
+    assert final_line(_cfg(tuple(runs)), runs)[1] == 2.0
+
+
+def test_a_failed_system_gives_nan_and_does_not_bind_the_rate() -> None:
+    runs = _runs(vllm_push_sustains_2=False)
+    runs["vllm-push"] = SystemRun("vllm-push", "nocache", error="did not start")
+    line, rate = final_line(_cfg(tuple(runs)), runs)
+    assert rate == 2.0  # only pull and pushkv bind it now
+    assert "ttft_p50_ratio_vs_vllm_push=nan" in line
+    assert "ttft_p50_ratio_vs_pull=0.333" in line
+
+
+def test_the_single_engine_reference_is_reported_at_the_same_rate() -> None:
+    runs = _runs(vllm_push_sustains_2=False)
+    cfg = _cfg(tuple(runs))
+    ref = single_floor(cfg, runs)
+    assert ref == (
+        "reference at 1 req/s: single-engine TTFT p50 / pull = 0.30 (no transfer, no second engine)"
+    )
+    assert ref in report(cfg, {"nocache": runs})
+    del runs["single"]
+    assert single_floor(cfg, runs) is None
+
+
+def test_with_no_rate_sustained_by_all_the_lowest_rate_is_used() -> None:
+    runs = _runs(vllm_push_sustains_2=False)
+    runs["pull"] = _run("pull", [(0.5, 400, False), (1.0, 600, False), (2.0, 900, False)])
+    line, rate = final_line(_cfg(tuple(runs)), runs)
+    assert rate == 0.5
+    assert not math.isnan(float(line.split()[0].split("=")[1]))
