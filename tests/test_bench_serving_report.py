@@ -5,6 +5,9 @@ servers for minutes and is not part of the suite)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from vllm_integration.bench_serving import (
@@ -14,6 +17,7 @@ from vllm_integration.bench_serving import (
     final_line,
     report,
     single_floor,
+    worker_schedstat,
 )
 
 RATES = (0.5, 1.0, 2.0)
@@ -86,3 +90,31 @@ def test_with_no_rate_sustained_by_all_the_lowest_rate_is_used() -> None:
     line, rate = final_line(_cfg(tuple(runs)), runs)
     assert rate == 0.5
     assert not math.isnan(float(line.split()[0].split("=")[1]))
+
+
+def test_worker_schedstat_reads_only_vllm_worker_main_threads() -> None:
+    # A real process named as vLLM names its workers, which has run for a while.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "open('/proc/self/comm', 'w').write('VLLM::Worker')\n"
+            "x = 0\n"
+            "for i in range(2_000_000): x += i\n"
+            "print('ran', flush=True)\n"
+            "input()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ran\n"
+        run, wait = worker_schedstat([child.pid])
+        assert run > 10_000_000  # it ran well over 10 ms
+        assert wait >= 0
+        assert worker_schedstat([os.getpid()]) == (0, 0)  # not a vLLM worker
+        assert worker_schedstat([2**22 + 7]) == (0, 0)  # no such process
+    finally:
+        child.kill()
+        child.wait(10)

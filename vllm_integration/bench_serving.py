@@ -402,6 +402,10 @@ class RateResult:
     # CPU seconds used during the rate by each process group (engines, front,
     # coordinator) and by this load generator: where the 2 cores went.
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # Per engine: seconds its worker's main thread (the one that runs the forward)
+    # ran, and waited in the run queue for its core while runnable (schedstat):
+    # {"prefill": {"run": .., "wait": ..}, ...}. Waiting is time other threads took.
+    worker_sched_s: dict[str, dict[str, float]] = field(default_factory=dict)
     # Mean per-request times (ms) from each engine's own histograms during the rate:
     # {"prefill": {"queue": .., "prefill": .., "decode": ..}, "decode": {...}}.
     engine_ms: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -535,6 +539,22 @@ def _cpu_ticks(pids: Sequence[int]) -> int:
         fields = stat[stat.rfind(")") + 2 :].split()
         total += int(fields[11]) + int(fields[12])  # utime + stime
     return total
+
+
+def worker_schedstat(pids: Sequence[int]) -> tuple[int, int]:
+    """(run ns, run-queue wait ns) of the main thread of the vLLM worker processes
+    among ``pids``, the thread that runs the forward (``/proc/PID/schedstat``)."""
+    run = wait = 0
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
+                continue
+            r, w, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        run += int(r)
+        wait += int(w)
+    return run, wait
 
 
 def idle_cpu_percent(
@@ -1037,6 +1057,7 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
             times0 = {sv.name: engine_time_sums(sv.url) for sv in dep.servers}
             groups = {name: _pgid_pids(g) for name, g in dep.all_pgids().items()}
             cpu0 = {name: _cpu_ticks(p) for name, p in groups.items()}
+            sched0 = {name: worker_schedstat(p) for name, p in groups.items()}
             self0 = os.times()
             recs = run_load(dep.front_url, wl, cfg.output_len, cfg.timeout_s)
             hz = os.sysconf("SC_CLK_TCK")
@@ -1050,6 +1071,13 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
             res = summarize(rate, recs)
             res.loadavg_before, res.loadavg_after = load0, os.getloadavg()[0]
             res.cpu_s = res_cpu
+            for name, p in groups.items():
+                (r0, w0), (r1, w1) = sched0[name], worker_schedstat(p)
+                if r1 > r0:
+                    res.worker_sched_s[name] = {
+                        "run": round((r1 - r0) / 1e9, 2),
+                        "wait": round((w1 - w0) / 1e9, 2),
+                    }
             res.engine_ms = {
                 sv.name: engine_means_ms(times0[sv.name], engine_time_sums(sv.url))
                 for sv in dep.servers
@@ -1069,6 +1097,12 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
             )
             _say(f"    decode-side prompt tokens by source: {res.decode_prompt_tokens}")
             _say(f"    CPU seconds during the rate: {res.cpu_s}")
+            _say(
+                "    worker main thread (the forward), seconds run / waited for its core: "
+                + ", ".join(
+                    f"{n} {v['run']:.2f} / {v['wait']:.2f}" for n, v in res.worker_sched_s.items()
+                )
+            )
             _say(f"    engine-side mean times (ms): {res.engine_ms}")
             if res.stages_ms:
                 _say("    pushkv stages, medians (ms): " + stages_text(res.stages_ms))
