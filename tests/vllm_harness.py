@@ -10,6 +10,9 @@ Typical use::
     out, _ = step(sched)                                   # schedule + update_from_output
     step(sched, connector_output=kv_output(finished_recving={req.request_id}))
 
+The vLLM objects are built by ``vllm_integration/offline.py``, which the
+engine-loop benchmark uses too.
+
 What is real: ``VllmConfig`` (from the tiny model dir), ``Scheduler`` with its
 ``KVCacheManager``/``BlockPool``, the connector built by ``KVConnectorFactory``
 from ``kv_connector_module_path``, ``Request`` with the engine's block hasher,
@@ -29,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from vllm_integration import offline
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,79 +75,30 @@ def make_vllm_config(
     max_num_batched_tokens: int = 1024,
     max_model_len: int = 1024,
 ) -> VllmConfig:
-    """A ``VllmConfig`` for the tiny model with a KV connector.
+    """A ``VllmConfig`` for the tiny model with a KV connector (the toy one by default).
 
     ``connector_module=None`` selects ``connector_name`` from vLLM's registry
     (e.g. ``"NixlConnector"``) instead of an out-of-tree module.
     """
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    model_config = ModelConfig(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
-        dtype="float32",
-        max_model_len=max_model_len,
-        seed=0,
-        enforce_eager=True,
-    )
-    scheduler_config = SchedulerConfig(
+    return offline.vllm_config(
+        model_dir,
+        connector_name=connector_name,
+        connector_module=connector_module,
+        kv_role=kv_role,
+        engine_id=engine_id,
+        extra_config=kv_connector_extra_config,
+        kv_load_failure_policy=kv_load_failure_policy,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
-    )
-    cache_config = CacheConfig(
-        block_size=block_size,
-        enable_prefix_caching=enable_prefix_caching,
-        cache_dtype="auto",
-    )
-    kv_kwargs: dict[str, Any] = {
-        "kv_connector": connector_name,
-        "kv_role": kv_role,
-        "kv_connector_extra_config": dict(kv_connector_extra_config or {}),
-    }
-    if connector_module is not None:
-        kv_kwargs["kv_connector_module_path"] = connector_module
-    if engine_id is not None:
-        kv_kwargs["engine_id"] = engine_id
-    if kv_load_failure_policy is not None:
-        kv_kwargs["kv_load_failure_policy"] = kv_load_failure_policy
-    return VllmConfig(
-        model_config=model_config,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        kv_transfer_config=KVTransferConfig(**kv_kwargs),
-        device_config=DeviceConfig("cpu"),
     )
 
 
 def make_kv_cache_config(vllm_config: VllmConfig, *, num_blocks: int = 256) -> KVCacheConfig:
     """One ``FullAttentionSpec`` group covering every decoder layer of the model."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    model_config = vllm_config.model_config
-    num_layers = model_config.get_num_layers(vllm_config.parallel_config)
-    spec = FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=torch.float32,
-    )
-    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
-    )
+    return offline.kv_cache_config(vllm_config, num_blocks)
 
 
 def make_scheduler(
@@ -152,20 +108,7 @@ def make_scheduler(
 
     The connector instance is ``scheduler.connector`` (SCHEDULER role).
     """
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    kv_cache_config = make_kv_cache_config(vllm_config, num_blocks=num_blocks)
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    block_size = vllm_config.cache_config.block_size
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=block_size,
-        log_stats=log_stats,
-    )
+    return offline.scheduler(vllm_config, num_blocks, log_stats=log_stats)
 
 
 def prompt_tokens(n: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -192,31 +135,14 @@ def make_request(
     (``SamplingParams.extra_args``), and is copied, so the connector may
     mutate it freely.
     """
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    extra_args = None
-    if kv_transfer_params is not None:
-        extra_args = {"kv_transfer_params": dict(kv_transfer_params)}
-    sampling_params = SamplingParams(
+    return offline.request(
+        request_id,
+        prompt_token_ids,
+        vllm_config,
         max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=eos_token_id is None,
-        extra_args=extra_args,
-    )
-    if eos_token_id is not None:
-        sampling_params.update_from_generation_config({}, eos_token_id)
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling_params=sampling_params,
-        pooling_params=None,
+        kv_transfer_params=kv_transfer_params,
         cache_salt=cache_salt,
-        block_hasher=get_request_block_hasher(vllm_config.cache_config.block_size, hash_fn),
+        eos_token_id=eos_token_id,
     )
 
 

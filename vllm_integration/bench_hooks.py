@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from vllm_integration import offline
+
 SCHED_HOOKS: Final = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -189,71 +191,25 @@ class HookTimer:
 
 
 # ---------------------------------------------------------------- vLLM builders
-# (the same construction as tests/vllm_harness.py, kept here so the benchmark
-# does not import the test tree)
+# (vllm_integration/offline.py, shared with the tests' harness)
 
 
 def _vllm_config(cfg: HookConfig, role: str, engine_id: str) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    max_len = cfg.max_prompt + cfg.output_len + cfg.block_size
     extra: dict[str, Any] = {"coordinator": cfg.coordinator}
     if cfg.idle_wait_ms is not None:
         extra["idle_wait_ms"] = cfg.idle_wait_ms
-    return VllmConfig(
-        model_config=ModelConfig(
-            model=cfg.model_dir,
-            tokenizer=cfg.model_dir,
-            dtype="float32",
-            max_model_len=max_len,
-            seed=0,
-            enforce_eager=True,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=cfg.inflight,
-            max_num_batched_tokens=cfg.max_batched_tokens,
-            max_model_len=max_len,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(
-            block_size=cfg.block_size, enable_prefix_caching=False, cache_dtype="auto"
-        ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="PushKVConnector",
-            kv_connector_module_path="vllm_integration.connector",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_connector_extra_config=extra,
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-
-
-def _kv_cache_config(vllm_config: Any, num_blocks: int) -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    mc = vllm_config.model_config
-    layers = mc.get_num_layers(vllm_config.parallel_config)
-    spec = FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-        head_size=mc.get_head_size(),
-        dtype=torch.float32,
-    )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    return offline.vllm_config(
+        cfg.model_dir,
+        connector_name="PushKVConnector",
+        connector_module="vllm_integration.connector",
+        kv_role=role,
+        engine_id=engine_id,
+        extra_config=extra,
+        block_size=cfg.block_size,
+        enable_prefix_caching=False,
+        max_num_seqs=cfg.inflight,
+        max_num_batched_tokens=cfg.max_batched_tokens,
+        max_model_len=cfg.max_prompt + cfg.output_len + cfg.block_size,
     )
 
 
@@ -263,26 +219,13 @@ def _prompt(cfg: HookConfig, i: int) -> list[int]:
 
 
 def _request(cfg: HookConfig, vllm_config: Any, rid: str, prompt: list[int], params: Any) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    is_prefill = bool(params.get("do_remote_decode"))
-    sp = SamplingParams(
-        max_tokens=1 if is_prefill else cfg.output_len,
-        temperature=0.0,
-        ignore_eos=True,
-        extra_args={"kv_transfer_params": dict(params)},
-    )
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return Request(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=sp,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(vllm_config.cache_config.block_size, hash_fn),
+    prefill = bool(params.get("do_remote_decode"))
+    return offline.request(
+        rid,
+        prompt,
+        vllm_config,
+        max_tokens=1 if prefill else cfg.output_len,
+        kv_transfer_params=params,
     )
 
 
@@ -358,7 +301,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
     vcfg = _vllm_config(
         cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
     )
-    kv_cfg = _kv_cache_config(vcfg, cfg.num_blocks)
+    kv_cfg = offline.kv_cache_config(vcfg, cfg.num_blocks)
     worker = PushKVConnector(vcfg, KVConnectorRole.WORKER, kv_cfg)
     mc = vcfg.model_config
     shape = (
@@ -411,10 +354,8 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
 
 def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
     from vllm.utils.gc_utils import freeze_gc_heap
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_integration.connector import PushKVConnector
 
@@ -422,8 +363,6 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
     vcfg = _vllm_config(
         cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
     )
-    kv_cfg = _kv_cache_config(vcfg, cfg.num_blocks)
-    vcfg.cache_config.num_gpu_blocks = cfg.num_blocks
 
     # The worker (and its agent) comes up first, as in vLLM.
     ctx = mp.get_context("spawn")
@@ -433,14 +372,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
     try:
         if not conn.poll(120) or conn.recv() != "ready":
             raise TimeoutError("worker not ready in 120 s")
-        sched = Scheduler(
-            vllm_config=vcfg,
-            kv_cache_config=kv_cfg,
-            structured_output_manager=StructuredOutputManager(vcfg),
-            block_size=cfg.block_size,
-            hash_block_size=cfg.block_size,
-            log_stats=True,
-        )
+        sched = offline.scheduler(vcfg, cfg.num_blocks)
         freeze_gc_heap()  # as EngineCore.__init__ does once the scheduler is built
         sconn = sched.connector
         if not isinstance(sconn, PushKVConnector):
@@ -574,7 +506,7 @@ def _micro_role(model_dir: str, role: str, n: int, reps: int) -> list[tuple[str,
     cfg = HookConfig(model_dir=model_dir, coordinator="127.0.0.1:9", run_id="micro")
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
     vcfg = _vllm_config(cfg, kv_role, f"micro-{role}")
-    conn = PushKVConnector(vcfg, KVConnectorRole.SCHEDULER, _kv_cache_config(vcfg, 8192))
+    conn = PushKVConnector(vcfg, KVConnectorRole.SCHEDULER, offline.kv_cache_config(vcfg, 8192))
     half = conn._scheduler
     assert half is not None
     half.client.close(1.0)

@@ -1262,7 +1262,7 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
                 lines.append(f"| {r.rate:g} | " + " | ".join(cells) + " |")
         best = highest_common_rate(runs, cfg.rates)
         lines.append(
-            f"highest rate sustained by all of {', '.join(COMPARED)}: "
+            f"highest rate sustained by all of {', '.join(s for s in COMPARED if s in runs)}: "
             + (f"{best:g} req/s" if best is not None else "none")
         )
         ref = single_floor(cfg, runs)
