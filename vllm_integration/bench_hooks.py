@@ -116,6 +116,9 @@ class HookConfig:
     seed: int = 0
     profile_dir: str = ""
     rate: float = 0.0  # requests/s, Poisson (open loop); 0: closed loop
+    # Diagnostic: no garbage collection in the engine and worker loops, to see
+    # its share of the tail. vLLM runs with the collector on.
+    gc_off: bool = False
 
 
 def arrival_times(cfg: HookConfig) -> list[float]:
@@ -274,6 +277,13 @@ def _print_profiles(directory: Path, top: int = 12) -> None:
         _say(body[start:].rstrip() if start >= 0 else body.rstrip())
 
 
+def _gc_policy(cfg: HookConfig) -> None:
+    if cfg.gc_off:
+        import gc
+
+        gc.disable()
+
+
 def _quiet_env() -> None:
     os.environ.update({"NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_NET_DEVICES": "lo"})
 
@@ -316,6 +326,7 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
     }
     worker.register_kv_caches(caches)
     freeze_gc_heap()  # as vLLM's worker does once warmed up
+    _gc_policy(cfg)
     timer = HookTimer()
     timer.wrap(worker, WORKER_HOOKS)
     conn.send("ready")
@@ -374,6 +385,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
             raise TimeoutError("worker not ready in 120 s")
         sched = offline.scheduler(vcfg, cfg.num_blocks)
         freeze_gc_heap()  # as EngineCore.__init__ does once the scheduler is built
+        _gc_policy(cfg)
         sconn = sched.connector
         if not isinstance(sconn, PushKVConnector):
             raise TypeError(f"scheduler built {type(sconn).__name__}, not PushKVConnector")
@@ -736,6 +748,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="only the warm per-call cost of the per-request hooks, in-process (~10 s)",
     )
     ap.add_argument(
+        "--gc-off",
+        action="store_true",
+        help="diagnostic: no garbage collection in the engine and worker loops, to see "
+        "its share of the tail (vLLM runs with it on; do not quote as the hooks' cost)",
+    )
+    ap.add_argument(
         "--profile",
         type=Path,
         help="cProfile every engine and worker loop into DIR and print the top pushkv "
@@ -775,6 +793,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 deadline_s=a.deadline,
                 profile_dir=str((a.profile / load).resolve()) if a.profile else "",
                 rate=a.rate if load == "poisson" else 0.0,
+                gc_off=a.gc_off,
             )
             if a.profile:
                 Path(cfg.profile_dir).mkdir(parents=True, exist_ok=True)
@@ -789,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"# load: {load}. pushkv connector hooks, {how}; {cfg.requests} transfers, "
                 f"prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, block {cfg.block_size}, "
                 f"simulated forward {cfg.forward_ms} ms; {time.monotonic() - t0:.0f} s"
+                + ("; garbage collection OFF (diagnostic)" if cfg.gc_off else "")
             )
             _say(
                 f"timer overhead of one timed call (a no-op, median): wall "
