@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -29,8 +31,9 @@ from controlplane import metrics as cmetrics
 from controlplane.launch import CoordinatorProcess
 from controlplane.server import Coordinator, ServerSettings, start
 from tests.sim_agent import SimAgent, SimCluster, blocks
+from tests.waits import wait_until
 from vllm_integration.launch import free_port
-from vllm_integration.metrics import ConnectorMetrics, outcome_of
+from vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector, outcome_of
 from vllm_integration.router import Router, RouterSettings
 
 WAIT = 10.0
@@ -485,6 +488,34 @@ async def test_connector_metrics_served_per_rank() -> None:
     assert value(s, "pushkv_connector_load_error_blocks_total", **lbl) == 3
     assert value(s, "pushkv_connector_requests_freed_total", **lbl) == 2
     assert value(s, "pushkv_connector_agent_events_total", kind="kv_ready", **lbl) == 1
+    # This process's main thread has run (it ran this test), and may have waited.
+    assert value(s, "pushkv_connector_forward_thread_run_seconds_total", **lbl) > 0
+    assert value(s, "pushkv_connector_forward_thread_wait_seconds_total", **lbl) >= 0
+
+
+def test_forward_thread_counters_follow_the_kernel_and_vanish_without_it() -> None:
+    # A real process that keeps a CPU busy: its counters are the kernel's schedstat.
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        reg = CollectorRegistry()
+        reg.register(ForwardThreadCollector("prefill-0", 1, pid=child.pid))
+        lbl = {"engine": "prefill-0", "rank": "1"}
+        name = "pushkv_connector_forward_thread_run_seconds_total"
+
+        def run_s() -> float:
+            return reg.get_sample_value(name, lbl) or 0.0
+
+        wait_until(lambda: run_s() > 0.05, "the child's run counter passes 50 ms")
+        first = run_s()
+        wait_until(lambda: run_s() > first, "the run counter keeps growing")
+        wait = reg.get_sample_value("pushkv_connector_forward_thread_wait_seconds_total", lbl)
+        assert wait is not None and wait >= 0
+        gone = CollectorRegistry()
+        gone.register(ForwardThreadCollector("prefill-0", 1, pid=2**22 + 7))  # no such pid
+        assert gone.get_sample_value(name, lbl) is None
+    finally:
+        child.kill()
+        child.wait(10)
 
 
 # The connector's worker-half metrics are checked with real agents and real

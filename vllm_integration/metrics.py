@@ -14,6 +14,9 @@ on 0.0.0.0:(metrics_port + r); with 0 (the default) they are only counted.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -25,6 +28,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from agent.events import EventKind
 
@@ -71,6 +76,39 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+class ForwardThreadCollector(Collector):
+    """Run and run-queue wait seconds of a process's main thread, read from
+    ``/proc/PID/schedstat`` at each scrape. In a vLLM worker that thread runs the
+    forward, so a wait that grows fast against the run time means other threads
+    share its core (docs/operations.md, "Slow prefill"). Nothing where the file
+    is missing (not Linux, or no schedstats)."""
+
+    def __init__(self, engine_id: str, tp_rank: int, pid: int | None = None) -> None:
+        self._labels = [engine_id, str(tp_rank)]
+        self._path = Path(f"/proc/{os.getpid() if pid is None else pid}/schedstat")
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            run_ns, wait_ns, _ = self._path.read_text().split()
+        except (OSError, ValueError):
+            return
+        for name, doc, ns in (
+            (
+                "pushkv_connector_forward_thread_run_seconds",
+                "seconds the worker's main thread (vLLM's forward) ran on a CPU",
+                run_ns,
+            ),
+            (
+                "pushkv_connector_forward_thread_wait_seconds",
+                "seconds the worker's main thread was runnable but waited for a CPU",
+                wait_ns,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["engine", "rank"])
+            family.add_metric(self._labels, int(ns) / 1e9)
+            yield family
+
+
 class ConnectorMetrics:
     """Counters the worker half updates; labelled with the engine and TP rank."""
 
@@ -112,6 +150,7 @@ class ConnectorMetrics:
         )
         # One child per kind, bound once: no label lookup per event.
         self._by_kind = {k: self._events.labels(*values, k.value) for k in EventKind}
+        r.register(ForwardThreadCollector(engine_id, tp_rank))
         self._server: WSGIServer | None = None
 
     def event(self, kind: EventKind, n: int = 1) -> None:
