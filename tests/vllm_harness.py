@@ -29,7 +29,7 @@ Notes (vLLM 0.32.0 behaviour these helpers rely on):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
 
 __all__ = [
     "DEFAULT_SAMPLED_TOKEN",
@@ -119,31 +118,9 @@ def prompt_tokens(n: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
     return [rng.randrange(4, vocab) for _ in range(n)]
 
 
-def make_request(
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    vllm_config: VllmConfig,
-    *,
-    max_tokens: int = 16,
-    kv_transfer_params: dict[str, Any] | None = None,
-    cache_salt: str | None = None,
-    eos_token_id: int | None = None,
-) -> Request:
-    """A real ``Request`` with the engine's block hasher (prefix caching works).
-
-    ``kv_transfer_params`` is passed the way the OpenAI server passes it
-    (``SamplingParams.extra_args``), and is copied, so the connector may
-    mutate it freely.
-    """
-    return offline.request(
-        request_id,
-        prompt_token_ids,
-        vllm_config,
-        max_tokens=max_tokens,
-        kv_transfer_params=kv_transfer_params,
-        cache_salt=cache_salt,
-        eos_token_id=eos_token_id,
-    )
+# A real ``Request`` with the engine's block hasher; kv_transfer_params travel
+# as the OpenAI server passes them (copied, so a connector may mutate them).
+make_request = offline.request
 
 
 def kv_output(

@@ -58,6 +58,8 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from vllm_integration.metrics import read_schedstat
+
 SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
 # Controls, run only when named in --systems: vLLM's NIXL connectors with NIXL's
 # progress thread switched off (not vLLM's default; see NOPROG_SHIM).
@@ -549,11 +551,12 @@ def worker_schedstat(pids: Sequence[int]) -> tuple[int, int]:
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
                 continue
-            r, w, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
-        except (OSError, ValueError):
+        except OSError:
             continue
-        run += int(r)
-        wait += int(w)
+        stat = read_schedstat(pid)
+        if stat is not None:
+            run += stat[0]
+            wait += stat[1]
     return run, wait
 
 

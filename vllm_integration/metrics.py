@@ -76,6 +76,16 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+def read_schedstat(pid: int) -> tuple[int, int] | None:
+    """(run ns, run-queue wait ns) of the task `pid` from /proc/PID/schedstat;
+    None where it is missing (not Linux, no schedstats, no such task)."""
+    try:
+        run_ns, wait_ns, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        return int(run_ns), int(wait_ns)
+    except (OSError, ValueError):
+        return None
+
+
 class ForwardThreadCollector(Collector):
     """Run and run-queue wait seconds of a process's main thread, read from
     ``/proc/PID/schedstat`` at each scrape. In a vLLM worker that thread runs the
@@ -85,13 +95,13 @@ class ForwardThreadCollector(Collector):
 
     def __init__(self, engine_id: str, tp_rank: int, pid: int | None = None) -> None:
         self._labels = [engine_id, str(tp_rank)]
-        self._path = Path(f"/proc/{os.getpid() if pid is None else pid}/schedstat")
+        self._pid = os.getpid() if pid is None else pid
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            run_ns, wait_ns, _ = self._path.read_text().split()
-        except (OSError, ValueError):
+        stat = read_schedstat(self._pid)
+        if stat is None:
             return
+        run_ns, wait_ns = stat
         for name, doc, ns in (
             (
                 "pushkv_connector_forward_thread_run_seconds",
@@ -105,7 +115,7 @@ class ForwardThreadCollector(Collector):
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=["engine", "rank"])
-            family.add_metric(self._labels, int(ns) / 1e9)
+            family.add_metric(self._labels, ns / 1e9)
             yield family
 
 
