@@ -473,11 +473,12 @@ async def test_connector_metrics_served_per_rank() -> None:
     try:
         assert off.serve(0) is None  # metrics_port 0: counted, not served
         assert m.serve(base) == base  # rank r listens on metrics_port + r
-        m.ready.inc()
-        m.failed.inc()
-        m.load_error_blocks.inc(3)
-        m.freed.inc(2)
-        m.event(EventKind.KV_READY)
+        # The worker half bumps plain ints on the engine thread; read at scrape time.
+        m.counts.ready += 1
+        m.counts.failed += 1
+        m.counts.load_error_blocks += 3
+        m.counts.freed += 2
+        m.counts.events[EventKind.KV_READY] += 1
         _, s = await scrape(f"http://127.0.0.1:{base}/metrics")
     finally:
         m.close()

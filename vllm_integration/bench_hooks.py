@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import math
@@ -81,11 +82,15 @@ WORKER_HOOKS: Final = (
     "save_kv_layer",
     "wait_for_save",
     "get_transfer_results",
-    "get_finished",
     "get_block_ids_with_load_errors",
     "clear_connector_metadata",
 )
 GOAL_US: Final = 50.0
+# name -> (class, module). "floor" is the baseline: pushkv's request flow, no work.
+CONNECTORS: Final = {
+    "pushkv": ("PushKVConnector", "vllm_integration.connector"),
+    "floor": ("FloorConnector", "vllm_integration.floor_connector"),
+}
 # Hooks vLLM calls once (or twice) per request that starts or finishes in a step.
 PER_REQUEST_HOOKS: Final = frozenset(
     {"get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"}
@@ -119,6 +124,7 @@ class HookConfig:
     # Diagnostic: no garbage collection in the engine and worker loops, to see
     # its share of the tail. vLLM runs with the collector on.
     gc_off: bool = False
+    connector: str = "pushkv"  # a key of CONNECTORS
 
 
 def arrival_times(cfg: HookConfig) -> list[float]:
@@ -134,8 +140,8 @@ def arrival_times(cfg: HookConfig) -> list[float]:
 class HookTimer:
     """Wraps a connector's methods; records every call and per-step totals.
 
-    Only outermost calls count towards the step total (get_transfer_results
-    calls get_finished inside)."""
+    Only outermost calls count towards the step total (a hook may call another
+    timed one)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, list[int]] = defaultdict(list)  # wall-clock ns per call
@@ -201,10 +207,11 @@ def _vllm_config(cfg: HookConfig, role: str, engine_id: str) -> Any:
     extra: dict[str, Any] = {"coordinator": cfg.coordinator}
     if cfg.idle_wait_ms is not None:
         extra["idle_wait_ms"] = cfg.idle_wait_ms
+    name, module = CONNECTORS[cfg.connector]
     return offline.vllm_config(
         cfg.model_dir,
-        connector_name="PushKVConnector",
-        connector_module="vllm_integration.connector",
+        connector_name=name,
+        connector_module=module,
         kv_role=role,
         engine_id=engine_id,
         extra_config=extra,
@@ -305,14 +312,13 @@ def _worker(cfg: HookConfig, role: str, conn: Any) -> None:  # the worker: anoth
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    from vllm_integration.connector import PushKVConnector
-
     prefill = role == "prefill"
     vcfg = _vllm_config(
         cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
     )
     kv_cfg = offline.kv_cache_config(vcfg, cfg.num_blocks)
-    worker = PushKVConnector(vcfg, KVConnectorRole.WORKER, kv_cfg)
+    name, module = CONNECTORS[cfg.connector]
+    worker = getattr(importlib.import_module(module), name)(vcfg, KVConnectorRole.WORKER, kv_cfg)
     mc = vcfg.model_config
     shape = (
         cfg.num_blocks,
@@ -368,8 +374,6 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
-    from vllm_integration.connector import PushKVConnector
-
     prefill = role == "prefill"
     vcfg = _vllm_config(
         cfg, "kv_producer" if prefill else "kv_consumer", f"hooks-{role}-{cfg.run_id}"
@@ -387,8 +391,8 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
         freeze_gc_heap()  # as EngineCore.__init__ does once the scheduler is built
         _gc_policy(cfg)
         sconn = sched.connector
-        if not isinstance(sconn, PushKVConnector):
-            raise TypeError(f"scheduler built {type(sconn).__name__}, not PushKVConnector")
+        if type(sconn).__name__ != CONNECTORS[cfg.connector][0]:
+            raise TypeError(f"scheduler built {type(sconn).__name__}, not {cfg.connector}")
         st = HookTimer()
         st.wrap(sconn, SCHED_HOOKS)
         steps: dict[str, list[int]] = defaultdict(list)
@@ -748,6 +752,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="only the warm per-call cost of the per-request hooks, in-process (~10 s)",
     )
     ap.add_argument(
+        "--connector",
+        choices=("both", "pushkv", "floor"),
+        default="both",
+        help="pushkv, the floor connector (pushkv's request flow with no work: what vLLM's "
+        "calls into any Python connector cost here), or both, alternated (default)",
+    )
+    ap.add_argument(
         "--gc-off",
         action="store_true",
         help="diagnostic: no garbage collection in the engine and worker loops, to see "
@@ -773,78 +784,145 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(line)
         return 0
     loads = ("poisson", "closed") if a.load == "both" else (a.load,)
+    connectors = ("pushkv", "floor") if a.connector == "both" else (a.connector,)
     if a.profile:
         a.profile.mkdir(parents=True, exist_ok=True)
     wall_ns, cpu_ns = timer_overhead()
-    results: dict[str, tuple[HookConfig, list[EngineFigures], dict[str, Any]]] = {}
+    results: dict[tuple[str, str], tuple[HookConfig, list[EngineFigures], dict[str, Any]]] = {}
     with CoordinatorProcess("--log-level", "WARNING") as coord:
+        # Each load runs with pushkv, then right after with the floor (alternated).
         for load in loads:
-            t0 = time.monotonic()
-            cfg = HookConfig(
-                model_dir=str(model.resolve()),
-                coordinator=coord.address,
-                run_id=f"{os.getpid()}-{load}",
-                inflight=a.inflight,
-                requests=a.requests,
-                forward_ms=a.forward_ms,
-                output_len=a.output_len,
-                max_batched_tokens=a.max_batched_tokens,
-                idle_wait_ms=a.idle_wait_ms,
-                deadline_s=a.deadline,
-                profile_dir=str((a.profile / load).resolve()) if a.profile else "",
-                rate=a.rate if load == "poisson" else 0.0,
-                gc_off=a.gc_off,
-            )
-            if a.profile:
-                Path(cfg.profile_dir).mkdir(parents=True, exist_ok=True)
-            figs = run_load(cfg)
-            how = (
-                f"Poisson arrivals at {cfg.rate:g} requests/s (open loop), max_num_seqs "
-                f"{cfg.inflight}"
-                if cfg.rate > 0
-                else f"closed loop, {cfg.inflight} requests in flight per engine"
-            )
-            _say(
-                f"# load: {load}. pushkv connector hooks, {how}; {cfg.requests} transfers, "
-                f"prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, block {cfg.block_size}, "
-                f"simulated forward {cfg.forward_ms} ms; {time.monotonic() - t0:.0f} s"
-                + ("; garbage collection OFF (diagnostic)" if cfg.gc_off else "")
-            )
-            _say(
-                f"timer overhead of one timed call (a no-op, median): wall "
-                f"{wall_ns / 1000:.2f} µs, thread CPU {cpu_ns / 1000:.2f} µs; a step times "
-                "10-20 calls"
-            )
-            lines, summary = report(figs)
-            for line in lines:
-                _say(line)
-            _say("")
-            results[load] = (cfg, figs, summary)
-            if a.profile:
-                _print_profiles(Path(cfg.profile_dir))
-    parts = []
-    for load, (_, _, summary) in results.items():
-        parts.append(
-            f"{load}: hooks_p99_us_per_busy_step={_worst(summary, 'all/busy'):.1f} "
-            f"cpu_p99_us={_worst(summary, 'all-cpu/busy'):.1f}"
-        )
-    verdicts = ", ".join(
-        f"{load} {'met' if _worst(summary, 'all/busy') <= GOAL_US else 'missed'}"
-        for load, (_, _, summary) in results.items()
-    )
-    _say(f"{'; '.join(parts)} (wall, worse engine; goal <= {GOAL_US:.0f}: {verdicts})")
+            for connector in connectors:
+                t0 = time.monotonic()
+                cfg = HookConfig(
+                    model_dir=str(model.resolve()),
+                    coordinator=coord.address,
+                    run_id=f"{os.getpid()}-{load}-{connector}",
+                    inflight=a.inflight,
+                    requests=a.requests,
+                    forward_ms=a.forward_ms,
+                    output_len=a.output_len,
+                    max_batched_tokens=a.max_batched_tokens,
+                    idle_wait_ms=a.idle_wait_ms,
+                    deadline_s=a.deadline,
+                    profile_dir=(
+                        str((a.profile / f"{load}-{connector}").resolve()) if a.profile else ""
+                    ),
+                    rate=a.rate if load == "poisson" else 0.0,
+                    gc_off=a.gc_off,
+                    connector=connector,
+                )
+                if a.profile:
+                    Path(cfg.profile_dir).mkdir(parents=True, exist_ok=True)
+                figs = run_load(cfg)
+                _say(_load_header(cfg, connector, time.monotonic() - t0))
+                _say(
+                    f"timer overhead of one timed call (a no-op, median): wall "
+                    f"{wall_ns / 1000:.2f} µs, thread CPU {cpu_ns / 1000:.2f} µs; a step times "
+                    "10-20 calls"
+                )
+                lines, summary = report(figs)
+                for line in lines:
+                    _say(line)
+                _say("")
+                results[(load, connector)] = (cfg, figs, summary)
+                if a.profile:
+                    _print_profiles(Path(cfg.profile_dir))
+    summaries = {key: summary for key, (_, _, summary) in results.items()}
+    for line in compare_lines(summaries, loads):
+        _say(line)
+    _say(final_line(summaries, loads))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         dump = {
-            load: {
+            f"{load}/{connector}": {
                 "config": cfg.__dict__,
                 "summary": summary,
                 "engines": [f.__dict__ for f in figs],
             }
-            for load, (cfg, figs, summary) in results.items()
+            for (load, connector), (cfg, figs, summary) in results.items()
         }
         (a.out / "bench_hooks.json").write_text(json.dumps(dump, default=str))
     return 0 if all(not f.error for _, figs, _ in results.values() for f in figs) else 1
+
+
+def _load_header(cfg: HookConfig, connector: str, took_s: float) -> str:
+    how = (
+        f"Poisson arrivals at {cfg.rate:g} requests/s (open loop), max_num_seqs {cfg.inflight}"
+        if cfg.rate > 0
+        else f"closed loop, {cfg.inflight} requests in flight per engine"
+    )
+    who = (
+        "pushkv connector hooks"
+        if connector == "pushkv"
+        else "floor connector hooks (the baseline: pushkv's request flow, no work)"
+    )
+    load = "poisson" if cfg.rate > 0 else "closed"
+    return (
+        f"# load: {load}, {who}. {how}; {cfg.requests} transfers, "
+        f"prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, block {cfg.block_size}, "
+        f"simulated forward {cfg.forward_ms} ms; {took_s:.0f} s"
+        + ("; garbage collection OFF (diagnostic)" if cfg.gc_off else "")
+    )
+
+
+# (summary key, label) of the rows compared against the floor
+COMPARED: Final = (
+    ("all/busy", "busy steps, all hooks (wall)"),
+    ("all/busy-quiet", "busy steps that start or finish no request (wall)"),
+    ("scheduler/busy", "busy steps, scheduler hooks only (wall)"),
+)
+
+
+def compare_lines(
+    summaries: dict[tuple[str, str], dict[str, Any]], loads: Sequence[str]
+) -> list[str]:
+    """pushkv against the floor connector, per load, engine and figure (µs)."""
+    lines = [
+        "## pushkv against the floor connector (same loop, run right after it; µs wall)",
+        "| load | engine | steps | pushkv p50 / p99 | floor p50 / p99 | p99 ratio "
+        "| pushkv's own p99 (pushkv - floor) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for load in loads:
+        push, floor = summaries.get((load, "pushkv")), summaries.get((load, "floor"))
+        if push is None or floor is None:
+            continue
+        for engine in ("prefill", "decode"):
+            for key, label in COMPARED:
+                p, f = push.get(engine, {}).get(key), floor.get(engine, {}).get(key)
+                if not p or not f or math.isnan(p["p99_us"]) or math.isnan(f["p99_us"]):
+                    continue  # e.g. no quiet steps on a prefill engine
+                lines.append(
+                    f"| {load} | {engine} | {label} | {p['p50_us']:.1f} / {p['p99_us']:.1f} "
+                    f"| {f['p50_us']:.1f} / {f['p99_us']:.1f} "
+                    f"| {_ratio(p['p99_us'], f['p99_us'])} | {p['p99_us'] - f['p99_us']:.1f} |"
+                )
+    return lines if len(lines) > 3 else []
+
+
+def _ratio(a: float, b: float) -> str:
+    return "nan" if not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}"
+
+
+def final_line(summaries: dict[tuple[str, str], dict[str, Any]], loads: Sequence[str]) -> str:
+    """Per load: the worse engine's busy-step p99 with pushkv and with the floor."""
+    parts, verdicts = [], []
+    for load in loads:
+        push, floor = summaries.get((load, "pushkv")), summaries.get((load, "floor"))
+        fields = []
+        if push is not None:
+            worst = _worst(push, "all/busy")
+            fields += [
+                f"hooks_p99_us_per_busy_step={worst:.1f}",
+                f"cpu_p99_us={_worst(push, 'all-cpu/busy'):.1f}",
+            ]
+            verdicts.append(f"{load} {'met' if worst <= GOAL_US else 'missed'}")
+        if floor is not None:
+            fields.append(f"floor_p99_us={_worst(floor, 'all/busy'):.1f}")
+        parts.append(f"{load}: " + " ".join(fields))
+    verdict = f"; goal <= {GOAL_US:.0f}: {', '.join(verdicts)}" if verdicts else ""
+    return f"{'; '.join(parts)} (wall, worse engine{verdict})"
 
 
 if __name__ == "__main__":

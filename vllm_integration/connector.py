@@ -115,9 +115,11 @@ class PushKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        sending, recving = self.get_finished(finished_req_ids)
-        assert self._worker is not None
-        failed = self._worker.take_failed()
+        worker = self._worker
+        assert worker is not None
+        meta = self._meta()
+        sending, recving = worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle))
+        failed = worker.take_failed()
         if compat.KVConnectorTransferResults is None:  # pragma: no cover - vLLM < 0.30
             return sending, recving
         return compat.KVConnectorTransferResults(

@@ -119,52 +119,78 @@ class ForwardThreadCollector(Collector):
             yield family
 
 
+class ConnectorCounts:
+    """What the worker half counts, as plain ints.
+
+    The engine thread is the only writer and bumps them with ``+=``: no lock,
+    no call into prometheus_client on vLLM's engine loop. The collector below
+    reads them at scrape time."""
+
+    __slots__ = ("events", "failed", "freed", "load_error_blocks", "ready")
+
+    def __init__(self) -> None:
+        self.ready = 0  # decode: transfers whose KV arrived
+        self.failed = 0  # decode: transfers refused or failed
+        self.load_error_blocks = 0  # decode: blocks reported as load errors
+        self.freed = 0  # prefill: requests whose blocks were handed back
+        self.events = dict.fromkeys(EventKind, 0)  # agent events by kind
+
+
+class _CountsCollector(Collector):
+    _COUNTERS = (
+        (
+            "pushkv_connector_transfers_ready",
+            "decode: transfers whose KV arrived (requests released to decode)",
+            "ready",
+        ),
+        (
+            "pushkv_connector_transfers_failed",
+            "decode: transfers refused or failed (their blocks reported as load errors)",
+            "failed",
+        ),
+        (
+            "pushkv_connector_load_error_blocks",
+            "decode: blocks reported to vLLM as load errors",
+            "load_error_blocks",
+        ),
+        (
+            "pushkv_connector_requests_freed",
+            "prefill: requests whose KV blocks were handed back to vLLM",
+            "freed",
+        ),
+    )
+
+    def __init__(self, counts: ConnectorCounts, engine_id: str, tp_rank: int) -> None:
+        self._counts = counts
+        self._labels = [engine_id, str(tp_rank)]
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counts
+        for name, doc, attr in self._COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["engine", "rank"])
+            family.add_metric(self._labels, getattr(c, attr))
+            yield family
+        events = CounterMetricFamily(
+            "pushkv_connector_agent_events",
+            "events from the embedded agent, by kind (kv_ready, kv_failed, blocks_free)",
+            labels=["engine", "rank", "kind"],
+        )
+        for kind, n in list(c.events.items()):
+            events.add_metric([*self._labels, kind.value], n)
+        yield events
+
+
 class ConnectorMetrics:
-    """Counters the worker half updates; labelled with the engine and TP rank."""
+    """The worker half's counters (`counts`, bumped on the engine thread) and the
+    forward thread's schedstat, labelled with the engine and TP rank."""
 
     def __init__(self, engine_id: str, tp_rank: int) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        labels = ["engine", "rank"]
-        values = (engine_id, str(tp_rank))
         self.tp_rank = tp_rank
-        self.ready = Counter(
-            "pushkv_connector_transfers_ready",
-            "decode: transfers whose KV arrived (requests released to decode)",
-            labels,
-            registry=r,
-        ).labels(*values)
-        self.failed = Counter(
-            "pushkv_connector_transfers_failed",
-            "decode: transfers refused or failed (their blocks reported as load errors)",
-            labels,
-            registry=r,
-        ).labels(*values)
-        self.load_error_blocks = Counter(
-            "pushkv_connector_load_error_blocks",
-            "decode: blocks reported to vLLM as load errors",
-            labels,
-            registry=r,
-        ).labels(*values)
-        self.freed = Counter(
-            "pushkv_connector_requests_freed",
-            "prefill: requests whose KV blocks were handed back to vLLM",
-            labels,
-            registry=r,
-        ).labels(*values)
-        self._events = Counter(
-            "pushkv_connector_agent_events",
-            "events from the embedded agent, by kind (kv_ready, kv_failed, blocks_free)",
-            [*labels, "kind"],
-            registry=r,
-        )
-        # One child per kind, bound once: no label lookup per event.
-        self._by_kind = {k: self._events.labels(*values, k.value) for k in EventKind}
-        r.register(ForwardThreadCollector(engine_id, tp_rank))
+        self.counts = ConnectorCounts()
+        self.registry.register(_CountsCollector(self.counts, engine_id, tp_rank))
+        self.registry.register(ForwardThreadCollector(engine_id, tp_rank))
         self._server: WSGIServer | None = None
-
-    def event(self, kind: EventKind, n: int = 1) -> None:
-        self._by_kind[kind].inc(n)
 
     def serve(self, base_port: int) -> int | None:
         """Serve on 0.0.0.0:(base_port + rank) if base_port > 0; returns the port."""

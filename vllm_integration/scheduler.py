@@ -22,6 +22,11 @@ from vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
 
+# The metadata of steps that start and end nothing: shared, so never mutated
+# (the scheduler half only appends to its own `_meta`, never to these).
+_EMPTY_BUSY = PushKVMetadata()
+_EMPTY_IDLE = PushKVMetadata(idle=True)
+
 
 class PushSchedulerHalf:
     def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
@@ -91,8 +96,12 @@ class PushSchedulerHalf:
                 del self._uncertain[rid]
                 if rid in self._waiting:
                     self._meta.fail.append(self._waiting[rid])
-        meta, self._meta = self._meta, PushKVMetadata()
-        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        meta = self._meta
+        if not (meta.recv or meta.fail or meta.send or meta.free):
+            return _EMPTY_IDLE if idle else _EMPTY_BUSY  # most steps
+        self._meta = PushKVMetadata()
+        meta.idle = idle
         return meta
 
     def _take_results(self) -> None:

@@ -88,6 +88,7 @@ class PushWorkerHalf:
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
         self.metrics = ConnectorMetrics(engine_id, tp_rank)  # served if metrics_port > 0
+        self.counts = self.metrics.counts  # plain ints, bumped on the engine thread
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -154,7 +155,7 @@ class PushWorkerHalf:
             for tid in [*expect, *(t for _, t in meta.send)]:
                 early = self._early.pop(tid, None)
                 if early is not None and self._apply(early):  # counted on arrival
-                    self.metrics.ready.inc()
+                    self.counts.ready += 1
         for rid, tid in meta.free:
             # Only while still held: the agent's BLOCKS_FREE may have come first.
             if self._send.get(tid) == rid:
@@ -183,7 +184,7 @@ class PushWorkerHalf:
         if self._free_ready and self._sched_finished:
             sending = self._free_ready & self._sched_finished
             if sending:
-                self.metrics.freed.inc(len(sending))
+                self.counts.freed += len(sending)
                 self._free_ready -= sending
                 self._sched_finished -= sending
                 self._held -= sending
@@ -207,17 +208,11 @@ class PushWorkerHalf:
 
     # ------------------------------------------------------------ events
     def _apply_all(self, events: list[HostEvent]) -> None:
-        # Counters are bumped once per kind per step: each inc takes a lock.
-        counts = dict.fromkeys(EventKind, 0)
-        ready = 0
+        counts = self.counts
+        by_kind = counts.events
         for e in events:
-            counts[e.kind] += 1
-            ready += self._apply(e)
-        for kind, n in counts.items():
-            if n:
-                self.metrics.event(kind, n)
-        if ready:
-            self.metrics.ready.inc(ready)
+            by_kind[e.kind] += 1
+            counts.ready += self._apply(e)
 
     def _apply(self, e: HostEvent) -> int:
         """Apply one agent event; 1 if it released a decode request, else 0."""
@@ -247,8 +242,8 @@ class PushWorkerHalf:
             "KV for request %s (transfer %s) did not arrive: %s", rid, tid, detail or "refused"
         )
         self._load_errors.update(block_ids)
-        self.metrics.failed.inc()
-        self.metrics.load_error_blocks.inc(len(block_ids))
+        self.counts.failed += 1
+        self.counts.load_error_blocks += len(block_ids)
         self._failed.add(rid)
         self._recving_done.add(rid)
 
