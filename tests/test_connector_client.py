@@ -16,7 +16,7 @@ from controlplane.servicers import TransferServicer
 from tests.sim_agent import SimCluster, ThreadedCoordinator
 from tests.waits import wait_until
 from vllm_integration import client as client_mod
-from vllm_integration.client import Call, CoordinatorClient, Result
+from vllm_integration.client import Call, CoordinatorClient, Result, needs_engine
 
 DEADLINE_S = 20.0
 
@@ -91,6 +91,39 @@ def test_calls_are_batched_and_each_keeps_its_outcome(server: ThreadedCoordinato
         assert 1 <= client.batches_sent < len(sent)
     finally:
         client.close()
+
+
+def test_only_results_the_engine_must_act_on_are_queued(server: ThreadedCoordinator) -> None:
+    client = CoordinatorClient(server.address, timeout_s=5.0, keep=needs_engine)
+    try:
+        sent = calls(20)  # accepted: dropped on the client thread
+        refused = Call("register", "bad", "keep-bad", "no-such-engine", (1,), 40)
+        cancel = Call("cancel", "c1", "keep-cancel", reason="test")  # always handed on
+        sent[5:5] = [refused, cancel]
+        for c in sent:
+            client.submit(c)
+        assert client.wait_answered(len(sent), DEADLINE_S)
+        got = client.drain()
+        assert [r.call for r in got] == [refused, cancel]
+        assert got[0].refused and got[1].ok
+        assert client.answered == len(sent)
+    finally:
+        client.close()
+
+
+def test_needs_engine_keeps_failures_cancels_and_ended_transfers() -> None:
+    reg = Call("register", "r", "t")
+    done = Call("prefill_done", "p", "t")
+    live, ended = pb.TRANSFER_STATE_REGISTERED, pb.TRANSFER_STATE_CANCELLED
+    assert not needs_engine(Result(reg, live))
+    assert not needs_engine(Result(done, pb.TRANSFER_STATE_ORDERED))
+    # Ended while a WRITE may still land: nothing to do until the agent says so.
+    assert not needs_engine(Result(done, pb.TRANSFER_STATE_COMPLETE, write_may_land=True))
+    assert needs_engine(Result(reg, ended))  # no WRITE will come: fail the load now
+    assert needs_engine(Result(done, ended))  # free the blocks now
+    assert needs_engine(Result(reg, 0, "UNAVAILABLE: down"))  # outcome unknown
+    assert needs_engine(Result(done, 0, "FAILED_PRECONDITION: x", refused=True))
+    assert needs_engine(Result(Call("cancel", "c", "t"), ended))
 
 
 def test_a_sleeping_client_thread_is_woken_by_each_submit(

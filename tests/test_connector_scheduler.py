@@ -256,7 +256,10 @@ async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
         assert t.decode_engine_id == eng.engine_id
         assert [list(g.ids) for g in t.decode_blocks] == [blocks]
         assert t.num_tokens == 40
-        assert eng.wait_result("register").state == pb.TRANSFER_STATE_REGISTERED
+        # An accepted registration needs nothing from the engine thread: the
+        # client thread drops its answer instead of queueing it.
+        assert eng.client.wait_answered(1, DEADLINE_S)
+        assert not eng.client.has_results()
 
         # Accepted: later steps carry nothing new and the request keeps waiting.
         sched_out, _ = step(eng.scheduler)
@@ -614,8 +617,11 @@ async def test_accepted_prefill_done_is_not_freed_early(
         )
         eng.scheduler.add_request(req)
         step(eng.scheduler)
-        result = eng.wait_result("prefill_done")
-        assert result.ok and result.state == pb.TRANSFER_STATE_PREFILL_DONE
+        # Accepted (the transfer waits for its decode side): nothing is queued.
+        assert eng.client.wait_answered(1, DEADLINE_S)
+        assert not eng.client.has_results()
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_PREFILL_DONE))
+        assert [list(g.ids) for g in t.prefill_blocks] == [eng.blocks_of("p4")]
         sched_out, _ = step(eng.scheduler)
         assert _meta(sched_out).send == [("p4", tid)] and _meta(sched_out).free == []
 

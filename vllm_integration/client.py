@@ -76,6 +76,15 @@ class Result:
         return not self.error
 
 
+def needs_engine(res: Result) -> bool:
+    """Whether the scheduler half must act on (or log) this result.
+
+    The common answers (a registration or prefill report accepted, its
+    transfer still live or its WRITE still possible) need nothing, so the
+    client thread drops them instead of handing them to vLLM's engine thread."""
+    return bool(res.error) or res.call.kind == "cancel" or (res.terminal and not res.write_may_land)
+
+
 def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result:
     text = f"{getattr(code, 'name', code)}: {details}"
     return Result(c, 0, text, refused=code in _REFUSALS)
@@ -113,8 +122,13 @@ class CoordinatorClient:
         timeout_s: float = 5.0,
         attempts: int = 3,
         tls: TLSFiles | None = None,
+        keep: Callable[[Result], bool] | None = None,
     ) -> None:
         self._address = address
+        # Results for which this is false are dropped on the client thread
+        # (None: every result is queued). Read per batch, so a test may change it.
+        self.keep = keep
+        self.answered = 0  # results received, queued or dropped
         self._tls = tls
         self._timeout = timeout_s
         self._attempts = attempts
@@ -125,7 +139,7 @@ class CoordinatorClient:
         # Condition), so the engine thread never waits for the client thread.
         self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._sleeping = False
-        self._done = threading.Condition()  # only for wait_result (tests, tools)
+        self._done = threading.Condition()  # only for the waits below (tests, tools)
         self._closed = False
         self.batches_sent = 0
         self._thread = threading.Thread(target=self._run, name="pushkv-coord-client", daemon=True)
@@ -161,6 +175,17 @@ class CoordinatorClient:
                     return None
                 self._done.wait(left)
 
+    def wait_answered(self, n: int, timeout: float) -> bool:
+        """Wait until `n` results in all were received, queued or dropped. For tests."""
+        deadline = time.monotonic() + timeout
+        with self._done:
+            while self.answered < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(left)
+            return True
+
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
         self._wakeups.put(None)
@@ -189,8 +214,10 @@ class CoordinatorClient:
                 if not batched:
                     results = [self._unary(stub, c) for c in batch]
                 assert results is not None
+                keep = self.keep
                 with self._done:
-                    self._results.extend(results)
+                    self.answered += len(results)
+                    self._results.extend(results if keep is None else filter(keep, results))
                     self._done.notify_all()
         finally:
             channel.close()

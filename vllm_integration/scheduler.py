@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from vllm_integration import compat
-from vllm_integration.client import Call, CoordinatorClient
+from vllm_integration.client import Call, CoordinatorClient, needs_engine
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
 from vllm_integration.settings import ConnectorSettings
@@ -33,7 +33,10 @@ class PushSchedulerHalf:
         self.engine_id = engine_id
         self.block_size = block_size
         self.client = CoordinatorClient(
-            settings.coordinator, timeout_s=settings.rpc_timeout_s, tls=settings.tls
+            settings.coordinator,
+            timeout_s=settings.rpc_timeout_s,
+            tls=settings.tls,
+            keep=needs_engine,  # accepted calls never reach the engine thread
         )
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
