@@ -35,6 +35,11 @@ scheduled: the forward waits for them) and idle steps (nothing scheduled; the
 worker's ``get_finished`` may then wait up to ``idle_wait_ms`` for an agent
 event on purpose, instead of letting the engine spin).
 
+Each load runs twice, alternated: with pushkv, then with the floor connector
+(``vllm_integration/floor_connector.py``: pushkv's request flow and no work),
+so the report can tell vLLM's cost of calling any Python connector on this
+machine from pushkv's own (``--connector`` runs one of them).
+
 As in vLLM, each process freezes its start-up heap (``freeze_gc_heap``) before
 the loop, so a full garbage collection does not rescan torch and vLLM.
 
