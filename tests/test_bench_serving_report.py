@@ -10,10 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vllm_integration.bench_serving import (
+    SHIM,
+    SPIN_SHIM,
     BenchConfig,
     RateResult,
     SystemRun,
+    _parse,
     final_line,
     report,
     single_floor,
@@ -118,3 +123,40 @@ def test_worker_schedstat_reads_only_vllm_worker_main_threads() -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_the_spin_shim_bounds_vllms_shm_queue_busy_poll(tmp_path: Path) -> None:
+    # Loaded as sitecustomize (as the benchmark loads it, after the unpinning
+    # shim), in a real interpreter that imports vLLM's message queue.
+    (tmp_path / "sitecustomize.py").write_text(SHIM + SPIN_SHIM.format(spin_s=0.002))
+    probe = (
+        "import zmq\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+        f"c = SpinCondition(True, zmq.Context(), 'ipc://{tmp_path}/notify')\n"
+        "print(c.busy_loop_s)\n"
+    )
+
+    def busy_loop_s(shim: bool) -> str:
+        env = {**os.environ, "PYTHONPATH": str(tmp_path) if shim else ""}
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert busy_loop_s(shim=True) == "0.002"
+    assert busy_loop_s(shim=False) == "1"  # vLLM's own, when not asked
+
+
+def test_spin_below_the_minimum_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--vllm-spin-ms", "0"])
+    assert "--vllm-spin-ms must be at least 1" in capsys.readouterr().err
+    cfg, _ = _parse(["--vllm-spin-ms", "2", "--quick"])
+    assert cfg.vllm_spin_ms == 2.0
+    assert _parse(["--quick"])[0].vllm_spin_ms is None

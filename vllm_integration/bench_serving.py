@@ -132,6 +132,41 @@ sys.meta_path.insert(0, _NoProgressThread())
 )
 
 
+# Only with --vllm-spin-ms, and then for every vLLM server of every system alike:
+# vLLM 0.32's shm message queues (EngineCore <-> worker) busy-poll with
+# sched_yield for 1 s after each read (SpinCondition's busy_loop_s, hard-coded)
+# before they block on a notification socket. On 2 cores, a spinning EngineCore
+# shares the other engine's worker core. This bounds that window.
+SPIN_SHIM: Final = """
+import importlib.abc as _abc, sys as _sys
+_SPIN_S = {spin_s!r}
+_MQ = "vllm.distributed.device_communicators.shm_broadcast"
+class _BoundSpin(_abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _MQ:
+            return None
+        for finder in _sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+        def patched_exec(module):
+            exec_module(module)
+            init = module.SpinCondition.__init__
+            def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
+                init(self, is_reader, context, notify_address, busy_loop_s=_SPIN_S)
+            module.SpinCondition.__init__ = __init__
+        spec.loader.exec_module = patched_exec
+        return spec
+_sys.meta_path.insert(0, _BoundSpin())
+"""
+MIN_SPIN_MS: Final = 1.0  # 0 hung a server's first request in a trial
+
+
 def _say(text: str = "") -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
@@ -168,6 +203,9 @@ class BenchConfig:
     # "workers": only each engine's worker threads are bound to its core;
     # "engines": every process of an engine (API server, EngineCore, worker).
     pin: str = "workers"
+    # vLLM's shm queue busy-poll window (SPIN_SHIM), every system alike; None:
+    # vLLM's own (1 s).
+    vllm_spin_ms: float | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -678,9 +716,17 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
     from vllm_integration.launch import RouterProcess, pushkv_config
 
     dep = Deployment(system, scenario)
+    spin = SPIN_SHIM.format(spin_s=cfg.vllm_spin_ms / 1000) if cfg.vllm_spin_ms is not None else ""
     try:
+        shim_env: dict[str, str] = {}
+        if spin and system in ("single", "pushkv"):
+            dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
+            (dep.workdir / "sitecustomize.py").write_text(spin)
+            shim_env["PYTHONPATH"] = os.pathsep.join(
+                x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
+            )
         if system == "single":
-            s = _server(cfg, "single", 0, scenario)
+            s = _server(cfg, "single", 0, scenario, env=shim_env)
             dep.servers.append(s)
             s.start()
             s.wait_ready(cfg.startup_timeout_s)
@@ -699,8 +745,12 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
             )
             for conf in (p_conf, d_conf):
                 conf["kv_connector_extra_config"].update(dict(cfg.pushkv_extra))
-            p = _server(cfg, "prefill", 0, scenario, port=pp, kv_transfer_config=p_conf)
-            d = _server(cfg, "decode", 1, scenario, port=dp, kv_transfer_config=d_conf)
+            p = _server(
+                cfg, "prefill", 0, scenario, port=pp, kv_transfer_config=p_conf, env=shim_env
+            )
+            d = _server(
+                cfg, "decode", 1, scenario, port=dp, kv_transfer_config=d_conf, env=shim_env
+            )
             dep.servers += [p, d]
             p.start()
             d.start()
@@ -714,7 +764,7 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
         # vLLM's NIXL connectors, with the unpinning shim on PYTHONPATH.
         dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
         noprog = system.endswith("-noprog")
-        (dep.workdir / "sitecustomize.py").write_text(NOPROG_SHIM if noprog else SHIM)
+        (dep.workdir / "sitecustomize.py").write_text((NOPROG_SHIM if noprog else SHIM) + spin)
         pythonpath = os.pathsep.join(
             x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
         )
@@ -1429,7 +1479,17 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         "threads to its core (default), or every process of the engine (API server, "
         "EngineCore, worker)",
     )
+    ap.add_argument(
+        "--vllm-spin-ms",
+        type=float,
+        default=None,
+        help="bound vLLM's shm message queues' busy-poll after each read to this many ms "
+        f"(vLLM 0.32 hard-codes 1000), for every system alike, through a sitecustomize "
+        f"shim; at least {MIN_SPIN_MS:g}. Default: vLLM's own",
+    )
     a = ap.parse_args(argv)
+    if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
+        ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
     quick = bool(a.quick)
     rates = (
         tuple(float(x) for x in a.rates.split(","))
@@ -1469,6 +1529,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         quick=quick,
         startup_timeout_s=150.0 if quick else 300.0,
         pin=a.pin,
+        vllm_spin_ms=a.vllm_spin_ms,
     )
     return cfg, a
 
@@ -1485,7 +1546,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
     build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)
     _say(
-        f"core layout: --pin {cfg.pin}; "
+        f"core layout: --pin {cfg.pin}; vLLM shm queue busy-poll: "
+        + (
+            f"{cfg.vllm_spin_ms:g} ms (--vllm-spin-ms), every system"
+            if cfg.vllm_spin_ms is not None
+            else "vLLM's own (1 s)"
+        )
+        + "; "
         f"model {cfg.model_dir}: Llama {cfg.layers} layers, hidden {cfg.hidden}, fp32, block "
         f"{cfg.block_size}; prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, "
         f"{cfg.output_len} output tokens; rates {cfg.rates}; systems {cfg.systems}; "
