@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from vllm_integration.bench_serving import (
-    SHIM,
-    SPIN_SHIM,
     BenchConfig,
     RateResult,
     SystemRun,
@@ -22,6 +20,7 @@ from vllm_integration.bench_serving import (
     final_line,
     report,
     single_floor,
+    sitecustomize,
     worker_schedstat,
 )
 
@@ -126,9 +125,10 @@ def test_worker_schedstat_reads_only_vllm_worker_main_threads() -> None:
 
 
 def test_the_spin_shim_bounds_vllms_shm_queue_busy_poll(tmp_path: Path) -> None:
-    # Loaded as sitecustomize (as the benchmark loads it, after the unpinning
-    # shim), in a real interpreter that imports vLLM's message queue.
-    (tmp_path / "sitecustomize.py").write_text(SHIM + SPIN_SHIM.format(spin_s=0.002))
+    # Loaded as sitecustomize (as the benchmark loads it, with the unpinning shim
+    # and the progress-thread patch), in a real interpreter that imports vLLM's
+    # message queue.
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize(unpin=True, noprog=True, spin_ms=2))
     probe = (
         "import zmq\n"
         "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"

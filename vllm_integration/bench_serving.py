@@ -62,7 +62,7 @@ from vllm_integration.metrics import read_schedstat
 
 SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
 # Controls, run only when named in --systems: vLLM's NIXL connectors with NIXL's
-# progress thread switched off (not vLLM's default; see NOPROG_SHIM).
+# progress thread switched off (not vLLM's default; see _NOPROG_PATCH).
 CONTROLS: Final = ("pull-noprog", "vllm-push-noprog")
 COMPARED: Final = ("pull", "vllm-push", "pushkv")  # "sustained by all systems" uses these
 LABELS: Final = {
@@ -84,7 +84,7 @@ SUSTAINED_FRACTION: Final = 0.85  # achieved / offered throughput, with no failu
 
 # The unpinning shim from shared/reference/vllm-push-cpu.md (verbatim logic):
 # skip the NIXL worker's "last core per NUMA node" sched_setaffinity.
-SHIM: Final = """\
+UNPIN_SHIM: Final = """\
 import os, sys
 _orig = os.sched_setaffinity
 def _patched(pid, cpus):
@@ -95,55 +95,15 @@ def _patched(pid, cpus):
 os.sched_setaffinity = _patched
 """
 
-# Control only (not vLLM's default): also construct NIXL agents without their UCX
-# progress thread (``nixl_agent_config.enable_prog_thread``), which otherwise spins
-# on the engine's own core. vLLM 0.32 offers no setting for it; the worker then
-# progresses UCX when it polls its transfers each step, as pushkv's agent does.
-NOPROG_SHIM: Final = (
-    SHIM
-    + """
-import importlib.abc
-_APIS = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-class _NoProgressThread(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in _APIS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-        def patched_exec(module):
-            exec_module(module)
-            cls = module.nixl_agent_config
-            init = cls.__init__
-            def __init__(self, *args, **kwargs):
-                init(self, *args, **kwargs)
-                self.enable_pthread = False
-            cls.__init__ = __init__
-        spec.loader.exec_module = patched_exec
-        return spec
-sys.meta_path.insert(0, _NoProgressThread())
-"""
-)
-
-
-# Only with --vllm-spin-ms, and then for every vLLM server of every system alike:
-# vLLM 0.32's shm message queues (EngineCore <-> worker) busy-poll with
-# sched_yield for 1 s after each read (SpinCondition's busy_loop_s, hard-coded)
-# before they block on a notification socket. On 2 cores, a spinning EngineCore
-# shares the other engine's worker core. This bounds that window.
-SPIN_SHIM: Final = """
+# Defines _after_import(names, patch): patch(module) runs right after any of
+# `names` is imported, by wrapping the loader the other finders return.
+_AFTER_IMPORT: Final = """
 import importlib.abc as _abc, sys as _sys
-_SPIN_S = {spin_s!r}
-_MQ = "vllm.distributed.device_communicators.shm_broadcast"
-class _BoundSpin(_abc.MetaPathFinder):
+class _AfterImport(_abc.MetaPathFinder):
+    def __init__(self, names, patch):
+        self.names, self.patch = names, patch
     def find_spec(self, name, path, target=None):
-        if name != _MQ:
+        if name not in self.names:
             return None
         for finder in _sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -153,17 +113,54 @@ class _BoundSpin(_abc.MetaPathFinder):
                 break
         else:
             return None
-        exec_module = spec.loader.exec_module
+        exec_module, patch = spec.loader.exec_module, self.patch
         def patched_exec(module):
             exec_module(module)
-            init = module.SpinCondition.__init__
-            def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
-                init(self, is_reader, context, notify_address, busy_loop_s=_SPIN_S)
-            module.SpinCondition.__init__ = __init__
+            patch(module)
         spec.loader.exec_module = patched_exec
         return spec
-_sys.meta_path.insert(0, _BoundSpin())
+def _after_import(names, patch):
+    _sys.meta_path.insert(0, _AfterImport(frozenset(names), patch))
 """
+
+# Control only (not vLLM's default): also construct NIXL agents without their UCX
+# progress thread (``nixl_agent_config.enable_prog_thread``), which otherwise spins
+# on the engine's own core. vLLM 0.32 offers no setting for it; the worker then
+# progresses UCX when it polls its transfers each step, as pushkv's agent does.
+_NOPROG_PATCH: Final = """
+def _no_progress_thread(module):
+    cls = module.nixl_agent_config
+    init = cls.__init__
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.enable_pthread = False
+    cls.__init__ = __init__
+_after_import(("nixl._api", "nixl_cu12._api", "nixl_cu13._api"), _no_progress_thread)
+"""
+
+# Only with --vllm-spin-ms, and then for every vLLM server of every system alike:
+# vLLM 0.32's shm message queues (EngineCore <-> worker) busy-poll with
+# sched_yield for 1 s after each read (SpinCondition's busy_loop_s, hard-coded)
+# before they block on a notification socket. On 2 cores, a spinning EngineCore
+# shares the other engine's worker core. This bounds that window.
+_SPIN_PATCH: Final = """
+def _bound_spin(module, spin_s={spin_s!r}):
+    init = module.SpinCondition.__init__
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
+        init(self, is_reader, context, notify_address, busy_loop_s=spin_s)
+    module.SpinCondition.__init__ = __init__
+_after_import(("vllm.distributed.device_communicators.shm_broadcast",), _bound_spin)
+"""
+
+
+def sitecustomize(*, unpin: bool, noprog: bool = False, spin_ms: float | None = None) -> str:
+    """The sitecustomize.py a system's vLLM servers get ("": none)."""
+    patches = (_NOPROG_PATCH if noprog else "") + (
+        _SPIN_PATCH.format(spin_s=spin_ms / 1000) if spin_ms is not None else ""
+    )
+    return (UNPIN_SHIM if unpin else "") + (_AFTER_IMPORT + patches if patches else "")
+
+
 MIN_SPIN_MS: Final = 1.0  # 0 hung a server's first request in a trial
 
 
@@ -203,7 +200,7 @@ class BenchConfig:
     # "workers": only each engine's worker threads are bound to its core;
     # "engines": every process of an engine (API server, EngineCore, worker).
     pin: str = "workers"
-    # vLLM's shm queue busy-poll window (SPIN_SHIM), every system alike; None:
+    # vLLM's shm queue busy-poll window (_SPIN_PATCH), every system alike; None:
     # vLLM's own (1 s).
     vllm_spin_ms: float | None = None
 
@@ -716,12 +713,13 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
     from vllm_integration.launch import RouterProcess, pushkv_config
 
     dep = Deployment(system, scenario)
-    spin = SPIN_SHIM.format(spin_s=cfg.vllm_spin_ms / 1000) if cfg.vllm_spin_ms is not None else ""
+    nixl = system not in ("single", "pushkv")  # vLLM's NIXL connectors: unpinned
+    shim = sitecustomize(unpin=nixl, noprog=system.endswith("-noprog"), spin_ms=cfg.vllm_spin_ms)
     try:
         shim_env: dict[str, str] = {}
-        if spin and system in ("single", "pushkv"):
+        if shim:
             dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
-            (dep.workdir / "sitecustomize.py").write_text(spin)
+            (dep.workdir / "sitecustomize.py").write_text(shim)
             shim_env["PYTHONPATH"] = os.pathsep.join(
                 x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
             )
@@ -762,19 +760,13 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
             dep.front_url, dep.warm_url, dep.coordinator = router.url, d.url, coord.address
             return dep
         # vLLM's NIXL connectors, with the unpinning shim on PYTHONPATH.
-        dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
-        noprog = system.endswith("-noprog")
-        (dep.workdir / "sitecustomize.py").write_text((NOPROG_SHIM if noprog else SHIM) + spin)
-        pythonpath = os.pathsep.join(
-            x for x in (str(dep.workdir), os.environ.get("PYTHONPATH", "")) if x
-        )
         pull = system.startswith("pull")
         connector = "NixlConnector" if pull else "NixlPushConnector"
         side_p, side_d = _free_port(), _free_port()
 
         def env(side: int) -> dict[str, str]:
             return {
-                "PYTHONPATH": pythonpath,
+                **shim_env,
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
             }

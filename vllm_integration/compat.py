@@ -32,10 +32,28 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorTransferResults",
+    "NoLayerwiseHooks",
     "RequestStatus",
     "first_group_block_ids",
     "tp_rank_and_size",
 ]
+
+
+class NoLayerwiseHooks:
+    """vLLM's per-layer worker hooks (abstract in KVConnectorBase_V1) as no-ops,
+    for connectors that move a request's KV whole, outside the forward. List it
+    before KVConnectorBase_V1 among the bases."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
 
 
 # A prefill leg that produced its KV (not aborted or errored).

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from vllm_integration import compat
-from vllm_integration.compat import KVConnectorBase_V1, KVConnectorRole
+from vllm_integration.compat import KVConnectorBase_V1, KVConnectorRole, NoLayerwiseHooks
 from vllm_integration.metadata import PushKVMetadata
 from vllm_integration.scheduler import PushSchedulerHalf
 from vllm_integration.settings import ConnectorSettings
@@ -23,7 +23,7 @@ from vllm_integration.worker import PushWorkerHalf
 log = logging.getLogger("pushkv.connector")
 
 
-class PushKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
@@ -97,17 +97,6 @@ class PushKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

@@ -21,7 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_integration.compat import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm_integration.compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    NoLayerwiseHooks,
+)
 
 
 @dataclass
@@ -30,7 +35,7 @@ class FloorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     send: list[str] = field(default_factory=list)  # prefill requests whose blocks are held
 
 
-class FloorConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class FloorConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.is_scheduler = role == KVConnectorRole.SCHEDULER
@@ -76,17 +81,6 @@ class FloorConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if isinstance(meta, FloorMetadata):
             self._recving.update(meta.recv)
             self._sending.update(meta.send)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, self._sending = self._sending, set()
