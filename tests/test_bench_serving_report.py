@@ -160,3 +160,18 @@ def test_spin_below_the_minimum_is_refused(capsys: pytest.CaptureFixture[str]) -
     cfg, _ = _parse(["--vllm-spin-ms", "2", "--quick"])
     assert cfg.vllm_spin_ms == 2.0
     assert _parse(["--quick"])[0].vllm_spin_ms is None
+
+
+def test_a_baseline_tpot_seen_as_zero_gives_no_ratio() -> None:
+    # A starved API server that sends a response in one chunk shows TPOT 0.0 ms:
+    # no ratio is taken against it, in the table or the final line.
+    runs = _runs(vllm_push_sustains_2=False)
+    runs["pull"] = _run("pull", [(0.5, 400, True), (1.0, 600, True), (2.0, 900, True)], tpot=0.007)
+    cfg = _cfg(tuple(runs))
+    line, _ = final_line(cfg, runs)
+    assert line.endswith("tpot_p50_ratio_vs_pull=nan")
+    assert "ttft_p50_ratio_vs_pull=0.500" in line
+    lines = report(cfg, {"nocache": runs})
+    assert "| 1 | pull | 0.50 | 0.50 | 0.50 | n/a | n/a | n/a |" in lines
+    assert any(x.startswith("n/a: the baseline's TPOT rounds to 0.0 ms") for x in lines)
+    assert "| 1 | vllm-push | 0.30 | 0.30 | 0.30 | 0.50 | 0.50 | 0.50 |" in lines

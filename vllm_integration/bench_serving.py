@@ -1225,6 +1225,16 @@ def _ratio(a: float, b: float) -> float:
     return a / b
 
 
+# A TPOT p50 under this means the responses came in one chunk: a starved API
+# server sent every token at once, so the client saw no time between tokens
+# (a decode step here takes ~4 ms). A ratio against it would mean nothing.
+TPOT_UNSEEN_MS = 0.05
+
+
+def _tpot_ratio(a: float, b: float) -> float:
+    return math.nan if b < TPOT_UNSEEN_MS else _ratio(a, b)
+
+
 def highest_common_rate(runs: dict[str, SystemRun], rates: Sequence[float]) -> float | None:
     """Highest rate sustained by every compared system that ran (failed systems excluded)."""
     alive = [runs[s] for s in COMPARED if s in runs and not runs[s].error and runs[s].rates]
@@ -1282,17 +1292,39 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
         )
         lines.append("|---|---|---|---|---|---|---|---|")
         pk = runs.get("pushkv")
+        unseen = False
         for rate in cfg.rates:
             for base in ("pull", "vllm-push", *CONTROLS):
                 other = runs.get(base)
                 if other is None:
                     continue
                 cells = [
-                    _fmt(_ratio(_metric(pk, rate, key, q), _metric(other, rate, key, q)), 2)
-                    for key in ("ttft_ms", "tpot_ms")
+                    _fmt(
+                        _ratio(_metric(pk, rate, "ttft_ms", q), _metric(other, rate, "ttft_ms", q)),
+                        2,
+                    )
                     for q in ("p50", "p90", "p99")
                 ]
+                for q in ("p50", "p90", "p99"):
+                    if _metric(other, rate, "tpot_ms", q) < TPOT_UNSEEN_MS:
+                        cells.append("n/a")
+                        unseen = True
+                    else:
+                        cells.append(
+                            _fmt(
+                                _ratio(
+                                    _metric(pk, rate, "tpot_ms", q),
+                                    _metric(other, rate, "tpot_ms", q),
+                                ),
+                                2,
+                            )
+                        )
                 lines.append(f"| {rate:g} | {base} | " + " | ".join(cells) + " |")
+        if unseen:
+            lines.append(
+                "n/a: the baseline's TPOT rounds to 0.0 ms: its API server sent most "
+                "responses in one chunk, so the client saw no time between tokens"
+            )
         pk_run = runs.get("pushkv")
         if pk_run is not None and any(r.stages_ms for r in pk_run.rates):
             lines.append("")
@@ -1352,7 +1384,7 @@ def final_line(cfg: BenchConfig, runs: dict[str, SystemRun]) -> tuple[str, float
     else:
         x = _ratio(_metric(pk, best, "ttft_ms", "p50"), _metric(pl, best, "ttft_ms", "p50"))
         y = _ratio(_metric(pk, best, "ttft_ms", "p50"), _metric(vp, best, "ttft_ms", "p50"))
-        z = _ratio(_metric(pk, best, "tpot_ms", "p50"), _metric(pl, best, "tpot_ms", "p50"))
+        z = _tpot_ratio(_metric(pk, best, "tpot_ms", "p50"), _metric(pl, best, "tpot_ms", "p50"))
 
     def f(v: float) -> str:
         return "nan" if math.isnan(v) else f"{v:.3f}"
