@@ -14,6 +14,8 @@ says why: for CI and benchmarks).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
@@ -94,7 +96,23 @@ def activate(package_path: list[str]) -> NativeState:
             )
         return state
     native = package_dir / DIRNAME
+    _load_support(native)
     package_path.insert(0, str(native / "controlplane"))
-    if str(native) not in sys.path:
-        sys.path.append(str(native))  # mypyc's shared support module lives at top level
     return state
+
+
+def _load_support(native: Path) -> None:
+    """Load mypyc's shared support module (``<hash>__mypyc``, at the top of the
+    build) by its path. Never via sys.path: ``native`` holds a ``controlplane/``
+    folder, and a child process that inherits sys.path (multiprocessing's spawn)
+    would import that folder as a namespace package instead of this package."""
+    for so in native.glob(f"*__mypyc{abi_tag()}"):
+        name = so.name[: -len(abi_tag())]
+        if name not in sys.modules:
+            loader = importlib.machinery.ExtensionFileLoader(name, str(so))
+            spec = importlib.util.spec_from_file_location(name, so, loader=loader)
+            if spec is None:
+                raise ImportError(f"cannot load {so}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            loader.exec_module(module)

@@ -46,7 +46,7 @@ def test_a_fresh_build_goes_first_and_an_edited_source_retires_it(
     path = [str(tmp_path)]
     assert _native.activate(path).compiled
     assert path == [str(native / "controlplane"), str(tmp_path)]
-    assert str(native) in sys.path
+    assert str(native) not in sys.path  # see test_a_spawned_child_imports_this_package
 
     (tmp_path / "rendezvous.py").write_text("NAME = 'edited'\n")
     path = [str(tmp_path)]
@@ -103,6 +103,31 @@ def test_pushkv_native_0_imports_the_sources() -> None:
     out = _python(code, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0].endswith("controlplane/rendezvous.py")
+
+
+def test_a_spawned_child_imports_this_package(tmp_path: Path) -> None:
+    """A process started by the console script (repo not first on sys.path) that
+    spawns a child: the child inherits sys.path and must still import this
+    package, with its compiled core (`pushkv bench coordinator` does this)."""
+    code = (
+        "import multiprocessing as mp, controlplane\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.get_context('spawn').Pool(1) as pool:\n"
+        "        pool.apply(exec, ('import controlplane.metrics',))\n"
+        "    print(controlplane.NATIVE.compiled)\n"
+    )
+    script = tmp_path / "spawner.py"
+    script.write_text(code)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(controlplane.NATIVE.compiled)
 
 
 def test_a_copy_of_the_package_compiles_and_runs_compiled(tmp_path: Path) -> None:
