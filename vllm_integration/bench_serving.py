@@ -1510,7 +1510,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         help="bound vLLM's shm message queues' busy-poll after each read to this many ms "
         f"(vLLM 0.32 hard-codes 1000), for every system alike, through a sitecustomize "
         f"shim; at least {MIN_SPIN_MS:g}. Default: vLLM's own. A diagnostic: a short "
-        "poll exposes a lost wake-up in vLLM's queue (5 s stalls; docs/benchmarks.md)",
+        "poll gave requests 5 s stalls (vLLM's shm reader recheck; docs/benchmarks.md)",
     )
     a = ap.parse_args(argv)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
