@@ -1306,19 +1306,11 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
                     for q in ("p50", "p90", "p99")
                 ]
                 for q in ("p50", "p90", "p99"):
-                    if _metric(other, rate, "tpot_ms", q) < TPOT_UNSEEN_MS:
-                        cells.append("n/a")
-                        unseen = True
-                    else:
-                        cells.append(
-                            _fmt(
-                                _ratio(
-                                    _metric(pk, rate, "tpot_ms", q),
-                                    _metric(other, rate, "tpot_ms", q),
-                                ),
-                                2,
-                            )
-                        )
+                    b = _metric(other, rate, "tpot_ms", q)
+                    seen = not b < TPOT_UNSEEN_MS
+                    unseen = unseen or not seen
+                    a = _metric(pk, rate, "tpot_ms", q)
+                    cells.append(_fmt(_tpot_ratio(a, b), 2) if seen else "n/a")
                 lines.append(f"| {rate:g} | {base} | " + " | ".join(cells) + " |")
         if unseen:
             lines.append(

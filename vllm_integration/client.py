@@ -12,7 +12,6 @@ import collections
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -164,27 +163,16 @@ class CoordinatorClient:
 
     def wait_result(self, match: Callable[[Result], bool], timeout: float) -> Result | None:
         """Wait until a queued result matches; leave it queued. For tests and tools."""
-        deadline = time.monotonic() + timeout
         with self._done:
-            while True:
-                for r in list(self._results):
-                    if match(r):
-                        return r
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._done.wait(left)
+            found: Result | None = self._done.wait_for(
+                lambda: next((r for r in self._results if match(r)), None), timeout
+            )
+            return found
 
     def wait_answered(self, n: int, timeout: float) -> bool:
         """Wait until `n` results in all were received, queued or dropped. For tests."""
-        deadline = time.monotonic() + timeout
         with self._done:
-            while self.answered < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._done.wait(left)
-            return True
+            return self._done.wait_for(lambda: self.answered >= n, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True

@@ -94,20 +94,22 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
         meta = self._connector_metadata
         return meta if isinstance(meta, PushKVMetadata) else None
 
+    def _idle(self) -> bool:
+        meta = self._meta()
+        return bool(meta and meta.idle)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        meta = self._meta()
-        return self._worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle))
+        return self._worker.get_finished(finished_req_ids, idle=self._idle())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         worker = self._worker
         assert worker is not None
-        meta = self._meta()
-        sending, recving = worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle))
+        sending, recving = worker.get_finished(finished_req_ids, idle=self._idle())
         failed = worker.take_failed()
         if compat.KVConnectorTransferResults is None:  # pragma: no cover - vLLM < 0.30
             return sending, recving
