@@ -35,6 +35,7 @@ from agent.messages import (
     WriteReportMsg,
 )
 from agent.nixl_adapter import KVRegion, MemoryKind
+from wire.codes import PERMANENT
 
 log = logging.getLogger("pushkv.agent")
 
@@ -43,13 +44,6 @@ _STATUS = {
     ReportStatus.DONE: pb.WRITE_STATUS_DONE,
     ReportStatus.FAILED: pb.WRITE_STATUS_FAILED,
     ReportStatus.DROPPED: pb.WRITE_STATUS_DROPPED,
-}
-# Registration answers that retrying unchanged cannot fix.
-_FATAL = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
 }
 ARRIVAL_REPLAY_S = 30.0
 # At most this many queued reports go out as one AgentMessage.batch.
@@ -188,7 +182,7 @@ class CoordinatorLink:
             except grpc.RpcError as exc:
                 call: Any = exc
                 code = call.code() if hasattr(call, "code") else None
-                if code in _FATAL:
+                if code in PERMANENT:
                     details = call.details() if hasattr(call, "details") else str(exc)
                     self.fatal_error = f"{code}: {details}"
                     log.error("coordinator rejected this agent: %s", self.fatal_error)

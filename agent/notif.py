@@ -2,7 +2,7 @@
 
 Format (ASCII): ``pkv1|<transfer_id>|<prefill_rank>|<expected_writers>``.
 Transfer ids never contain '|' (the coordinator validates them). Changing
-this format is a protocol break (controlplane/protocol.py).
+this format is a protocol break (proto/pushkv/protocol.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.dataplane import DataPlane
@@ -21,9 +22,8 @@ from agent.events import HostEvent
 from agent.link import ChannelFactory, CoordinatorLink
 from agent.messages import ExpectMsg, HoldMsg, PauseMsg
 from agent.nixl_adapter import KVRegion, MemoryKind, NixlEndpoint
-from controlplane.protocol import PROTOCOL_VERSION
-from controlplane.tls import TLSFiles
-from controlplane.tls import channel as tls_channel
+from wire.tls import TLSFiles
+from wire.tls import channel as tls_channel
 
 
 class AgentRole(enum.Enum):

@@ -1,6 +1,6 @@
-"""pushkv's coordinator: the rendezvous core (plain Python) and its gRPC edge."""
+"""pushkv's coordinator: the rendezvous core (plain Python) and its gRPC edge.
 
-from controlplane import _native
-
-# A fresh mypyc build of the core, if any, goes ahead of the sources (see _native).
-NATIVE = _native.activate(__path__)
+Importing this package runs no code beyond this docstring: agents and vLLM
+workers never import it, and the core builds (pure Python, or compiled by
+mypyc at install time: see core_build.py) are chosen by how it was installed.
+"""

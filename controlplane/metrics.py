@@ -48,10 +48,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 from prometheus_client.utils import INF, floatToGoString
+from pushkv.protocol import PROTOCOL_VERSION
 
-import controlplane
+from controlplane.core_build import core_build
 from controlplane.domain import RankState, State
-from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.timeline import (
     TERMINAL_STAGES,
     Event,
@@ -63,8 +63,8 @@ from controlplane.transfer import Transfer
 if TYPE_CHECKING:
     from controlplane.runtime import Runtime
 
-# Which build of the core this process runs (controlplane/_native.py).
-_CORE = "compiled" if controlplane.NATIVE.compiled else "python"
+# Which build of the core this process runs (controlplane/core_build.py).
+_CORE = core_build()
 
 
 log = structlog.get_logger("pushkv.coordinator")

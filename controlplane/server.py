@@ -15,17 +15,17 @@ from grpc_reflection.v1alpha import reflection
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-import controlplane
 from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
+from controlplane.core_build import core_build
 from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics, TransferTracer, tracer_from_env
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
-from controlplane.tls import TLSFiles
+from wire.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -119,7 +119,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         host=settings.host,
         port=port,
         coordinator_id=runtime.core.coordinator_id,
-        core="compiled" if controlplane.NATIVE.compiled else "python",
+        core=core_build(),
     )
     return Coordinator(server, runtime, health_servicer, port, metrics, tracer)
 

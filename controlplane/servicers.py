@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import structlog
+from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
@@ -21,7 +22,6 @@ from controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
-from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.rendezvous import TransferFilter
 from controlplane.runtime import Runtime, to_message
 

@@ -27,12 +27,8 @@ else
   # on CPU hosts the cu12 build alone works (UCX over host memory).
   pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION" 2>&1 | grep -v "is ignored" || true
   pip install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-  "$VENV/bin/python" -c "import nixl, grpc, vllm_integration, agent, controlplane" \
+  "$VENV/bin/python" -c "import nixl, grpc, vllm_integration, agent, controlplane, cli" \
     || { echo "setup: install incomplete" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "setup: done"
 fi
-# The coordinator's core compiled with mypyc (controlplane/.native); quick when fresh.
-# Without a C compiler pushkv runs the same core as pure Python.
-"$VENV/bin/python" scripts/build_native.py \
-  || echo "setup: compiling the core failed; the coordinator runs it as pure Python" >&2

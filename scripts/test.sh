@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run every check: generated-code drift, ruff, mypy, pytest.
+# Set up (if needed) and run every check: generated-code drift, ruff, mypy, the
+# import layers, the whole pytest suite, and the coordinator's core tests again
+# against a wheel whose core mypyc compiled.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rendezvous`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +15,19 @@ echo "== ruff"
 ruff check .
 ruff format --check .
 echo "== mypy (strict)"
-mypy controlplane agent vllm_integration scripts
-echo "== pytest (compiled core)"
-PUSHKV_NATIVE=1 python -m pytest -ra "$@"
+mypy wire controlplane agent vllm_integration ops harness bench demo cli scripts setup.py
+echo "== import layers (import-linter)"
+lint-imports
+echo "== pytest"
+python -m pytest -ra "$@"
 if [ $# -eq 0 ]; then
-  echo "== pytest (the core as pure Python)"
-  PUSHKV_NATIVE=0 python -m pytest -q tests/test_rendezvous.py tests/test_server.py \
-    tests/test_batching.py tests/test_fuzz.py tests/test_native.py tests/test_status_cli.py \
+  echo "== pytest: the coordinator's core compiled by mypyc (PUSHKV_MYPYC=1 wheel)"
+  bash scripts/build_compiled.sh build/compiled
+  # -P and --import-mode=append: the compiled copy in build/compiled comes
+  # before the source tree on sys.path.
+  PUSHKV_EXPECT_CORE=compiled PYTHONPATH="$PWD/build/compiled" python -P -m pytest -q \
+    --import-mode=append -p no:cacheprovider \
+    tests/test_core_build.py tests/test_rendezvous.py tests/test_server.py \
+    tests/test_batching.py tests/test_fuzz.py tests/test_status_cli.py \
     tests/test_metrics.py tests/test_security.py
 fi

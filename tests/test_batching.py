@@ -1,6 +1,6 @@
 """Batches: TransferService.Submit, AgentBatch up and CoordinatorBatch down.
 
-Real coordinators on ephemeral ports; simulated agents (tests/sim_agent.py)
+Real coordinators on ephemeral ports; simulated agents (tests/support/sim_agent.py)
 and the real agent link (agent/link.py).
 """
 
@@ -22,7 +22,7 @@ from controlplane.domain import AgentKey
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.servicers import MAX_SUBMIT_CALLS
 from controlplane.settings import CoreSettings
-from tests.sim_agent import SimAgent, SimCluster, blocks, hello, wait_terminal
+from tests.support.sim_agent import SimAgent, SimCluster, blocks, hello, wait_terminal
 
 WAIT = 5.0
 OK = grpc.StatusCode.OK.value[0]

@@ -14,8 +14,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from tests.vllm_harness import (
+from bench.floor_connector import FloorConnector, FloorMetadata
+from bench.hooks import compare_lines, final_line
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.vllm_harness import (
     kv_output,
     make_kv_cache_config,
     make_request,
@@ -25,8 +27,6 @@ from tests.vllm_harness import (
     prompt_tokens,
     step,
 )
-from vllm_integration.bench_hooks import compare_lines, final_line
-from vllm_integration.floor_connector import FloorConnector, FloorMetadata
 
 BLOCK = 16
 
@@ -34,7 +34,7 @@ BLOCK = 16
 def _engine(model_dir: Any, kv_role: str) -> tuple[Any, FloorConnector]:
     cfg = make_vllm_config(
         model_dir,
-        connector_module="vllm_integration.floor_connector",
+        connector_module="bench.floor_connector",
         connector_name="FloorConnector",
         kv_role=kv_role,
         block_size=BLOCK,

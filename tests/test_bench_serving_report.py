@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_integration.bench_serving import (
+from bench.serving import (
     BenchConfig,
     RateResult,
     SystemRun,

@@ -13,8 +13,8 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.servicers import TransferServicer
-from tests.sim_agent import SimCluster, ThreadedCoordinator
-from tests.waits import wait_until
+from tests.support.sim_agent import SimCluster, ThreadedCoordinator
+from tests.support.waits import wait_until
 from vllm_integration import client as client_mod
 from vllm_integration.client import Call, CoordinatorClient, Result, needs_engine
 

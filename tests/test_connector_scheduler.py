@@ -1,7 +1,7 @@
 """PushKVConnector's SCHEDULER half inside a REAL vLLM 0.32 Scheduler.
 
 What is real: the vLLM ``Scheduler``/``KVCacheManager``/``Request`` (built by
-tests/vllm_harness.py), the connector loaded by ``KVConnectorFactory`` from
+tests/support/vllm_harness.py), the connector loaded by ``KVConnectorFactory`` from
 ``kv_connector_module_path``, and a coordinator process the connector's client
 thread talks gRPC to.  The engines' agents are ``SimAgent``s (real agent
 streams, no NIXL): the coordinator only accepts block reports from engines
@@ -26,10 +26,10 @@ from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from controlplane.launch import CoordinatorProcess
-from tests.sim_agent import SimAgent
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from tests.vllm_harness import (
+from harness.coordinator import CoordinatorProcess
+from tests.support.sim_agent import SimAgent
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.vllm_harness import (
     DEFAULT_SAMPLED_TOKEN,
     kv_output,
     make_request,

@@ -24,10 +24,10 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from agent.nixl_adapter import KVRegion, quiet_nixl_env
-from controlplane.launch import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
 from tests.test_agent_e2e import wait_state
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_integration.compat import KVConnectorRole
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.metadata import PushKVMetadata, RecvSpec

@@ -17,8 +17,8 @@ from agent import dataplane as dp_mod
 from agent.dataplane import DataPlane
 from agent.messages import ExpectMsg, HoldMsg
 from agent.nixl_adapter import NixlEndpoint
-from tests.nixl_peer import regions_of
-from tests.waits import wait_until
+from tests.support.nixl_peer import regions_of
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""What grpcurl does, done with server reflection only (controlplane/reflection_client.py)."""
+"""What grpcurl does, done with server reflection only (ops/reflection.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import reflection_client as rc
-from tests.sim_agent import SimCluster, ThreadedCoordinator, rendezvous, wait_terminal
+from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous, wait_terminal
 
 PUSHKV = ("pushkv.v1.AgentService", "pushkv.v1.TransferService", "pushkv.v1.StatusService")
 

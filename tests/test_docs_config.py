@@ -1,6 +1,6 @@
 """docs/configuration.md cannot rot: its reference tables are generated from the code.
 
-The flag tables come from the `pushkv` argparse parser (controlplane/cli.py),
+The flag tables come from the `pushkv` argparse parser (cli/main.py),
 the environment variable of each flag is found by setting it and watching the
 flag's default change, descriptions of settings come from the comments in
 CoreSettings and ConnectorSettings, and the kv_connector_extra_config table
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from controlplane import cli
+from cli import main as cli
 from controlplane.settings import CoreSettings
 from vllm_integration.settings import ConnectorSettings
 
@@ -287,8 +287,9 @@ def test_every_flag_and_key_is_documented() -> None:
 def test_every_pushkv_environment_variable_is_documented() -> None:
     doc = DOC.read_text()
     names: set[str] = set()
-    for folder in ("controlplane", "vllm_integration", "agent", "scripts"):
-        for path in (ROOT / folder).rglob("*"):
+    folders = ("wire", "controlplane", "agent", "vllm_integration", "ops", "harness", "bench")
+    for folder in (*folders, "demo", "cli", "scripts", "tests"):
+        for path in [*(ROOT / folder).rglob("*"), ROOT / "setup.py"]:
             if path.suffix in (".py", ".sh"):
                 names |= set(re.findall(r"PUSHKV_[A-Z0-9_]*[A-Z0-9]", path.read_text()))
     assert names, "no PUSHKV_ variables found at all?"

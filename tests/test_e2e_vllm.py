@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,14 +18,14 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.launch import CoordinatorProcess
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from vllm_integration.launch import (
+from harness.coordinator import CoordinatorProcess
+from harness.vllm_server import (
     RouterProcess,
     VllmServer,
     metric_value,
     pushkv_server,
 )
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
@@ -167,3 +168,31 @@ def test_chat_streaming_through_router(cluster: Cluster) -> None:
     ref = post(cluster.prefill.url + "/v1/chat/completions", {**body, "stream": False})
     assert streamed == ref["choices"][0]["message"]["content"]
     assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_bursts_after_idle_gaps_around_the_engines_keep_alive(cluster: Cluster) -> None:
+    """vLLM's API server closes a connection idle for 5 s (uvicorn keep-alive). A
+    router reusing its pooled connections across that moment lost requests; no
+    request may fail however long the deployment idled.
+
+    The gaps below are the scenario (idle time around the engines' keep-alive),
+    not a synchronisation: each burst waits for all of its answers."""
+    burst = 8
+    body = {"model": "tiny", "prompt": [11, 12, 13, 14] * 10, "max_tokens": 2, "temperature": 0}
+    expected = post(cluster.prefill.url + "/v1/completions", body)["choices"][0]["text"]
+    failures: list[str] = []
+
+    def one(_: int) -> None:
+        try:
+            out = post(cluster.router.url + "/v1/completions", body, timeout=60)
+            if out["choices"][0]["text"] != expected:
+                failures.append(f"wrong text {out['choices'][0]['text']!r}")
+        except Exception as exc:
+            failures.append(repr(exc))
+
+    with ThreadPoolExecutor(burst) as pool:
+        list(pool.map(one, range(burst)))  # warm the router's pool
+        for gap in (4.5, 4.75, 4.9, 5.0, 5.1, 5.25, 5.5):
+            time.sleep(gap)  # idle time is the stimulus here, not a synchronisation
+            list(pool.map(one, range(burst)))
+    assert failures == []

@@ -16,9 +16,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from agent.kvhost import HostSpec, KVHost
-from controlplane.launch import CoordinatorProcess
-from tests.netcut import CuttableProxy
+from harness.coordinator import CoordinatorProcess
+from harness.kvhost import HostSpec, KVHost
+from tests.support.netcut import CuttableProxy
 from tests.test_agent_e2e import wait_state
 
 pytestmark = pytest.mark.faults

@@ -19,14 +19,14 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.launch import CoordinatorProcess
-from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from vllm_integration.launch import (
+from harness.coordinator import CoordinatorProcess
+from harness.vllm_server import (
     RouterProcess,
     VllmServer,
     metric_value,
     pushkv_server,
 )
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 

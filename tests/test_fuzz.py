@@ -19,12 +19,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.settings import CoreSettings
-from tests.sim_agent import SimCluster, ThreadedCoordinator, hello, rendezvous, wait_terminal
+from tests.support.sim_agent import (
+    SimCluster,
+    ThreadedCoordinator,
+    hello,
+    rendezvous,
+    wait_terminal,
+)
 
 ALLOWED = {
     grpc.StatusCode.OK,

@@ -1,4 +1,4 @@
-"""vllm_integration.launch.free_port: ports for servers that tests and benchmarks start."""
+"""harness.vllm_server.free_port: ports for servers that tests and benchmarks start."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from vllm_integration import launch
-from vllm_integration.launch import free_port
+from harness import vllm_server as launch
+from harness.vllm_server import free_port
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:

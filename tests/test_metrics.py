@@ -1,7 +1,7 @@
 """Prometheus metrics of the coordinator, the router and the connector, scraped over HTTP.
 
 Transfers run through a real coordinator with simulated agents
-(tests/sim_agent.py); every wait is on a stream, an ack or a deadline.
+(tests/support/sim_agent.py); every wait is on a stream, an ack or a deadline.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from prometheus_client.utils import floatToGoString
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-import controlplane
 from agent.events import EventKind
 from controlplane import metrics as cmetrics
-from controlplane.launch import CoordinatorProcess
+from controlplane.core_build import core_build
 from controlplane.server import Coordinator, ServerSettings, start
-from tests.sim_agent import SimAgent, SimCluster, blocks
-from tests.waits import wait_until
-from vllm_integration.launch import free_port
+from harness.coordinator import CoordinatorProcess
+from harness.vllm_server import free_port
+from tests.support.sim_agent import SimAgent, SimCluster, blocks
+from tests.support.waits import wait_until
 from vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector, outcome_of
 from vllm_integration.router import Router, RouterSettings
 
@@ -221,7 +221,7 @@ async def test_coordinator_metrics_after_real_transfers(
     assert value(s, "pushkv_engine_inflight_transfers", engine="p0", role="prefill") == 0
     info = [k for k in s if k[0] == "pushkv_coordinator_info"]
     assert dict(info[0][1])["coordinator_id"] == coord.runtime.core.coordinator_id
-    assert dict(info[0][1])["core"] == ("compiled" if controlplane.NATIVE.compiled else "python")
+    assert dict(info[0][1])["core"] == core_build()
 
     # Every metric of ours is pushkv_-prefixed, and no label carries a transfer id.
     ours = [k for k in s if not k[0].startswith(("python_", "process_"))]

@@ -1,6 +1,6 @@
 """Tests of agent.nixl_adapter: pure helpers, then real NIXL WRITEs between two processes.
 
-The target side runs in a spawned child (tests/nixl_peer.py); the initiator runs
+The target side runs in a spawned child (tests/support/nixl_peer.py); the initiator runs
 in the test process.  Every wait is bounded: pipe polls and handle polls have
 deadlines, and child processes are killed if they do not exit in time.
 """
@@ -35,7 +35,7 @@ from agent.nixl_adapter import (
     merge_runs,
     quiet_nixl_env,
 )
-from tests.nixl_peer import alloc_regions, block_pattern, regions_of, run_target
+from tests.support.nixl_peer import alloc_regions, block_pattern, regions_of, run_target
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,7 +176,7 @@ def test_quiet_env() -> None:
 
 
 class Target:
-    """Parent-side handle on a spawned tests.nixl_peer.run_target process."""
+    """Parent-side handle on a spawned tests.support.nixl_peer.run_target process."""
 
     def __init__(self, name: str, num_blocks: int = TARGET_BLOCKS) -> None:
         ctx = mp.get_context("spawn")

@@ -26,8 +26,8 @@ from aiohttp import web
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.launch import CoordinatorProcess
-from tests.sim_agent import SimAgent
+from harness.coordinator import CoordinatorProcess
+from tests.support.sim_agent import SimAgent
 from vllm_integration.router import Router, RouterSettings
 
 DEADLINE_S = 10.0
@@ -391,6 +391,52 @@ async def test_prefill_leg_failure_cancels_the_transfer(coord: CoordinatorProces
         tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
         t = await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
         assert "prefill leg failed" in t.detail and "500" in t.detail
+
+
+async def test_a_leg_on_a_connection_the_engine_closed_is_sent_again(
+    coord: CoordinatorProcess,
+) -> None:
+    """An engine closing an idle keep-alive connection just as the router sends a
+    leg on it (vLLM's uvicorn does after 5 s idle) must not fail the request.
+
+    The stand-in engines close each reused connection once, on the request that
+    reused it, without answering: what the router sees in that race."""
+    dropped: dict[str, int] = {"prefill": 0, "decode": 0}
+    answered_on: dict[str, set[Any]] = {"prefill": set(), "decode": set()}
+
+    def dropping(role: str) -> Respond:
+        async def respond(
+            engine: FakeEngine, request: web.Request, body: dict[str, Any]
+        ) -> web.StreamResponse:
+            transport = request.transport
+            assert transport is not None
+            conn = transport.get_extra_info("peername")
+            if conn in answered_on[role] and not dropped[role]:
+                dropped[role] += 1
+                transport.close()
+                raise asyncio.CancelledError  # the engine never answers this one
+            answered_on[role].add(conn)
+            return await answer_json(engine, request, body)
+
+        return respond
+
+    async with cluster(coord, dropping("prefill"), dropping("decode")) as c:
+        assert c.prefill is not None
+        for _ in range(3):
+            async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json()) == completion("decode says hi")
+            await wait(c.prefill.answered, "prefill answer")
+            c.prefill.answered.clear()
+        assert dropped == {"prefill": 1, "decode": 1}
+        sample = c.router.metrics.registry.get_sample_value
+        for leg in ("prefill", "decode"):
+            assert sample("pushkv_router_leg_retries_total", {"leg": leg}) == 1
+        # Every transfer still awaits its (stand-in) KV: none was cancelled.
+        for leg in c.prefill.legs:
+            tid = leg.body["kv_transfer_params"]["transfer_id"]
+            t = await c.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+            assert t.state == pb.TRANSFER_STATE_AWAITING
 
 
 async def test_decode_leg_error_cancels_the_transfer(coord: CoordinatorProcess) -> None:

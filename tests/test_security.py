@@ -1,6 +1,6 @@
 """Mutual TLS and per-identity authorisation, against real servers and real agents.
 
-Certificates are generated when the tests run (controlplane/devpki.py); no key
+Certificates are generated when the tests run (ops/devpki.py); no key
 is committed.
 """
 
@@ -12,16 +12,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from agent.kvhost import HostSpec, KVHost
-from controlplane.devpki import make_pki
-from controlplane.launch import CoordinatorProcess
-from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.tls import TLSFiles
+from harness.coordinator import CoordinatorProcess
+from harness.kvhost import HostSpec, KVHost
+from ops.devpki import make_pki
+from wire.tls import TLSFiles
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The coordinator through real gRPC stubs and simulated agents (tests/sim_agent.py)."""
+"""The coordinator through real gRPC stubs and simulated agents (tests/support/sim_agent.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.protocol import PROTOCOL_VERSION
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.settings import CoreSettings
-from tests.sim_agent import SimAgent, SimCluster, blocks, hello, rendezvous, wait_terminal
+from tests.support.sim_agent import SimAgent, SimCluster, blocks, hello, rendezvous, wait_terminal
 
 WAIT = 5.0
 TERMINAL = {

@@ -14,8 +14,10 @@ from google.protobuf import json_format
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import cli, status_cli, timeline
-from tests.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
+from cli import main as cli
+from controlplane import timeline
+from ops import status as status_cli
+from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
 
 WAIT = 10.0
 TIDS = ("s-1", "s-2", "s-3", "s-4")

@@ -20,14 +20,14 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.tls import TLSFiles
-from controlplane.tls import channel as tls_channel
+from wire.codes import REFUSALS, RETRYABLE, code_of
+from wire.tls import TLSFiles
+from wire.tls import channel as tls_channel
 
 log = logging.getLogger("pushkv.connector")
 
 MAX_BATCH = 256  # calls per Submit RPC (the coordinator accepts more)
 IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this often
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
@@ -38,21 +38,6 @@ class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
     block_ids: tuple[int, ...] = ()
     num_tokens: int = 0
     reason: str = ""
-
-
-# Error codes with which the coordinator refuses a call before recording anything.
-_REFUSALS = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-    }
-)
-_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +71,7 @@ def needs_engine(res: Result) -> bool:
 
 def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result:
     text = f"{getattr(code, 'name', code)}: {details}"
-    return Result(c, 0, text, refused=code in _REFUSALS)
+    return Result(c, 0, text, refused=code in REFUSALS)
 
 
 def _to_proto(c: Call) -> pb.TransferCall:
@@ -242,7 +227,7 @@ class CoordinatorClient:
                 if code is grpc.StatusCode.UNIMPLEMENTED:
                     return None
                 # Only transport trouble is retried; the calls are idempotent.
-                if code not in _RETRIED:
+                if code not in RETRYABLE:
                     break
                 log.warning(
                     "coordinator Submit of %d calls failed (attempt %d): %s: %s",
@@ -262,7 +247,7 @@ class CoordinatorClient:
             return [
                 Result(c, r.state, write_may_land=r.write_may_land)
                 if r.code == 0
-                else _error_result(c, _CODES.get(r.code), r.message)
+                else _error_result(c, code_of(r.code), r.message)
                 for c, r in zip(batch, reply.results, strict=True)
             ]
         return [_error_result(c, code, details) for c in batch]
@@ -283,7 +268,7 @@ class CoordinatorClient:
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-                if code not in _RETRIED:
+                if code not in RETRYABLE:
                     break
                 log.warning(
                     "coordinator %s for %s failed (attempt %d): %s",

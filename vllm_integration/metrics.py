@@ -69,6 +69,14 @@ class RouterMetrics:
         self.inflight = Gauge(
             "pushkv_router_inflight_requests", "completion requests being served", registry=r
         )
+        self.leg_retries = Counter(
+            "pushkv_router_leg_retries",
+            "legs re-sent because the engine closed the connection before any answer",
+            ["leg"],
+            registry=r,
+        )
+        for leg in ("prefill", "decode"):
+            self.leg_retries.labels(leg)
         for o in OUTCOMES:
             self.requests.labels(o)
 

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +24,8 @@ from aiohttp import web
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.tls import TLSFiles, aio_channel
 from vllm_integration.metrics import RouterMetrics, outcome_of
+from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.router")
 
@@ -41,6 +41,11 @@ class RouterSettings:
     refresh_s: float = 1.0
     leg_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    # A pooled engine connection idle this long is closed by the router. It must
+    # stay below the engines' own keep-alive (vLLM's uvicorn: 5 s,
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or the router may send a request on a
+    # connection the engine is closing at that moment.
+    pool_idle_s: float = 2.0
     max_body_bytes: int = MAX_BODY_BYTES
     # mTLS to the coordinator; the router's certificate CN is "router".
     tls: TLSFiles = field(default_factory=TLSFiles)
@@ -152,7 +157,8 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=self.settings.leg_timeout_s, connect=self.settings.connect_timeout_s
         )
-        self._http = aiohttp.ClientSession(timeout=timeout)
+        connector = aiohttp.TCPConnector(keepalive_timeout=self.settings.pool_idle_s)
+        self._http = aiohttp.ClientSession(timeout=timeout, connector=connector)
         await self.directory.refresh()
         self._spawn(self.directory.run())
 
@@ -203,6 +209,37 @@ class Router:
                 pb.CancelRequest(transfer_id=transfer_id, reason=reason), timeout=5
             )
 
+    @contextlib.asynccontextmanager
+    async def _post(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], leg: str
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST one leg; retried once on a fresh connection if the engine closed
+        the connection before any byte of the answer came back.
+
+        Only a disconnect of an established connection is retried (an engine
+        closing an idle keep-alive connection as the request goes out); a refused
+        connect means the engine is down and is not."""
+        assert self._http is not None
+        for attempt in range(2):
+            try:
+                resp = await self._http.post(url, json=body, headers=headers)
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt:
+                    raise
+                self.metrics.leg_retries.labels(leg).inc()
+                log.info(
+                    "%s leg to %s: connection closed before any answer (%s); retrying",
+                    leg,
+                    url,
+                    exc,
+                )
+                continue
+            async with resp:
+                yield resp
+            return
+
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
@@ -248,7 +285,6 @@ class Router:
             missing = "prefill" if p_eng is None else "decode"
             why = f"no {missing} engine available" + (f" ({d.error})" if d.error else "")
             return _error(503, why, "service_unavailable")
-        http = self._http
         started = time.monotonic()
         # Announce the pairing first: the transfer is visible (and cancellable)
         # before either leg arrives, and the coordinator can push back.
@@ -273,8 +309,8 @@ class Router:
 
         async def prefill_leg() -> None:
             try:
-                async with http.post(
-                    p_eng.url + request.path, json=prefill_body, headers=headers
+                async with self._post(
+                    p_eng.url + request.path, prefill_body, headers, "prefill"
                 ) as resp:
                     text = await resp.text()
                     if resp.status != 200:
@@ -292,9 +328,7 @@ class Router:
         try:
             if self.on_dispatch is not None:
                 await self.on_dispatch(transfer_id, "dispatched")
-            async with http.post(
-                d_eng.url + request.path, json=decode_body, headers=headers
-            ) as resp:
+            async with self._post(d_eng.url + request.path, decode_body, headers, "decode") as resp:
                 if not decode_body.get("stream"):
                     data = await resp.read()
                     self.ttft_s.append(time.monotonic() - started)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.tls import TLSFiles
+from wire.tls import TLSFiles
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Import the fixture object into a test module to make it available there
 (kept out of conftest.py on purpose)::
 
-    from tests.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+    from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 then request ``tiny_model_dir`` as a test argument.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_integration.tiny_model import build_tiny_model
+from harness.tiny_model import build_tiny_model
 
 __all__ = ["tiny_model_dir_fixture"]
 

@@ -49,7 +49,7 @@ def _add_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _tls(args: argparse.Namespace) -> Any:
-    from controlplane.tls import TLSFiles
+    from wire.tls import TLSFiles
 
     files = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key)
     if files.enabled or files.key:
@@ -93,27 +93,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         leg_timeout_s=args.leg_timeout_s,
+        pool_idle_s=args.pool_idle_s,
     )
     asyncio.run(serve(settings))
     return 0
 
 
-def _add_native_flags(p: argparse.ArgumentParser) -> None:
-    from controlplane.native_build import add_arguments
-
-    add_arguments(p)
-
-
-def _cmd_build_native(args: argparse.Namespace) -> int:
-    from controlplane.native_build import run
-
-    return run(args)
-
-
 def _cmd_dev_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from controlplane.devpki import make_pki
+    from ops.devpki import make_pki
 
     paths = make_pki(
         Path(args.out_dir),
@@ -129,36 +118,36 @@ def _cmd_dev_certs(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "dataplane":
-        from agent.bench_dataplane import main as bench_dataplane
+        from bench.dataplane import main as bench_dataplane
 
         return bench_dataplane(args.rest)
     if args.which == "order":
-        from agent.bench_order import main as bench_order
+        from bench.order import main as bench_order
 
         return bench_order(args.rest)
     if args.which == "serving":
-        from vllm_integration.bench_serving import main as bench_serving
+        from bench.serving import main as bench_serving
 
         return bench_serving(args.rest)
     if args.which == "core":
-        from controlplane.bench_core import main as bench_core
+        from bench.coordinator_core import main as bench_core
 
         return bench_core(args.rest)
     if args.which == "hooks":
-        from vllm_integration.bench_hooks import main as bench_hooks
+        from bench.hooks import main as bench_hooks
 
         return bench_hooks(args.rest)
-    from controlplane.bench_coordinator import main as bench_coordinator
+    from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.dataplane:
-        from agent.demo import run
+        from demo.dataplane import run
 
         return run(transfers=args.transfers)
-    from vllm_integration.demo import run as run_vllm
+    from demo.serving import run as run_vllm
 
     return run_vllm(requests=args.requests)
 
@@ -199,6 +188,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument("--host", default=_env("router_host", "127.0.0.1"))
     r.add_argument("--port", type=int, default=_env("router_port", 8000))
     r.add_argument("--leg-timeout-s", type=float, default=_env("leg_timeout_s", 600.0))
+    r.add_argument(
+        "--pool-idle-s",
+        type=float,
+        default=_env("pool_idle_s", 2.0),
+        help="close pooled engine connections idle this long; keep below the engines' "
+        "keep-alive (vLLM: 5 s)",
+    )
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(r)
     handlers["router"] = _cmd_router
@@ -209,12 +205,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     k.add_argument("--operator", action="append", default=[], help="operator name (repeatable)")
     k.add_argument("--host", action="append", default=[], help="server host/IP (repeatable)")
     handlers["dev-certs"] = _cmd_dev_certs
-
-    n = sub.add_parser(
-        "build-native", help="compile the coordinator's core with mypyc (docs/operations.md)"
-    )
-    _add_native_flags(n)
-    handlers["build-native"] = _cmd_build_native
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
     b.add_argument(
@@ -230,7 +220,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
 # Later subcommands (router, status, bench, ...) register here: (name, add_parser fn).
 def _register_status(sub: Any) -> Callable[..., int]:
-    from controlplane.status_cli import register
+    from ops.status import register
 
     return register(sub)
 

@@ -36,7 +36,7 @@ worker's ``get_finished`` may then wait up to ``idle_wait_ms`` for an agent
 event on purpose, instead of letting the engine spin).
 
 Each load runs twice, alternated: with pushkv, then with the floor connector
-(``vllm_integration/floor_connector.py``: pushkv's request flow and no work),
+(``bench/floor_connector.py``: pushkv's request flow and no work),
 so the report can tell vLLM's cost of calling any Python connector on this
 machine from pushkv's own (``--connector`` runs one of them).
 
@@ -48,7 +48,7 @@ worker halves share one process and one GIL (in vLLM, EngineCore and the
 worker are separate processes), and this box has 2 cores for both engines, the
 coordinator and anything else running.
 
-Usage: ``python -m vllm_integration.bench_hooks [--inflight 256] [--requests 1024]``
+Usage: ``python -m bench.hooks [--inflight 256] [--requests 1024]``
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from vllm_integration import offline
+from harness import offline
 
 SCHED_HOOKS: Final = (
     "get_num_new_matched_tokens",
@@ -94,7 +94,7 @@ GOAL_US: Final = 50.0
 # name -> (class, module). "floor" is the baseline: pushkv's request flow, no work.
 CONNECTORS: Final = {
     "pushkv": ("PushKVConnector", "vllm_integration.connector"),
-    "floor": ("FloorConnector", "vllm_integration.floor_connector"),
+    "floor": ("FloorConnector", "bench.floor_connector"),
 }
 # Hooks vLLM calls once (or twice) per request that starts or finishes in a step.
 PER_REQUEST_HOOKS: Final = frozenset(
@@ -205,7 +205,7 @@ class HookTimer:
 
 
 # ---------------------------------------------------------------- vLLM builders
-# (vllm_integration/offline.py, shared with the tests' harness)
+# (harness/offline.py, shared with the tests' harness)
 
 
 def _vllm_config(cfg: HookConfig, role: str, engine_id: str) -> Any:
@@ -723,7 +723,7 @@ def _worst(summary: dict[str, Any], key: str) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_integration.bench_hooks",
+        prog="python -m bench.hooks",
         description="Time the pushkv connector's hooks on vLLM's engine thread (real "
         "Scheduler, real coordinator, real agents) with many requests in flight.",
     )
@@ -779,8 +779,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.rate <= 0:
         ap.error("--rate must be > 0")
 
-    from controlplane.launch import CoordinatorProcess
-    from vllm_integration.tiny_model import build_tiny_model
+    from harness.coordinator import CoordinatorProcess
+    from harness.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(".cache/tiny-model"))
     if a.micro:

@@ -21,14 +21,14 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.launch import CoordinatorProcess
-from controlplane.tables import engines_table, transfers_table
-from vllm_integration.launch import (
+from harness.coordinator import CoordinatorProcess
+from harness.tiny_model import build_tiny_model
+from harness.vllm_server import (
     RouterProcess,
     metric_value,
     pushkv_server,
 )
-from vllm_integration.tiny_model import build_tiny_model
+from ops.tables import engines_table, transfers_table
 
 MODEL_DIR = Path(".cache/tiny-model")
 BLOCK = 32

@@ -8,7 +8,7 @@ tokenizer files, and greedy outputs are reproducible.
 
 Usage::
 
-    python -m vllm_integration.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
+    python -m harness.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
         [--max-positions 2048]
 
 ``build_tiny_model`` is idempotent: a marker file records the build
@@ -245,7 +245,7 @@ def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_integration.tiny_model",
+        prog="python -m harness.tiny_model",
         description="Build a tiny random Llama model with a local BPE tokenizer (no downloads).",
     )
     parser.add_argument("out_dir", type=Path)

@@ -1,7 +1,7 @@
 """Real vLLM 0.32 scheduler objects, built in-process with no server and no model run.
 
-`pushkv bench hooks` (vllm_integration/bench_hooks.py) and the tests' harness
-(tests/vllm_harness.py) build their engines here, so both run the same vLLM
+`pushkv bench hooks` (bench/hooks.py) and the tests' harness
+(tests/support/vllm_harness.py) build their engines here, so both run the same vLLM
 construction: a ``VllmConfig`` for a local model directory, one full-attention
 KV cache group over every decoder layer, a v1 ``Scheduler`` whose KV connector
 ``KVConnectorFactory`` builds, and ``Request``s with the engine's block hasher.

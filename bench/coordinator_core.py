@@ -29,7 +29,7 @@ from typing import Any
 
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane.bench_coordinator import (
+from bench.coordinator import (
     CORE_SETTINGS,
     DECODE,
     PREFILL,

@@ -28,8 +28,8 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from agent.kvhost import HostSpec, KVHost
-from controlplane.launch import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess
+from harness.kvhost import HostSpec, KVHost
 
 
 def _pct(values: Sequence[float], q: float) -> float:

@@ -233,7 +233,7 @@ class RouterProcess:
         cmd = [
             sys.executable,
             "-m",
-            "controlplane.cli",
+            "cli.main",
             "router",
             "--coordinator",
             self.coordinator,

@@ -27,9 +27,10 @@ from google.protobuf.message import Message
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import tables, timeline
-from controlplane.tls import TLSFiles
-from controlplane.tls import channel as tls_channel
+from controlplane import timeline
+from ops import tables
+from wire.tls import TLSFiles
+from wire.tls import channel as tls_channel
 
 DEFAULT_COORDINATOR = "127.0.0.1:50151"
 

@@ -152,9 +152,8 @@ CONFIRM_PERIOD_S = 0.01  # at most one barrier heartbeat per stream per period
 
 def agent_hello(engine: str, role: Any, *, batched: bool) -> Any:
     """The hello of the benchmark's simulated agent rank of `engine` (TP 1)."""
+    from pushkv.protocol import PROTOCOL_VERSION
     from pushkv.v1 import pushkv_pb2 as pb
-
-    from controlplane.protocol import PROTOCOL_VERSION
 
     region = pb.KVRegion(base_addr=0x1000_0000, block_len=4096, num_blocks=4096)
     return pb.AgentHello(
@@ -689,10 +688,9 @@ class Bench:
 
 def core_build() -> str:
     """Which build of the core the spawned coordinator imports (same environment)."""
-    import controlplane
+    from controlplane.core_build import core_build as build
 
-    n = controlplane.NATIVE
-    return "core: compiled (mypyc)" if n.compiled else f"core: pure Python ({n.detail})"
+    return "core: compiled (mypyc)" if build() == "compiled" else "core: pure Python"
 
 
 def _print_row(s: Step, label: str = "") -> None:

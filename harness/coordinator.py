@@ -29,7 +29,7 @@ class CoordinatorProcess:
         cmd = [
             sys.executable,
             "-m",
-            "controlplane.cli",
+            "cli.main",
             "coordinator",
             "--host",
             "127.0.0.1",

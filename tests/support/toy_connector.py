@@ -6,7 +6,7 @@ asynchronously in full (minus any local prefix-cache hit); the flag is then
 cleared, so a retry after a failed load recomputes locally.  Every hook call
 is recorded in ``calls`` so tests can assert on exactly what vLLM passed in.
 
-Loaded through ``kv_connector_module_path="tests.toy_connector"``.  The worker
+Loaded through ``kv_connector_module_path="tests.support.toy_connector"``.  The worker
 half is a no-op: harness tests feed ``KVConnectorOutput`` by hand.
 """
 

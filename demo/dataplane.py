@@ -16,9 +16,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from agent.kvhost import HostSpec, KVHost
-from controlplane.launch import CoordinatorProcess
-from controlplane.tables import engines_table, transfers_table
+from harness.coordinator import CoordinatorProcess
+from harness.kvhost import HostSpec, KVHost
+from ops.tables import engines_table, transfers_table
 
 NUM_BLOCKS = 64
 TOKENS_PER_BLOCK = 16

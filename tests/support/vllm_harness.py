@@ -2,7 +2,7 @@
 
 Typical use::
 
-    cfg = make_vllm_config(model_dir, connector_module="tests.toy_connector",
+    cfg = make_vllm_config(model_dir, connector_module="tests.support.toy_connector",
                            connector_name="ToyConnector")
     sched = make_scheduler(cfg, num_blocks=256)
     req = make_request("r1", prompt_tokens(40), cfg, kv_transfer_params={...})
@@ -10,7 +10,7 @@ Typical use::
     out, _ = step(sched)                                   # schedule + update_from_output
     step(sched, connector_output=kv_output(finished_recving={req.request_id}))
 
-The vLLM objects are built by ``vllm_integration/offline.py``, which the
+The vLLM objects are built by ``harness/offline.py``, which the
 engine-loop benchmark uses too.
 
 What is real: ``VllmConfig`` (from the tiny model dir), ``Scheduler`` with its
@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_integration import offline
+from harness import offline
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +62,7 @@ DEFAULT_SAMPLED_TOKEN = 100  # not EOS (id 0) in the tiny model
 def make_vllm_config(
     model_dir: Path | str,
     *,
-    connector_module: str | None = "tests.toy_connector",
+    connector_module: str | None = "tests.support.toy_connector",
     connector_name: str = "ToyConnector",
     kv_role: str = "kv_both",
     engine_id: str | None = None,

@@ -28,7 +28,7 @@ decode engine, or the single engine, is first warmed with the very prompts of
 the rate, so it has a full prefix hit and only the tail is transferred).
 
 The proxies of the two vLLM baselines are small aiohttp apps in this module,
-run as separate processes (``python -m vllm_integration.bench_serving proxy``),
+run as separate processes (``python -m bench.serving proxy``),
 like the pushkv router.
 """
 
@@ -501,7 +501,7 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
 
 
 def _free_port() -> int:
-    from vllm_integration.launch import free_port
+    from harness.vllm_server import free_port
 
     return free_port()
 
@@ -678,7 +678,7 @@ class Deployment:
 
 
 def _server(cfg: BenchConfig, name: str, core: int, scenario: str, **kw: Any) -> Any:
-    from vllm_integration.launch import VllmServer
+    from harness.vllm_server import VllmServer
 
     caching = "--enable-prefix-caching" if scenario == "prefixhit" else "--no-enable-prefix-caching"
     return VllmServer(
@@ -709,8 +709,8 @@ def _nixl_config(cfg: BenchConfig, connector: str, role: str, engine_id: str) ->
 
 def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
     """Start one system's processes and wait until they serve (bounded)."""
-    from controlplane.launch import CoordinatorProcess
-    from vllm_integration.launch import RouterProcess, pushkv_config
+    from harness.coordinator import CoordinatorProcess
+    from harness.vllm_server import RouterProcess, pushkv_config
 
     dep = Deployment(system, scenario)
     nixl = system not in ("single", "pushkv")  # vLLM's NIXL connectors: unpinned
@@ -798,7 +798,7 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
             [
                 sys.executable,
                 "-m",
-                "vllm_integration.bench_serving",
+                "bench.serving",
                 "proxy",
                 "--mode",
                 "pull" if pull else "push",
@@ -1008,7 +1008,7 @@ ENGINE_TIMES: Final = (
 
 def engine_time_sums(base_url: str) -> dict[str, float]:
     """Sums and counts of an engine's per-request time histograms ({} on failure)."""
-    from vllm_integration.launch import metric_value
+    from harness.vllm_server import metric_value
 
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
@@ -1034,7 +1034,7 @@ def engine_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[s
 
 def prompt_tokens_by_source(base_url: str) -> dict[str, float]:
     """vLLM's prompt token counter per source, from a server's /metrics ({} on failure)."""
-    from vllm_integration.launch import metric_value
+    from harness.vllm_server import metric_value
 
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
@@ -1558,7 +1558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, a = _parse(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: blocks
     t0 = time.monotonic()
-    from vllm_integration.tiny_model import build_tiny_model
+    from harness.tiny_model import build_tiny_model
 
     max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
     build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)

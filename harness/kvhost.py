@@ -52,7 +52,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
     from agent.nixl_adapter import KVRegion
     from agent.runtime import Agent, AgentConfig, AgentRole
-    from controlplane.tls import TLSFiles
+    from wire.tls import TLSFiles
 
     pool = np.zeros((spec.num_regions, spec.num_blocks * spec.block_len), dtype=np.uint8)
     pool[:] = 0  # touch every page before anything is timed
