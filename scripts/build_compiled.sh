@@ -21,3 +21,4 @@ rm -rf "$out"
 "$py" -m pip --disable-pip-version-check -q install --no-deps --target "$out" "$tmp"/*.whl
 echo "$want" > "$out/.pushkv-build"
 echo "build_compiled: compiled core in $out"
+rm -rf build/lib.* build/temp.* build/bdist.*
