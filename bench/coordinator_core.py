@@ -29,13 +29,14 @@ from typing import Any
 
 from pushkv.v1 import pushkv_pb2 as pb
 
-from bench.coordinator import (
+from bench.coordinator_workload import (
     CORE_SETTINGS,
     DECODE,
     PREFILL,
-    TOKENS,
     agent_hello,
     core_build,
+    decode_request,
+    prefill_request,
 )
 
 PHASES = ("parse", "register", "prefill_done", "take", "serialize", "write", "arrival")
@@ -82,8 +83,6 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         while not s.outbox.empty():
             s.outbox.get_nowait()  # the welcomes
 
-    d_blocks = [pb.BlockIds(ids=[7, 8, 9])]
-    p_blocks = [pb.BlockIds(ids=[1, 2, 3])]
     parse_submit: Callable[[bytes], pb.SubmitRequest] = pb.SubmitRequest.FromString
     parse_agent: Callable[[bytes], pb.AgentMessage] = pb.AgentMessage.FromString
     acc = dict.fromkeys(PHASES, 0)
@@ -94,22 +93,8 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         k = min(batch, n - done)
         tids = [f"r{rep}-{done + i}" for i in range(k)]
         done += k
-        reg_bytes = _submit_bytes(
-            tids,
-            lambda t: pb.TransferCall(
-                register=pb.RegisterDecodeBlocksRequest(
-                    transfer_id=t, decode_engine_id=DECODE, block_ids=d_blocks, num_tokens=TOKENS
-                )
-            ),
-        )
-        pre_bytes = _submit_bytes(
-            tids,
-            lambda t: pb.TransferCall(
-                prefill_done=pb.ReportPrefillDoneRequest(
-                    transfer_id=t, prefill_engine_id=PREFILL, block_ids=p_blocks, num_tokens=TOKENS
-                )
-            ),
-        )
+        reg_bytes = _submit_bytes(tids, lambda t: pb.TransferCall(register=decode_request(t)))
+        pre_bytes = _submit_bytes(tids, lambda t: pb.TransferCall(prefill_done=prefill_request(t)))
 
         t0 = clock()
         reg_req = parse_submit(reg_bytes)

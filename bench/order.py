@@ -28,13 +28,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
+from bench.stats import percentile
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,14 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out.write(f"{'from ordered to':28s} {'p50 ms':>8} {'p99 ms':>8}\n")
     for stage, values in stages.items():
-        out.write(f"{stage:28s} {_pct(values, 0.5):8.3f} {_pct(values, 0.99):8.3f}\n")
+        out.write(f"{stage:28s} {percentile(values, 50):8.3f} {percentile(values, 99):8.3f}\n")
     out.write(
-        f"{'client: RPC -> KV_READY':28s} {_pct(client_ms, 0.5):8.3f} "
-        f"{_pct(client_ms, 0.99):8.3f}\n"
+        f"{'client: RPC -> KV_READY':28s} {percentile(client_ms, 50):8.3f} "
+        f"{percentile(client_ms, 99):8.3f}\n"
     )
     out.write(
-        f"order_to_post_p50_ms={_pct(stages['write_posted'], 0.5):.3f} "
-        f"order_to_post_p99_ms={_pct(stages['write_posted'], 0.99):.3f} "
+        f"order_to_post_p50_ms={percentile(stages['write_posted'], 50):.3f} "
+        f"order_to_post_p99_ms={percentile(stages['write_posted'], 99):.3f} "
         f"mean_kv_ready_ms={statistics.fmean(client_ms):.3f}\n"
     )
     return 0
