@@ -94,6 +94,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         port=args.port,
         leg_timeout_s=args.leg_timeout_s,
         pool_idle_s=args.pool_idle_s,
+        on_transfer_failure=args.on_transfer_failure,
     )
     asyncio.run(serve(settings))
     return 0
@@ -188,6 +189,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument("--host", default=_env("router_host", "127.0.0.1"))
     r.add_argument("--port", type=int, default=_env("router_port", 8000))
     r.add_argument("--leg-timeout-s", type=float, default=_env("leg_timeout_s", 600.0))
+    r.add_argument(
+        "--on-transfer-failure",
+        choices=["recompute", "fail"],
+        default=_env("on_transfer_failure", "recompute"),
+        help="when the push cannot happen: recompute (serve from the decode engine alone) "
+        "or fail (502/503 at once, naming the stage); pair with the engines' setting",
+    )
     r.add_argument(
         "--pool-idle-s",
         type=float,

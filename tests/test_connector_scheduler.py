@@ -42,6 +42,7 @@ from tests.support.vllm_harness import (
 from vllm_integration.client import Call, CoordinatorClient, Result
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
+from vllm_integration.settings import ConnectorSettings
 
 BLOCK = 16  # matches the SimAgent layout's tokens_per_block
 DEADLINE_S = 10.0
@@ -151,13 +152,16 @@ async def engine(
         agent_role = "decode" if role == "kv_consumer" else "prefill"
         agent = SimAgent(coord.address, engine_id, agent_role, heartbeat_interval=0.5)
         await agent.start()
+    # The connector's on_transfer_failure sets vLLM's kv_load_failure_policy;
+    # these tests name the policy they exercise ("fail" unless told).
+    policy = config.pop("kv_load_failure_policy", "fail")
     cfg = make_vllm_config(
         model_dir,
         connector_module="vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role=role,
         engine_id=engine_id,
-        kv_connector_extra_config={"coordinator": coord.address},
+        kv_connector_extra_config={"coordinator": coord.address, "on_transfer_failure": policy},
         block_size=BLOCK,
         **config,
     )
@@ -409,6 +413,38 @@ async def test_decode_registration_refused_fails_the_load(
             assert "decode request ended before its KV arrived (FINISHED_ERROR)" in t.detail
         else:
             assert t.detail == "client went away"  # the first cancel wins
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+async def test_on_transfer_failure_sets_vllms_load_failure_policy(
+    coord: CoordinatorProcess, tiny_model_dir: Path, policy: str
+) -> None:
+    """vLLM's scheduler reads kv_load_failure_policy after creating the connector:
+    the connector's setting (recompute unless told) is the one it runs with."""
+    cfg = make_vllm_config(
+        tiny_model_dir,
+        connector_module="vllm_integration.connector",
+        connector_name="PushKVConnector",
+        kv_role="kv_consumer",
+        engine_id=f"dec-{policy}",
+        kv_connector_extra_config={"coordinator": coord.address}
+        | ({} if policy == "recompute" else {"on_transfer_failure": policy}),
+        kv_load_failure_policy="fail" if policy == "recompute" else "recompute",
+        block_size=BLOCK,
+    )
+    sched = make_scheduler(cfg, num_blocks=64)
+    try:
+        assert cfg.kv_transfer_config.kv_load_failure_policy == policy
+        assert sched.recompute_kv_load_failures is (policy == "recompute")
+    finally:
+        sched.shutdown()
+
+
+def test_an_unknown_on_transfer_failure_is_refused() -> None:
+    with pytest.raises(ValueError, match="on_transfer_failure: 'retry' is not one of"):
+        ConnectorSettings.from_extra_config(
+            {"coordinator": "127.0.0.1:1", "on_transfer_failure": "retry"}
+        )
 
 
 async def test_failed_load_with_recompute_policy_recomputes_without_registering_again(
@@ -687,6 +723,7 @@ async def test_unreachable_coordinator_fails_the_load_only_after_the_grace(
             "coordinator": dead,
             "rpc_timeout_s": 0.3,
             "uncertain_grace_s": 1.0,
+            "on_transfer_failure": "fail",
         },
         block_size=BLOCK,
     )

@@ -12,7 +12,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane import reflection_client as rc
+from ops import reflection as rc
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous, wait_terminal
 
 PUSHKV = ("pushkv.v1.AgentService", "pushkv.v1.TransferService", "pushkv.v1.StatusService")

@@ -21,7 +21,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import reflection_client as rc
+from ops import reflection as rc
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"

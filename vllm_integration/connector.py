@@ -33,6 +33,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
                 f"PushKVConnector needs kv_role kv_producer (prefill) or kv_consumer "
                 f"(decode), not {tc.kv_role!r}"
             )
+        compat.set_load_failure_policy(tc, self.settings.on_transfer_failure)
         self.is_prefill = tc.kv_role == "kv_producer"
         self.engine_id = str(tc.engine_id)
         block_size = int(vllm_config.cache_config.block_size)

@@ -37,6 +37,7 @@ log = logging.getLogger("pushkv.metrics")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("ok", "client_error", "unavailable", "engine_error", "aborted")
+FALLBACK_REASONS = ("prefill_failed", "coordinator_unavailable", "no_prefill_engine")
 
 
 def outcome_of(status: int) -> str:
@@ -77,6 +78,15 @@ class RouterMetrics:
         )
         for leg in ("prefill", "decode"):
             self.leg_retries.labels(leg)
+        self.fallbacks = Counter(
+            "pushkv_router_fallbacks",
+            "requests the decode engine served without a push, by reason "
+            "(prefill_failed, coordinator_unavailable, no_prefill_engine)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
         for o in OUTCOMES:
             self.requests.labels(o)
 

@@ -25,6 +25,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from vllm_integration.metrics import RouterMetrics, outcome_of
+from vllm_integration.router_failures import Failure, Stage, client_error
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.router")
@@ -41,6 +42,11 @@ class RouterSettings:
     refresh_s: float = 1.0
     leg_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    # What the router does when the push cannot happen: "recompute" serves the
+    # request from the decode engine alone (a lost prefill leg, an unreachable
+    # coordinator, no prefill engine); "fail" answers 502/503 at once, naming
+    # the stage. Pair it with the engines' on_transfer_failure.
+    on_transfer_failure: str = "recompute"
     # A pooled engine connection idle this long is closed by the router. It must
     # stay below the engines' own keep-alive (vLLM's uvicorn: 5 s,
     # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or the router may send a request on a
@@ -134,14 +140,20 @@ def _legs(
     return prefill, decode
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
-    )
+_CONNECTION_LOST = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+async def _mark_reused(session: Any, ctx: Any, params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
 
 
 class Router:
     def __init__(self, settings: RouterSettings) -> None:
+        if settings.on_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(
+                f"on_transfer_failure: {settings.on_transfer_failure!r} is not recompute or fail"
+            )
         self.settings = settings
         self._channel = aio_channel(settings.coordinator, settings.tls)
         self._transfers = pbg.TransferServiceStub(self._channel)
@@ -152,13 +164,21 @@ class Router:
         self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
         self.metrics = RouterMetrics()
 
+    @property
+    def fallback(self) -> bool:
+        return self.settings.on_transfer_failure == "recompute"
+
     # ------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(
             total=self.settings.leg_timeout_s, connect=self.settings.connect_timeout_s
         )
         connector = aiohttp.TCPConnector(keepalive_timeout=self.settings.pool_idle_s)
-        self._http = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_mark_reused)
+        self._http = aiohttp.ClientSession(
+            timeout=timeout, connector=connector, trace_configs=[trace]
+        )
         await self.directory.refresh()
         self._spawn(self.directory.run())
 
@@ -197,11 +217,19 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         eng = self.directory.pick(self.directory.decode)
         if eng is None or self._http is None:
-            return _error(503, "no decode engine available", "service_unavailable")
-        async with self._http.get(eng.url + "/v1/models") as resp:
-            return web.Response(
-                body=await resp.read(), status=resp.status, content_type="application/json"
-            )
+            return Failure(Stage.NO_ENGINE, "no decode engine").response()
+        try:
+            async with self._http.get(eng.url + "/v1/models") as resp:
+                return web.Response(
+                    body=await resp.read(), status=resp.status, content_type="application/json"
+                )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return Failure(Stage.DECODE_LOST, f"{eng.engine_id}: {exc}").response()
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
+        )
 
     async def _cancel(self, transfer_id: str, reason: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -209,48 +237,51 @@ class Router:
                 pb.CancelRequest(transfer_id=transfer_id, reason=reason), timeout=5
             )
 
+    async def _cancel_once_begun(
+        self, begin: asyncio.Future[Any], transfer_id: str, reason: str
+    ) -> None:
+        """The client left while the pairing was being announced: cancel the
+        transfer as soon as it exists, instead of letting it wait for the deadline."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await begin
+            await self._cancel(transfer_id, reason)
+
     @contextlib.asynccontextmanager
     async def _post(
         self, url: str, body: dict[str, Any], headers: dict[str, str], leg: str
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST one leg; retried once on a fresh connection if the engine closed
-        the connection before any byte of the answer came back.
-
-        Only a disconnect of an established connection is retried (an engine
-        closing an idle keep-alive connection as the request goes out); a refused
-        connect means the engine is down and is not."""
+        """POST one leg. Sent again, once, when the engine closed a pooled
+        connection before any byte of the answer came back (an engine closing
+        an idle keep-alive connection as the request goes out): only a reused
+        connection is retried, so a request an engine took is never sent twice
+        because of this."""
         assert self._http is not None
         for attempt in range(2):
+            ctx = {"reused": False}
             try:
-                resp = await self._http.post(url, json=body, headers=headers)
+                resp = await self._http.post(url, json=body, headers=headers, trace_request_ctx=ctx)
             except aiohttp.ClientConnectorError:
                 raise
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt:
+            except _CONNECTION_LOST as exc:
+                if attempt or not ctx["reused"]:
                     raise
                 self.metrics.leg_retries.labels(leg).inc()
-                log.info(
-                    "%s leg to %s: connection closed before any answer (%s); retrying",
-                    leg,
-                    url,
-                    exc,
-                )
+                log.info("%s leg: %s closed a pooled connection (%s); sent again", leg, url, exc)
                 continue
             async with resp:
                 yield resp
             return
-
-    async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
-        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Serve one completion request, counted in pushkv_router_requests by outcome."""
         self.metrics.inflight.inc()
         outcome = "engine_error"
         try:
-            response = await self._handle(request)
+            try:
+                response = await self._handle(request)
+            except Failure as failure:
+                log.warning("%s %s: %s", request.method, request.path, failure)
+                response = failure.response()
             outcome = outcome_of(response.status)
             return response
         except asyncio.CancelledError:
@@ -265,31 +296,42 @@ class Router:
         try:
             body = await request.json()
         except web.HTTPRequestEntityTooLarge:
-            return _error(
-                413,
-                f"body larger than {self.settings.max_body_bytes} bytes",
-                "invalid_request_error",
-            )
+            return client_error(413, f"body larger than {self.settings.max_body_bytes} bytes")
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            return _error(400, "body is not valid JSON", "invalid_request_error")
+            return client_error(400, "body is not valid JSON")
         if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object", "invalid_request_error")
+            return client_error(400, "body must be a JSON object")
         transfer_id = f"tx-{uuid.uuid4().hex}"
         try:
             prefill_body, decode_body = _legs(body, transfer_id, chat)
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return client_error(400, str(exc))
         d = self.directory
         p_eng, d_eng = d.pick(d.prefill), d.pick(d.decode)
-        if p_eng is None or d_eng is None or self._http is None:
-            missing = "prefill" if p_eng is None else "decode"
-            why = f"no {missing} engine available" + (f" ({d.error})" if d.error else "")
-            return _error(503, why, "service_unavailable")
-        started = time.monotonic()
-        # Announce the pairing first: the transfer is visible (and cancellable)
-        # before either leg arrives, and the coordinator can push back.
+        why = f" ({d.error})" if d.error else ""
+        if d_eng is None:
+            raise Failure(Stage.NO_ENGINE, "no decode engine available" + why)
+        if p_eng is None:
+            if not self.fallback:
+                raise Failure(Stage.NO_ENGINE, "no prefill engine available" + why)
+            return await self._decode_alone(request, body, d_eng, "no_prefill_engine")
         try:
-            await self._transfers.BeginTransfer(
+            await self._begin(transfer_id, p_eng, d_eng)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Failure(Stage.OVERLOADED, str(exc.details())) from None
+            if not self.fallback:
+                raise Failure(Stage.COORDINATOR_UNAVAILABLE, exc.code().name) from None
+            return await self._decode_alone(request, body, d_eng, "coordinator_unavailable")
+        return await self._disaggregated(
+            request, transfer_id, p_eng, d_eng, prefill_body, decode_body
+        )
+
+    async def _begin(self, transfer_id: str, p_eng: Engine, d_eng: Engine) -> None:
+        """Announce the pairing first: the transfer is visible (and cancellable)
+        before either leg arrives, and the coordinator can push back."""
+        begin = asyncio.ensure_future(
+            self._transfers.BeginTransfer(
                 pb.BeginTransferRequest(
                     transfer_id=transfer_id,
                     prefill_engine_id=p_eng.engine_id,
@@ -297,15 +339,40 @@ class Router:
                 ),
                 timeout=self.settings.connect_timeout_s,
             )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return _error(
-                    429, f"too many transfers in flight: {exc.details()}", "rate_limit_exceeded"
-                )
-            return _error(503, f"coordinator unavailable: {exc.code().name}", "service_unavailable")
+        )
+        try:
+            await asyncio.shield(begin)
+        except asyncio.CancelledError:
+            self._spawn(self._cancel_once_begun(begin, transfer_id, "client disconnected"))
+            raise
+
+    async def _decode_alone(
+        self, request: web.Request, body: dict[str, Any], d_eng: Engine, reason: str
+    ) -> web.StreamResponse:
+        """Fallback: the decode engine serves the request as a single engine would."""
+        self.metrics.fallbacks.labels(reason).inc()
+        log.info("serving a request on %s alone: %s", d_eng.engine_id, reason)
+        d_eng.local += 1
+        try:
+            response, _ = await self._relay(request, d_eng, body, {}, time.monotonic())
+            return response
+        finally:
+            d_eng.local -= 1
+
+    async def _disaggregated(
+        self,
+        request: web.Request,
+        transfer_id: str,
+        p_eng: Engine,
+        d_eng: Engine,
+        prefill_body: dict[str, Any],
+        decode_body: dict[str, Any],
+    ) -> web.StreamResponse:
+        started = time.monotonic()
+        headers = {"X-Request-Id": transfer_id}
         p_eng.local += 1
         d_eng.local += 1
-        headers = {"X-Request-Id": transfer_id}
+        decode: asyncio.Task[tuple[web.StreamResponse, bool]] | None = None
 
         async def prefill_leg() -> None:
             try:
@@ -314,31 +381,83 @@ class Router:
                 ) as resp:
                     text = await resp.text()
                     if resp.status != 200:
-                        raise RuntimeError(f"prefill engine answered {resp.status}: {text[:200]}")
+                        raise Failure(Stage.PREFILL_FAILED, f"HTTP {resp.status}: {text[:200]}")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("prefill leg of %s failed: %s", transfer_id, exc)
-                await self._cancel(transfer_id, f"prefill leg failed: {exc}"[:1000])
+                failure = _prefill_failure(exc, p_eng.engine_id, self.settings.leg_timeout_s)
+                log.warning("prefill leg of %s failed: %s", transfer_id, failure)
+                # The decode side learns from the coordinator that no KV is coming:
+                # it recomputes (fallback) or fails the request, and no WRITE can
+                # land in its blocks after that.
+                await self._cancel(transfer_id, f"prefill leg failed: {failure}"[:1000])
+                if self.fallback:
+                    self.metrics.fallbacks.labels("prefill_failed").inc()
+                elif decode is not None and not answering.is_set():
+                    prefill_failure.append(failure)
+                    decode.cancel()
 
+        prefill_failure: list[Failure] = []
+        answering = asyncio.Event()  # the decode leg's answer has begun
         # Both legs leave now: the decode side registers its blocks while prefill runs.
         p_task = self._spawn(prefill_leg())
-        response: web.StreamResponse | None = None
         finished = False
         try:
             if self.on_dispatch is not None:
                 await self.on_dispatch(transfer_id, "dispatched")
-            async with self._post(d_eng.url + request.path, decode_body, headers, "decode") as resp:
-                if not decode_body.get("stream"):
+            decode = asyncio.ensure_future(
+                self._relay(request, d_eng, decode_body, headers, started, answering)
+            )
+            try:
+                response, finished = await decode
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if prefill_failure and me is not None and not me.cancelling():
+                    raise prefill_failure[0] from None  # fail fast: the prefill leg is lost
+                raise
+            return response
+        finally:
+            p_eng.local -= 1
+            d_eng.local -= 1
+            if decode is not None and not decode.done():
+                decode.cancel()
+            if not finished:
+                # Client gone or decode failed: stop the prefill leg and release the KV.
+                p_task.cancel()
+                self._spawn(self._cancel(transfer_id, "client disconnected or decode failed"))
+            if len(self.ttft_s) > 10_000:
+                del self.ttft_s[:5_000]
+
+    async def _relay(
+        self,
+        request: web.Request,
+        d_eng: Engine,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        started: float,
+        answering: asyncio.Event | None = None,
+    ) -> tuple[web.StreamResponse, bool]:
+        """Send the decode leg and relay its answer to the client; (response, ok)."""
+        response: web.StreamResponse | None = None
+        try:
+            async with self._post(d_eng.url + request.path, body, headers, "decode") as resp:
+                if resp.status >= 500:
+                    text = await resp.text()
+                    raise Failure(
+                        Stage.DECODE_FAILED,
+                        f"{d_eng.engine_id}: HTTP {resp.status}: {_message(text)}",
+                    )
+                if answering is not None:
+                    answering.set()
+                if not body.get("stream"):
                     data = await resp.read()
-                    self.ttft_s.append(time.monotonic() - started)
-                    self.metrics.ttft.observe(self.ttft_s[-1])
+                    self._observe_ttft(started)
                     # A decode error (e.g. a 400 from validation) never takes the
-                    # KV: leave `finished` False so the transfer is cancelled.
-                    finished = resp.status == 200
-                    return web.Response(
+                    # KV: not ok, so the transfer is cancelled.
+                    out = web.Response(
                         body=data, status=resp.status, content_type=resp.content_type
                     )
+                    return out, resp.status == 200
                 response = web.StreamResponse(status=resp.status)
                 response.content_type = resp.content_type or "text/event-stream"
                 response.headers["Cache-Control"] = "no-cache"
@@ -346,26 +465,51 @@ class Router:
                 first = True
                 async for chunk in resp.content.iter_any():
                     if first:
-                        self.ttft_s.append(time.monotonic() - started)
-                        self.metrics.ttft.observe(self.ttft_s[-1])
+                        self._observe_ttft(started)
                         first = False
                     await response.write(chunk)
                 await response.write_eof()
-                finished = resp.status == 200
-                return response
-        except aiohttp.ClientError as exc:
+                return response, resp.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
             if response is not None:
-                raise
-            return _error(502, f"decode engine {d_eng.engine_id} failed: {exc}", "bad_gateway")
-        finally:
-            p_eng.local -= 1
-            d_eng.local -= 1
-            if not finished:
-                # Client gone or decode failed: stop the prefill leg and release the KV.
-                p_task.cancel()
-                self._spawn(self._cancel(transfer_id, "client disconnected or decode failed"))
-            if len(self.ttft_s) > 10_000:
-                del self.ttft_s[:5_000]
+                # The answer has begun: its status is sent, so the stream breaks.
+                log.warning("decode stream from %s broke: %r", d_eng.engine_id, exc)
+                raise ConnectionResetError(
+                    f"decode engine {d_eng.engine_id}: {_why(exc)}"
+                ) from None
+            if isinstance(exc, TimeoutError):
+                raise Failure(
+                    Stage.TIMEOUT, f"decode leg after {self.settings.leg_timeout_s:g} s"
+                ) from None
+            raise Failure(Stage.DECODE_LOST, f"{d_eng.engine_id}: {_why(exc)}") from None
+
+    def _observe_ttft(self, started: float) -> None:
+        self.ttft_s.append(time.monotonic() - started)
+        self.metrics.ttft.observe(self.ttft_s[-1])
+
+
+def _prefill_failure(exc: BaseException, engine_id: str, timeout_s: float) -> Failure:
+    if isinstance(exc, Failure):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return Failure(Stage.TIMEOUT, f"prefill leg after {timeout_s:g} s")
+    return Failure(Stage.PREFILL_LOST, f"{engine_id}: {_why(exc)}")
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _message(text: str) -> str:
+    """The `error.message` of an OpenAI-style error body, else the text's start."""
+    try:
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])[:300]
+    except (ValueError, AttributeError):
+        pass
+    return text[:300]
 
 
 async def serve(settings: RouterSettings) -> None:

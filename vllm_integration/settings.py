@@ -8,6 +8,9 @@ from typing import Any
 
 from wire.tls import TLSFiles
 
+# on_transfer_failure values; each is also the vLLM kv_load_failure_policy it sets.
+FAILURE_POLICIES = ("recompute", "fail")
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
@@ -26,6 +29,12 @@ class ConnectorSettings:
     # decode side fails the load only after this long: longer than the
     # coordinator's write timeout plus an agent lease, so no WRITE can land.
     uncertain_grace_s: float = 30.0
+    # What a decode engine does when the push cannot complete (prefill leg
+    # failed, prefill engine lost, coordinator unreachable, transfer failed or
+    # expired): "recompute" computes the missing KV itself (the request
+    # finishes correctly, later), "fail" ends the request with an error. Sets
+    # vLLM's kv_transfer_config.kv_load_failure_policy on both engines.
+    on_transfer_failure: str = "recompute"
     # Prometheus metrics of the connector: worker rank r serves them on
     # 0.0.0.0:(metrics_port + r). 0 disables.
     metrics_port: int = 0
@@ -60,6 +69,11 @@ class ConnectorSettings:
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: bad value {raw!r}") from None
         out = cls(**values)
+        if out.on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(
+                "kv_connector_extra_config.on_transfer_failure: "
+                f"{out.on_transfer_failure!r} is not one of {list(FAILURE_POLICIES)}"
+            )
         if out.tls.enabled or out.tls_key:
             out.tls.check()
         return out
