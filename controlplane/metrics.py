@@ -1,57 +1,47 @@
-"""Coordinator observability: Prometheus metrics and (optional) OpenTelemetry spans.
+"""The coordinator's Prometheus metrics: what it counts, and /metrics.
 
-Both are `TransferObserver`s (controlplane/timeline.py): the runtime calls
-`on_transfer_changed(t)` on the event loop after it applied a change, and each
-observer reads the transfer's *new* timeline events, so every stage (and every
-terminal state) is counted exactly once per transfer.
+`CoordinatorMetrics` is a `TransferObserver` (controlplane/timeline.py): the
+runtime calls `on_transfer_changed(t)` on the event loop after it applied a
+change, and it reads the transfer's *new* timeline events, so every stage (and
+every terminal state) is counted exactly once per transfer. (Tracing, the
+other observer of the kind, is controlplane/tracing.py.)
 
 Labels stay bounded: states, reasons, WRITE statuses, engine ids and ranks
 (engines are few and long-lived), never transfer ids.
 
-The event counters and histograms are plain Python numbers (`_Count`,
-`_Hist`, per label tuple), updated without locks: the observer only runs on
-the event loop's thread, the one thread that changes transfers. A custom
-collector exports them when Prometheus scrapes, with prometheus_client's
-names, types, help texts and samples (`_total`, cumulative `_bucket{le}`,
-`_count`, `_sum`, `_created`). Engine, lease and in-flight gauges are computed
-at scrape time too. The scrape thread asks the event loop for one snapshot of
-both (the core is not thread-safe), so a scrape is exact and consistent; if the
-loop does not answer, the event series are copied from the scrape thread
-(`dict(...)` and `list(...)` copies of builtins, atomic under the GIL) and the
-live gauges are left out.
+The event counters and histograms are plain Python numbers, updated without
+locks on the event loop's thread, the one thread that changes transfers
+(controlplane/metric_families.py); one collector exports them when Prometheus
+scrapes, through prometheus_client's public metric families, together with the
+engine, lease and in-flight gauges computed at scrape time. The scrape thread
+asks the event loop for one snapshot of both (the core is not thread-safe), so
+a scrape is exact and consistent; if the loop does not answer, the event series
+are copied from the scrape thread and the live gauges are left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import importlib
-import os
 import threading
-import time
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client import metrics as _prom_metrics
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
-from prometheus_client.samples import Sample
-from prometheus_client.utils import INF, floatToGoString
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from pushkv.protocol import PROTOCOL_VERSION
 
 from controlplane.core_build import core_build
 from controlplane.domain import RankState, State
+from controlplane.metric_families import (
+    CounterFamily,
+    FamilyCopy,
+    HistogramFamily,
+    created_series,
+)
 from controlplane.timeline import (
     TERMINAL_STAGES,
     Event,
@@ -128,117 +118,6 @@ _WRITE_STAGES = {f"write_{r.value}": r.value for r in RankState}  # as rendezvou
 SNAPSHOT_TIMEOUT_S = 2.0
 
 
-# ------------------------------------------------------------ event series
-
-
-def _use_created() -> bool:
-    """prometheus_client's switch (PROMETHEUS_DISABLE_CREATED_SERIES)."""
-    return bool(getattr(_prom_metrics, "_use_created", True))
-
-
-def _go_float(x: float) -> str:
-    """A label value as prometheus_client writes `le` (1e-05, 4.294967296e+09, +Inf)."""
-    s: str = floatToGoString(x)  # type: ignore[no-untyped-call]
-    return s
-
-
-class _Count:
-    """One counter series; `created` as prometheus_client sets it (first use)."""
-
-    __slots__ = ("created", "value")
-
-    def __init__(self) -> None:
-        self.value: float = 0
-        self.created = time.time()
-
-    def copy(self) -> tuple[float, float]:
-        return self.value, self.created
-
-
-class _Hist:
-    """One histogram series: per-bucket (not cumulative) counts, as prometheus_client keeps them."""
-
-    __slots__ = ("bounds", "counts", "created", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds  # sorted, ending with +Inf
-        self.counts = [0] * len(bounds)
-        self.sum: float = 0.0
-        self.created = time.time()
-
-    def observe(self, amount: float) -> None:
-        # The first bucket with amount <= bound, as prometheus_client's Histogram.observe.
-        self.counts[bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
-
-    def copy(self) -> tuple[list[int], float, float]:
-        return list(self.counts), self.sum, self.created
-
-
-S = TypeVar("S", _Count, _Hist)
-# One family's series at one moment: (label values, series.copy()).
-_FamilyCopy = list[tuple[tuple[str, ...], Any]]
-
-
-class _Family(Generic[S]):
-    """A counter or histogram family: its series by label values, made on first use.
-
-    Only the event loop's thread adds series or changes them; `copy` may run on
-    another thread (a scrape whose loop did not answer): `dict(...)` of a dict
-    and the series' `list(...)` are single C-level copies under the GIL.
-    """
-
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...], make: Callable[[], S]) -> None:
-        self.name, self.doc, self.labels = name, doc, labels
-        self._make: Callable[[], S] = make
-        self.series: dict[tuple[str, ...], S] = {}
-        if not labels:
-            self.series[()] = make()
-
-    def child(self, *values: str) -> S:
-        s = self.series.get(values)
-        if s is None:
-            s = self.series[values] = self._make()
-        return s
-
-    def copy(self) -> _FamilyCopy:
-        return [(k, s.copy()) for k, s in dict(self.series).items()]
-
-
-class _CounterFamily(_Family[_Count]):
-    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> None:
-        super().__init__(name, doc, labels, _Count)
-
-    def export(self, series: _FamilyCopy | None, created: bool) -> Metric:
-        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, (value, at) in series or ():
-            fam.add_metric(values, float(value), created=at if created else None)
-        return fam
-
-
-class _HistFamily(_Family[_Hist]):
-    def __init__(
-        self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
-    ) -> None:
-        bounds = (*(float(b) for b in buckets), INF)
-        self._le: tuple[str, ...] = tuple(map(_go_float, bounds))
-        super().__init__(name, doc, labels, lambda: _Hist(bounds))
-
-    def export(self, series: _FamilyCopy | None, created: bool) -> Metric:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, (counts, total, at) in series or ():
-            acc = 0.0
-            buckets = []
-            for le, n in zip(self._le, counts, strict=True):
-                acc += n
-                buckets.append((le, acc))
-            fam.add_metric(values, buckets, total)  # _bucket..., _count, _sum
-            if created:
-                labels = dict(zip(self.labels, values, strict=True))
-                fam.samples.append(Sample(f"{self.name}_created", labels, at))
-        return fam
-
-
 # ------------------------------------------------------------ scrape-time gauges
 
 
@@ -267,7 +146,7 @@ class _Snapshot:
     coordinator_id: str
     engines: tuple[_EngineSnap, ...]
     inflight: tuple[tuple[str, int], ...]  # (state, transfers)
-    events: list[_FamilyCopy]  # CoordinatorMetrics.families, copied on the loop
+    events: list[FamilyCopy]  # CoordinatorMetrics.families, copied on the loop
 
 
 class _Collector:
@@ -359,68 +238,68 @@ class CoordinatorMetrics:
         self._rt = runtime
         self._loop = loop or asyncio.get_running_loop()
         self.registry = CollectorRegistry()
-        self.started = _CounterFamily(
+        self.started = CounterFamily(
             "pushkv_transfers_started", "transfers the coordinator created"
         )
-        self.finished = _CounterFamily(
+        self.finished = CounterFamily(
             "pushkv_transfers_finished",
             "transfers that reached a terminal state, by state and reason",
             ("state", "reason"),
         )
-        self.rendezvous_wait = _HistFamily(
+        self.rendezvous_wait = HistogramFamily(
             "pushkv_rendezvous_wait_seconds",
             "gap between decode registration and prefill done; side = which came first",
             WAIT_BUCKETS,
             ("side",),
         )
-        self.order_latency = _HistFamily(
+        self.order_latency = HistogramFamily(
             "pushkv_order_latency_seconds",
             "from the second of (registration, prefill done) to the orders being issued",
             FAST_BUCKETS,
         )
-        self.write_post = _HistFamily(
+        self.write_post = HistogramFamily(
             "pushkv_write_post_seconds",
             "per prefill rank: from the order to the agent's POSTED report",
             WRITE_BUCKETS,
         )
-        self.write_completion = _HistFamily(
+        self.write_completion = HistogramFamily(
             "pushkv_write_completion_seconds",
             "per prefill rank: from POSTED (or the order) to the DONE report",
             WRITE_BUCKETS,
         )
-        self.write_time = _HistFamily(
+        self.write_time = HistogramFamily(
             "pushkv_transfer_write_seconds",
             "per transfer: from the order to the last rank's DONE report",
             WRITE_BUCKETS,
         )
-        self.duration = _HistFamily(
+        self.duration = HistogramFamily(
             "pushkv_transfer_duration_seconds",
             "per transfer: from creation to its terminal state",
             WAIT_BUCKETS,
             ("state",),
         )
-        self.write_reports = _CounterFamily(
+        self.write_reports = CounterFamily(
             "pushkv_write_reports",
             "WRITE reports applied, by status (posted, done, failed, dropped)",
             ("status",),
         )
-        self.write_bytes = _CounterFamily(
+        self.write_bytes = CounterFamily(
             "pushkv_write_bytes",
             "bytes WRITTEN, as reported by the prefill agents, per prefill engine",
             ("engine",),
         )
-        self.write_descriptors = _CounterFamily(
+        self.write_descriptors = CounterFamily(
             "pushkv_write_descriptors",
             "NIXL descriptors posted, as reported by the prefill agents, per prefill engine",
             ("engine",),
         )
-        self.write_size = _HistFamily(
+        self.write_size = HistogramFamily(
             "pushkv_write_size_bytes",
             "bytes of one prefill rank's WRITE (DONE reports)",
             BYTE_BUCKETS,
         )
         # Exported in this order (the order they were registered in before).
-        self.families: tuple[_CounterFamily | _HistFamily, ...] = (
+        self.families: tuple[CounterFamily | HistogramFamily, ...] = (
             self.started,
             self.finished,
             self.rendezvous_wait,
@@ -614,121 +493,13 @@ class CoordinatorMetrics:
         inflight = tuple((st.value, n) for st, n in self._inflight.items())
         return _Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
 
-    def copy_events(self) -> list[_FamilyCopy]:
-        """The event series now, family by family (on the loop, or see `_Family`)."""
+    def copy_events(self) -> list[FamilyCopy]:
+        """The event series now, family by family (on the loop, or from any thread)."""
         return [f.copy() for f in self.families]
 
-    def export_events(self, copies: list[_FamilyCopy] | None) -> list[Metric]:
+    def export_events(self, copies: list[FamilyCopy] | None) -> list[Metric]:
         """The counter and histogram families; without `copies`, no samples (describe)."""
-        created = _use_created()
+        created = created_series()
         if copies is None:
             return [f.export(None, created) for f in self.families]
         return [f.export(c, created) for f, c in zip(self.families, copies, strict=True)]
-
-
-# ====================================================================== tracing
-
-OTEL_ENV = "PUSHKV_OTEL"
-OTEL_EXPORTER_ENV = "PUSHKV_OTEL_EXPORTER"
-
-
-def _ns(unix_s: float) -> int:
-    return int(unix_s * 1e9)
-
-
-class TransferTracer:
-    """One OpenTelemetry span per transfer (name "pushkv.transfer"), one event per stage.
-
-    The span starts at the transfer's creation, carries the transfer id and
-    engines as attributes, and ends at the terminal state (events recorded
-    after that, such as "released", are not traced). Opentelemetry is an
-    optional dependency, used through `Any`.
-    """
-
-    def __init__(self, runtime: Runtime, tracer_provider: Any) -> None:
-        self._rt = runtime
-        self._tracer = tracer_provider.get_tracer("pushkv.coordinator")
-        self._spans: dict[str, Any] = {}
-        self._cursor = TimelineCursor(self._alive)
-        self._status = importlib.import_module("opentelemetry.trace").Status
-        self._status_code = importlib.import_module("opentelemetry.trace").StatusCode
-
-    def _alive(self, transfer_id: str) -> bool:
-        return self._rt.core.has_transfer(transfer_id)
-
-    def on_transfer_changed(self, t: Transfer) -> None:
-        fresh, events = self._cursor.new_events(t)
-        span = self._spans.get(t.transfer_id)
-        if fresh:
-            if span is not None:  # the id was reused before the old one ended
-                span.end()
-            span = self._tracer.start_span(
-                "pushkv.transfer",
-                start_time=_ns(t.created_wall),
-                attributes={"pushkv.transfer_id": t.transfer_id},
-            )
-            self._spans[t.transfer_id] = span
-        if span is None:
-            return  # already ended
-        for stage, at, rank in events:
-            attrs = {"pushkv.rank": rank} if rank >= 0 else {}
-            span.add_event(stage, attributes=attrs, timestamp=_ns(at))
-            if stage in TERMINAL_STAGES:
-                span.set_attribute("pushkv.prefill_engine", t.prefill_engine or "")
-                span.set_attribute("pushkv.decode_engine", t.decode_engine or "")
-                span.set_attribute("pushkv.state", t.state.value)
-                span.set_attribute("pushkv.reason", t.reason.value)
-                if t.state is not State.COMPLETE:
-                    span.set_status(self._status(self._status_code.ERROR, t.detail))
-                span.end(end_time=_ns(at))
-                del self._spans[t.transfer_id]
-                return
-
-    def close(self) -> None:
-        for span in self._spans.values():
-            with contextlib.suppress(Exception):
-                span.end()
-        self._spans.clear()
-
-
-def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
-    """A tracer when PUSHKV_OTEL=1 and opentelemetry is importable, else None.
-
-    If no SDK tracer provider is configured yet (for example by
-    `opentelemetry-instrument`), one is installed that exports with OTLP
-    (standard OTEL_EXPORTER_OTLP_* variables) or, with
-    PUSHKV_OTEL_EXPORTER=console, prints spans to stdout.
-    """
-    if os.environ.get(OTEL_ENV, "").lower() not in ("1", "true", "yes", "on"):
-        return None
-    try:
-        trace = importlib.import_module("opentelemetry.trace")
-    except ImportError:
-        log.warning("otel_unavailable", detail="PUSHKV_OTEL=1 but opentelemetry is not installed")
-        return None
-    provider = trace.get_tracer_provider()
-    if type(provider).__name__ in ("ProxyTracerProvider", "NoOpTracerProvider"):
-        try:
-            provider = _sdk_provider()
-        except ImportError as exc:
-            log.warning("otel_sdk_unavailable", error=str(exc))
-            return None
-        trace.set_tracer_provider(provider)
-    log.info("otel_enabled", provider=type(provider).__name__)
-    return TransferTracer(runtime, provider)
-
-
-def _sdk_provider() -> Any:
-    sdk = importlib.import_module("opentelemetry.sdk.trace")
-    export = importlib.import_module("opentelemetry.sdk.trace.export")
-    resources = importlib.import_module("opentelemetry.sdk.resources")
-    provider = sdk.TracerProvider(
-        resource=resources.Resource.create({"service.name": "pushkv-coordinator"})
-    )
-    if os.environ.get(OTEL_EXPORTER_ENV, "otlp") == "console":
-        exporter = export.ConsoleSpanExporter()
-    else:
-        otlp = importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
-        exporter = otlp.OTLPSpanExporter()
-    provider.add_span_processor(export.BatchSpanProcessor(exporter))
-    return provider

@@ -127,7 +127,7 @@ class Runtime:
         self._sessions: dict[AgentKey, AgentSession] = {}
         self._watchers: set[Watcher] = set()
         self._ticker: asyncio.Task[None] | None = None
-        # Metrics and tracing (controlplane/metrics.py), told of every changed transfer.
+        # Metrics and tracing (controlplane/metrics.py, tracing.py), told of every change.
         self.observers: list[TransferObserver] = []
 
     # ---------------------------------------------------------------- lifecycle

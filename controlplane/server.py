@@ -20,11 +20,12 @@ from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
 from controlplane.logs import TransferLog
-from controlplane.metrics import CoordinatorMetrics, TransferTracer, tracer_from_env
+from controlplane.metrics import CoordinatorMetrics
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
+from controlplane.tracing import TransferTracer, tracer_from_env
 from wire.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")

@@ -13,21 +13,30 @@ import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    enable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.utils import floatToGoString
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from controlplane import metrics as cmetrics
+from controlplane import tracing
 from controlplane.core_build import core_build
+from controlplane.metric_families import CounterFamily, HistogramFamily, created_series
 from controlplane.server import Coordinator, ServerSettings, start
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import free_port
@@ -37,6 +46,7 @@ from vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector, o
 from vllm_integration.router import Router, RouterSettings
 
 WAIT = 10.0
+OPERATIONS_DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 BLOCK_BYTES = 3 * 2 * 4096  # 3 blocks x (K and V regions) x 4096 bytes
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -67,6 +77,37 @@ async def scrape(url: str) -> tuple[str, Samples]:
         assert r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()
     return text, parse(text)
+
+
+Families = dict[str, tuple[str, frozenset[str]]]  # name -> (type, label names)
+
+
+def documented_coordinator_metrics() -> Families:
+    """The coordinator's rows of the metric table in docs/operations.md."""
+    out: Families = {}
+    for line in OPERATIONS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 4 or not re.fullmatch(r"`pushkv_\w+`", cells[0]):
+            continue
+        name = cells[0].strip("`")
+        if name.startswith(("pushkv_router_", "pushkv_connector_")):
+            continue
+        # "side=`decode_first`\|...", "engine (prefill)": the name leads each label.
+        labels = frozenset(re.sub(r"\W.*", "", c.strip()) for c in cells[2].split(",")) - {""}
+        kind = "gauge" if cells[1] == "info" else cells[1]  # the text format's info is a gauge
+        out[name] = (kind, labels)
+    return out
+
+
+def scraped_families(text: str) -> Families:
+    """name -> (type, label names) of the pushkv_ families of a scrape, as the docs name them."""
+    out: Families = {}
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("pushkv_") or fam.name.endswith("_created"):
+            continue
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        out[name] = (fam.type, frozenset(k for smp in fam.samples for k in smp.labels) - {"le"})
+    return out
 
 
 @pytest.fixture
@@ -188,7 +229,12 @@ async def test_coordinator_metrics_after_real_transfers(
     assert value(s, "pushkv_write_size_bytes_sum") == 2 * BLOCK_BYTES
     # Cumulative buckets: both 24 KiB WRITEs fall in (16 KiB, 64 KiB].
     size = {dict(k[1])["le"]: v for k, v in s.items() if k[0] == "pushkv_write_size_bytes_bucket"}
-    assert list(size) == [*(floatToGoString(b) for b in cmetrics.BYTE_BUCKETS), "+Inf"]
+    # `le` as prometheus_client writes it (Go's float format: exponents from 1e+06).
+    assert list(size) == [
+        *("4096.0", "16384.0", "65536.0", "262144.0", "1.048576e+06", "4.194304e+06"),
+        *("1.6777216e+07", "6.7108864e+07", "2.68435456e+08", "1.073741824e+09"),
+        *("4.294967296e+09", "+Inf"),
+    ]
     assert (size["4096.0"], size["16384.0"], size["65536.0"], size["+Inf"]) == (0, 0, 2, 2)
     for side in ("decode_first", "prefill_first"):
         wait = [
@@ -223,6 +269,9 @@ async def test_coordinator_metrics_after_real_transfers(
     assert dict(info[0][1])["coordinator_id"] == coord.runtime.core.coordinator_id
     assert dict(info[0][1])["core"] == core_build()
 
+    # docs/operations.md's table lists every coordinator metric, with its type and labels.
+    assert scraped_families(text) == documented_coordinator_metrics()
+
     # Every metric of ours is pushkv_-prefixed, and no label carries a transfer id.
     ours = [k for k in s if not k[0].startswith(("python_", "process_"))]
     assert all(name.startswith("pushkv_") for name, _ in ours)
@@ -230,13 +279,14 @@ async def test_coordinator_metrics_after_real_transfers(
 
 
 class _Families:
-    """A registry collector for some of CoordinatorMetrics' plain families."""
+    """A registry collector for some plain families, as CoordinatorMetrics exports them."""
 
     def __init__(self, *families: Any) -> None:
         self.families = families
 
     def collect(self) -> list[Any]:
-        return [f.export(f.copy(), True) for f in self.families]
+        created = created_series()
+        return [f.export(f.copy(), created) for f in self.families]
 
 
 def without_created(text: bytes) -> str:
@@ -250,9 +300,9 @@ def test_plain_families_export_as_prometheus_client() -> None:
     plain = Histogram("y_bytes", "doc y", buckets=cmetrics.BYTE_BUCKETS, registry=theirs)
     count = Counter("x_events", "doc c", ["state", "reason"], registry=theirs)
     hist.labels("decode_first")  # pre-created, never observed
-    my_hist = cmetrics._HistFamily("x_seconds", "doc h", (0.001, 0.5, 2.0), ("side",))
-    my_plain = cmetrics._HistFamily("y_bytes", "doc y", cmetrics.BYTE_BUCKETS)
-    my_count = cmetrics._CounterFamily("x_events", "doc c", ("state", "reason"))
+    my_hist = HistogramFamily("x_seconds", "doc h", (0.001, 0.5, 2.0), ("side",))
+    my_plain = HistogramFamily("y_bytes", "doc y", cmetrics.BYTE_BUCKETS)
+    my_count = CounterFamily("x_events", "doc c", ("state", "reason"))
     my_hist.child("decode_first")
     ours.register(_Families(my_hist, my_plain, my_count))
     # Bounds exactly, between, below the first, above the last, ints.
@@ -269,11 +319,20 @@ def test_plain_families_export_as_prometheus_client() -> None:
     created = [ln for ln in mine.splitlines() if b"_created" in ln and not ln.startswith(b"#")]
     assert len(created) == 2 + 1 + 2  # one per series
     assert b'x_seconds_bucket{le="+Inf",side="prefill_first"} 5.0' in mine
+    # prometheus_client's switch for *_created series holds for ours as well.
+    was_on = created_series()
+    disable_created_metrics()
+    try:
+        assert generate_latest(ours) == generate_latest(theirs)
+        assert b"_created" not in generate_latest(ours)
+    finally:
+        if was_on:
+            enable_created_metrics()
 
 
 def test_scrape_copies_while_the_loop_adds_series() -> None:
     """A scrape thread copying while the loop thread adds series never fails."""
-    fam = cmetrics._HistFamily("z_seconds", "doc", cmetrics.WAIT_BUCKETS, ("engine",))
+    fam = HistogramFamily("z_seconds", "doc", cmetrics.WAIT_BUCKETS, ("engine",))
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -349,11 +408,11 @@ async def test_tracing_one_span_per_transfer(
     exporter = memory.InMemorySpanExporter()
     provider = sdk.TracerProvider()
     provider.add_span_processor(export.SimpleSpanProcessor(exporter))
-    tracer = cmetrics.TransferTracer(coord.runtime, provider)
+    tracer = tracing.TransferTracer(coord.runtime, provider)
     coord.runtime.observers.append(tracer)
 
     monkeypatch.delenv("PUSHKV_OTEL", raising=False)
-    assert cmetrics.tracer_from_env(coord.runtime) is None  # off unless PUSHKV_OTEL=1
+    assert tracing.tracer_from_env(coord.runtime) is None  # off unless PUSHKV_OTEL=1
 
     async with grpc.aio.insecure_channel(coord.address) as ch:
         await complete(ch, cluster, "m-traced", decode_first=True)
