@@ -14,6 +14,10 @@ Invariants:
   transfer COMPLETE through its orders (reason NONE): no notice is sent, since
   every prefill rank freed its blocks on its own DONE and every decode rank
   reported KV_READY to its host before it sent the arrival that completed it.
+- Every rank of an engine whose side arrives after the transfer ended gets the
+  terminal notice at once, unless the transfer named that engine when it
+  ended (it was told then). The side is not recorded, so a retried late
+  report is told again (hosts act on a transfer's end once).
 """
 
 from __future__ import annotations
@@ -435,8 +439,12 @@ class Rendezvous:
                 )
             return t, []  # an idempotent retry
         if t.state.terminal:
-            # Cancelled or expired before this side arrived: the answer says so.
-            return t, []
+            # Cancelled or expired before this side arrived: the answer says so,
+            # and an engine the transfer did not name when it ended (so was not
+            # told then) gets the terminal notice now, on every rank.
+            if eid in (t.prefill_engine, t.decode_engine):
+                return t, []
+            return t, self._notify_engines(t, (eid,))
         self._count_engine(t, eid)
         effects: list[Effect] = [TransferChanged(tid)]
         if role is Role.DECODE:
@@ -574,9 +582,13 @@ class Rendezvous:
         return [TransferChanged(t.transfer_id), *self._notify(t)]
 
     def _notify(self, t: Transfer) -> list[Effect]:
+        """The transfer's state, to every rank of the engines it names."""
+        return self._notify_engines(t, {x for x in (t.prefill_engine, t.decode_engine) if x})
+
+    def _notify_engines(self, t: Transfer, engines: Iterable[EngineId]) -> list[Effect]:
         notice = Notice(t.transfer_id, t.state, t.reason, t.detail, t.write_may_land)
         out: list[Effect] = []
-        for e in {x for x in (t.prefill_engine, t.decode_engine) if x}:
+        for e in engines:
             eng = self.registry.engine(e)
             if eng is None:
                 continue

@@ -109,9 +109,12 @@ class StatusServicer(pbg.StatusServiceServicer):
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferEvent]:
         flt = _filter(request.states, request.engine_id)
-        w = self._rt.watch(flt)
+        w = self._rt.watch(flt)  # before the replay: no change between the two is lost
         try:
             if request.include_existing:
+                # Every matching transfer still held, oldest first: live ones and
+                # terminal ones within their retention (a watch for terminal states
+                # sees what ended before it started; `pushkv status watch --existing`).
                 found, _ = self._rt.core.find(flt, MAX_LIST_LIMIT)
                 for t in reversed(found):
                     yield pb.TransferEvent(transfer=self._rt.status(t))

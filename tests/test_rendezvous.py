@@ -155,10 +155,54 @@ def test_cancel_before_order_prevents_it() -> None:
 
 def test_cancel_of_unknown_transfer_leaves_a_tombstone() -> None:
     rv, _ = core()
-    t, _ = rv.cancel("early", "")
-    assert t.state is State.CANCELLED
+    t, effects = rv.cancel("early", "")
+    assert t.state is State.CANCELLED and notices(effects) == []  # no engine named yet
     t, effects = rv.register_decode("early", D, [[1]], 10)
-    assert t.state is State.CANCELLED and effects == []
+    assert t.state is State.CANCELLED and orders(effects) == []
+    # The late side's engine is told, like the engines a transfer names when it ends.
+    [n] = notices(effects)
+    assert n.to == AgentKey(D, 0) and n.incarnation == "i1"
+    assert (n.notice.state, n.notice.reason, n.notice.write_may_land) == (
+        State.CANCELLED,
+        Reason.CANCELLED,
+        False,
+    )
+    assert t.decode is None and t.timeline[-1][0] == "cancelled"  # the late side is not kept
+
+
+@pytest.mark.parametrize("end", ["cancel", "expire"])
+def test_a_side_arriving_after_the_end_tells_every_rank_of_its_engine(end: str) -> None:
+    rv, clock = core(tp=2, rendezvous_timeout_s=5, lease_s=100)
+    rv.register_decode("t", D, [[1]], 10)
+    if end == "cancel":
+        _, effects = rv.cancel("t", "client left")
+        state, reason = State.CANCELLED, Reason.CANCELLED
+    else:
+        clock.advance(6)
+        effects = rv.tick()
+        state, reason = State.EXPIRED, Reason.DEADLINE
+    # The end told the engine the transfer named: decode, every rank, once.
+    assert sorted(n.to for n in notices(effects)) == [AgentKey(D, 0), AgentKey(D, 1)]
+    t, effects = rv.prefill_done("t", P, [[3]], 10)
+    assert t.state is state and orders(effects) == []
+    told = notices(effects)
+    assert sorted(n.to for n in told) == [AgentKey(P, 0), AgentKey(P, 1)]
+    assert {(n.notice.state, n.notice.reason, n.notice.write_may_land) for n in told} == {
+        (state, reason, False)
+    }
+    # A retried late report is told again (hosts act on one end per transfer).
+    assert len(notices(rv.prefill_done("t", P, [[3]], 10)[1])) == 2
+    # The decode side, kept and told when the transfer ended: a retry changes nothing.
+    assert rv.register_decode("t", D, [[1]], 10)[1] == []
+
+
+def test_a_named_engine_arriving_after_the_end_is_not_told_twice() -> None:
+    rv, _ = core()
+    rv.begin("t", P, D)
+    _, effects = rv.cancel("t", "")
+    assert {n.to for n in notices(effects)} == {AgentKey(P, 0), AgentKey(D, 0)}
+    for late in (rv.prefill_done("t", P, [[3]], 10), rv.register_decode("t", D, [[1]], 10)):
+        assert late[0].state is State.CANCELLED and late[1] == []
 
 
 def test_cancel_after_order_fences_until_prefill_resolves() -> None:

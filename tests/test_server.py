@@ -234,6 +234,13 @@ async def test_cancel_before_the_order_means_no_order_is_ever_sent(
 
     late = await transfers(channel).ReportPrefillDone(prefill_req("gone", [1, 2, 3]))
     assert late.state == pb.TRANSFER_STATE_CANCELLED
+    # The prefill engine was not named when "gone" ended: its late report is told.
+    n = await p.expect("notice")
+    assert (n.transfer_id, n.state, n.write_may_land) == (
+        "gone",
+        pb.TRANSFER_STATE_CANCELLED,
+        False,
+    )
 
     # The next transfer's order is the first and only order the prefill rank sees.
     await rendezvous(channel, "kept")
@@ -244,6 +251,56 @@ async def test_cancel_before_the_order_means_no_order_is_ever_sent(
     done = await wait_terminal(channel, ["kept"])
     assert done["kept"].state == pb.TRANSFER_STATE_COMPLETE
     assert [o.transfer_id for o in p.orders_seen] == ["kept"]
+
+
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+async def test_a_side_that_arrives_after_the_end_is_told_on_every_rank(
+    make_coord: MakeCoord, end: str
+) -> None:
+    """TransferNotice goes to every rank of both engines, even one that came too late.
+
+    A host that frees its blocks on notices must not hold them because its
+    engine's report arrived after the transfer ended (it was not named then).
+    """
+    coord = await make_coord(**({"rendezvous_timeout_s": 0.2} if end == "expired" else {}))
+    async with (
+        SimCluster(coord.address, tp_size=2, auto_complete=False) as cl,
+        grpc.aio.insecure_channel(coord.address) as ch,
+    ):
+        if end == "cancelled":  # no BeginTransfer: the transfer names no engine
+            st = await transfers(ch).Cancel(pb.CancelRequest(transfer_id="late", reason="gone"))
+            state, reason = pb.TRANSFER_STATE_CANCELLED, pb.REASON_CANCELLED
+        else:  # decode registered, prefill never came in time
+            await transfers(ch).RegisterDecodeBlocks(decode_req("late", [7, 8, 9]))
+            st = (await wait_terminal(ch, ["late"]))["late"]
+            state, reason = pb.TRANSFER_STATE_EXPIRED, pb.REASON_DEADLINE
+            for d in cl.decode:
+                assert (await d.expect("notice")).state == state
+        assert st.state == state
+
+        late = await transfers(ch).ReportPrefillDone(prefill_req("late", [1, 2, 3]))
+        assert late.state == state and not late.write_may_land
+        for p in cl.prefill:
+            n = await p.expect("notice")
+            assert (n.transfer_id, n.state, n.reason, n.write_may_land) == (
+                "late",
+                state,
+                reason,
+                False,
+            )
+        # Through Submit, a decode side that comes too late is told the same way.
+        call = pb.TransferCall(register=decode_req("late", [7, 8, 9]))
+        [res] = (await transfers(ch).Submit(pb.SubmitRequest(calls=[call]))).results
+        assert (res.code, res.state) == (0, state)
+        if end == "cancelled":
+            for d in cl.decode:
+                assert (await d.expect("notice")).state == state
+        # No order was ever issued, and nothing else reached any rank.
+        await settle(*cl.agents)
+        for agent in cl.agents:
+            kinds = {m.WhichOneof("kind") for m in drain(agent)}
+            assert kinds <= {"heartbeat_ack"}, (agent.key, kinds)
+            assert agent.orders_seen == []
 
 
 async def test_cancel_after_the_order_fences_decode_blocks_until_dropped(
@@ -511,6 +568,20 @@ async def test_watch_replays_existing_then_filters_new_events(
             assert (nxt.transfer_id, nxt.state) == ("new", pb.TRANSFER_STATE_COMPLETE)
         finally:
             call.cancel()
+
+        # Without a state filter the replay holds live and retained terminal
+        # transfers alike, oldest first (the proto's include_existing).
+        call = status(channel).WatchTransfers(pb.WatchTransfersRequest(include_existing=True))
+        try:
+            replayed = [await _next_event(call) for _ in range(4)]
+        finally:
+            call.cancel()
+        assert [(t.transfer_id, t.state) for t in replayed] == [
+            ("old", pb.TRANSFER_STATE_COMPLETE),
+            ("waiting", pb.TRANSFER_STATE_REGISTERED),
+            ("skipped", pb.TRANSFER_STATE_REGISTERED),
+            ("new", pb.TRANSFER_STATE_COMPLETE),
+        ]
 
         err = await rpc_error(
             status(channel).WatchTransfers(pb.WatchTransfersRequest(states=[42])).read()

@@ -711,7 +711,9 @@ Global___CancelOrder: _TypeAlias = CancelOrder  # noqa: Y015
 @_typing.final
 class TransferNotice(_message.Message):
     """A transfer reached a state the agent's host must act on (KV ready,
-    blocks releasable, failure). Sent to every rank of both engines.
+    blocks releasable, failure). Sent to every rank of both engines. An engine
+    whose side arrives after the transfer ended (cancelled or expired before it
+    named that engine) gets the terminal notice then, with the call's answer.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1258,7 +1260,12 @@ class WatchTransfersRequest(_message.Message):
     INCLUDE_EXISTING_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     include_existing: _builtins.bool
-    """first replay matching live transfers"""
+    """First replay every matching transfer the coordinator still holds, oldest
+    first (at most the 10 000 newest): live ones and terminal ones within
+    their retention, so a watch for terminal states also sees transfers that
+    ended before it started. Then the changes, as they happen; a transfer
+    that changes during the replay may be sent again.
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[Global___TransferState.ValueType]: ...
     def __init__(
