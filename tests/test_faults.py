@@ -133,12 +133,11 @@ def _failed(rig: Rig, tid: str) -> pb.TransferStatus:
 
 
 def _released(rig: Rig, tid: str) -> None:
-    t = rig.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-    if t.write_may_land:
-        t = wait_state(rig.status, tid, t.state, timeout=0.1)
-    # decode blocks come back only when no WRITE can land any more
+    # decode blocks come back only when no WRITE can land any more: the agent
+    # tells KV_FAILED on the coordinator's write_may_land=false notice.
     assert rig.d.wait_event(tid, DEADLINE_S).kind is EventKind.KV_FAILED
-    assert not rig.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid)).write_may_land
+    t = rig.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+    assert not t.write_may_land, t
     assert rig.d.call("check_canary", list(range(NB)), CANARY) == []
 
 
