@@ -72,10 +72,13 @@ def summary(runs: list[Run], memory: Memory | None) -> list[str]:
     out = [f"summary: {SETUP}", f"  {RULES}"]
     for run in runs:
         sat = run.saturation
+        bound = "" if run.saturated else "at least "
         out.append(
-            f"{describe(run)}: {sat.completed_per_s:.0f} rendezvous/s reached COMPLETE "
+            f"{describe(run)}: {bound}{sat.completed_per_s:.0f} rendezvous/s reached COMPLETE "
             f"(offered {sat.offered:.0f}/s, coordinator CPU {sat.coord_cpu * 100:.0f}%)"
         )
+        if not run.saturated:
+            out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate unsaturated)")
         if run.half is not None:
             p50, p99 = latency(run.half)
             out.append(
@@ -123,6 +126,7 @@ def final_line(runs: list[Run], memory: Memory | None) -> str:
             parts += [f"batch_calls_per_rpc={sat.calls_per_rpc:.0f}", f"batch_max={run.batch}"]
         parts += [
             f"rendezvous_per_s_{m}={sat.completed_per_s:.0f}",
+            f"saturated_{m}={'yes' if run.saturated else 'no_lower_bound'}",
             f"order_p50_ms_{m}={p50:.2f}",
             f"order_p99_ms_{m}={p99:.2f}",
         ]

@@ -42,6 +42,12 @@ class Run:
     def saturation(self) -> Step:
         return max(self.steps, key=lambda s: s.completed_per_s)
 
+    @property
+    def saturated(self) -> bool:
+        """False: the ramp ended (--max-steps, --max-rate) before the coordinator
+        saturated, so the saturation figure is a lower bound."""
+        return bool(self.steps) and self.steps[-1].saturated
+
 
 @dataclass
 class Memory:

@@ -178,7 +178,9 @@ def test_the_summary_says_batched_its_batch_size_and_simulated_agents() -> None:
     assert "batch_calls_per_rpc=120" in line and "batch_max=256" in line
     assert "rendezvous_per_s_batched=1000" in line and "rendezvous_per_s_unbatched=100" in line
     assert "batched_over_unbatched=10.0" in line
+    assert "saturated_batched=no_lower_bound" in line  # no step fell under 90 % of its offer
     text = "\n".join(summary([unbatched, batched], memory))
     assert "move no bytes" in text
     assert "batched (Submit of 120 calls per RPC" in text
     assert "unbatched (1 call per RPC)" in text
+    assert "at least 1000 rendezvous/s reached COMPLETE" in text
