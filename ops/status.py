@@ -136,7 +136,11 @@ def register(sub: Any) -> Callable[[argparse.Namespace], int]:
 
     w = cmds.add_parser("watch", help="stream transfer changes until interrupted")
     filters(w)
-    w.add_argument("--existing", action="store_true", help="first replay matching live transfers")
+    w.add_argument(
+        "--existing",
+        action="store_true",
+        help="first replay matching live and retained terminal transfers",
+    )
     w.add_argument("--count", type=int, default=0, help="stop after this many events (0 = never)")
     _connection_flags(w, top=False)
 

@@ -390,7 +390,9 @@ class Router:
                 # The decode side learns from the coordinator that no KV is coming:
                 # it recomputes (fallback) or fails the request, and no WRITE can
                 # land in its blocks after that.
-                await self._cancel(transfer_id, f"prefill leg failed: {failure}"[:1000])
+                outcome = "decode recomputes" if self.fallback else "request failed"
+                reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
+                await self._cancel(transfer_id, reason)
                 if self.fallback:
                     self.metrics.fallbacks.labels("prefill_failed").inc()
                 elif decode is not None and not answering.is_set():
