@@ -42,14 +42,8 @@ from agent.messages import (
     ReportStatus,
     WriteReportMsg,
 )
-from agent.nixl_adapter import (
-    FailureReason,
-    NixlEndpoint,
-    NixlError,
-    PeerKey,
-    TransferState,
-    WriteHandle,
-)
+from agent.nixl_adapter import NixlEndpoint
+from agent.nixl_types import FailureReason, NixlError, PeerKey, TransferState, WriteHandle
 from agent.notif import WriteNotif
 
 log = logging.getLogger("pushkv.agent")

@@ -34,7 +34,7 @@ from agent.messages import (
     Target,
     WriteReportMsg,
 )
-from agent.nixl_adapter import KVRegion, MemoryKind
+from agent.nixl_types import KVRegion, MemoryKind
 from wire.codes import PERMANENT
 
 log = logging.getLogger("pushkv.agent")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from agent.nixl_adapter import KVRegion, MemoryKind
+from agent.nixl_types import KVRegion, MemoryKind
 
 
 @dataclass(frozen=True, slots=True)

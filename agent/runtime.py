@@ -21,7 +21,8 @@ from agent.dataplane import DataPlane
 from agent.events import HostEvent
 from agent.link import ChannelFactory, CoordinatorLink
 from agent.messages import ExpectMsg, HoldMsg, PauseMsg
-from agent.nixl_adapter import KVRegion, MemoryKind, NixlEndpoint
+from agent.nixl_adapter import NixlEndpoint
+from agent.nixl_types import KVRegion, MemoryKind
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 

@@ -38,15 +38,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.nixl_adapter import (
-    KVRegion,
-    NixlEndpoint,
-    PeerKey,
-    TransferState,
-    WriteHandle,
-    merge_runs,
-    quiet_nixl_env,
-)
+from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
+from agent.nixl_types import KVRegion, PeerKey, TransferState, WriteHandle
+from agent.write_plan import merge_runs
 
 KiB = 1024
 MiB = 1024 * KiB

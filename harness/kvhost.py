@@ -50,7 +50,7 @@ def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray
 
 def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
-    from agent.nixl_adapter import KVRegion
+    from agent.nixl_types import KVRegion
     from agent.runtime import Agent, AgentConfig, AgentRole
     from wire.tls import TLSFiles
 

@@ -23,7 +23,8 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from agent.nixl_adapter import KVRegion, quiet_nixl_env
+from agent.nixl_adapter import quiet_nixl_env
+from agent.nixl_types import KVRegion
 from harness.coordinator import CoordinatorProcess
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.events import EventKind, HostEvent
-from agent.nixl_adapter import KVRegion, MemoryKind
+from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics

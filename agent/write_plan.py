@@ -1,0 +1,307 @@
+"""Which bytes one WRITE moves: pure planning over KV regions, no ``nixl`` import.
+
+A WRITE pairs local block ``local_blocks[i]`` with the peer's
+``remote_blocks[i]`` in EVERY region; regions pair up by index and must have
+the same ``block_len`` on both sides.  Blocks consecutive on BOTH sides form a
+run, and a run becomes one descriptor per region.  A descriptor row is
+``(addr, nbytes, device_id)``, region-major (all runs of region 0, then of
+region 1, ...), which is what NIXL's ``get_xfer_descs`` takes, either as a list
+of tuples or as an Nx3 uint64 array.
+
+Invalid requests raise :class:`~agent.nixl_types.NixlError` (INVALID_REQUEST)
+before anything could be posted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.nixl_types import FailureReason, KVRegion, NixlError, PeerKey
+
+__all__ = [
+    "PY_ROWS_MAX",
+    "VECTOR_MIN_BLOCKS",
+    "Layout",
+    "WritePlan",
+    "check_pairing",
+    "merge_runs",
+    "plan_write",
+]
+
+_U64 = npt.NDArray[np.uint64]
+_I64 = npt.NDArray[np.int64]
+
+#: From this many blocks on (unless they form one run on both sides),
+#: validation and run merging are vectorized.  Each numpy call costs 1-3 µs on
+#: the 2-vCPU VM, so one Python pass (about 6 µs for 64 ids) wins below this.
+VECTOR_MIN_BLOCKS: Final = 128
+#: Up to this many descriptors the rows are built as Python tuples.
+PY_ROWS_MAX: Final = 64
+
+Rows = list[tuple[int, int, int]] | _U64
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Regions of one side, pre-split for descriptor building."""
+
+    regions: tuple[KVRegion, ...]
+    triples: tuple[tuple[int, int, int], ...]  # (base_addr, block_len, device_id)
+    bases: _U64
+    block_lens: _U64
+    devices: _U64
+    max_blocks: int  # ids must be < this in every region
+    bytes_per_block: int  # one block id, summed over all regions
+
+    @classmethod
+    def of(cls, regions: Sequence[KVRegion], what: str) -> Layout:
+        """Validate ``regions`` (``what`` names them in errors) and pre-split them."""
+        regs = tuple(regions)
+        if not regs:
+            raise NixlError(FailureReason.INVALID_REQUEST, f"{what}: no KV regions given")
+        for i, r in enumerate(regs):
+            if r.base_addr <= 0 or r.block_len <= 0 or r.num_blocks < 0 or r.device_id < 0:
+                raise NixlError(
+                    FailureReason.INVALID_REQUEST, f"{what}: region {i} is invalid: {r}"
+                )
+        return cls(
+            regions=regs,
+            triples=tuple((r.base_addr, r.block_len, r.device_id) for r in regs),
+            bases=np.array([r.base_addr for r in regs], dtype=np.uint64),
+            block_lens=np.array([r.block_len for r in regs], dtype=np.uint64),
+            devices=np.array([r.device_id for r in regs], dtype=np.uint64),
+            max_blocks=min(r.num_blocks for r in regs),
+            bytes_per_block=sum(r.block_len for r in regs),
+        )
+
+    def rows(
+        self, starts: Sequence[int], lengths: Sequence[int] | None
+    ) -> list[tuple[int, int, int]]:
+        """Runs (``lengths`` None: all of length 1) -> (addr, len, dev) rows, region-major."""
+        if lengths is None:
+            return [(b + s * bl, bl, d) for b, bl, d in self.triples for s in starts]
+        return [
+            (b + s * bl, n * bl, d)
+            for b, bl, d in self.triples
+            for s, n in zip(starts, lengths, strict=True)
+        ]
+
+    def descriptors(self, starts: _U64, lengths: _U64) -> _U64:
+        """Same as :meth:`rows` for run arrays, as an Nx3 uint64 array."""
+        out = np.empty((len(self.regions), len(starts), 3), dtype=np.uint64)
+        out[:, :, 0] = self.bases[:, None] + starts[None, :] * self.block_lens[:, None]
+        out[:, :, 1] = lengths[None, :] * self.block_lens[:, None]
+        out[:, :, 2] = self.devices[:, None]
+        return out.reshape(-1, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """Descriptor rows of one WRITE, ready for ``get_xfer_descs``.
+
+    Row ``i`` of ``local_rows`` is copied to row ``i`` of ``remote_rows``; both
+    hold ``num_descriptors`` rows (or none, for an empty WRITE).
+    """
+
+    local_rows: Rows
+    remote_rows: Rows
+    num_descriptors: int
+    nbytes: int
+
+
+def check_pairing(local: Layout, remote: Layout, peer: PeerKey) -> None:
+    """Raise INVALID_REQUEST unless the two sides' regions pair up by index."""
+    if len(local.regions) != len(remote.regions):
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"peer {peer.agent_name!r} has {len(remote.regions)} KV regions, "
+            f"local has {len(local.regions)}; regions pair up by index",
+        )
+    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
+        if lr.block_len != rr.block_len:
+            raise NixlError(
+                FailureReason.INVALID_REQUEST,
+                f"peer {peer.agent_name!r} region {i} has block_len {rr.block_len}, "
+                f"local region {i} has {lr.block_len}",
+            )
+
+
+def merge_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Merge paired block ids into runs that are consecutive on BOTH sides.
+
+    Returns ``(local_start, remote_start, length)`` tuples in input order.  A new
+    run starts whenever either side's id is not its predecessor plus one.
+
+    Raises:
+        ValueError: the two sequences differ in length.
+    """
+    if len(local) != len(remote):
+        raise ValueError(
+            f"local and remote block lists differ in length ({len(local)} vs {len(remote)})"
+        )
+    if not len(local):
+        return []
+    starts_l, starts_r, lengths = _find_runs(_int_list(local), _int_list(remote))
+    return list(zip(starts_l, starts_r, lengths or [1] * len(starts_l), strict=True))
+
+
+def plan_write(
+    local: Layout,
+    remote: Layout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    remote_side: str,
+    *,
+    vector_min: int | None = None,
+) -> WritePlan:
+    """Validate block ids and build merged descriptor rows (one per region per run).
+
+    This runs inside every timed WRITE, so it is written for speed: one run on
+    both sides (the common contiguous case) is recognised with two C-level list
+    comparisons; fewer than ``vector_min`` (default :data:`VECTOR_MIN_BLOCKS`)
+    ids go through one Python pass; more are vectorized.  All three paths give
+    the same rows.
+
+    Raises:
+        NixlError: INVALID_REQUEST for a length mismatch, an id out of range or a
+            duplicate remote id (``remote_side`` names the peer in the message).
+    """
+    n = len(local_blocks)
+    if n != len(remote_blocks):
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"write to {remote_side}: {n} local blocks vs {len(remote_blocks)} remote blocks",
+        )
+    if n == 0:
+        return WritePlan([], [], 0, 0)
+    lb = _int_list(local_blocks)
+    rb = _int_list(remote_blocks)
+    l0, r0 = lb[0], rb[0]
+    if (
+        lb[-1] - l0 == n - 1
+        and rb[-1] - r0 == n - 1
+        and lb == list(range(l0, l0 + n))
+        and rb == list(range(r0, r0 + n))
+    ):  # one run on both sides; its ids are distinct by construction
+        _check_range("local", l0, l0 + n - 1, local.max_blocks)
+        _check_range(remote_side, r0, r0 + n - 1, remote.max_blocks)
+        return _plan_runs(local, remote, [l0], [r0], [n], n)
+    if n < (VECTOR_MIN_BLOCKS if vector_min is None else vector_min):
+        _check_range("local", min(lb), max(lb), local.max_blocks)
+        _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+        if len(set(rb)) != n:
+            raise _duplicate_remote_ids(remote_side)
+        l_starts, r_starts, lengths = _find_runs(lb, rb)
+        return _plan_runs(local, remote, l_starts, r_starts, lengths, n)
+
+    la: _I64 = np.asarray(lb, dtype=np.int64)
+    ra: _I64 = np.asarray(rb, dtype=np.int64)
+    _check_range("local", int(la.min()), int(la.max()), local.max_blocks)
+    _check_range(remote_side, int(ra.min()), int(ra.max()), remote.max_blocks)
+    if np.unique(ra).size != n:
+        raise _duplicate_remote_ids(remote_side)
+    # A run starts where either side's id is not its predecessor + 1.
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = (la[1:] != la[:-1] + 1) | (ra[1:] != ra[:-1] + 1)
+    starts = np.flatnonzero(brk)
+    run_lens = np.diff(np.append(starts, n)).astype(np.uint64)
+    return _array_plan(
+        local, remote, la[starts].astype(np.uint64), ra[starts].astype(np.uint64), run_lens, n
+    )
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _check_range(side: str, lo: int, hi: int, limit: int) -> None:
+    """Raise INVALID_REQUEST unless the ids ``lo``..``hi`` of ``side`` lie in [0, limit)."""
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise NixlError(
+            FailureReason.INVALID_REQUEST, f"{side} block id {bad} out of range [0, {limit})"
+        )
+
+
+def _duplicate_remote_ids(remote_side: str) -> NixlError:
+    # Two sources for one destination block: which lands last is unspecified.
+    return NixlError(
+        FailureReason.INVALID_REQUEST, f"write to {remote_side}: duplicate remote block ids"
+    )
+
+
+def _int_list(ids: Sequence[int]) -> list[int]:
+    if type(ids) is list:
+        return ids
+    arr: object = ids
+    if isinstance(arr, np.ndarray):
+        return [int(b) for b in arr.tolist()]
+    return list(ids)
+
+
+def _find_runs(lb: list[int], rb: list[int]) -> tuple[list[int], list[int], list[int] | None]:
+    """One pass: (local starts, remote starts, lengths or None when every run is 1 long)."""
+    ls: list[int] = []
+    rs: list[int] = []
+    ns: list[int] = []
+    pl = pr = -2
+    k = 0
+    for a, b in zip(lb, rb, strict=True):
+        if a == pl + 1 and b == pr + 1:
+            k += 1
+        else:
+            if k:
+                ns.append(k)
+            ls.append(a)
+            rs.append(b)
+            k = 1
+        pl, pr = a, b
+    ns.append(k)
+    return ls, rs, (None if len(ns) == len(lb) else ns)
+
+
+def _plan_runs(
+    local: Layout,
+    remote: Layout,
+    l_starts: list[int],
+    r_starts: list[int],
+    lengths: list[int] | None,
+    num_blocks: int,
+) -> WritePlan:
+    """Rows of validated runs: Python tuples while few, else an Nx3 array."""
+    num_descriptors = len(l_starts) * len(local.regions)
+    if num_descriptors <= PY_ROWS_MAX:
+        return WritePlan(
+            local.rows(l_starts, lengths),
+            remote.rows(r_starts, lengths),
+            num_descriptors,
+            num_blocks * local.bytes_per_block,
+        )
+    lens: _U64 = (
+        np.ones(len(l_starts), dtype=np.uint64)
+        if lengths is None
+        else np.array(lengths, dtype=np.uint64)
+    )
+    return _array_plan(
+        local,
+        remote,
+        np.array(l_starts, dtype=np.uint64),
+        np.array(r_starts, dtype=np.uint64),
+        lens,
+        num_blocks,
+    )
+
+
+def _array_plan(
+    local: Layout, remote: Layout, l_starts: _U64, r_starts: _U64, lengths: _U64, num_blocks: int
+) -> WritePlan:
+    return WritePlan(
+        local.descriptors(l_starts, lengths),
+        remote.descriptors(r_starts, lengths),
+        len(l_starts) * len(local.regions),
+        num_blocks * local.bytes_per_block,
+    )
