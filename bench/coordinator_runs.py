@@ -37,16 +37,13 @@ class Run:
     steps: list[Step] = field(default_factory=list)
     half: Step | None = None  # at half the saturation rate: the latency figures
     core: str = ""  # the `core:` line its coordinator process reported
+    # False: the ramp ended (--max-steps, --max-rate) before a step and its
+    # rechecks saturated, so the saturation figure is a lower bound.
+    saturated: bool = False
 
     @property
     def saturation(self) -> Step:
         return max(self.steps, key=lambda s: s.completed_per_s)
-
-    @property
-    def saturated(self) -> bool:
-        """False: the ramp ended (--max-steps, --max-rate) before the coordinator
-        saturated, so the saturation figure is a lower bound."""
-        return bool(self.steps) and self.steps[-1].saturated
 
 
 @dataclass
@@ -186,6 +183,7 @@ class Bench:
                     run.steps.append(s)
                     if not s.saturated:
                         break
+                run.saturated = s.saturated
                 if s.saturated or rate >= a.max_rate:
                     break
                 sustained = rate

@@ -172,13 +172,15 @@ def test_the_summary_says_batched_its_batch_size_and_simulated_agents() -> None:
 
     batched = Run("batched", 256, [step(1000, 10, 1200)], step(500, 10, 600), "core: pure Python")
     unbatched = Run("unbatched", 0, [step(100, 200, 200)], step(50, 100, 100), "core: pure Python")
+    unbatched.saturated = True
     memory = Memory(0, 1000, 10, None, "core: pure Python")
     line = final_line([unbatched, batched], memory)
     assert "agents=simulated_no_bytes" in line
     assert "batch_calls_per_rpc=120" in line and "batch_max=256" in line
     assert "rendezvous_per_s_batched=1000" in line and "rendezvous_per_s_unbatched=100" in line
     assert "batched_over_unbatched=10.0" in line
-    assert "saturated_batched=no_lower_bound" in line  # no step fell under 90 % of its offer
+    assert "saturated_batched=no_lower_bound" in line
+    assert "saturated_unbatched=yes" in line
     text = "\n".join(summary([unbatched, batched], memory))
     assert "move no bytes" in text
     assert "batched (Submit of 120 calls per RPC" in text
