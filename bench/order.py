@@ -31,6 +31,7 @@ from agent.events import EventKind
 from bench.stats import percentile
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from harness.rendezvous import rendezvous
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,24 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 src = rng.sample(range(256), args.blocks)
                 dst = rng.sample(range(256), args.blocks)
                 d.call("expect", [tid])
-                reg = pb.RegisterDecodeBlocksRequest(
-                    transfer_id=tid,
-                    decode_engine_id="D",
-                    block_ids=[pb.BlockIds(ids=dst)],
+                rendezvous(
+                    req,
+                    tid,
+                    prefill="P",
+                    decode="D",
+                    src=src,
+                    dst=dst,
                     num_tokens=tokens,
+                    decode_first=bool(i % 2),
                 )
-                done = pb.ReportPrefillDoneRequest(
-                    transfer_id=tid,
-                    prefill_engine_id="P",
-                    block_ids=[pb.BlockIds(ids=src)],
-                    num_tokens=tokens,
-                )
-                if i % 2:
-                    req.RegisterDecodeBlocks(reg, timeout=10)
-                    req.ReportPrefillDone(done, timeout=10)
-                else:
-                    req.ReportPrefillDone(done, timeout=10)
-                    req.RegisterDecodeBlocks(reg, timeout=10)
                 t0 = time.monotonic()
                 ev = d.wait_event(tid, timeout=20)
                 elapsed = (time.monotonic() - t0) * 1000

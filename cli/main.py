@@ -127,7 +127,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         return bench_order(args.rest)
     if args.which == "serving":
-        from bench.serving import main as bench_serving
+        from bench.serving.main import main as bench_serving
 
         return bench_serving(args.rest)
     if args.which == "core":
@@ -135,7 +135,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         return bench_core(args.rest)
     if args.which == "hooks":
-        from bench.hooks import main as bench_hooks
+        from bench.hooks.main import main as bench_hooks
 
         return bench_hooks(args.rest)
     from bench.coordinator import main as bench_coordinator

@@ -18,6 +18,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from harness.rendezvous import rendezvous
 from ops.tables import engines_table, transfers_table
 
 NUM_BLOCKS = 64
@@ -53,26 +54,18 @@ def run(transfers: int = 8) -> int:
                 dst = rng.sample(range(NUM_BLOCKS), n_blocks)
                 decode.call("canary", 0xAB)
                 prefill.fill(src, seed=i)
-                register = pb.RegisterDecodeBlocksRequest(
-                    transfer_id=tid,
-                    decode_engine_id="decode-0",
-                    block_ids=[pb.BlockIds(ids=dst)],
-                    num_tokens=num_tokens,
-                )
-                done = pb.ReportPrefillDoneRequest(
-                    transfer_id=tid,
-                    prefill_engine_id="prefill-0",
-                    block_ids=[pb.BlockIds(ids=src)],
-                    num_tokens=num_tokens,
-                )
                 decode.call("expect", [tid])
                 started = time.monotonic()
-                if decode_first:
-                    req.RegisterDecodeBlocks(register, timeout=10)
-                    req.ReportPrefillDone(done, timeout=10)
-                else:
-                    req.ReportPrefillDone(done, timeout=10)
-                    req.RegisterDecodeBlocks(register, timeout=10)
+                rendezvous(
+                    req,
+                    tid,
+                    prefill="prefill-0",
+                    decode="decode-0",
+                    src=src,
+                    dst=dst,
+                    num_tokens=num_tokens,
+                    decode_first=decode_first,
+                )
                 ready = decode.wait_event(tid, timeout=20)
                 elapsed_ms = (time.monotonic() - started) * 1000
                 freed = prefill.wait_event(tid, timeout=20)

@@ -23,11 +23,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from harness.coordinator import CoordinatorProcess
 from harness.tiny_model import build_tiny_model
-from harness.vllm_server import (
-    RouterProcess,
-    metric_value,
-    pushkv_server,
-)
+from harness.vllm_server import PushkvCluster, metric_value
 from ops.tables import engines_table, transfers_table
 
 MODEL_DIR = Path(".cache/tiny-model")
@@ -78,23 +74,15 @@ def run(requests: int = 12, model_dir: Path = MODEL_DIR) -> int:
     lengths = [rng.choice([8, 31, 32, 33, 64, 100, 200, 333, 500]) for _ in range(requests)]
     prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
     with CoordinatorProcess("--log-level", "WARNING") as coord:
-        prefill = pushkv_server(
-            model, "prefill", "prefill-0", coord.address, cpu_core=0, block_size=BLOCK
-        )
-        decode = pushkv_server(
-            model, "decode", "decode-0", coord.address, cpu_core=1, block_size=BLOCK
-        )
-        router = RouterProcess(coord.address)
+        cluster = PushkvCluster.around(coord.address, model, block_size=BLOCK)
+        prefill, decode, router = cluster.prefill, cluster.decode, cluster.router
         try:
             _say(
                 f"coordinator on {coord.address}; starting prefill and decode vLLM servers "
                 "(about a minute on 2 cores) ..."
             )
-            prefill.start()
-            decode.start()
-            prefill.wait_ready()
-            decode.wait_ready()
-            router.start()
+            cluster.start_engines()
+            cluster.start_router()
             _say(f"router on {router.url}; sending {requests} requests concurrently\n")
             body = {"model": "tiny", "max_tokens": 16, "temperature": 0}
             before = metric_value(
@@ -141,9 +129,7 @@ def run(requests: int = 12, model_dir: Path = MODEL_DIR) -> int:
             )
             return 0 if same == requests and complete == requests else 1
         finally:
-            router.stop()
-            prefill.stop()
-            decode.stop()
+            cluster.stop()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Real vLLM 0.32 scheduler objects, built in-process with no server and no model run.
 
-`pushkv bench hooks` (bench/hooks.py) and the tests' harness
+`pushkv bench hooks` (bench/hooks/) and the tests' harness
 (tests/support/vllm_harness.py) build their engines here, so both run the same vLLM
 construction: a ``VllmConfig`` for a local model directory, one full-attention
 KV cache group over every decoder layer, a v1 ``Scheduler`` whose KV connector
-``KVConnectorFactory`` builds, and ``Request``s with the engine's block hasher.
+``KVConnectorFactory`` builds, ``Request``s with the engine's block hasher, and
+the ``ModelRunnerOutput`` of a played model (one fixed token per finished prompt).
 
 vLLM is imported inside the functions: importing this module costs nothing.
 """
@@ -17,9 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
+
+SAMPLED_TOKEN = 100  # what the played model samples; not EOS (id 0) in the tiny model
 
 
 def vllm_config(
@@ -29,7 +34,7 @@ def vllm_config(
     connector_module: str | None,
     kv_role: str,
     engine_id: str | None = None,
-    extra_config: dict[str, Any] | None = None,
+    kv_connector_extra_config: dict[str, Any] | None = None,
     kv_load_failure_policy: str | None = None,
     block_size: int = 16,
     enable_prefix_caching: bool = True,
@@ -54,7 +59,7 @@ def vllm_config(
     kv: dict[str, Any] = {
         "kv_connector": connector_name,
         "kv_role": kv_role,
-        "kv_connector_extra_config": dict(extra_config or {}),
+        "kv_connector_extra_config": dict(kv_connector_extra_config or {}),
     }
     if connector_module is not None:
         kv["kv_connector_module_path"] = connector_module
@@ -88,7 +93,7 @@ def vllm_config(
     )
 
 
-def kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
+def kv_cache_config(config: VllmConfig, num_blocks: int = 256) -> KVCacheConfig:
     """One ``FullAttentionSpec`` group covering every decoder layer of the model."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -109,7 +114,7 @@ def kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
     )
 
 
-def scheduler(config: VllmConfig, num_blocks: int, *, log_stats: bool = True) -> Scheduler:
+def scheduler(config: VllmConfig, num_blocks: int = 256, *, log_stats: bool = True) -> Scheduler:
     """A real v1 ``Scheduler`` over ``num_blocks`` blocks; its connector (the
     SCHEDULER role) is ``scheduler.connector``."""
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -168,4 +173,30 @@ def request(
         pooling_params=None,
         cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(config.cache_config.block_size, hash_fn),
+    )
+
+
+def runner_output(
+    scheduler: Scheduler,
+    scheduler_output: SchedulerOutput,
+    *,
+    kv_connector_output: KVConnectorOutput | None = None,
+    sampled_token: int = SAMPLED_TOKEN,
+) -> ModelRunnerOutput:
+    """What the model runner returns for ``scheduler_output``, with the model played:
+    every scheduled request whose prompt is complete after this step samples
+    ``sampled_token``; partial prefill chunks sample nothing."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done_prefill = request.num_computed_tokens >= request.num_tokens
+        sampled.append([sampled_token] if done_prefill else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_connector_output,
     )

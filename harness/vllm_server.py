@@ -1,6 +1,7 @@
 """Start real vLLM OpenAI servers (and the pushkv router) as child processes.
 
-Used by the demo, the end-to-end tests and the serving benchmark. Each server
+Used by the demo, the end-to-end tests and the serving benchmark (the first and
+the last start 1P1D with pushkv as one `PushkvCluster`). Each server
 runs in its own process group, so stopping it also stops its engine and
 worker processes.
 """
@@ -19,9 +20,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 _EPHEMERAL_FALLBACK = (32768, 60999)  # Linux's default ip_local_port_range
 
@@ -181,6 +183,18 @@ def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> 
     }
 
 
+class ServerOptions(TypedDict, total=False):
+    """``VllmServer`` settings besides its model, name, port, connector and core."""
+
+    pin_process: bool
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    kvcache_gib: int
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+
+
 def pushkv_server(
     model_dir: Path,
     role: str,
@@ -188,22 +202,25 @@ def pushkv_server(
     coordinator: str,
     *,
     cpu_core: int | None,
-    block_size: int = 32,
-    **kw: Any,
+    name: str | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+    **options: Unpack[ServerOptions],
 ) -> VllmServer:
-    """A vLLM server with the pushkv connector; role is "prefill" or "decode"."""
+    """A vLLM server with the pushkv connector; role is "prefill" or "decode".
+
+    ``name`` (default: the engine id) names its log; ``extra_config`` adds to the
+    connector's ``kv_connector_extra_config``."""
     port = free_port()
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    config = pushkv_config(kv_role, engine_id, coordinator, f"http://127.0.0.1:{port}")
+    config["kv_connector_extra_config"].update(extra_config or {})
     return VllmServer(
         model_dir,
-        engine_id,
+        name or engine_id,
         port=port,
         cpu_core=cpu_core,
-        block_size=block_size,
-        kv_transfer_config=pushkv_config(
-            kv_role, engine_id, coordinator, f"http://127.0.0.1:{port}"
-        ),
-        **kw,
+        kv_transfer_config=config,
+        **options,
     )
 
 
@@ -270,3 +287,66 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+@dataclass
+class PushkvCluster:
+    """1P1D with pushkv around a running coordinator: a prefill and a decode vLLM
+    server with the pushkv connector, on cores 0 and 1, and the router in front.
+
+    Built by :meth:`around` (nothing started), then :meth:`start_engines` and
+    :meth:`start_router`; :meth:`stop` stops what started. The coordinator stays
+    its owner's."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    router: RouterProcess
+
+    @classmethod
+    def around(
+        cls,
+        coordinator: str,
+        model_dir: Path,
+        *,
+        names: tuple[str, str] | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+        **options: Unpack[ServerOptions],
+    ) -> PushkvCluster:
+        """Engines ``prefill-0`` and ``decode-0``, named ``names`` (default: their ids)."""
+        p_name, d_name = names or (None, None)
+        prefill = pushkv_server(
+            model_dir,
+            "prefill",
+            "prefill-0",
+            coordinator,
+            cpu_core=0,
+            name=p_name,
+            extra_config=extra_config,
+            **options,
+        )
+        decode = pushkv_server(
+            model_dir,
+            "decode",
+            "decode-0",
+            coordinator,
+            cpu_core=1,
+            name=d_name,
+            extra_config=extra_config,
+            **options,
+        )
+        return cls(prefill, decode, RouterProcess(coordinator))
+
+    def start_engines(self, timeout: float = 300.0) -> None:
+        """Start both servers at once and wait until both serve."""
+        self.prefill.start()
+        self.decode.start()
+        self.prefill.wait_ready(timeout)
+        self.decode.wait_ready(timeout)
+
+    def start_router(self, timeout: float = 60.0) -> None:
+        self.router.start(timeout=timeout)
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.prefill.stop()
+        self.decode.stop()

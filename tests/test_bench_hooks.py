@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from bench.floor_connector import FloorConnector, FloorMetadata
-from bench.hooks import compare_lines, final_line
+from bench.hooks.report import compare_lines, final_line
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     kv_output,

@@ -12,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving import (
-    BenchConfig,
-    RateResult,
-    SystemRun,
-    _parse,
-    final_line,
-    report,
-    single_floor,
-    sitecustomize,
-    worker_schedstat,
-)
+from bench.serving.config import BenchConfig
+from bench.serving.main import _parse
+from bench.serving.processes import worker_schedstat
+from bench.serving.report import final_line, report, single_floor
+from bench.serving.results import RateResult, SystemRun
+from bench.serving.vllm_patches import sitecustomize
 
 RATES = (0.5, 1.0, 2.0)
 
@@ -175,3 +170,42 @@ def test_a_baseline_tpot_seen_as_zero_gives_no_ratio() -> None:
     assert "| 1 | pull | 0.50 | 0.50 | 0.50 | n/a | n/a | n/a |" in lines
     assert any(x.startswith("n/a: the baseline's TPOT rounds to 0.0 ms") for x in lines)
     assert "| 1 | vllm-push | 0.30 | 0.30 | 0.30 | 0.50 | 0.50 | 0.50 |" in lines
+
+
+def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path) -> None:
+    # vLLM's NIXL connectors build their agent as the first probe does (UCX from
+    # nixl_agent_config, num_threads, no UCX params). Under the benchmark's shim
+    # its UCX backend gets pushkv's agent's params; a creator that passes its own,
+    # as pushkv's agent does, keeps them.
+    pytest.importorskip("nixl")
+    from agent.nixl_adapter import DEFAULT_UCX_PARAMS
+
+    shim = sitecustomize(unpin=True, ucx_params=DEFAULT_UCX_PARAMS)
+    (tmp_path / "sitecustomize.py").write_text(shim)
+    probe = (
+        "from nixl._api import nixl_agent, nixl_agent_config\n"
+        "a = nixl_agent('vllm-like', nixl_agent_config(num_threads=4, capture_telemetry=True))\n"
+        "print(sorted(a.backend_options['UCX'].items()))\n"
+        "b = nixl_agent('own', nixl_agent_config(enable_prog_thread=False, backends=[]))\n"
+        "b.create_backend('UCX', {'ucx_error_handling_mode': 'peer'})\n"
+        "print(sorted(b.backend_options['UCX'].items()))\n"
+    )
+
+    def options(shimmed: bool) -> list[str]:
+        env = {**os.environ, "PYTHONPATH": str(tmp_path) if shimmed else ""}
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-2:]
+
+    assert options(shimmed=True) == [
+        "[('num_threads', '4'), ('ucx_error_handling_mode', 'none')]",
+        "[('ucx_error_handling_mode', 'peer')]",
+    ]
+    assert options(shimmed=False)[0] == "[('num_threads', '4')]"  # NIXL's default: peer

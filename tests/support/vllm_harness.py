@@ -29,19 +29,17 @@ Notes (vLLM 0.32.0 behaviour these helpers rely on):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from harness import offline
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
 
 __all__ = [
     "DEFAULT_SAMPLED_TOKEN",
@@ -56,58 +54,24 @@ __all__ = [
     "step",
 ]
 
-DEFAULT_SAMPLED_TOKEN = 100  # not EOS (id 0) in the tiny model
+DEFAULT_SAMPLED_TOKEN = offline.SAMPLED_TOKEN  # not EOS (id 0) in the tiny model
 
+# A ``VllmConfig`` for the tiny model with a KV connector, the toy one unless
+# ``connector_module``/``connector_name`` say otherwise (``connector_module=None``
+# selects ``connector_name`` from vLLM's registry, e.g. ``"NixlConnector"``).
+make_vllm_config = functools.partial(
+    offline.vllm_config,
+    connector_module="tests.support.toy_connector",
+    connector_name="ToyConnector",
+    kv_role="kv_both",
+)
 
-def make_vllm_config(
-    model_dir: Path | str,
-    *,
-    connector_module: str | None = "tests.support.toy_connector",
-    connector_name: str = "ToyConnector",
-    kv_role: str = "kv_both",
-    engine_id: str | None = None,
-    kv_connector_extra_config: dict[str, Any] | None = None,
-    kv_load_failure_policy: str | None = None,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 1024,
-    max_model_len: int = 1024,
-) -> VllmConfig:
-    """A ``VllmConfig`` for the tiny model with a KV connector (the toy one by default).
+# One ``FullAttentionSpec`` group covering every decoder layer of the model.
+make_kv_cache_config = offline.kv_cache_config
 
-    ``connector_module=None`` selects ``connector_name`` from vLLM's registry
-    (e.g. ``"NixlConnector"``) instead of an out-of-tree module.
-    """
-    return offline.vllm_config(
-        model_dir,
-        connector_name=connector_name,
-        connector_module=connector_module,
-        kv_role=kv_role,
-        engine_id=engine_id,
-        extra_config=kv_connector_extra_config,
-        kv_load_failure_policy=kv_load_failure_policy,
-        block_size=block_size,
-        enable_prefix_caching=enable_prefix_caching,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-    )
-
-
-def make_kv_cache_config(vllm_config: VllmConfig, *, num_blocks: int = 256) -> KVCacheConfig:
-    """One ``FullAttentionSpec`` group covering every decoder layer of the model."""
-    return offline.kv_cache_config(vllm_config, num_blocks)
-
-
-def make_scheduler(
-    vllm_config: VllmConfig, *, num_blocks: int = 256, log_stats: bool = True
-) -> Scheduler:
-    """A real v1 ``Scheduler``; its connector is built by ``KVConnectorFactory``.
-
-    The connector instance is ``scheduler.connector`` (SCHEDULER role).
-    """
-    return offline.scheduler(vllm_config, num_blocks, log_stats=log_stats)
+# A real v1 ``Scheduler``; its connector (SCHEDULER role), built by
+# ``KVConnectorFactory``, is ``scheduler.connector``.
+make_scheduler = offline.scheduler
 
 
 def prompt_tokens(n: int, *, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -145,32 +109,9 @@ def kv_output(
     )
 
 
-def make_model_runner_output(
-    scheduler: Scheduler,
-    scheduler_output: SchedulerOutput,
-    *,
-    kv_connector_output: KVConnectorOutput | None = None,
-    sampled_token: int = DEFAULT_SAMPLED_TOKEN,
-) -> ModelRunnerOutput:
-    """What the model runner returns for ``scheduler_output``.
-
-    Every scheduled request whose prefill is complete after this step gets
-    ``sampled_token``; partial prefill chunks sample nothing.
-    """
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        done_prefill = request.num_computed_tokens >= request.num_tokens
-        sampled.append([sampled_token] if done_prefill else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_connector_output,
-    )
+# What the model runner returns for a scheduler output: every scheduled request
+# whose prefill is complete after the step samples ``sampled_token``.
+make_model_runner_output = offline.runner_output
 
 
 def step(

@@ -1,0 +1,5 @@
+"""``python -m bench.hooks``: the hooks benchmark."""
+
+from bench.hooks.main import main
+
+raise SystemExit(main())

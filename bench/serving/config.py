@@ -1,0 +1,71 @@
+"""The serving benchmark's systems, scenarios and run settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
+# Controls, run only when named in --systems: vLLM's NIXL connectors with NIXL's
+# progress thread switched off (not vLLM's default; see vllm_patches.no_progress_thread).
+CONTROLS: Final = ("pull-noprog", "vllm-push-noprog")
+COMPARED: Final = ("pull", "vllm-push", "pushkv")  # "sustained by all systems" uses these
+LABELS: Final = {
+    "pull": "vLLM NixlConnector (pull, sequential proxy)",
+    "vllm-push": "vLLM NixlPushConnector (concurrent dispatch)",
+    "pushkv": "pushkv (connector + coordinator + router)",
+    "single": "single engine (no disaggregation)",
+    "pull-noprog": "control: pull with NIXL's progress thread off",
+    "vllm-push-noprog": "control: vLLM push with NIXL's progress thread off",
+}
+SCENARIOS: Final = ("nocache", "prefixhit")
+SCENARIO_LABELS: Final = {
+    "nocache": "prefix caching off (transfer isolated)",
+    "prefixhit": "prefix caching on, decode side warmed: full prefix hit",
+}
+PREFILL_ENGINE_ID: Final = "prefill-0"
+DECODE_ENGINE_ID: Final = "decode-0"
+SUSTAINED_FRACTION: Final = 0.85  # achieved / offered throughput, with no failures
+MIN_SPIN_MS: Final = 1.0  # 0 hung a server's first request in a trial
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model_dir: Path
+    layers: int = 4
+    hidden: int = 256
+    block_size: int = 128
+    min_prompt: int = 256
+    max_prompt: int = 3072
+    output_len: int = 64
+    rates: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0)
+    duration_s: float = 30.0  # requests per rate = max(min_requests, rate * duration)
+    min_requests: int = 40
+    timeout_s: float = 120.0  # per request, client side
+    max_num_seqs: int = 32
+    kvcache_gib: int = 2
+    seed: int = 0
+    kv_lease_s: int | None = None  # vLLM NIXL kv_lease_duration; None: vLLM's default (30 s)
+    startup_timeout_s: float = 300.0
+    # pushkv connector settings to override (kv_connector_extra_config), e.g.
+    # {"idle_wait_ms": 0}; empty: the connector's defaults.
+    pushkv_extra: tuple[tuple[str, str], ...] = ()
+    warmup_requests: int = 3
+    systems: tuple[str, ...] = SYSTEMS
+    scenarios: tuple[str, ...] = SCENARIOS
+    quick: bool = False
+    # "workers": only each engine's worker threads are bound to its core;
+    # "engines": every process of an engine (API server, EngineCore, worker).
+    pin: str = "workers"
+    # vLLM's shm queue busy-poll window (vllm_patches.bound_shm_spin), every system
+    # alike; None: vLLM's own (1 s).
+    vllm_spin_ms: float | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        need = self.max_prompt + self.output_len + 1
+        return -(-need // self.block_size) * self.block_size
+
+    def requests_for(self, rate: float) -> int:
+        return max(self.min_requests, round(rate * self.duration_s))
