@@ -18,19 +18,22 @@ Invariants:
   terminal notice at once, unless the transfer named that engine when it
   ended (it was told then). The side is not recorded, so a retried late
   report is told again (hosts act on a transfer's end once).
+
+The state and its transitions live here; the parts they use are plain Python
+modules too: admission.py (checks on a hello or one side's report), orders.py
+(pair compatibility, each rank's order, orders open per agent incarnation,
+arrivals), expiry.py (deadlines, retention of terminal transfers), notices.py
+(the notices and peer fences sent), transfer_filter.py (what find matches).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 import uuid
-from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from controlplane import validation
+from controlplane.admission import check_hello, differing_field, side_blocks
 from controlplane.clock import Clock
 from controlplane.domain import (
     AgentKey,
@@ -38,21 +41,16 @@ from controlplane.domain import (
     Blocks,
     Effect,
     EngineId,
-    Notice,
-    Order,
     OrderId,
     RankState,
     Reason,
     Role,
     SendCancelOrder,
-    SendNotice,
     SendOrder,
-    SendPeerFenced,
     State,
     TransferChanged,
     TransferId,
     WriteStatus,
-    WriteTarget,
 )
 from controlplane.errors import (
     Conflict,
@@ -61,9 +59,20 @@ from controlplane.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from controlplane.expiry import Deadlines, Retention
+from controlplane.notices import peer_fenced, transfer_notices
+from controlplane.orders import (
+    OpenOrders,
+    mismatch,
+    order_by_id,
+    rank_order,
+    record_arrivals,
+    source_blocks,
+)
 from controlplane.registry import AgentRecord, EngineRecord, Registry
 from controlplane.settings import CoreSettings
 from controlplane.transfer import OrderRecord, Side, Transfer
+from controlplane.transfer_filter import TransferFilter
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
 _MOVING = (State.ORDERED, State.WRITING)
@@ -77,24 +86,6 @@ _WRITE_STAGE = {r: f"write_{r.value}" for r in RankState}
 _STAGE = {st: st.value for st in State}
 
 
-@dataclass(frozen=True, slots=True)
-class TransferFilter:
-    states: frozenset[State] = frozenset()
-    engine_id: str = ""
-    min_age_s: float = 0.0
-    max_age_s: float = 0.0
-
-    def matches(self, t: Transfer, now_wall: float) -> bool:
-        if self.states and t.state not in self.states:
-            return False
-        if self.engine_id and self.engine_id not in (t.prefill_engine, t.decode_engine):
-            return False
-        age = now_wall - t.created_wall
-        if age < self.min_age_s:
-            return False
-        return not (self.max_age_s and age > self.max_age_s)
-
-
 class Rendezvous:
     def __init__(self, settings: CoreSettings, clock: Clock) -> None:
         self.settings = settings
@@ -104,10 +95,9 @@ class Rendezvous:
         self._transfers: dict[str, Transfer] = {}
         self._inflight = 0
         self._inflight_by_engine: dict[EngineId, int] = {}
-        self._deadlines: list[tuple[float, int, TransferId]] = []
-        self._terminal: deque[TransferId] = deque()
-        # Unresolved orders per agent incarnation: (key, incarnation) -> {(transfer, rank)}
-        self._open_orders: dict[tuple[AgentKey, str], set[tuple[TransferId, int]]] = {}
+        self._deadlines = Deadlines()
+        self._retention = Retention(settings)
+        self._open_orders = OpenOrders()
         self._order_seq = itertools.count(1)
         self.coordinator_id = uuid.uuid4().hex[:12]
 
@@ -138,26 +128,11 @@ class Rendezvous:
         return self._inflight
 
     def open_orders_of(self, key: AgentKey, incarnation: str) -> int:
-        return len(self._open_orders.get((key, incarnation), ()))
+        return self._open_orders.count(key, incarnation)
 
     # ================================================================ agents
     def agent_hello(self, reg: AgentRegistration) -> list[Effect]:
-        s = self.settings
-        validation.engine_id(reg.engine_id, field="identity.engine_id", max_len=s.max_id_len)
-        validation.check_id(reg.incarnation, field="identity.incarnation", max_len=s.max_id_len)
-        if not reg.nixl_agent_name:
-            raise InvalidArgument("must not be empty", field="nixl_agent_name")
-        if len(reg.nixl_agent_name) > s.max_id_len or len(reg.api_url) > 2048:
-            raise InvalidArgument("too long", field="nixl_agent_name/api_url")
-        if reg.layout.tokens_per_block <= 0:
-            raise InvalidArgument("must be > 0", field="layout.tokens_per_block")
-        if not reg.layout.regions:
-            raise InvalidArgument("needs at least one KV region", field="layout.regions")
-        for i, r in enumerate(reg.layout.regions):
-            if r.block_len <= 0 or r.num_blocks <= 0 or r.base_addr <= 0:
-                raise InvalidArgument(
-                    "base_addr, block_len and num_blocks must be > 0", field=f"layout.regions[{i}]"
-                )
+        check_hello(reg, self.settings)
         now = self._clock.monotonic()
         fenced = self.registry.hello(reg, now)
         effects: list[Effect] = []
@@ -194,7 +169,7 @@ class Rendezvous:
         descriptors: int = 0,
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
-        rec = self._order_by_id(t, order_id) if t else None
+        rec = order_by_id(t, order_id) if t else None
         if t is None or rec is None:
             return []  # unknown or forgotten order: nothing to update
         if rec.agent != key or rec.order.prefill_incarnation != incarnation:
@@ -213,7 +188,7 @@ class Rendezvous:
         was_open = t.write_may_land
         rec.state = _RANK_OF_REPORT[status]
         rec.detail, rec.bytes, rec.descriptors = detail, nbytes, descriptors
-        self._close_order(t, rec)
+        self._open_orders.close(rec)
         t.mark(_WRITE_STAGE[rec.state], wall, rank)
         if t.state in _MOVING:
             if status is WriteStatus.FAILED:
@@ -236,22 +211,11 @@ class Rendezvous:
             return []
         if key.engine_id != t.decode.engine_id or not self.registry.is_current(key, incarnation):
             raise PermissionDenied(f"{key}@{incarnation} is not a decode rank of {transfer_id}")
-        ranks = set(prefill_ranks)
-        expected = t.expected.get(key.rank, frozenset())
-        if not ranks <= expected:
-            raise InvalidArgument(
-                f"ranks {sorted(ranks - expected)} do not write into decode rank {key.rank}",
-                field="arrival.prefill_ranks",
-            )
-        got = t.arrived.get(key.rank)
-        if got is None:
-            got = t.arrived[key.rank] = set()
-        new = ranks - got
+        new = record_arrivals(t, key.rank, prefill_ranks)
         if not new:
             return []
-        got.update(new)
         wall = self._clock.wall()
-        for p in sorted(new):
+        for p in new:
             t.mark("arrived", wall, p)
         effects: list[Effect] = [TransferChanged(t.transfer_id)]
         if t.state in _MOVING:
@@ -314,23 +278,19 @@ class Rendezvous:
             effects += self._agent_lost(rec)
         for key, inc in gone:
             effects += self._resolve_agent_orders(key, inc, "replaced incarnation's lease over")
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, version, tid = heapq.heappop(self._deadlines)
-            t = self._transfers.get(tid)
-            if t is None or t.state.terminal or t.deadline_version != version:
-                continue
+        for t in self._deadlines.due(now, self._transfers):
             effects += self._finish(
                 t, State.EXPIRED, Reason.DEADLINE, f"deadline passed in state {t.state.value}"
             )
-        self._sweep_terminal(now)
+        self._retention.sweep(self._transfers, now)
         return effects
 
     def next_wakeup(self) -> float | None:
         """Monotonic time of the next deadline or lease expiry, if any."""
-        candidates = [self._deadlines[0][0]] if self._deadlines else []
-        nxt = self.registry.next_deadline()
-        if nxt is not None:
-            candidates.append(nxt)
+        candidates: list[float] = []
+        for nxt in (self._deadlines.earliest(), self.registry.next_deadline()):
+            if nxt is not None:
+                candidates.append(nxt)
         return min(candidates, default=None)
 
     # ================================================================ internals
@@ -358,13 +318,8 @@ class Rendezvous:
         self._inflight += 1
         for e in engines:
             self._count_engine(t, e)
-        self._set_deadline(t, s.rendezvous_timeout_s, now)
+        self._deadlines.set(t, s.rendezvous_timeout_s, now)
         return t
-
-    def _set_deadline(self, t: Transfer, seconds: float, now: float | None = None) -> None:
-        t.deadline_version += 1
-        t.deadline_mono = (self._clock.monotonic() if now is None else now) + seconds
-        heapq.heappush(self._deadlines, (t.deadline_mono, t.deadline_version, t.transfer_id))
 
     def _count_engine(self, t: Transfer, engine: EngineId) -> None:
         if engine in t.counted or t.state.terminal:
@@ -393,29 +348,7 @@ class Rendezvous:
             eid = validation.engine_id(engine, field=field, max_len=s.max_id_len)
             eng = self.registry.require_engine(eid, role, field_name=field)
         eid = eng.engine_id
-        layout = eng.ranks[min(eng.ranks)].reg.layout
-        checked = validation.blocks(
-            blocks,
-            field="block_ids",
-            max_groups=s.max_groups,
-            max_per_group=s.max_blocks_per_group,
-            num_groups=layout.num_groups,
-            num_blocks=layout.num_blocks,
-        )
-        validation.num_tokens(num_tokens)
-        need = math.ceil(num_tokens / eng.tokens_per_block)
-        for g, ids in enumerate(checked):
-            if role is Role.DECODE and len(ids) > need:
-                raise InvalidArgument(
-                    f"{len(ids)} blocks for {num_tokens} tokens (at most {need})",
-                    field=f"block_ids[{g}]",
-                )
-            if role is Role.PREFILL and len(ids) < need:
-                raise InvalidArgument(
-                    f"{len(ids)} blocks cannot hold {num_tokens} tokens (need {need})",
-                    field=f"block_ids[{g}]",
-                )
-        side = Side(eid, checked, num_tokens)
+        side = Side(eid, side_blocks(role, eng, blocks, num_tokens, s), num_tokens)
         now, wall = self._clock.monotonic(), self._clock.wall()
         created = t is None
         if t is None:
@@ -427,15 +360,9 @@ class Rendezvous:
         current = t.decode if role is Role.DECODE else t.prefill
         if current is not None:
             if current != side:
-                differs = next(
-                    n
-                    for n in ("engine_id", "blocks", "num_tokens")
-                    if getattr(current, n) != getattr(side, n)
-                )
-                name = {"engine_id": field, "blocks": "block_ids", "num_tokens": "num_tokens"}
                 raise Conflict(
                     f"transfer {tid} already has a different {role.value} report",
-                    field=name[differs],
+                    field=differing_field(current, side, field),
                 )
             return t, []  # an idempotent retry
         if t.state.terminal:
@@ -444,7 +371,7 @@ class Rendezvous:
             # told then) gets the terminal notice now, on every rank.
             if eid in (t.prefill_engine, t.decode_engine):
                 return t, []
-            return t, self._notify_engines(t, (eid,))
+            return t, transfer_notices(self.registry, t, (eid,))
         self._count_engine(t, eid)
         effects: list[Effect] = [TransferChanged(tid)]
         if role is Role.DECODE:
@@ -458,7 +385,7 @@ class Rendezvous:
         else:
             t.state = State.REGISTERED if role is Role.DECODE else State.PREFILL_DONE
             if not created:  # _create set this very deadline
-                self._set_deadline(t, s.rendezvous_timeout_s, now)
+                self._deadlines.set(t, s.rendezvous_timeout_s, now)
         return t, effects
 
     def _issue_orders(self, t: Transfer) -> list[Effect]:
@@ -468,76 +395,30 @@ class Rendezvous:
         if pe is None or de is None or not pe.ready or not de.ready:
             missing = t.prefill.engine_id if pe is None or not pe.ready else t.decode.engine_id
             return self._finish(t, State.FAILED, Reason.AGENT_LOST, f"engine {missing} not ready")
-        problem = self._mismatch(t, pe, de)
+        problem = mismatch(t, pe, de)
         if problem:
             return self._finish(t, State.FAILED, Reason.MISMATCH, problem)
         if not any(t.decode.blocks):  # every group empty
             return self._finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )
-        n_prompt_blocks = math.ceil(t.decode.num_tokens / de.tokens_per_block)
-        src: list[tuple[int, ...]] = []
-        for p_ids, d_ids in zip(t.prefill.blocks, t.decode.blocks, strict=True):
-            prompt_ids = p_ids[:n_prompt_blocks]
-            # A decode prefix hit registers only the tail: write the matching tail.
-            src.append(prompt_ids[len(prompt_ids) - len(d_ids) :] if d_ids else ())
+        src = source_blocks(t.prefill, t.decode, de.tokens_per_block)
         s = self.settings
-        self._set_deadline(t, s.write_timeout_s)
+        self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
         deadline_unix = wall + s.write_timeout_s
         effects: list[Effect] = []
         for rank in range(pe.tp_size):
-            # Equal TP: prefill rank r writes whole blocks into decode rank r.
-            p_agent, d_agent = pe.ranks[rank], de.ranks[rank]
-            target = WriteTarget(
-                decode_engine_id=de.engine_id,
-                decode_rank=rank,
-                decode_incarnation=d_agent.incarnation,
-                src_blocks=tuple(src),
-                dst_blocks=t.decode.blocks,
-                expected_writers=1,
-            )
-            order = Order(
-                order_id=OrderId(f"{self.coordinator_id}-{next(self._order_seq)}"),
-                transfer_id=t.transfer_id,
-                prefill_engine_id=pe.engine_id,
-                prefill_rank=rank,
-                prefill_incarnation=p_agent.incarnation,
-                targets=(target,),
-                deadline_unix=deadline_unix,
-                num_tokens=t.decode.num_tokens,
-            )
+            p_agent = pe.ranks[rank]
+            oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
+            order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)
             t.orders[rank] = OrderRecord(order, p_agent.key)
             t.expected[rank] = frozenset((rank,))
-            bucket_key = (p_agent.key, p_agent.incarnation)
-            bucket = self._open_orders.get(bucket_key)
-            if bucket is None:
-                bucket = self._open_orders[bucket_key] = set()
-            bucket.add((t.transfer_id, rank))
+            self._open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
             effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
         t.state = State.ORDERED
         t.mark("ordered", wall)
         return effects
-
-    @staticmethod
-    def _mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
-        assert t.decode is not None and t.prefill is not None
-        if pe.tp_size != de.tp_size:
-            return f"prefill TP {pe.tp_size} != decode TP {de.tp_size} (not supported yet)"
-        if pe.tokens_per_block != de.tokens_per_block:
-            return f"tokens per block differ: {pe.tokens_per_block} vs {de.tokens_per_block}"
-        if pe.compat_hash and de.compat_hash and pe.compat_hash != de.compat_hash:
-            return "KV layouts are incompatible (compat_hash differs)"
-        if t.decode.num_tokens != t.prefill.num_tokens:
-            return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
-        if len(t.decode.blocks) != len(t.prefill.blocks):
-            return "number of KV groups differs"
-        p_regions = pe.ranks[0].reg.layout.regions
-        d_regions = de.ranks[0].reg.layout.regions
-        shape = [(r.block_len, r.group) for r in p_regions]
-        if shape != [(r.block_len, r.group) for r in d_regions]:
-            return "KV regions differ in count, group or block length"
-        return ""
 
     def _maybe_complete(self, t: Transfer) -> list[Effect]:
         for o in t.orders.values():
@@ -561,7 +442,7 @@ class Rendezvous:
                 self._inflight_by_engine[e] = left
             else:
                 self._inflight_by_engine.pop(e, None)
-        self._terminal.append(t.transfer_id)
+        self._retention.add(t.transfer_id)
         effects: list[Effect] = [TransferChanged(t.transfer_id)]
         for rec in t.orders.values():
             if rec.state.resolved:
@@ -572,7 +453,7 @@ class Rendezvous:
                 effects.append(SendCancelOrder(key, inc, rec.order.order_id, t.transfer_id, reason))
             else:
                 rec.state, rec.detail = RankState.FAILED, "agent gone before it reported"
-                self._close_order(t, rec)
+                self._open_orders.close(rec)
         if state is not State.COMPLETE or reason is not Reason.NONE:
             effects += self._notify(t)  # a clean COMPLETE is known to every rank already
         return effects
@@ -583,33 +464,8 @@ class Rendezvous:
 
     def _notify(self, t: Transfer) -> list[Effect]:
         """The transfer's state, to every rank of the engines it names."""
-        return self._notify_engines(t, {x for x in (t.prefill_engine, t.decode_engine) if x})
-
-    def _notify_engines(self, t: Transfer, engines: Iterable[EngineId]) -> list[Effect]:
-        notice = Notice(t.transfer_id, t.state, t.reason, t.detail, t.write_may_land)
-        out: list[Effect] = []
-        for e in engines:
-            eng = self.registry.engine(e)
-            if eng is None:
-                continue
-            for rec in eng.ranks.values():
-                out.append(SendNotice(rec.key, rec.incarnation, notice))
-        return out
-
-    def _order_by_id(self, t: Transfer | None, order_id: str) -> OrderRecord | None:
-        if t is None:
-            return None
-        for rec in t.orders.values():
-            if rec.order.order_id == order_id:
-                return rec
-        return None
-
-    def _close_order(self, t: Transfer, rec: OrderRecord) -> None:
-        bucket = self._open_orders.get((rec.agent, rec.order.prefill_incarnation))
-        if bucket is not None:
-            bucket.discard((t.transfer_id, rec.order.prefill_rank))
-            if not bucket:
-                del self._open_orders[(rec.agent, rec.order.prefill_incarnation)]
+        engines = {x for x in (t.prefill_engine, t.decode_engine) if x}
+        return transfer_notices(self.registry, t, engines)
 
     def _transfers_of(self, engine: EngineId) -> list[Transfer]:
         return [
@@ -621,7 +477,7 @@ class Rendezvous:
     def _replay_orders(self, key: AgentKey, incarnation: str) -> list[Effect]:
         """On (re)connect: resend open orders; cancel those whose transfer ended."""
         out: list[Effect] = []
-        for tid, rank in sorted(self._open_orders.get((key, incarnation), ())):
+        for tid, rank in self._open_orders.of(key, incarnation):
             t = self._transfers[tid]
             rec = t.orders[rank]
             if t.state.terminal:
@@ -639,12 +495,7 @@ class Rendezvous:
                 Reason.AGENT_FENCED,
                 f"agent {old.key} restarted (incarnation {old.incarnation} fenced)",
             )
-        for eng in self.registry.engines():
-            for rec in eng.ranks.values():
-                if rec.key != old.key:
-                    effects.append(
-                        SendPeerFenced(rec.key, rec.incarnation, old.key, old.incarnation)
-                    )
+        effects += peer_fenced(self.registry, old.key, old.incarnation, tell_same_key=False)
         return effects
 
     def _agent_lost(self, rec: AgentRecord) -> list[Effect]:
@@ -654,16 +505,12 @@ class Rendezvous:
                 t, State.FAILED, Reason.AGENT_LOST, f"agent {rec.key} lease expired"
             )
         effects += self._resolve_agent_orders(rec.key, rec.incarnation, "agent lease expired")
-        for eng in self.registry.engines():
-            for other in eng.ranks.values():
-                effects.append(
-                    SendPeerFenced(other.key, other.incarnation, rec.key, rec.incarnation)
-                )
+        effects += peer_fenced(self.registry, rec.key, rec.incarnation, tell_same_key=True)
         return effects
 
     def _resolve_agent_orders(self, key: AgentKey, incarnation: str, why: str) -> list[Effect]:
         effects: list[Effect] = []
-        for tid, rank in sorted(self._open_orders.pop((key, incarnation), set())):
+        for tid, rank in self._open_orders.pop(key, incarnation):
             t = self._transfers.get(tid)
             if t is None:
                 continue
@@ -678,24 +525,6 @@ class Rendezvous:
             else:
                 effects += self._finish(t, State.FAILED, Reason.AGENT_LOST, f"rank {rank}: {why}")
         return effects
-
-    def _sweep_terminal(self, now: float) -> None:
-        s = self.settings
-        for _ in range(len(self._terminal)):
-            tid = self._terminal[0]
-            t = self._transfers.get(tid)
-            if t is None:
-                self._terminal.popleft()
-                continue
-            assert t.terminal_mono is not None
-            too_many = len(self._terminal) > s.max_terminal
-            if not too_many and now - t.terminal_mono < s.retention_s:
-                break
-            self._terminal.popleft()
-            if t.write_may_land:
-                self._terminal.append(tid)  # keep until no WRITE can land
-                continue
-            del self._transfers[tid]
 
     def has_transfer(self, transfer_id: str) -> bool:
         return transfer_id in self._transfers

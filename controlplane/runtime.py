@@ -28,10 +28,11 @@ from controlplane.domain import (
     TransferChanged,
 )
 from controlplane.errors import InvalidArgument
-from controlplane.rendezvous import Rendezvous, TransferFilter
+from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from controlplane.timeline import TransferObserver
 from controlplane.transfer import Transfer
+from controlplane.transfer_filter import TransferFilter
 
 log = structlog.get_logger("pushkv.coordinator")
 

@@ -22,8 +22,8 @@ from controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
-from controlplane.rendezvous import TransferFilter
 from controlplane.runtime import Runtime, to_message
+from controlplane.transfer_filter import TransferFilter
 
 log = structlog.get_logger("pushkv.coordinator")
 

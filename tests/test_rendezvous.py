@@ -29,8 +29,9 @@ from controlplane.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from controlplane.rendezvous import Rendezvous, TransferFilter
+from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
+from controlplane.transfer_filter import TransferFilter
 
 TPB = 16
 P, D = EngineId("prefill-0"), EngineId("decode-0")

@@ -1,0 +1,78 @@
+"""What the rendezvous state machine checks before it takes an agent's hello or
+one side's report. Plain Python, no gRPC: each check raises the core's errors
+and changes nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from controlplane import validation
+from controlplane.domain import AgentRegistration, Blocks, Role
+from controlplane.errors import InvalidArgument
+from controlplane.registry import EngineRecord
+from controlplane.settings import CoreSettings
+from controlplane.transfer import Side
+
+
+def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:
+    """An agent's identity, NIXL name and KV layout are well formed."""
+    validation.engine_id(reg.engine_id, field="identity.engine_id", max_len=s.max_id_len)
+    validation.check_id(reg.incarnation, field="identity.incarnation", max_len=s.max_id_len)
+    if not reg.nixl_agent_name:
+        raise InvalidArgument("must not be empty", field="nixl_agent_name")
+    if len(reg.nixl_agent_name) > s.max_id_len or len(reg.api_url) > 2048:
+        raise InvalidArgument("too long", field="nixl_agent_name/api_url")
+    if reg.layout.tokens_per_block <= 0:
+        raise InvalidArgument("must be > 0", field="layout.tokens_per_block")
+    if not reg.layout.regions:
+        raise InvalidArgument("needs at least one KV region", field="layout.regions")
+    for i, r in enumerate(reg.layout.regions):
+        if r.block_len <= 0 or r.num_blocks <= 0 or r.base_addr <= 0:
+            raise InvalidArgument(
+                "base_addr, block_len and num_blocks must be > 0", field=f"layout.regions[{i}]"
+            )
+
+
+def side_blocks(
+    role: Role,
+    eng: EngineRecord,
+    blocks: Sequence[Sequence[int]],
+    num_tokens: int,
+    s: CoreSettings,
+) -> Blocks:
+    """One side's block ids, checked against its engine's layout and its token
+    count: decode registers at most the blocks the prompt needs, prefill at least."""
+    layout = eng.ranks[min(eng.ranks)].reg.layout
+    checked = validation.blocks(
+        blocks,
+        field="block_ids",
+        max_groups=s.max_groups,
+        max_per_group=s.max_blocks_per_group,
+        num_groups=layout.num_groups,
+        num_blocks=layout.num_blocks,
+    )
+    validation.num_tokens(num_tokens)
+    need = math.ceil(num_tokens / eng.tokens_per_block)
+    for g, ids in enumerate(checked):
+        if role is Role.DECODE and len(ids) > need:
+            raise InvalidArgument(
+                f"{len(ids)} blocks for {num_tokens} tokens (at most {need})",
+                field=f"block_ids[{g}]",
+            )
+        if role is Role.PREFILL and len(ids) < need:
+            raise InvalidArgument(
+                f"{len(ids)} blocks cannot hold {num_tokens} tokens (need {need})",
+                field=f"block_ids[{g}]",
+            )
+    return checked
+
+
+def differing_field(current: Side, side: Side, engine_field: str) -> str:
+    """The request field in which a repeated side's report differs from the one
+    held (the first of engine, blocks, token count); `current != side`."""
+    if current.engine_id != side.engine_id:
+        return engine_field
+    if current.blocks != side.blocks:
+        return "block_ids"
+    return "num_tokens"

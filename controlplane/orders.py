@@ -1,0 +1,140 @@
+"""WRITE orders: whether a transfer's two engines can exchange KV, the order each
+prefill rank gets, which orders each agent incarnation still holds open, and
+the arrivals decode ranks report. Plain Python, no gRPC; the rendezvous state
+machine decides when."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from controlplane.domain import AgentKey, Blocks, Order, OrderId, TransferId, WriteTarget
+from controlplane.errors import InvalidArgument
+from controlplane.registry import EngineRecord
+from controlplane.transfer import OrderRecord, Side, Transfer
+
+
+def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
+    """Why the prefill engine `pe` cannot write the transfer into decode engine `de`, or ""."""
+    assert t.decode is not None and t.prefill is not None
+    if pe.tp_size != de.tp_size:
+        return f"prefill TP {pe.tp_size} != decode TP {de.tp_size} (not supported yet)"
+    if pe.tokens_per_block != de.tokens_per_block:
+        return f"tokens per block differ: {pe.tokens_per_block} vs {de.tokens_per_block}"
+    if pe.compat_hash and de.compat_hash and pe.compat_hash != de.compat_hash:
+        return "KV layouts are incompatible (compat_hash differs)"
+    if t.decode.num_tokens != t.prefill.num_tokens:
+        return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
+    if len(t.decode.blocks) != len(t.prefill.blocks):
+        return "number of KV groups differs"
+    p_regions = pe.ranks[0].reg.layout.regions
+    d_regions = de.ranks[0].reg.layout.regions
+    shape = [(r.block_len, r.group) for r in p_regions]
+    if shape != [(r.block_len, r.group) for r in d_regions]:
+        return "KV regions differ in count, group or block length"
+    return ""
+
+
+def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
+    """Per KV group, the prefill blocks written into the decode side's blocks."""
+    n_prompt_blocks = math.ceil(decode.num_tokens / tokens_per_block)
+    src: list[tuple[int, ...]] = []
+    for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True):
+        prompt_ids = p_ids[:n_prompt_blocks]
+        # A decode prefix hit registers only the tail: write the matching tail.
+        src.append(prompt_ids[len(prompt_ids) - len(d_ids) :] if d_ids else ())
+    return tuple(src)
+
+
+def rank_order(
+    order_id: OrderId,
+    tid: TransferId,
+    decode: Side,
+    pe: EngineRecord,
+    de: EngineRecord,
+    rank: int,
+    src: Blocks,
+    deadline_unix: float,
+) -> Order:
+    """The order for prefill rank `rank` of `pe`."""
+    # Equal TP: prefill rank r writes whole blocks into decode rank r.
+    p_agent, d_agent = pe.ranks[rank], de.ranks[rank]
+    target = WriteTarget(
+        decode_engine_id=de.engine_id,
+        decode_rank=rank,
+        decode_incarnation=d_agent.incarnation,
+        src_blocks=src,
+        dst_blocks=decode.blocks,
+        expected_writers=1,
+    )
+    return Order(
+        order_id=order_id,
+        transfer_id=tid,
+        prefill_engine_id=pe.engine_id,
+        prefill_rank=rank,
+        prefill_incarnation=p_agent.incarnation,
+        targets=(target,),
+        deadline_unix=deadline_unix,
+        num_tokens=decode.num_tokens,
+    )
+
+
+def order_by_id(t: Transfer | None, order_id: str) -> OrderRecord | None:
+    if t is None:
+        return None
+    for rec in t.orders.values():
+        if rec.order.order_id == order_id:
+            return rec
+    return None
+
+
+def record_arrivals(t: Transfer, decode_rank: int, prefill_ranks: Sequence[int]) -> list[int]:
+    """Counts the prefill ranks whose WRITE decode rank `decode_rank` saw arrive;
+    returns those not counted before, in order. Each must write into that rank."""
+    ranks = set(prefill_ranks)
+    expected = t.expected.get(decode_rank, frozenset())
+    if not ranks <= expected:
+        raise InvalidArgument(
+            f"ranks {sorted(ranks - expected)} do not write into decode rank {decode_rank}",
+            field="arrival.prefill_ranks",
+        )
+    got = t.arrived.get(decode_rank)
+    if got is None:
+        got = t.arrived[decode_rank] = set()
+    new = ranks - got
+    got.update(new)
+    return sorted(new)
+
+
+class OpenOrders:
+    """Unresolved orders per agent incarnation: (key, incarnation) -> {(transfer, rank)}."""
+
+    def __init__(self) -> None:
+        self._by_agent: dict[tuple[AgentKey, str], set[tuple[TransferId, int]]] = {}
+
+    def add(self, key: AgentKey, incarnation: str, tid: TransferId, rank: int) -> None:
+        bucket_key = (key, incarnation)
+        bucket = self._by_agent.get(bucket_key)
+        if bucket is None:
+            bucket = self._by_agent[bucket_key] = set()
+        bucket.add((tid, rank))
+
+    def close(self, rec: OrderRecord) -> None:
+        """The order is resolved: its agent incarnation no longer holds it open."""
+        bucket_key = (rec.agent, rec.order.prefill_incarnation)
+        bucket = self._by_agent.get(bucket_key)
+        if bucket is not None:
+            bucket.discard((rec.order.transfer_id, rec.order.prefill_rank))
+            if not bucket:
+                del self._by_agent[bucket_key]
+
+    def count(self, key: AgentKey, incarnation: str) -> int:
+        return len(self._by_agent.get((key, incarnation), ()))
+
+    def of(self, key: AgentKey, incarnation: str) -> list[tuple[TransferId, int]]:
+        """The incarnation's open orders, in (transfer, rank) order."""
+        return sorted(self._by_agent.get((key, incarnation), ()))
+
+    def pop(self, key: AgentKey, incarnation: str) -> list[tuple[TransferId, int]]:
+        """The incarnation's open orders, in (transfer, rank) order, forgotten here."""
+        return sorted(self._by_agent.pop((key, incarnation), set()))
