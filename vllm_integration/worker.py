@@ -15,6 +15,7 @@ from typing import Any
 from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
+from vllm_integration import fault_hooks
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
@@ -230,6 +231,7 @@ class PushWorkerHalf:
             return 0
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
+            fault_hooks.kv_arrived(self.agent, recv.block_ids)  # no-op unless a test arms it
             self._recving_done.add(recv.request_id)
             return 1
         if e.kind is EventKind.KV_FAILED:

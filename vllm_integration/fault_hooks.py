@@ -1,0 +1,87 @@
+"""Test-only fault hooks: the one place where pushkv misbehaves on purpose.
+
+Every hook is disarmed unless the environment variable ``PUSHKV_TEST_FAULT``
+names its fault; only tests set it (on the engine they start). Disarmed, a hook
+is one call that returns at once. Faults:
+
+``corrupt_kv:blocks=<n>``
+    On a decode worker, every transfer into exactly ``n`` blocks arrives
+    corrupted: once its KV has landed, and before the worker reports the request
+    to vLLM, the bytes of those blocks in every KV region (every layer, K and V)
+    are XORed with ``0x80`` at every odd byte offset. That is what a WRITE
+    carrying wrong bytes would leave. On little-endian float32 it flips the sign
+    bit (and one mantissa bit) of every element, on 16-bit dtypes just the sign,
+    so the values stay finite but the attention over them changes. The test
+    controls which request is hit through its prompt length (the number of
+    blocks), so one armed engine serves every other request untouched. DRAM
+    (CPU) KV caches only.
+
+The negative control in ``tests/test_e2e_vllm.py`` uses it to prove that the
+end-to-end comparison with an independent engine detects wrong KV.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.runtime import Agent
+
+ENV = "PUSHKV_TEST_FAULT"
+log = logging.getLogger("pushkv.fault_hooks")
+
+
+def parse_corrupt_kv(value: str | None) -> int | None:
+    """The block count of ``corrupt_kv:blocks=<n>``; None when that fault is not named."""
+    if not value:
+        return None
+    kind, _, arg = value.partition(":")
+    if kind != "corrupt_kv":
+        return None
+    key, _, n = arg.partition("=")
+    if key != "blocks" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{ENV}={value!r}: expected corrupt_kv:blocks=<n>, n >= 1")
+    return int(n)
+
+
+_CORRUPT_BLOCKS = parse_corrupt_kv(os.environ.get(ENV))
+if _CORRUPT_BLOCKS is not None:
+    log.warning("%s: every transfer into %d blocks is corrupted on arrival", ENV, _CORRUPT_BLOCKS)
+
+
+def corrupt_blocks(base_addrs: Sequence[int], block_len: int, block_ids: Sequence[int]) -> int:
+    """XOR 0x80 into every odd byte of each block of each region; bytes changed."""
+    mask = int.from_bytes(b"\x00\x80" * (block_len // 2) + b"\x00" * (block_len % 2), "little")
+    changed = 0
+    for base in base_addrs:
+        for b in block_ids:
+            addr = base + b * block_len
+            data = int.from_bytes(ctypes.string_at(addr, block_len), "little") ^ mask
+            ctypes.memmove(addr, data.to_bytes(block_len, "little"), block_len)
+            changed += block_len // 2
+    return changed
+
+
+def kv_arrived(agent: Agent | None, block_ids: Sequence[int]) -> None:
+    """Decode worker: a transfer's KV has landed in ``block_ids`` (not yet reported)."""
+    if _CORRUPT_BLOCKS is None or len(block_ids) != _CORRUPT_BLOCKS or agent is None:
+        return
+    cfg = agent.config
+    if cfg.memory.name != "DRAM":  # host memory, reachable by address
+        log.error("%s: corrupt_kv supports DRAM KV caches only; left intact", ENV)
+        return
+    by_len: dict[int, list[int]] = {}
+    for r in cfg.regions:
+        by_len.setdefault(r.block_len, []).append(r.base_addr)
+    changed = sum(corrupt_blocks(bases, n, block_ids) for n, bases in by_len.items())
+    log.warning(
+        "%s: corrupted %d bytes of blocks %s in %d regions",
+        ENV,
+        changed,
+        list(block_ids),
+        len(cfg.regions),
+    )
