@@ -356,6 +356,11 @@ def test_cancelled_transfer_fails_the_load_with_its_blocks(
     assert half.metrics.registry.get_sample_value(
         "pushkv_connector_load_error_blocks_total", lbl
     ) == len(blocks)
+    # on_transfer_failure=recompute (the default): vLLM recomputes it, counted as such.
+    fallbacks = half.metrics.registry.get_sample_value(
+        "pushkv_connector_fallbacks_total", {**lbl, "reason": "transfer_failed"}
+    )
+    assert fallbacks == 1
     for _ in range(3):  # reported once
         assert worker_step(conn, PushKVMetadata(idle=True)) == StepResult(set(), set(), set())
 
@@ -363,13 +368,18 @@ def test_cancelled_transfer_fails_the_load_with_its_blocks(
 def test_refused_registration_fails_the_load_in_the_same_step(
     decode_connector: tuple[PushKVConnector, str],
 ) -> None:
-    conn, _ = decode_connector
+    conn, engine_id = decode_connector
+    assert conn._worker is not None
+    sample = conn._worker.metrics.registry.get_sample_value
+    lbl = {"engine": engine_id, "rank": "0", "reason": "registration_failed"}
+    before = sample("pushkv_connector_fallbacks_total", lbl)
     tid = new_tid()
     spec = RecvSpec("dref", tid, (8, 9))
     assert worker_step(conn, PushKVMetadata(recv=[spec])) == StepResult(set(), set(), set())
     r = worker_step(conn, PushKVMetadata(fail=[spec]))
     assert r == StepResult({"dref"}, {"dref"}, {8, 9})
     assert worker_step(conn, PushKVMetadata()) == StepResult(set(), set(), set())
+    assert sample("pushkv_connector_fallbacks_total", lbl) == (before or 0) + 1
 
 
 # ---------------------------------------------------------------- regions_of

@@ -538,6 +538,7 @@ async def test_connector_metrics_served_per_rank() -> None:
         m.counts.load_error_blocks += 3
         m.counts.freed += 2
         m.counts.events[EventKind.KV_READY] += 1
+        m.counts.fallbacks["registration_failed"] += 1
         _, s = await scrape(f"http://127.0.0.1:{base}/metrics")
     finally:
         m.close()
@@ -548,6 +549,8 @@ async def test_connector_metrics_served_per_rank() -> None:
     assert value(s, "pushkv_connector_load_error_blocks_total", **lbl) == 3
     assert value(s, "pushkv_connector_requests_freed_total", **lbl) == 2
     assert value(s, "pushkv_connector_agent_events_total", kind="kv_ready", **lbl) == 1
+    assert value(s, "pushkv_connector_fallbacks_total", reason="registration_failed", **lbl) == 1
+    assert value(s, "pushkv_connector_fallbacks_total", reason="transfer_failed", **lbl) == 0
     # This process's main thread has run (it ran this test), and may have waited.
     assert value(s, "pushkv_connector_forward_thread_run_seconds_total", **lbl) > 0
     assert value(s, "pushkv_connector_forward_thread_wait_seconds_total", **lbl) >= 0

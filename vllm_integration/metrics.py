@@ -38,6 +38,7 @@ log = logging.getLogger("pushkv.metrics")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("ok", "client_error", "unavailable", "engine_error", "aborted")
 FALLBACK_REASONS = ("prefill_failed", "coordinator_unavailable", "no_prefill_engine")
+CONNECTOR_FALLBACK_REASONS = ("transfer_failed", "registration_failed")
 
 
 def outcome_of(status: int) -> str:
@@ -144,7 +145,7 @@ class ConnectorCounts:
     no call into prometheus_client on vLLM's engine loop. The collector below
     reads them at scrape time."""
 
-    __slots__ = ("events", "failed", "freed", "load_error_blocks", "ready")
+    __slots__ = ("events", "failed", "fallbacks", "freed", "load_error_blocks", "ready")
 
     def __init__(self) -> None:
         self.ready = 0  # decode: transfers whose KV arrived
@@ -152,6 +153,8 @@ class ConnectorCounts:
         self.load_error_blocks = 0  # decode: blocks reported as load errors
         self.freed = 0  # prefill: requests whose blocks were handed back
         self.events = dict.fromkeys(EventKind, 0)  # agent events by kind
+        # decode, on_transfer_failure=recompute: failed loads vLLM recomputes, by reason
+        self.fallbacks = dict.fromkeys(CONNECTOR_FALLBACK_REASONS, 0)
 
 
 class _CountsCollector(Collector):
@@ -196,6 +199,17 @@ class _CountsCollector(Collector):
         for kind, n in list(c.events.items()):
             events.add_metric([*self._labels, kind.value], n)
         yield events
+        fallbacks = CounterMetricFamily(
+            "pushkv_connector_fallbacks",
+            "decode: requests whose KV did not arrive and that this engine computes "
+            "itself (on_transfer_failure=recompute), by reason (transfer_failed: the "
+            "transfer failed, expired or was cancelled; registration_failed: refused, "
+            "or its outcome unknown while the coordinator was unreachable)",
+            labels=["engine", "rank", "reason"],
+        )
+        for reason, n in list(c.fallbacks.items()):
+            fallbacks.add_metric([*self._labels, reason], n)
+        yield fallbacks
 
 
 class ConnectorMetrics:

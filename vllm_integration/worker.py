@@ -143,7 +143,9 @@ class PushWorkerHalf:
         for spec in meta.fail:
             # Only while still waiting: reporting a request twice crashes vLLM.
             if spec.transfer_id in self._recv:
-                self._fail(spec.transfer_id, spec.request_id, spec.block_ids)
+                self._fail(
+                    spec.transfer_id, spec.request_id, spec.block_ids, reason="registration_failed"
+                )
         for rid, tid in meta.send:
             self._send[tid] = rid
             self._held.add(rid)
@@ -238,14 +240,28 @@ class PushWorkerHalf:
             self._fail(tid, recv.request_id, recv.block_ids, e.detail)
         return 0
 
-    def _fail(self, tid: str, rid: str, block_ids: tuple[int, ...], detail: str = "") -> None:
+    def _fail(
+        self,
+        tid: str,
+        rid: str,
+        block_ids: tuple[int, ...],
+        detail: str = "",
+        reason: str = "transfer_failed",
+    ) -> None:
         self._recv.pop(tid, None)
+        recompute = self.settings.on_transfer_failure == "recompute"
         log.warning(
-            "KV for request %s (transfer %s) did not arrive: %s", rid, tid, detail or "refused"
+            "KV for request %s (transfer %s) did not arrive: %s; %s",
+            rid,
+            tid,
+            detail or "refused",
+            "recomputing it here" if recompute else "the request fails",
         )
         self._load_errors.update(block_ids)
         self.counts.failed += 1
         self.counts.load_error_blocks += len(block_ids)
+        if recompute:
+            self.counts.fallbacks[reason] += 1
         self._failed.add(rid)
         self._recving_done.add(rid)
 
