@@ -236,8 +236,9 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 
 class RouterProcess:
-    def __init__(self, coordinator: str, port: int = 0) -> None:
+    def __init__(self, coordinator: str, port: int = 0, flags: tuple[str, ...] = ()) -> None:
         self.coordinator = coordinator
+        self.flags = flags  # more `pushkv router` flags
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="pushkv-router-", suffix=".log")[1])
@@ -258,6 +259,7 @@ class RouterProcess:
             str(self.port),
             "--log-level",
             "WARNING",
+            *self.flags,
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
