@@ -29,7 +29,9 @@ from agent.events import EventKind, HostEvent
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
+    CoordinatorBackMsg,
     CoordinatorChangedMsg,
+    CoordinatorLostMsg,
     ExpectMsg,
     FencedMsg,
     HoldMsg,
@@ -131,6 +133,8 @@ class DataPlane:
         self._arrivals: dict[str, _Arrivals] = {}
         self._told: _Lru[None] = _Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
         self._peers: dict[tuple[str, int], PeerKey] = {}
+        # When the coordinator was lost: the moment to resolve transfers locally.
+        self._give_up_at = 0.0
         self._idle = FAST_POLL_S
         self.writes_posted = 0
 
@@ -206,6 +210,8 @@ class DataPlane:
             if item is None:
                 return False
             self._handle(item)
+        if self._give_up_at and time.monotonic() >= self._give_up_at:
+            self._give_up()
         self._post_queued()
         self._poll_inflight()
         if not self._prefill:
@@ -245,7 +251,16 @@ class DataPlane:
         elif isinstance(msg, PauseMsg):
             self._paused = msg.paused
         elif isinstance(msg, CoordinatorChangedMsg):
+            self._give_up_at = 0.0
             self._on_coordinator_changed(msg.lease_s)
+        elif isinstance(msg, CoordinatorLostMsg):
+            log.warning(
+                "coordinator lost: transfers resolve locally in %.0f s unless it returns",
+                msg.give_up_s,
+            )
+            self._give_up_at = time.monotonic() + msg.give_up_s
+        elif isinstance(msg, CoordinatorBackMsg):
+            self._give_up_at = 0.0
 
     def _on_peer(self, msg: PeerMsg) -> None:
         assert self._ep is not None
@@ -329,6 +344,22 @@ class DataPlane:
             deadline = time.monotonic() + lease_s
             for a in self._arrivals.values():
                 a.fail_at = deadline
+
+    def _give_up(self) -> None:
+        """The coordinator has been gone for give_up_s: longer than its write
+        timeout plus a lease, so no prefill agent can post any more (each stops
+        when its lease lapses, and every order's deadline has passed). Resolve
+        every transfer locally, as the coordinator would have."""
+        self._give_up_at = 0.0
+        log.warning("coordinator still unreachable: resolving in-flight transfers locally")
+        for oid, order in list(self._queued.items()):
+            del self._queued[oid]
+            self._finish(order, ReportStatus.DROPPED, "coordinator unreachable; not posting")
+        busy = {f.order.transfer_id for f in self._inflight.values()}
+        for tid in list(self._held - busy):
+            self._free(tid, "coordinator unreachable; transfer abandoned")
+        for tid in list(self._arrivals):
+            self._tell(EventKind.KV_FAILED, tid, "coordinator unreachable; no WRITE can land")
 
     # ------------------------------------------------------------ prefill
     def _post_queued(self) -> None:

@@ -23,7 +23,9 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
+    CoordinatorBackMsg,
     CoordinatorChangedMsg,
+    CoordinatorLostMsg,
     FencedMsg,
     Inbound,
     NoticeMsg,
@@ -127,7 +129,10 @@ class CoordinatorLink:
         backoff_max_s: float = 2.0,
         name: str = "pushkv-link",
         batching: bool = True,
+        give_up_s: float = 30.0,
     ) -> None:
+        self._give_up_s = give_up_s
+        self._lost = False  # the stream to a coordinator that welcomed us ended
         self.outbox: queue.Queue[Outbound] = queue.Queue()
         self._address = address
         # With batching, queued reports go up as one AgentBatch, and the
@@ -192,6 +197,9 @@ class CoordinatorLink:
             except Exception:
                 log.exception("coordinator link failed; reconnecting")
             finally:
+                if self.registered.is_set() and not self._stop.is_set():
+                    self._lost = True
+                    self._deliver(CoordinatorLostMsg(self._give_up_s))
                 self.registered.clear()
                 self._call = None
                 channel.close()
@@ -271,6 +279,9 @@ class CoordinatorLink:
             self.connects += 1
             if self.coordinator_id and w.coordinator_id != self.coordinator_id:
                 self._deliver(CoordinatorChangedMsg(self._lease_s))
+            elif self._lost:
+                self._deliver(CoordinatorBackMsg())
+            self._lost = False
             self.coordinator_id = w.coordinator_id
             self.registered.set()
         elif kind == "heartbeat_ack":

@@ -89,6 +89,20 @@ class CoordinatorChangedMsg:
     lease_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class CoordinatorLostMsg:
+    """The link lost its coordinator (the stream ended). Unless that coordinator
+    takes the agent back within `give_up_s`, the agent resolves its transfers
+    locally: by then no prefill agent can post into them."""
+
+    give_up_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorBackMsg:
+    """The same coordinator took the agent back: it still owns every transfer."""
+
+
 Inbound = (
     OrderMsg
     | CancelMsg
@@ -99,6 +113,8 @@ Inbound = (
     | HoldMsg
     | PauseMsg
     | CoordinatorChangedMsg
+    | CoordinatorLostMsg
+    | CoordinatorBackMsg
 )
 
 

@@ -47,6 +47,11 @@ class AgentConfig:
     # mTLS to the coordinator; the certificate's CN must be "engine:<engine_id>".
     tls: TLSFiles = field(default_factory=TLSFiles)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    # After losing the coordinator, how long the agent waits for it to come back
+    # before resolving its transfers locally (decode: KV failed; prefill: blocks
+    # freed). Must exceed the coordinator's write timeout plus an agent lease, so
+    # that no WRITE can land after it.
+    give_up_s: float = 30.0
 
     @property
     def agent_name(self) -> str:
@@ -137,6 +142,7 @@ class Agent:
             self._dataplane.inbox.put,
             channel_factory=self._channel_factory,
             name=f"pushkv-link-{c.tp_rank}",
+            give_up_s=c.give_up_s,
         )
         self._link.start()
         if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):

@@ -41,6 +41,8 @@ class HostSpec:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # How long the agent waits for a lost coordinator (AgentConfig.give_up_s).
+    give_up_s: float = 30.0
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -72,7 +74,10 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
     cfg = dataclasses.replace(
-        cfg, api_url=spec.api_url, tls=TLSFiles(spec.tls_ca, spec.tls_cert, spec.tls_key)
+        cfg,
+        api_url=spec.api_url,
+        tls=TLSFiles(spec.tls_ca, spec.tls_cert, spec.tls_key),
+        give_up_s=spec.give_up_s,
     )
     agent = Agent(cfg)
     try:

@@ -25,7 +25,11 @@ pytestmark = pytest.mark.faults
 
 CANARY = 0x77
 NB = 32
+WRITE_TIMEOUT = ["--write-timeout-s", "3"]
 LEASE = ["--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING"]
+LEASE += WRITE_TIMEOUT
+# A lost coordinator: the agents resolve locally after this long (> write timeout + lease).
+GIVE_UP_S = 6.0
 DEADLINE_S = 20.0  # lease (2 s) + restart + reconnect backoff, with slack for a loaded 2-core box
 
 
@@ -110,8 +114,8 @@ def rig() -> Iterator[Rig]:
     coord = CoordinatorProcess(*LEASE).start()
     proxy = CuttableProxy("127.0.0.1", coord.port)
     # The prefill agent reaches the coordinator through a cuttable link.
-    p = KVHost(HostSpec(proxy.address, "P", "prefill", num_blocks=NB))
-    d = KVHost(HostSpec(coord.address, "D", "decode", num_blocks=NB))
+    p = KVHost(HostSpec(proxy.address, "P", "prefill", num_blocks=NB, give_up_s=GIVE_UP_S))
+    d = KVHost(HostSpec(coord.address, "D", "decode", num_blocks=NB, give_up_s=GIVE_UP_S))
     p.start()
     d.start()
     d.call("canary", CANARY)
@@ -240,6 +244,23 @@ def test_coordinator_crash_mid_transfer(rig: Rig) -> None:
     _wait_ready(rig)
     rig.healthy_transfer("f7-after")
     rig.nothing_held()
+
+
+def test_coordinator_lost_for_good_resolves_locally(rig: Rig) -> None:
+    """No coordinator comes back: once no WRITE can land (GIVE_UP_S, longer than
+    the write timeout plus a lease), the prefill agent frees its blocks and the
+    decode agent fails the transfer, so the engines recompute instead of
+    waiting forever; nothing was written."""
+    rig.p.call("pause", True)
+    rig.d.call("expect", ["f8"])
+    rig.register("f8")
+    rig.done("f8")
+    rig.coord.kill()
+    assert rig.p.wait_event("f8", DEADLINE_S).kind is EventKind.BLOCKS_FREE
+    assert rig.d.wait_event("f8", DEADLINE_S).kind is EventKind.KV_FAILED
+    rig.p.call("pause", False)
+    assert rig.p.call("writes_posted") == 0
+    assert rig.d.call("check_canary", list(range(NB)), CANARY) == []
 
 
 def test_stream_cut_between_prefill_agent_and_coordinator(rig: Rig) -> None:

@@ -25,9 +25,11 @@ class ConnectorSettings:
     # On an engine step with nothing scheduled, the worker waits up to this long
     # for an agent event instead of letting the engine spin (0 disables).
     idle_wait_ms: float = 5.0
-    # When a registration's outcome is unknown (coordinator unreachable), the
-    # decode side fails the load only after this long: longer than the
-    # coordinator's write timeout plus an agent lease, so no WRITE can land.
+    # When the coordinator cannot be reached (a registration's outcome unknown,
+    # or the agent's stream lost and not taken back), the decode side fails the
+    # load (vLLM then recomputes) and the prefill side frees its blocks only
+    # after this long: longer than the coordinator's write timeout plus an agent
+    # lease, so no WRITE can land.
     uncertain_grace_s: float = 30.0
     # What a decode engine does when the push cannot complete (prefill leg
     # failed, prefill engine lost, coordinator unreachable, transfer failed or

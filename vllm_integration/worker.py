@@ -111,6 +111,7 @@ class PushWorkerHalf:
             compat_hash=digest,
             api_url=self.settings.api_url,
             tls=self.settings.tls,
+            give_up_s=self.settings.uncertain_grace_s,
         )
         self.agent = Agent(cfg)
         self.agent.start()
