@@ -177,7 +177,6 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
     # nixl_agent_config, num_threads, no UCX params). Under the benchmark's shim
     # its UCX backend gets pushkv's agent's params; a creator that passes its own,
     # as pushkv's agent does, keeps them.
-    pytest.importorskip("nixl")
     from agent.nixl_adapter import DEFAULT_UCX_PARAMS
 
     shim = sitecustomize(unpin=True, ucx_params=DEFAULT_UCX_PARAMS)
@@ -192,7 +191,11 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
     )
 
     def options(shimmed: bool) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": str(tmp_path) if shimmed else ""}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(tmp_path) if shimmed else "",
+            "NIXL_LOG_LEVEL": "WARN",
+        }
         out = subprocess.run(
             [sys.executable, "-c", probe],
             check=False,
@@ -202,10 +205,43 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
             timeout=120,
         )
         assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.strip().splitlines()[-2:]
+        return [line for line in out.stdout.splitlines() if line.startswith("[(")]
 
     assert options(shimmed=True) == [
         "[('num_threads', '4'), ('ucx_error_handling_mode', 'none')]",
         "[('ucx_error_handling_mode', 'peer')]",
     ]
     assert options(shimmed=False)[0] == "[('num_threads', '4')]"  # NIXL's default: peer
+
+
+def test_fault_summary_splits_requests_at_the_kill() -> None:
+    from bench.serving.fault import fault_lines, fault_summary
+    from bench.serving.workload import ReqRecord
+
+    recs = [
+        ReqRecord(0, 100, sent=0.0, first=0.2, last=1.0, tokens=8),  # pushed
+        ReqRecord(1, 100, sent=4.0, first=4.3, last=5.0, tokens=8),  # pushed
+        ReqRecord(2, 100, sent=4.9, first=5.9, last=6.5, tokens=8),  # in flight at the kill
+        ReqRecord(3, 100, sent=6.0, first=7.0, last=8.0, tokens=8),  # sent after it
+        ReqRecord(4, 100, sent=7.0, error="HTTP 502"),  # failed
+    ]
+    f = fault_summary(recs, killed_at=5.0, fallbacks={"prefill_failed": 2.0})
+    assert (f["requests"], f["ok"], f["success_rate"]) == (5, 4, 0.8)
+    assert f["ttft_pushed_ms"]["n"] == 2 and f["ttft_after_kill_ms"]["n"] == 2
+    assert f["ttft_pushed_ms"]["p50"] == pytest.approx(250.0)
+    assert f["ttft_after_kill_ms"]["p50"] == pytest.approx(1000.0)
+    assert f["errors"] == ["HTTP 502"]
+    lines = fault_lines(f)
+    assert "4/5 ok (success rate 0.800)" in lines[1]
+    assert "after/pushed p50 ratio 4.00" in lines[2]
+
+
+def test_kill_prefill_at_needs_pushkv_and_one_rate() -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--kill-prefill-at", "5", "--rates", "1,2", "--systems", "pushkv"])
+    with pytest.raises(SystemExit):
+        _parse(["--kill-prefill-at", "5", "--rates", "1", "--systems", "pull"])
+    cfg, _ = _parse(
+        ["--kill-prefill-at", "5", "--rates", "1", "--systems", "pushkv", "--scenarios", "nocache"]
+    )
+    assert cfg.kill_prefill_at_s == 5.0

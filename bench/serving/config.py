@@ -61,6 +61,9 @@ class BenchConfig:
     # vLLM's shm queue busy-poll window (vllm_patches.bound_shm_spin), every system
     # alike; None: vLLM's own (1 s).
     vllm_spin_ms: float | None = None
+    # The fault scenario (bench/serving/fault.py): kill -9 the prefill engine this
+    # many seconds into the load (pushkv only, one rate); None: no fault.
+    kill_prefill_at_s: float | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -79,6 +79,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         f"shim; at least {MIN_SPIN_MS:g}. Default: vLLM's own. A diagnostic: a short "
         "poll gave requests 5 s stalls (vLLM's shm reader recheck; docs/benchmarks.md)",
     )
+    ap.add_argument(
+        "--kill-prefill-at",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the fault scenario: kill -9 the prefill engine S seconds into the load "
+        "(pushkv only, one rate) and report the success rate and the TTFT of requests "
+        "after the kill (decode fallback) against those pushed before it",
+    )
     a = ap.parse_args(argv)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
         ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
@@ -98,6 +107,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     for s in scenarios:
         if s not in SCENARIOS:
             ap.error(f"unknown scenario {s!r}; known: {SCENARIOS}")
+    if a.kill_prefill_at is not None and (
+        systems != ("pushkv",) or len(rates) != 1 or len(scenarios) != 1
+    ):
+        ap.error("--kill-prefill-at needs --systems pushkv, one --rates value and one scenario")
     max_pos = 1 << math.ceil(math.log2(a.max_prompt + a.output_len + 1))
     model_dir = a.model_dir or Path(f".cache/bench-model-l{a.layers}-h{a.hidden}-p{max_pos}")
     cfg = BenchConfig(
@@ -122,6 +135,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         startup_timeout_s=150.0 if quick else 300.0,
         pin=a.pin,
         vllm_spin_ms=a.vllm_spin_ms,
+        kill_prefill_at_s=a.kill_prefill_at,
     )
     return cfg, a
 

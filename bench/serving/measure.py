@@ -15,6 +15,7 @@ import time
 from bench.output import say
 from bench.serving.config import LABELS, BenchConfig
 from bench.serving.deployment import Deployment, deploy
+from bench.serving.fault import PrefillKiller, fault_lines, fault_summary, router_fallbacks
 from bench.serving.processes import (
     cpu_ticks,
     engine_means_ms,
@@ -98,7 +99,13 @@ def _run_rate(cfg: BenchConfig, dep: Deployment, scenario: str, i: int, rate: fl
     cpu0 = {name: cpu_ticks(p) for name, p in groups.items()}
     sched0 = {name: worker_schedstat(p) for name, p in groups.items()}
     self0 = os.times()
+    killer = None
+    if cfg.kill_prefill_at_s is not None:
+        killer = PrefillKiller(dep, cfg.kill_prefill_at_s)
+        killer.start()
     recs = run_load(dep.front_url, wl, cfg.output_len, cfg.timeout_s)
+    if killer is not None:
+        killer.cancel()
     hz = os.sysconf("SC_CLK_TCK")
     res_cpu = {name: round((cpu_ticks(p) - cpu0[name]) / hz, 2) for name, p in groups.items()}
     self1 = os.times()
@@ -120,6 +127,8 @@ def _run_rate(cfg: BenchConfig, dep: Deployment, scenario: str, i: int, rate: fl
     res.decode_prompt_tokens = {k: v - tokens0.get(k, 0.0) for k, v in tokens1.items()}
     if dep.coordinator:
         res.stages_ms = pushkv_stages(dep.coordinator, recs)
+    if killer is not None:
+        res.fault = fault_summary(recs, killer.killed_at, router_fallbacks(dep.front_url))
     return res
 
 
@@ -141,3 +150,6 @@ def _say_rate(rate: float, res: RateResult) -> None:
     say(f"    engine-side mean times (ms): {res.engine_ms}")
     if res.stages_ms:
         say("    pushkv stages, medians (ms): " + stages_text(res.stages_ms))
+    if res.fault:
+        for line in fault_lines(res.fault):
+            say(line)

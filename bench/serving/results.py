@@ -34,6 +34,8 @@ class RateResult:
     # pushkv only: medians (ms) of each stage of the request, from the coordinator's
     # per-transfer timeline matched to the client's clock (same host).
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # The fault scenario only (--kill-prefill-at): bench/serving/fault.fault_summary.
+    fault: dict[str, Any] = field(default_factory=dict)
     # The decode engine's (single: the engine's) prompt tokens by source during the
     # rate: local_compute, local_cache_hit, external_kv_transfer (vLLM's counter).
     decode_prompt_tokens: dict[str, float] = field(default_factory=dict)
