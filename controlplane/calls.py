@@ -3,7 +3,7 @@
 Both paths authorize, validate, apply and log identically; errors leave as
 PushKVError and are mapped to status codes in one place (status_map). No gRPC
 here beyond the request and response messages, so the module compiles with
-the rest of the core (controlplane/_native.py).
+the rest of the core (controlplane/core_build.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
 
 
 # The records below write their own __init__ (init=False): a dataclass-made
-# __init__ stays interpreted code when the module is compiled (_native.py).
+# __init__ stays interpreted code when the module is compiled (core_build.py).
 
 
 @dataclass(slots=True, init=False)
