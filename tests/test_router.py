@@ -462,6 +462,25 @@ async def test_a_lost_decode_engine_is_a_502_with_retry_after(coord: Coordinator
         await c.wait_transfer(t.transfer_id, pb.TRANSFER_STATE_CANCELLED)
 
 
+async def test_a_decode_leg_past_its_time_limit_is_a_504(coord: CoordinatorProcess) -> None:
+    hold = asyncio.Event()
+
+    async def decode(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
+        await hold.wait()  # never answers
+        return await answer_json(engine, request, body)
+
+    async with cluster(coord, decode=decode, leg_timeout_s=1.0) as c:
+        assert c.decode is not None
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi"}) as resp:
+            assert resp.status == 504
+            err = (await resp.json())["error"]
+        assert err["stage"] == "timeout" and err["type"] == "gateway_timeout"
+        assert err["message"] == "timed out: decode leg after 1 s"
+        await wait(c.decode.closed, "decode leg cut off")
+        tid = c.decode.legs[0].body["kv_transfer_params"]["transfer_id"]
+        await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 async def test_an_unreachable_coordinator(coord: CoordinatorProcess, policy: str) -> None:
     """recompute: the decode engine serves the request alone (no kv_transfer_params,
