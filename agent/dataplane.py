@@ -45,7 +45,14 @@ from agent.messages import (
     WriteReportMsg,
 )
 from agent.nixl_adapter import NixlEndpoint
-from agent.nixl_types import FailureReason, NixlError, PeerKey, TransferState, WriteHandle
+from agent.nixl_types import (
+    BlockSlice,
+    FailureReason,
+    NixlError,
+    PeerKey,
+    TransferState,
+    WriteHandle,
+)
 from agent.notif import WriteNotif
 
 log = logging.getLogger("pushkv.agent")
@@ -386,7 +393,10 @@ class DataPlane:
                             f"@{tgt.decode_incarnation} is unknown or fenced",
                         )
                     notif = WriteNotif(order.transfer_id, order.prefill_rank, tgt.expected_writers)
-                    handles.append(self._ep.post_write(peer, tgt.src, tgt.dst, notif.encode()))
+                    cut = BlockSlice(tgt.slice_offset, tgt.slice_len) if tgt.slice_len else None
+                    handles.append(
+                        self._ep.post_write(peer, tgt.src, tgt.dst, notif.encode(), block_slice=cut)
+                    )
                     self.writes_posted += 1
             except NixlError as exc:
                 for h in handles:
@@ -468,10 +478,14 @@ class DataPlane:
                 continue
             a = self._arrivals.setdefault(n.transfer_id, _Arrivals(time.monotonic()))
             a.expected = n.expected_writers
+            if n.prefill_rank in a.ranks:
+                continue
             a.ranks.add(n.prefill_rank)
+            # Each writer's arrival is reported as it lands, so that status
+            # names the ranks still outstanding while the others wait.
+            self._report(ArrivalMsg(n.transfer_id, (n.prefill_rank,)))
             if len(a.ranks) >= a.expected:
                 del self._arrivals[n.transfer_id]
-                self._report(ArrivalMsg(n.transfer_id, tuple(sorted(a.ranks))))
                 self._tell(EventKind.KV_READY, n.transfer_id, "")
         if self._arrivals:
             now = time.monotonic()

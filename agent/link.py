@@ -60,8 +60,8 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
     for t in o.targets:
         if len(t.src_blocks) != 1 or len(t.dst_blocks) != 1:
             error = "orders with several KV groups are not supported by this agent"
-        if t.slice_offset or t.slice_len:
-            error = "partial-block (heterogeneous TP) slices are not supported by this agent"
+        if t.slice_offset and not t.slice_len:
+            error = "slice_offset without slice_len"
         src = tuple(t.src_blocks[0].ids) if t.src_blocks else ()
         dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
         targets.append(
@@ -72,6 +72,8 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 src,
                 dst,
                 max(1, t.expected_writers),
+                t.slice_offset,
+                t.slice_len,
             )
         )
     return OrderMsg(

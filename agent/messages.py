@@ -16,6 +16,9 @@ class Target:
     src: tuple[int, ...]
     dst: tuple[int, ...]
     expected_writers: int
+    # Heterogeneous TP: a head range (pushkv.proto, WriteTarget); 0, 0 = whole blocks.
+    slice_offset: int = 0
+    slice_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

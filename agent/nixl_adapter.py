@@ -40,6 +40,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from agent.nixl_types import (
+    BlockSlice,
     FailureReason,
     KVRegion,
     MemoryKind,
@@ -48,7 +49,7 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.write_plan import Layout, WritePlan, check_pairing, plan_write
+from agent.write_plan import Layout, WritePlan, check_pairing, plan_sliced_write, plan_write
 
 __all__ = ["DEFAULT_UCX_PARAMS", "NixlEndpoint", "quiet_nixl_env"]
 
@@ -358,10 +359,14 @@ class NixlEndpoint:
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         notif: bytes = b"",
+        *,
+        block_slice: BlockSlice | None = None,
     ) -> WriteHandle:
         """WRITE local block ``local_blocks[i]`` to the peer's ``remote_blocks[i]``, all regions.
 
         Runs that are consecutive on both sides become one descriptor per region.
+        With ``block_slice`` (engines of different TP sizes) only that head range
+        of the larger side's blocks moves, one descriptor per block and region.
         ``notif`` (if non-empty) reaches the peer once the data has landed.  With
         zero blocks nothing is transferred; the notification (if any) is sent with
         :meth:`send_notif` instead, so the receiver still sees it, and the returned
@@ -378,9 +383,13 @@ class NixlEndpoint:
         local = self._local
         if local is None:
             raise NixlError(FailureReason.INVALID_REQUEST, "register_kv() before post_write()")
-        plan = plan_write(
-            local, target.layout, local_blocks, remote_blocks, f"peer {peer.agent_name!r}"
-        )
+        side = f"peer {peer.agent_name!r}"
+        if block_slice is None:
+            plan = plan_write(local, target.layout, local_blocks, remote_blocks, side)
+        else:
+            plan = plan_sliced_write(
+                local, target.layout, local_blocks, remote_blocks, side, block_slice
+            )
         xfer: Any = None
         state = TransferState.DONE
         if plan.num_descriptors:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BlockSlice",
     "FailureReason",
     "KVRegion",
     "MemoryKind",
@@ -83,6 +84,19 @@ class KVRegion:
     @property
     def nbytes(self) -> int:
         return self.block_len * self.num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSlice:
+    """A head range of a block, for engines of different TP sizes.
+
+    The byte range ``[offset, offset + length)`` inside every block of the side
+    whose blocks are larger (the same range in every region); the other side's
+    blocks are whole and ``length`` bytes long.
+    """
+
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,12 @@ class AgentConfig:
     regions: tuple[KVRegion, ...]
     memory: MemoryKind = MemoryKind.DRAM
     compat_hash: str = ""
+    # What the peer engine must agree on besides TP (name, value), the KV heads
+    # this rank holds per block, and whether a head range of a block is
+    # contiguous: see KVLayout in pushkv.proto.
+    compat: tuple[tuple[str, str], ...] = ()
+    kv_heads: int = 0
+    head_major: bool = False
     api_url: str = ""
     # mTLS to the coordinator; the certificate's CN must be "engine:<engine_id>".
     tls: TLSFiles = field(default_factory=TLSFiles)
@@ -134,6 +140,9 @@ class Agent:
                 ],
                 memory_kind=c.memory.value,
                 compat_hash=c.compat_hash,
+                compat=dict(c.compat),
+                kv_heads=c.kv_heads,
+                head_major=c.head_major,
             ),
         )
         self._link = CoordinatorLink(

@@ -2,7 +2,9 @@
 
 A WRITE pairs local block ``local_blocks[i]`` with the peer's
 ``remote_blocks[i]`` in EVERY region; regions pair up by index and must have
-the same ``block_len`` on both sides.  Blocks consecutive on BOTH sides form a
+the same ``block_len`` on both sides, except in a sliced WRITE
+(:func:`plan_sliced_write`, engines of different TP sizes), where one side's
+block length is a multiple of the other's.  Blocks consecutive on BOTH sides form a
 run, and a run becomes one descriptor per region.  A descriptor row is
 ``(addr, nbytes, device_id)``, region-major (all runs of region 0, then of
 region 1, ...), which is what NIXL's ``get_xfer_descs`` takes, either as a list
@@ -21,7 +23,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from agent.nixl_types import FailureReason, KVRegion, NixlError, PeerKey
+from agent.nixl_types import BlockSlice, FailureReason, KVRegion, NixlError, PeerKey
 
 __all__ = [
     "PY_ROWS_MAX",
@@ -30,6 +32,7 @@ __all__ = [
     "WritePlan",
     "check_pairing",
     "merge_runs",
+    "plan_sliced_write",
     "plan_write",
 ]
 
@@ -57,6 +60,7 @@ class Layout:
     devices: _U64
     max_blocks: int  # ids must be < this in every region
     bytes_per_block: int  # one block id, summed over all regions
+    lens: tuple[int, ...]  # block_len of each region
 
     @classmethod
     def of(cls, regions: Sequence[KVRegion], what: str) -> Layout:
@@ -77,6 +81,7 @@ class Layout:
             devices=np.array([r.device_id for r in regs], dtype=np.uint64),
             max_blocks=min(r.num_blocks for r in regs),
             bytes_per_block=sum(r.block_len for r in regs),
+            lens=tuple(r.block_len for r in regs),
         )
 
     def rows(
@@ -115,15 +120,20 @@ class WritePlan:
 
 
 def check_pairing(local: Layout, remote: Layout, peer: PeerKey) -> None:
-    """Raise INVALID_REQUEST unless the two sides' regions pair up by index."""
+    """Raise INVALID_REQUEST unless the two sides' regions pair up by index: the
+    same block length, or (engines of different TP sizes) one a multiple of the
+    other's."""
     if len(local.regions) != len(remote.regions):
         raise NixlError(
             FailureReason.INVALID_REQUEST,
             f"peer {peer.agent_name!r} has {len(remote.regions)} KV regions, "
             f"local has {len(local.regions)}; regions pair up by index",
         )
+    l0, r0 = local.lens[0], remote.lens[0]
     for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
-        if lr.block_len != rr.block_len:
+        lbl, rbl = lr.block_len, rr.block_len
+        # One a multiple of the other, in the same ratio as region 0's.
+        if max(lbl, rbl) % min(lbl, rbl) or lbl * r0 != rbl * l0:
             raise NixlError(
                 FailureReason.INVALID_REQUEST,
                 f"peer {peer.agent_name!r} region {i} has block_len {rr.block_len}, "
@@ -179,6 +189,12 @@ def plan_write(
         )
     if n == 0:
         return WritePlan([], [], 0, 0)
+    if local.lens != remote.lens:
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"write to {remote_side}: block lengths differ ({local.lens[0]} vs "
+            f"{remote.lens[0]} in region 0); only a sliced WRITE pairs them",
+        )
     lb = _int_list(local_blocks)
     rb = _int_list(remote_blocks)
     l0, r0 = lb[0], rb[0]
@@ -212,6 +228,69 @@ def plan_write(
     run_lens = np.diff(np.append(starts, n)).astype(np.uint64)
     return _array_plan(
         local, remote, la[starts].astype(np.uint64), ra[starts].astype(np.uint64), run_lens, n
+    )
+
+
+def plan_sliced_write(
+    local: Layout,
+    remote: Layout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    remote_side: str,
+    cut: BlockSlice,
+) -> WritePlan:
+    """Descriptor rows for a WRITE of one head range per block (different TP sizes).
+
+    In every region the side with the larger blocks contributes the bytes
+    ``[cut.offset, cut.offset + cut.length)`` of each block, the other side
+    whole blocks of ``cut.length`` bytes. Consecutive blocks are not adjacent
+    on the sliced side, so there is one descriptor per block and region
+    (``len(local_blocks) * regions``), whatever the runs.
+
+    Raises:
+        NixlError: INVALID_REQUEST as :func:`plan_write`, or when the slice does
+            not fit: ``cut.length`` must be the smaller block length, and the
+            range must lie inside the larger block.
+    """
+    n = len(local_blocks)
+    if n != len(remote_blocks):
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"write to {remote_side}: {n} local blocks vs {len(remote_blocks)} remote blocks",
+        )
+    if n == 0:
+        return WritePlan([], [], 0, 0)
+    offsets = _slice_offsets(local, remote, remote_side, cut)
+    lb = _int_list(local_blocks)
+    rb = _int_list(remote_blocks)
+    _check_range("local", min(lb), max(lb), local.max_blocks)
+    _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+    if len(set(rb)) != n:
+        raise _duplicate_remote_ids(remote_side)
+    length = cut.length
+    num_descriptors = n * len(local.regions)
+    nbytes = num_descriptors * length
+    if num_descriptors <= PY_ROWS_MAX:
+        local_rows = [
+            (b + s * bl + lo, length, d)
+            for (b, bl, d), (lo, _) in zip(local.triples, offsets, strict=True)
+            for s in lb
+        ]
+        remote_rows = [
+            (b + s * bl + ro, length, d)
+            for (b, bl, d), (_, ro) in zip(remote.triples, offsets, strict=True)
+            for s in rb
+        ]
+        return WritePlan(local_rows, remote_rows, num_descriptors, nbytes)
+    la: _U64 = np.asarray(lb, dtype=np.uint64)
+    ra: _U64 = np.asarray(rb, dtype=np.uint64)
+    lo_arr = np.array([o[0] for o in offsets], dtype=np.uint64)
+    ro_arr = np.array([o[1] for o in offsets], dtype=np.uint64)
+    return WritePlan(
+        _sliced_rows(local, la, lo_arr, length),
+        _sliced_rows(remote, ra, ro_arr, length),
+        num_descriptors,
+        nbytes,
     )
 
 
@@ -305,3 +384,37 @@ def _array_plan(
         len(l_starts) * len(local.regions),
         num_blocks * local.bytes_per_block,
     )
+
+
+def _slice_offsets(
+    local: Layout, remote: Layout, remote_side: str, cut: BlockSlice
+) -> list[tuple[int, int]]:
+    """Per region, (local offset, remote offset) of the slice; checks it fits."""
+    if len(local.regions) != len(remote.regions):
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"write to {remote_side}: {len(local.regions)} local regions vs "
+            f"{len(remote.regions)} remote regions",
+        )
+    out: list[tuple[int, int]] = []
+    for i, (lbl, rbl) in enumerate(zip(local.lens, remote.lens, strict=True)):
+        small, large = min(lbl, rbl), max(lbl, rbl)
+        if cut.length != small or cut.offset < 0 or cut.offset + cut.length > large:
+            raise NixlError(
+                FailureReason.INVALID_REQUEST,
+                f"write to {remote_side}: slice [{cut.offset}, +{cut.length}) does not fit "
+                f"region {i} (block lengths local {lbl}, remote {rbl})",
+            )
+        out.append((cut.offset, 0) if lbl > rbl else (0, cut.offset))
+    return out
+
+
+def _sliced_rows(layout: Layout, blocks: _U64, offsets: _U64, length: int) -> _U64:
+    """Nx3 rows, region-major: one per block and region, ``length`` bytes at its offset."""
+    out = np.empty((len(layout.regions), len(blocks), 3), dtype=np.uint64)
+    out[:, :, 0] = (
+        layout.bases[:, None] + blocks[None, :] * layout.block_lens[:, None] + offsets[:, None]
+    )
+    out[:, :, 1] = length
+    out[:, :, 2] = layout.devices[:, None]
+    return out.reshape(-1, 3)

@@ -27,6 +27,12 @@ def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:
         raise InvalidArgument("must be > 0", field="layout.tokens_per_block")
     if not reg.layout.regions:
         raise InvalidArgument("needs at least one KV region", field="layout.regions")
+    if len(reg.layout.compat) > 64 or any(
+        len(k) > 64 or len(v) > 1024 for k, v in reg.layout.compat
+    ):
+        raise InvalidArgument(
+            "at most 64 entries, names <= 64 and values <= 1024 chars", field="layout.compat"
+        )
     for i, r in enumerate(reg.layout.regions):
         if r.block_len <= 0 or r.num_blocks <= 0 or r.base_addr <= 0:
             raise InvalidArgument(

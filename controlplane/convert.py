@@ -93,6 +93,9 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
         ),
         memory_kind=msg.memory_kind or "DRAM",
         compat_hash=msg.compat_hash,
+        compat=tuple(sorted(msg.compat.items())),
+        kv_heads=msg.kv_heads,
+        head_major=msg.head_major,
     )
 
 
@@ -112,6 +115,9 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
         ],
         memory_kind=layout.memory_kind,
         compat_hash=layout.compat_hash,
+        compat=dict(layout.compat),
+        kv_heads=layout.kv_heads,
+        head_major=layout.head_major,
     )
 
 
@@ -200,7 +206,7 @@ def _num_tokens(t: Transfer) -> int:
 
 
 def transfer_to_pb(t: Transfer, *, deadline_wall: float) -> pb.TransferStatus:
-    arrived = {p for ranks in t.arrived.values() for p in ranks}
+    arrived = t.arrived_ranks()
     return pb.TransferStatus(
         transfer_id=t.transfer_id,
         state=STATE_TO_PB[t.state],

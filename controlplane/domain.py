@@ -112,6 +112,10 @@ class KVLayout:
     regions: tuple[KVRegion, ...]
     memory_kind: str = "DRAM"
     compat_hash: str = ""
+    # (name, value) pairs both engines must agree on besides TP, sorted by name.
+    compat: tuple[tuple[str, str], ...] = ()
+    kv_heads: int = 0  # KV heads this rank holds per block; 0 = unknown
+    head_major: bool = False  # a head range of a block is one contiguous span
     # Derived once: read by every registration and prefill report.
     num_blocks: int = field(init=False, repr=False, compare=False)
     num_groups: int = field(init=False, repr=False, compare=False)

@@ -8,7 +8,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from controlplane.domain import AgentKey, Blocks, Order, OrderId, TransferId, WriteTarget
+from controlplane.domain import (
+    AgentKey,
+    Blocks,
+    KVLayout,
+    Order,
+    OrderId,
+    TransferId,
+    WriteTarget,
+)
 from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
@@ -17,8 +25,11 @@ from controlplane.transfer import OrderRecord, Side, Transfer
 def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
     """Why the prefill engine `pe` cannot write the transfer into decode engine `de`, or ""."""
     assert t.decode is not None and t.prefill is not None
-    if pe.tp_size != de.tp_size:
-        return f"prefill TP {pe.tp_size} != decode TP {de.tp_size} (not supported yet)"
+    p_layout = pe.ranks[0].reg.layout
+    d_layout = de.ranks[0].reg.layout
+    problem = compat_mismatch(p_layout, d_layout)
+    if problem:
+        return problem
     if pe.tokens_per_block != de.tokens_per_block:
         return f"tokens per block differ: {pe.tokens_per_block} vs {de.tokens_per_block}"
     if pe.compat_hash and de.compat_hash and pe.compat_hash != de.compat_hash:
@@ -27,11 +38,62 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
         return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
     if len(t.decode.blocks) != len(t.prefill.blocks):
         return "number of KV groups differs"
-    p_regions = pe.ranks[0].reg.layout.regions
-    d_regions = de.ranks[0].reg.layout.regions
-    shape = [(r.block_len, r.group) for r in p_regions]
-    if shape != [(r.block_len, r.group) for r in d_regions]:
-        return "KV regions differ in count, group or block length"
+    return tp_mismatch(pe.tp_size, p_layout, de.tp_size, d_layout)
+
+
+def compat_mismatch(p: KVLayout, d: KVLayout) -> str:
+    """The first compatibility field both engines name and give different values."""
+    d_compat = dict(d.compat)
+    for name, value in p.compat:
+        other = d_compat.get(name)
+        if other is not None and other != value:
+            return f"{name} differs: prefill {value!r}, decode {other!r}"
+    return ""
+
+
+def tp_mismatch(p_tp: int, p: KVLayout, d_tp: int, d: KVLayout) -> str:
+    """Why KV cannot move between these TP sizes and per-rank layouts, or "".
+
+    Equal TP: every region's blocks are the same size. Different TP: one size
+    divides the other and each rank holds its own head range (no replicated
+    heads, no MLA), so the larger side's block is `ratio` smaller blocks one
+    after another; both sides head-major, one block length in every region."""
+    if len(p.regions) != len(d.regions) or [r.group for r in p.regions] != [
+        r.group for r in d.regions
+    ]:
+        return (
+            f"KV regions differ in count or group: prefill {len(p.regions)}, "
+            f"decode {len(d.regions)}"
+        )
+    if p_tp == d_tp:
+        if [r.block_len for r in p.regions] != [r.block_len for r in d.regions]:
+            return "KV regions differ in block length at equal TP"
+        return ""
+    what = f"prefill TP {p_tp} into decode TP {d_tp}"
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        return f"{what}: one TP size must divide the other"
+    if not (p.head_major and d.head_major):
+        return (
+            f"{what}: needs a head-major KV block layout on both sides (a head range "
+            f"of a block contiguous); prefill head_major={p.head_major}, "
+            f"decode head_major={d.head_major}"
+        )
+    if p.kv_heads and d.kv_heads and p.kv_heads * p_tp != d.kv_heads * d_tp:
+        return (
+            f"{what}: KV heads are replicated across ranks (prefill {p.kv_heads} per rank, "
+            f"decode {d.kv_heads} per rank): TP larger than the KV heads, or MLA, "
+            "is not supported with different TP sizes"
+        )
+    p_len, d_len = {r.block_len for r in p.regions}, {r.block_len for r in d.regions}
+    if len(p_len) != 1 or len(d_len) != 1:
+        return f"{what}: needs one block length in every KV region"
+    small, large = (p_len.pop(), d_len.pop()) if p_tp > d_tp else (d_len.pop(), p_len.pop())
+    ratio = max(p_tp, d_tp) // min(p_tp, d_tp)
+    if large != ratio * small:
+        return (
+            f"{what}: block length {large} is not {ratio} x {small}: the ranks do not "
+            "hold disjoint head ranges (replicated heads or MLA)"
+        )
     return ""
 
 
@@ -46,6 +108,37 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
     return tuple(src)
 
 
+def rank_targets(
+    pe: EngineRecord, de: EngineRecord, rank: int, src: Blocks, dst: Blocks
+) -> tuple[WriteTarget, ...]:
+    """Where prefill rank `rank` writes (`mismatch` found nothing wrong).
+
+    Equal TP: whole blocks into decode rank `rank`. Prefill TP = k x decode TP:
+    its blocks into decode rank rank // k at slice rank % k of each block, and
+    that decode rank expects k writers. Decode TP = k x prefill TP: slice j of
+    each of its blocks into decode rank rank * k + j, which expects 1 writer."""
+    p_tp, d_tp = pe.tp_size, de.tp_size
+    if p_tp == d_tp:
+        d = de.ranks[rank]
+        return (WriteTarget(de.engine_id, rank, d.incarnation, src, dst, 1),)
+    if p_tp > d_tp:
+        k = p_tp // d_tp
+        n = pe.ranks[rank].reg.layout.regions[0].block_len
+        d = de.ranks[rank // k]
+        return (
+            WriteTarget(de.engine_id, rank // k, d.incarnation, src, dst, k, (rank % k) * n, n),
+        )
+    k = d_tp // p_tp
+    targets = []
+    for j in range(k):
+        d = de.ranks[rank * k + j]
+        n = d.reg.layout.regions[0].block_len
+        targets.append(
+            WriteTarget(de.engine_id, rank * k + j, d.incarnation, src, dst, 1, j * n, n)
+        )
+    return tuple(targets)
+
+
 def rank_order(
     order_id: OrderId,
     tid: TransferId,
@@ -57,23 +150,14 @@ def rank_order(
     deadline_unix: float,
 ) -> Order:
     """The order for prefill rank `rank` of `pe`."""
-    # Equal TP: prefill rank r writes whole blocks into decode rank r.
-    p_agent, d_agent = pe.ranks[rank], de.ranks[rank]
-    target = WriteTarget(
-        decode_engine_id=de.engine_id,
-        decode_rank=rank,
-        decode_incarnation=d_agent.incarnation,
-        src_blocks=src,
-        dst_blocks=decode.blocks,
-        expected_writers=1,
-    )
+    p_agent = pe.ranks[rank]
     return Order(
         order_id=order_id,
         transfer_id=tid,
         prefill_engine_id=pe.engine_id,
         prefill_rank=rank,
         prefill_incarnation=p_agent.incarnation,
-        targets=(target,),
+        targets=rank_targets(pe, de, rank, src, decode.blocks),
         deadline_unix=deadline_unix,
         num_tokens=decode.num_tokens,
     )

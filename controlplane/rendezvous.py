@@ -413,7 +413,8 @@ class Rendezvous:
             oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
             order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)
             t.orders[rank] = OrderRecord(order, p_agent.key)
-            t.expected[rank] = frozenset((rank,))
+            for tgt in order.targets:
+                t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
             self._open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
             effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
         t.state = State.ORDERED

@@ -266,6 +266,12 @@ class Runtime:
             rank=reg.tp_rank,
             role=reg.role.value,
             incarnation=reg.incarnation,
+            tp_size=reg.tp_size,
+            kv_heads=reg.layout.kv_heads,
+            head_major=reg.layout.head_major,
+            block_len=reg.layout.regions[0].block_len,
+            regions=len(reg.layout.regions),
+            compat=dict(reg.layout.compat),
         )
         return s
 

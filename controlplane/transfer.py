@@ -119,11 +119,25 @@ class Transfer:
                 return True
         return False
 
+    def arrived_ranks(self) -> set[int]:
+        """Prefill ranks whose arrival every decode rank they write into counted."""
+        got: set[int] = set()
+        missing: set[int] = set()
+        for d, exp in self.expected.items():
+            seen = self.arrived.get(d)
+            for p in exp:
+                if seen is not None and p in seen:
+                    got.add(p)
+                else:
+                    missing.add(p)
+        return got - missing
+
     def outstanding_ranks(self) -> list[int]:
-        """Prefill ranks whose WRITE is not done or whose arrival is not counted."""
+        """Prefill ranks whose WRITE is not done or whose arrival is not counted
+        by every decode rank it writes into."""
         if not self.orders:
             return []
-        arrived = {p for ranks in self.arrived.values() for p in ranks}
+        arrived = self.arrived_ranks()
         return sorted(
             r for r, o in self.orders.items() if o.state is not RankState.DONE or r not in arrived
         )

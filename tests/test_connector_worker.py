@@ -38,7 +38,7 @@ from vllm_integration.worker import PushWorkerHalf, regions_of
 NB = 32  # blocks per layer
 HEADS, BLOCK, HEAD_DIM = 2, 16, 8
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-COMPAT = "tiny|float32|16|auto"
+COMPAT = {"model": "tiny", "dtype": "float32", "block_size": "16"}
 DEADLINE_S = 20.0
 
 
@@ -95,7 +95,7 @@ def start_half(coord: CoordinatorProcess, is_prefill: bool) -> Side:
         tp_size=1,
         tokens_per_block=BLOCK,
         num_blocks=NB,
-        compat_key=COMPAT,
+        compat=COMPAT,
     )
     caches = cpu_caches()
     half.register_kv_caches(caches)

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.nixl_types import FailureReason, KVRegion, NixlError, PeerKey
-from agent.write_plan import Layout, check_pairing, merge_runs, plan_write
+from agent import write_plan
+from agent.nixl_types import BlockSlice, FailureReason, KVRegion, NixlError, PeerKey
+from agent.write_plan import Layout, check_pairing, merge_runs, plan_sliced_write, plan_write
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,9 +175,66 @@ def test_check_pairing_pairs_regions_by_index() -> None:
     with pytest.raises(NixlError, match="has 1 KV regions, local has 2"):
         check_pairing(two, Layout.of([KVRegion(1 << 21, 64, 8)], "p"), peer)
     swapped = Layout.of([KVRegion(1 << 21, 32, 8), KVRegion(1 << 31, 64, 8)], "p")
-    with pytest.raises(NixlError, match="region 0 has block_len 32") as info:
+    with pytest.raises(NixlError, match="region 1 has block_len 64") as info:
         check_pairing(two, swapped, peer)
     assert info.value.reason is FailureReason.INVALID_REQUEST
+    # Engines of different TP sizes: every region in the same ratio.
+    check_pairing(two, Layout.of([KVRegion(1 << 21, 128, 4), KVRegion(1 << 31, 64, 4)], "p"), peer)
+    with pytest.raises(NixlError, match="region 1 has block_len 48"):
+        check_pairing(
+            two, Layout.of([KVRegion(1 << 21, 128, 4), KVRegion(1 << 31, 48, 4)], "p"), peer
+        )
+
+
+def test_whole_block_write_refuses_other_block_lengths() -> None:
+    local = Layout.of([KVRegion(1 << 20, 64, 8)], "local")
+    remote = Layout.of([KVRegion(1 << 21, 128, 8)], "remote")
+    with pytest.raises(NixlError, match="block lengths differ"):
+        plan_write(local, remote, [1], [2], "peer")
+
+
+@pytest.mark.parametrize("py_rows_max", [64, 0])  # tuple rows and the Nx3 array
+def test_sliced_write_rows(monkeypatch: pytest.MonkeyPatch, py_rows_max: int) -> None:
+    """A head slice per block: the larger side contributes [offset, +len) of each
+    block, the other whole blocks; one descriptor per block and region."""
+    monkeypatch.setattr(write_plan, "PY_ROWS_MAX", py_rows_max)
+    small = Layout.of([KVRegion(1 << 20, 100, 8), KVRegion(1 << 30, 100, 8)], "p")
+    large = Layout.of([KVRegion(1 << 21, 300, 8), KVRegion(1 << 31, 300, 8)], "d")
+    cut = BlockSlice(200, 100)
+    plan = plan_sliced_write(small, large, [1, 2, 3], [5, 6, 0], "d", cut)
+    rows = [tuple(int(x) for x in r) for r in plan.local_rows]
+    assert rows == [((1 << 20) + b * 100, 100, 0) for b in (1, 2, 3)] + [
+        ((1 << 30) + b * 100, 100, 0) for b in (1, 2, 3)
+    ]
+    rows = [tuple(int(x) for x in r) for r in plan.remote_rows]
+    assert rows == [((1 << 21) + b * 300 + 200, 100, 0) for b in (5, 6, 0)] + [
+        ((1 << 31) + b * 300 + 200, 100, 0) for b in (5, 6, 0)
+    ]
+    assert (plan.num_descriptors, plan.nbytes) == (6, 600)
+    # The other direction: the slice is taken from the local (larger) blocks.
+    plan = plan_sliced_write(large, small, [4], [7], "p", BlockSlice(100, 100))
+    local_rows = [tuple(int(x) for x in r) for r in plan.local_rows]
+    remote_rows = [tuple(int(x) for x in r) for r in plan.remote_rows]
+    assert local_rows[:1] == [((1 << 21) + 4 * 300 + 100, 100, 0)]
+    assert remote_rows[:1] == [((1 << 20) + 7 * 100, 100, 0)]
+
+
+@pytest.mark.parametrize(
+    ("cut", "blocks", "match"),
+    [
+        (BlockSlice(250, 100), [5], "does not fit"),  # past the block's end
+        (BlockSlice(0, 50), [5], "does not fit"),  # not the smaller block's length
+        (BlockSlice(0, 100), [8], "out of range"),
+        (BlockSlice(0, 100), [5, 5], "duplicate remote"),
+    ],
+)
+def test_sliced_write_refuses_what_does_not_fit(
+    cut: BlockSlice, blocks: list[int], match: str
+) -> None:
+    small = Layout.of([KVRegion(1 << 20, 100, 8)], "p")
+    large = Layout.of([KVRegion(1 << 21, 300, 8)], "d")
+    with pytest.raises(NixlError, match=match):
+        plan_sliced_write(small, large, list(range(len(blocks))), blocks, "d", cut)
 
 
 def test_descriptor_arrays_match_tuple_rows(monkeypatch: pytest.MonkeyPatch) -> None:

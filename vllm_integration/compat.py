@@ -38,6 +38,7 @@ __all__ = [
     "NoLayerwiseHooks",
     "RequestStatus",
     "first_group_block_ids",
+    "kv_geometry",
     "set_load_failure_policy",
     "tp_rank_and_size",
 ]
@@ -108,3 +109,20 @@ def tp_rank_and_size() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except AssertionError:  # no model-parallel group (e.g. unit tests)
         return 0, 1
+
+
+def kv_geometry(vllm_config: Any) -> dict[str, str]:
+    """What a prefill and a decode engine must agree on besides TP, by name
+    (pushkv.proto, KVLayout.compat), plus "kv_heads_per_rank"."""
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    return {
+        "model": str(mc.model),
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "block_size": str(cc.block_size),
+        "head_size": str(mc.get_head_size()),
+        "total_kv_heads": str(mc.get_total_num_kv_heads()),
+        "mla": str(bool(mc.use_mla)),
+        "kv_heads_per_rank": str(mc.get_num_kv_heads(vllm_config.parallel_config)),
+    }

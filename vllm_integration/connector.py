@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_integration import compat
+from vllm_integration import compat, kv_checks
 from vllm_integration.compat import KVConnectorBase_V1, KVConnectorRole, NoLayerwiseHooks
 from vllm_integration.metadata import PushKVMetadata
 from vllm_integration.scheduler import PushSchedulerHalf
@@ -33,6 +33,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
                 f"PushKVConnector needs kv_role kv_producer (prefill) or kv_consumer "
                 f"(decode), not {tc.kv_role!r}"
             )
+        kv_checks.check_kv_cache_config(vllm_config, kv_cache_config)  # refuse at start
         compat.set_load_failure_policy(tc, self.settings.on_transfer_failure)
         self.is_prefill = tc.kv_role == "kv_producer"
         self.engine_id = str(tc.engine_id)
@@ -48,8 +49,8 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
             self.request_finished = half.request_finished  # type: ignore[method-assign]
         else:
             rank, size = compat.tp_rank_and_size()
-            mc = vllm_config.model_config
-            key = f"{mc.model}|{mc.dtype}|{block_size}|{vllm_config.cache_config.cache_dtype}"
+            geometry = compat.kv_geometry(vllm_config)
+            kv_heads = int(geometry.pop("kv_heads_per_rank"))
             self._worker = PushWorkerHalf(
                 self.settings,
                 engine_id=self.engine_id,
@@ -58,7 +59,8 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
                 tp_size=size,
                 tokens_per_block=block_size,
                 num_blocks=int(kv_cache_config.num_blocks),
-                compat_key=key,
+                compat=geometry,
+                kv_heads=kv_heads,
             )
 
     # ------------------------------------------------------------ scheduler side
@@ -86,9 +88,14 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return kv_checks.REQUIRED_KV_LAYOUT  # the only one regions_of plans
+
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
+        kv_checks.check_kv_tensors(kv_caches, self._kv_cache_config, self._vllm_config)
         self._worker.register_kv_caches(kv_caches)
 
     def _meta(self) -> PushKVMetadata | None:

