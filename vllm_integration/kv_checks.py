@@ -1,0 +1,316 @@
+"""What the connector refuses at engine start: every KV cache pushkv cannot transfer exactly.
+
+pushkv moves one KV cache group of plain full attention: every prompt block of
+every layer, byte for byte, from prefill block ids to decode block ids. Any
+other KV cache vLLM hands the connector (several groups, recurrent state,
+windowed or ring-buffer caches, latent or packed pages, another tensor layout)
+would be transferred partly or wrongly, so the connector refuses it when vLLM
+builds it (`check_kv_cache_config`, both roles) and when the worker registers
+its KV tensors (`check_kv_tensors`). Each refusal names the feature and what
+to do instead; docs/configuration.md ("Refused configurations") lists them.
+
+Runs once per connector at engine start, never in the per-step hooks. Spec
+classes are matched by exact class name (vllm/v1/kv_cache_interface.py in
+vLLM 0.32): a subclass or a spec this table does not know is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "REQUIRED_KV_LAYOUT",
+    "UnsupportedKVCache",
+    "check_kv_cache_config",
+    "check_kv_tensors",
+    "config_problems",
+    "tensor_problems",
+]
+
+# The only layout the worker's region planner (worker.regions_of) accepts: per
+# layer [blocks, heads, tokens, K|V], contiguous (vLLM's LBHNC, legacy "HND").
+REQUIRED_KV_LAYOUT = "HND"
+_LAYOUT_NAMES = ("LBHNC", "HND")
+
+_SUPPORTED_SPEC = "FullAttentionSpec"
+_WITHOUT_PUSHKV = "serve this model without pushkv (e.g. with vLLM's NixlConnector)"
+_WINDOW_INSTEAD = (
+    "start both engines with --disable-sliding-window (full attention; vLLM caps "
+    f"max_model_len to the window), or {_WITHOUT_PUSHKV}"
+)
+
+# Exact spec class name -> (the unsupported feature, what to do instead).
+_REFUSED_SPECS: dict[str, tuple[str, str]] = {
+    "MambaSpec": (
+        "Mamba/state-space (SSM) state: pushkv does not transfer recurrent state",
+        f"{_WITHOUT_PUSHKV}; hybrid SSM models (Jamba, Bamba, ...) also need vLLM's "
+        "hybrid KV cache manager, which pushkv does not support yet",
+    ),
+    "SlidingWindowSpec": (
+        "sliding-window attention as its own KV cache group (vLLM frees blocks "
+        "outside the window; pushkv transfers every prompt block)",
+        _WINDOW_INSTEAD,
+    ),
+    "SlidingWindowMLASpec": (
+        "sliding-window MLA attention as its own KV cache group",
+        _WITHOUT_PUSHKV,
+    ),
+    "ChunkedLocalAttentionSpec": (
+        "chunked local attention as its own KV cache group (vLLM frees blocks "
+        "outside the chunk; pushkv transfers every prompt block)",
+        _WITHOUT_PUSHKV,
+    ),
+    "MLAAttentionSpec": (
+        "MLA (multi-head latent attention) KV cache: one latent vector per token, "
+        "replicated on every TP rank, which pushkv's per-head block layout does not describe",
+        _WITHOUT_PUSHKV,
+    ),
+    "HiddenStateCacheSpec": (
+        "hidden-state cache (extract_hidden_states)",
+        "turn hidden-state extraction off on engines that use pushkv",
+    ),
+    "SinkFullAttentionSpec": (
+        "attention-sink KV cache (sink tokens besides the prompt's blocks)",
+        _WITHOUT_PUSHKV,
+    ),
+    "RSWASpec": (
+        "reference sliding-window attention (R-SWA) that evicts generated-token blocks",
+        _WITHOUT_PUSHKV,
+    ),
+    "CircularBufferSpec": (
+        "ring-buffer KV cache (one block per request, not one per prompt block)",
+        _WITHOUT_PUSHKV,
+    ),
+    "HiSparseHotSpec": (
+        "HiSparse hot cache (per-request pages outside the prompt's blocks)",
+        "turn HiSparse off on engines that use pushkv",
+    ),
+    "HiSparseResidentSpec": (
+        "HiSparse host-backed KV cache",
+        "turn HiSparse off on engines that use pushkv",
+    ),
+    "EncoderOnlyAttentionSpec": (
+        "encoder-only attention (no KV cache for a decode engine to continue from)",
+        "pushkv serves decoder-only generation models; serve this one without pushkv",
+    ),
+    "CrossAttentionSpec": (
+        "encoder-decoder cross-attention KV cache (e.g. Whisper)",
+        "pushkv serves decoder-only generation models; serve this one without pushkv",
+    ),
+    "UniformTypeKVCacheSpecs": (
+        "layers with different KV page sizes in one KV cache group (pushkv "
+        "describes every layer by the first layer's shape)",
+        _WITHOUT_PUSHKV,
+    ),
+}
+
+# KVQuantMode names whose bytes are the whole KV (per-tensor scales live in the
+# model's weights, the same on both engines).
+_EXACT_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+
+
+class UnsupportedKVCache(ValueError):
+    """A KV cache configuration pushkv cannot transfer exactly (raised at engine start)."""
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise UnsupportedKVCache(
+            "PushKVConnector cannot transfer this KV cache exactly, so the engine "
+            f"does not start with it:\n{lines}\n"
+            "(docs/configuration.md, 'Refused configurations')"
+        )
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def describe_spec(spec: Any) -> str:
+    """A spec's class name with the fields that set its kind apart."""
+    name = type(spec).__name__
+    extras = [
+        f"{f}={getattr(spec, f)}"
+        for f in ("sliding_window", "attention_chunk_size", "mamba_type")
+        if getattr(spec, f, None) is not None
+    ]
+    if name == "UniformTypeKVCacheSpecs":
+        inner = sorted({type(s).__name__ for s in getattr(spec, "kv_cache_specs", {}).values()})
+        extras.append("of " + "/".join(inner))
+    return f"{name}({', '.join(extras)})" if extras else name
+
+
+def _spec_problems(spec: Any, block_size: int) -> list[str]:
+    name = type(spec).__name__
+    if name != _SUPPORTED_SPEC:
+        feature, instead = _REFUSED_SPECS.get(
+            name,
+            (
+                f"KV cache spec {name}, which pushkv does not know (it moves only "
+                f"plain full attention, {_SUPPORTED_SPEC})",
+                _WITHOUT_PUSHKV,
+            ),
+        )
+        return [f"{feature} [{describe_spec(spec)}]; {instead}"]
+    problems: list[str] = []
+    if int(spec.block_size) != block_size:
+        problems.append(
+            f"KV cache block size {spec.block_size} differs from the engine's "
+            f"--block-size {block_size} (pushkv counts prompt blocks with the latter); "
+            "set --block-size to a size the attention backend keeps as is"
+        )
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if quant not in _EXACT_QUANT_MODES:
+        problems.append(
+            f"quantized KV cache {quant} (scales or packed values outside the "
+            "blocks pushkv copies); use --kv-cache-dtype auto or fp8 (per-tensor)"
+        )
+    packed = [
+        f
+        for f in ("num_head_slots", "state_content_bytes", "page_size_padded")
+        if getattr(spec, f, None) is not None
+    ]
+    if packed or getattr(spec, "tokens_per_state", 1) != 1:
+        problems.append(
+            "packed, padded or compressed KV pages "
+            f"({', '.join(packed) or 'tokens_per_state=' + str(spec.tokens_per_state)}): "
+            "pushkv plans one head-major [heads, tokens, K|V] span per block; "
+            "use an attention backend and KV cache dtype with plain pages"
+        )
+    return problems
+
+
+def _group_problems(kv_cache_config: Any, block_size: int) -> list[str]:
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        return ["no KV cache group (an attention-free model): there is no KV to transfer"]
+    if len(groups) > 1:
+        kinds = "; ".join(
+            f"group {i}: {describe_spec(g.kv_cache_spec)}, {len(g.layer_names)} layer(s)"
+            for i, g in enumerate(groups)
+        )
+        problems = [
+            f"{len(groups)} KV cache groups ({kinds}), and pushkv transfers group 0 "
+            "only; use a model with one KV cache group, or leave vLLM's hybrid KV "
+            "cache manager off (vLLM's default with pushkv: do not pass "
+            "--no-disable-hybrid-kv-cache-manager), which merges sliding-window and "
+            "full-attention layers into one full-attention group (Mamba state it cannot merge)"
+        ]
+    else:
+        problems = []
+    for i, group in enumerate(groups):
+        where = f"group {i}: " if len(groups) > 1 else ""
+        problems += [where + p for p in _spec_problems(group.kv_cache_spec, block_size)]
+        if getattr(group, "host_resident", False):
+            problems.append(f"{where}host-resident (HiSparse) KV cache; turn HiSparse off")
+        if not getattr(group, "enable_kv_transfer", True):
+            problems.append(f"{where}vLLM marks this KV cache group as not transferable")
+    return problems
+
+
+def _parallel_problems(vllm_config: Any) -> list[str]:
+    pc = vllm_config.parallel_config
+    problems = []
+    pp = int(getattr(pc, "pipeline_parallel_size", 1))
+    if pp > 1:
+        problems.append(
+            f"pipeline parallelism (--pipeline-parallel-size {pp}): each stage holds "
+            "a subset of the layers and pushkv pairs ranks by TP rank only; use "
+            "--pipeline-parallel-size 1 (tensor parallelism is supported)"
+        )
+    for field, flag in (
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+    ):
+        size = int(getattr(pc, field, 1))
+        if size > 1:
+            problems.append(
+                f"context parallelism ({flag} {size}): a block's tokens are split "
+                f"across ranks; use {flag} 1"
+            )
+    return problems
+
+
+def config_problems(vllm_config: Any, kv_cache_config: Any) -> list[str]:
+    """Every reason pushkv cannot transfer this engine's KV cache exactly ([] if none)."""
+    if kv_cache_config is None:
+        return [
+            "vLLM passed no KVCacheConfig to the connector (vLLM older than 0.30?); "
+            "use vLLM 0.32 or 0.33"
+        ]
+    block_size = int(vllm_config.cache_config.block_size)
+    return _group_problems(kv_cache_config, block_size) + _parallel_problems(vllm_config)
+
+
+def check_kv_cache_config(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raise UnsupportedKVCache naming every problem `config_problems` finds."""
+    _refuse(config_problems(vllm_config, kv_cache_config))
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def _layout_name(kv_cache_config: Any, vllm_config: Any) -> str:
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        name = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    return str(name) if name is not None else "unresolved"
+
+
+def tensor_problems(
+    kv_caches: Mapping[str, Any], num_blocks: int, layout: str = "unresolved"
+) -> list[str]:
+    """Why the worker's region planner cannot describe these KV tensors exactly ([] if none).
+
+    pushkv needs, per layer, one dimension of `num_blocks` with every block one
+    contiguous span after it, the same shape and dtype in every layer."""
+    if not kv_caches:
+        return ["the worker registered no KV cache tensors"]
+    problems: list[str] = []
+    if layout not in (*_LAYOUT_NAMES, "unresolved"):
+        problems.append(
+            f"KV cache layout {layout}: pushkv plans the layer-compact, head-major "
+            "layout LBHNC (legacy HND); unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC"
+        )
+    first_name, first = next(iter(kv_caches.items()))
+    for name, t in kv_caches.items():
+        shape, strides = list(t.shape), list(t.stride())
+        if (shape, t.dtype) != (list(first.shape), first.dtype):
+            problems.append(
+                f"layers with different KV tensors ({first_name}: {list(first.shape)} "
+                f"{first.dtype}, {name}: {shape} {t.dtype}); pushkv needs one shape "
+                f"and dtype in every layer; {_WITHOUT_PUSHKV}"
+            )
+            break
+        if shape and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+            problems.append(
+                f"{name}: KV tensor {shape} has {shape[0]} blocks, not {num_blocks}: the "
+                f"attention backend splits each block into {shape[0] // num_blocks} kernel "
+                "blocks; set --block-size to the backend's kernel block size"
+            )
+            break
+        if num_blocks not in shape:
+            problems.append(
+                f"{name}: KV tensor {shape} has no block dimension of {num_blocks} "
+                "(a KV layout pushkv does not plan); use the LBHNC layout"
+            )
+            break
+        dim = shape.index(num_blocks)
+        inner = 1
+        for s in shape[dim + 1 :]:
+            inner *= s
+        if strides[dim] != inner or not t.is_contiguous():
+            problems.append(
+                f"{name}: blocks are not contiguous spans (shape {shape}, strides "
+                f"{strides}, layout {layout}): padded pages or a layout other than "
+                "LBHNC; unset VLLM_KV_CACHE_LAYOUT or set it to LBHNC"
+            )
+            break
+    return problems
+
+
+def check_kv_tensors(kv_caches: Mapping[str, Any], kv_cache_config: Any, vllm_config: Any) -> None:
+    """Raise UnsupportedKVCache naming every problem `tensor_problems` finds."""
+    layout = _layout_name(kv_cache_config, vllm_config)
+    _refuse(tensor_problems(kv_caches, int(kv_cache_config.num_blocks), layout))
