@@ -18,14 +18,26 @@ alternately:
 "scattered" draws fresh random distinct block ids on BOTH sides per repetition
 (so runs rarely merge); "contiguous" writes blocks [s, s+n) to [t, t+n).  All
 buffers are pre-touched.  After each block size one scattered WRITE with a
-notification is verified byte-for-byte by the target.  Single host only: it
+notification is verified byte-for-byte by the target.  Single host: it
 sets ``UCX_NET_DEVICES=lo`` unless already set.
+
+The target progresses its NIXL agent every ``--target-poll-ms`` (default
+0.5 ms, the decode agent's fast poll while it expects arrivals) while it waits.
+Over CMA that changes nothing; over UCX's TCP transport (``UCX_TLS=tcp,self``)
+a WRITE is not one-sided and lands only while the target progresses: 0 means
+never progress while idle, and such a WRITE never completes.
+
+With ``--link RATE`` (e.g. ``1gbit``) the initiator and the target run in two
+network namespaces joined by a veth pair capped at RATE each way by tc
+(:mod:`harness.netlink`), UCX over TCP across it; each row then also shows the
+line time (payload bytes / RATE) and WRITE time / line time.  Needs root.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import multiprocessing as mp
 import os
 import statistics
@@ -41,6 +53,7 @@ import numpy.typing as npt
 from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from agent.nixl_types import KVRegion, PeerKey, TransferState, WriteHandle
 from agent.write_plan import merge_runs
+from harness.netlink import NetnsProcess, TwoNodeLink, format_rate, parse_rate
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -48,6 +61,7 @@ BLOCK_SIZES = (16 * KiB, 128 * KiB, 1 * MiB)
 BLOCK_COUNTS = (1, 8, 64, 256)
 QUICK_COUNTS = (1, 8, 64)
 GOAL = (64, 128 * KiB)
+LINK_MAX_MIB = 16
 WAIT_S = 30.0
 FILL = 0xEE
 
@@ -62,14 +76,21 @@ def _fill_pattern(pool: _U8) -> None:
 # --------------------------------------------------------------------------- target process
 
 
-def _target_main(conn: Connection) -> None:
-    """Target: (re)creates a registered pool on "setup", verifies on "verify"."""
+def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
+    """Target: (re)creates a registered pool on "setup", verifies on "verify".
+
+    With ``poll_s`` > 0 it progresses its NIXL agent every ``poll_s`` while it
+    waits for a command, as the decode agent's NIXL thread does while arrivals
+    are expected.  Over CMA that is not needed (the copy is one-sided); over
+    UCX's TCP transport a WRITE lands only while the target progresses.
+    """
     for key, value in quiet_nixl_env(loopback=True).items():
         os.environ.setdefault(key, value)
     ep: NixlEndpoint | None = None
     pools: list[_U8] = []
+    seen: list[tuple[str, bytes]] = []
     try:
-        while conn.poll(600.0):
+        while _wait_command(conn, ep, poll_s, seen):
             try:
                 cmd: tuple[Any, ...] = conn.recv()
             except EOFError:
@@ -82,11 +103,12 @@ def _target_main(conn: Connection) -> None:
                 pools += [np.full_like(pools[0], FILL) for _ in range(num_regions - 1)]
                 ep = NixlEndpoint(name)
                 ep.register_kv([KVRegion(p.ctypes.data, block_len, num_blocks) for p in pools])
+                seen.clear()
                 layout = [(r.base_addr, r.block_len, r.num_blocks) for r in ep.regions]
                 conn.send(("ready", ep.metadata(), layout, os.getpid()))
             elif cmd[0] == "verify" and ep is not None:
                 _, pairs, notif = cmd
-                conn.send(("verified", _verify_target(ep, pools, pairs, notif)))
+                conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen)))
             elif cmd[0] == "exit":
                 return
     finally:
@@ -94,15 +116,33 @@ def _target_main(conn: Connection) -> None:
             ep.close()
 
 
+def _wait_command(
+    conn: Connection, ep: NixlEndpoint | None, poll_s: float, seen: list[tuple[str, bytes]]
+) -> bool:
+    """Wait up to 600 s for the next command, progressing ``ep`` every ``poll_s``."""
+    if ep is None or poll_s <= 0:
+        return conn.poll(600.0)
+    deadline = time.monotonic() + 600.0
+    while not conn.poll(poll_s):
+        seen += ep.get_notifications()  # drives the UCX worker: TCP receives land here
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
 def _verify_target(
-    ep: NixlEndpoint, pools: Sequence[_U8], pairs: Sequence[tuple[int, int]], notif: bytes
+    ep: NixlEndpoint,
+    pools: Sequence[_U8],
+    pairs: Sequence[tuple[int, int]],
+    notif: bytes,
+    seen: list[tuple[str, bytes]],
 ) -> str:
     deadline = time.monotonic() + WAIT_S
-    seen: list[tuple[str, bytes]] = []
     while not any(msg == notif for _, msg in seen):
         if time.monotonic() > deadline:
             return f"notification {notif!r} not received within {WAIT_S} s"
         seen += ep.get_notifications()
+    seen.clear()
     for pool in pools:
         for remote, local in pairs:
             if not np.all(pool[remote] == local % 251):
@@ -123,6 +163,7 @@ class Row:
     memcpy_us: float
     nbytes: int
     floor_us: float | None = None
+    line_us: float | None = None
 
     @property
     def write_gbps(self) -> float:
@@ -331,23 +372,28 @@ def _size(n: int) -> str:
 
 def _print_table(rows: Sequence[Row]) -> None:
     floor = any(r.floor_us is not None for r in rows)
+    line = any(r.line_us is not None for r in rows)
     head = (
         f"{'blocks':>6} {'block':>8} {'layout':<10} {'descs':>5} {'write µs p50':>13} "
         f"{'memcpy µs p50':>14} {'write GB/s':>10} {'memcpy GB/s':>11} {'write/memcpy':>12}"
     )
     if floor:
         head += f" {'cma µs p50':>11} {'cma/memcpy':>10}"
+    if line:
+        head += f" {'line µs':>10} {'write/line':>10}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (
+        text = (
             f"{r.blocks:>6} {_size(r.block_len):>8} {r.layout:<10} {r.descs:>5} "
             f"{r.write_us:>13.1f} {r.memcpy_us:>14.1f} {r.write_gbps:>10.2f} "
             f"{r.memcpy_gbps:>11.2f} {r.ratio:>12.2f}"
         )
         if r.floor_us is not None and r.floor_ratio is not None:
-            line += f" {r.floor_us:>11.1f} {r.floor_ratio:>10.2f}"
-        print(line)
+            text += f" {r.floor_us:>11.1f} {r.floor_ratio:>10.2f}"
+        if r.line_us is not None:
+            text += f" {r.line_us:>10.1f} {r.write_us / r.line_us:>10.2f}"
+        print(text)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -358,7 +404,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="counts 1/8/64, fewer repetitions")
     p.add_argument("--reps", type=int, default=0, help="repetitions per combo (default: auto)")
     p.add_argument("--regions", type=int, default=1, help="KV regions per block (default 1)")
-    p.add_argument("--max-mib", type=int, default=256, help="skip combos moving more MiB")
+    p.add_argument(
+        "--max-mib", type=int, default=None, help="skip combos moving more MiB (default 256)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--block-kib",
@@ -372,41 +420,135 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also time one direct process_vm_writev of the same runs (kernel floor)",
     )
+    p.add_argument(
+        "--target-poll-ms",
+        type=float,
+        default=0.5,
+        help="the target progresses NIXL this often while it waits (default 0.5, the decode "
+        "agent's fast poll; 0: never, and a WRITE over UCX's TCP transport never completes)",
+    )
+    p.add_argument(
+        "--link",
+        metavar="RATE",
+        default="",
+        help="run over the emulated two-node link capped at RATE (e.g. 1gbit; needs root); "
+        "--max-mib then defaults to 16",
+    )
     args = p.parse_args(argv)
-    if args.regions < 1 or args.reps < 0:
-        p.error("--regions must be >= 1 and --reps >= 0")
+    if args.regions < 1 or args.reps < 0 or args.target_poll_ms < 0:
+        p.error("--regions must be >= 1, --reps and --target-poll-ms >= 0")
+    if args.link:
+        if args.cma_floor:
+            p.error("--cma-floor measures CMA; it does not apply to --link")
+        try:
+            args.link_bit = parse_rate(args.link)
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.max_mib is None:
+            args.max_mib = LINK_MAX_MIB
+    if args.max_mib is None:
+        args.max_mib = 256
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    for key, value in quiet_nixl_env(loopback=True).items():
-        os.environ.setdefault(key, value)
+def _run_sizes(bench: _Bench, args: argparse.Namespace) -> list[Row]:
     counts_all = QUICK_COUNTS if args.quick else BLOCK_COUNTS
+    rows: list[Row] = []
+    sizes = [b for b in BLOCK_SIZES if not args.block_kib or b // KiB in args.block_kib]
+    for block_len in sizes:
+        counts = [c for c in counts_all if c * block_len * args.regions <= args.max_mib * MiB]
+        if counts:
+            rows += bench.run_size(block_len, counts)
+    return rows
+
+
+def _initiator_main(conn: Connection, args: argparse.Namespace) -> None:
+    """The initiator in the link's namespace A; its conn reaches the target through a relay."""
+    rows = _run_sizes(_Bench(conn, args), args)
+    conn.send(("exit",))
+    conn.send(("rows", rows))
+
+
+def _relay(init: Connection, target: Connection) -> list[Row]:
+    """Pass messages between initiator and target until the initiator sends its rows."""
+    from multiprocessing.connection import wait
+
+    while True:
+        ready = wait([init, target], timeout=WAIT_S * 8)
+        if not ready:
+            raise TimeoutError(f"no message from initiator or target within {WAIT_S * 8} s")
+        for c in (init, target):
+            if c not in ready:
+                continue
+            try:
+                msg = c.recv()
+            except EOFError:
+                who = "initiator" if c is init else "target"
+                raise RuntimeError(f"the {who} exited (see its output above)") from None
+            if c is init and msg[0] == "rows":
+                rows: list[Row] = msg[1]
+                return rows
+            (target if c is init else init).send(msg)
+
+
+def _run_link(args: argparse.Namespace) -> list[Row]:
+    with TwoNodeLink(args.link_bit) as link:
+        target = NetnsProcess(
+            link, "b", "bench.dataplane:_target_main", (args.target_poll_ms / 1e3,)
+        )
+        init = NetnsProcess(link, "a", "bench.dataplane:_initiator_main", (args,))
+        target.start()
+        init.start()
+        try:
+            rows = _relay(init.conn, target.conn)
+        finally:
+            for proc in (init, target):
+                proc.join(WAIT_S)
+                proc.kill()
+                proc.join(5)
+        print(
+            f"# link: veth {link.side('a').kv_dev}<->{link.side('b').kv_dev}, tbf "
+            f"{format_rate(link.rate_bit)} each way, burst {link.burst_b} B, latency "
+            f"{link.latency_ms} ms; UCX_TLS=tcp; A->B qdisc {link.qdisc_stats('a')}"
+        )
+        return [dataclasses.replace(r, line_us=link.line_time_s(r.nbytes) * 1e6) for r in rows]
+
+
+def _run_local(args: argparse.Namespace) -> list[Row]:
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    target = ctx.Process(target=_target_main, args=(child_conn,), name="bench-target")
+    target = ctx.Process(
+        target=_target_main, args=(child_conn, args.target_poll_ms / 1e3), name="bench-target"
+    )
     target.start()
     child_conn.close()
-    t_start = time.monotonic()
-    rows: list[Row] = []
     try:
-        bench = _Bench(conn, args)
-        sizes = [b for b in BLOCK_SIZES if not args.block_kib or b // KiB in args.block_kib]
-        for block_len in sizes:
-            counts = [c for c in counts_all if c * block_len * args.regions <= args.max_mib * MiB]
-            if counts:
-                rows += bench.run_size(block_len, counts)
+        rows = _run_sizes(_Bench(conn, args), args)
         conn.send(("exit",))
     finally:
         target.join(WAIT_S)
         if target.is_alive():
             target.kill()
             target.join(WAIT_S)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    for key, value in quiet_nixl_env(loopback=True).items():
+        os.environ.setdefault(key, value)
+    t_start = time.monotonic()
+    rows = _run_link(args) if args.link else _run_local(args)
+    where = (
+        f"link {args.link}, UCX_TLS=tcp"
+        if args.link
+        else f"{os.environ.get('UCX_NET_DEVICES')}"
+        + (f", UCX_TLS={os.environ['UCX_TLS']}" if "UCX_TLS" in os.environ else "")
+    )
     print(
-        f"# NIXL WRITE (UCX, 2 processes, {os.environ.get('UCX_NET_DEVICES')}) vs numpy copyto; "
-        f"regions={args.regions} cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f} "
-        f"elapsed={time.monotonic() - t_start:.1f}s"
+        f"# NIXL WRITE (UCX, 2 processes, {where}) vs numpy copyto; "
+        f"regions={args.regions} target_poll_ms={args.target_poll_ms} cpus={os.cpu_count()} "
+        f"load={os.getloadavg()[0]:.2f} elapsed={time.monotonic() - t_start:.1f}s"
     )
     _print_table(rows)
     goal = {r.layout: r for r in rows if (r.blocks, r.block_len) == GOAL}
@@ -418,6 +560,13 @@ def main(argv: list[str] | None = None) -> int:
         sf, cf = goal["scattered"].floor_ratio, goal["contiguous"].floor_ratio
         if sf is not None and cf is not None:
             print(f"cma_floor_vs_memcpy_64x128KiB_scattered={sf:.2f} contiguous={cf:.2f}")
+        sl, cl = goal["scattered"].line_us, goal["contiguous"].line_us
+        if sl is not None and cl is not None:
+            print(
+                f"link_write_vs_line_64x128KiB_scattered={goal['scattered'].write_us / sl:.2f} "
+                f"contiguous={goal['contiguous'].write_us / cl:.2f} rate={args.link} "
+                f"target_poll_ms={args.target_poll_ms}"
+            )
     return 0
 
 

@@ -138,6 +138,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.hooks.main import main as bench_hooks
 
         return bench_hooks(args.rest)
+    if args.which == "link":
+        from bench.link import main as bench_link
+
+        return bench_link(args.rest)
     from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -216,7 +220,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
     b.add_argument(
-        "which", choices=["dataplane", "coordinator", "core", "order", "serving", "hooks"]
+        "which",
+        choices=["dataplane", "coordinator", "core", "order", "serving", "hooks", "link"],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     handlers["bench"] = _cmd_bench
