@@ -23,6 +23,7 @@ from controlplane.domain import (
 from controlplane.errors import InvalidArgument
 from controlplane.registry import AgentRecord, EngineRecord
 from controlplane.transfer import Transfer
+from wire.pairing import KVShape
 
 ROLE_TO_PB = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
@@ -259,4 +260,15 @@ def engine_to_pb(
         inflight_transfers=inflight,
         tokens_per_block=eng.tokens_per_block,
         api_url=next((r.reg.api_url for r in eng.ranks.values() if r.reg.api_url), ""),
+        kv=shape_to_pb(eng.ranks[min(eng.ranks)].reg.layout.shape) if eng.ranks else None,
+    )
+
+
+def shape_to_pb(shape: KVShape) -> pb.KVShape:
+    return pb.KVShape(
+        compat=dict(shape.compat),
+        compat_hash=shape.compat_hash,
+        kv_heads=shape.kv_heads,
+        head_major=shape.head_major,
+        regions=[pb.RegionShape(group=g, block_len=n) for g, n in shape.regions],
     )

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
+from wire.pairing import KVShape
+
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
 OrderId = NewType("OrderId", str)
@@ -119,10 +121,21 @@ class KVLayout:
     # Derived once: read by every registration and prefill report.
     num_blocks: int = field(init=False, repr=False, compare=False)
     num_groups: int = field(init=False, repr=False, compare=False)
+    # What the pairing rule (wire/pairing.py) reads, for each transfer's pairing.
+    shape: KVShape = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_blocks", min((r.num_blocks for r in self.regions), default=0))
         object.__setattr__(self, "num_groups", max((r.group for r in self.regions), default=-1) + 1)
+        shape = KVShape(
+            self.tokens_per_block,
+            compat=self.compat,
+            compat_hash=self.compat_hash,
+            kv_heads=self.kv_heads,
+            head_major=self.head_major,
+            regions=tuple([(r.group, r.block_len) for r in self.regions]),
+        )
+        object.__setattr__(self, "shape", shape)
 
 
 @dataclass(frozen=True, slots=True)

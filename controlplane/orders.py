@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from controlplane.domain import (
     AgentKey,
     Blocks,
-    KVLayout,
     Order,
     OrderId,
     TransferId,
@@ -20,80 +19,22 @@ from controlplane.domain import (
 from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
+from wire.pairing import pair_mismatch
 
 
 def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
-    """Why the prefill engine `pe` cannot write the transfer into decode engine `de`, or ""."""
+    """Why the prefill engine `pe` cannot write the transfer into decode engine `de`, or "".
+
+    The engines' side of it is wire/pairing.py's rule, the one routers apply too."""
     assert t.decode is not None and t.prefill is not None
-    p_layout = pe.ranks[0].reg.layout
-    d_layout = de.ranks[0].reg.layout
-    problem = compat_mismatch(p_layout, d_layout)
+    p_layout, d_layout = pe.ranks[0].reg.layout, de.ranks[0].reg.layout
+    problem = pair_mismatch(pe.tp_size, p_layout.shape, de.tp_size, d_layout.shape)
     if problem:
         return problem
-    if pe.tokens_per_block != de.tokens_per_block:
-        return f"tokens per block differ: {pe.tokens_per_block} vs {de.tokens_per_block}"
-    if pe.compat_hash and de.compat_hash and pe.compat_hash != de.compat_hash:
-        return "KV layouts are incompatible (compat_hash differs)"
     if t.decode.num_tokens != t.prefill.num_tokens:
         return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
     if len(t.decode.blocks) != len(t.prefill.blocks):
         return "number of KV groups differs"
-    return tp_mismatch(pe.tp_size, p_layout, de.tp_size, d_layout)
-
-
-def compat_mismatch(p: KVLayout, d: KVLayout) -> str:
-    """The first compatibility field both engines name and give different values."""
-    d_compat = dict(d.compat)
-    for name, value in p.compat:
-        other = d_compat.get(name)
-        if other is not None and other != value:
-            return f"{name} differs: prefill {value!r}, decode {other!r}"
-    return ""
-
-
-def tp_mismatch(p_tp: int, p: KVLayout, d_tp: int, d: KVLayout) -> str:
-    """Why KV cannot move between these TP sizes and per-rank layouts, or "".
-
-    Equal TP: every region's blocks are the same size. Different TP: one size
-    divides the other and each rank holds its own head range (no replicated
-    heads, no MLA), so the larger side's block is `ratio` smaller blocks one
-    after another; both sides head-major, one block length in every region."""
-    if len(p.regions) != len(d.regions) or [r.group for r in p.regions] != [
-        r.group for r in d.regions
-    ]:
-        return (
-            f"KV regions differ in count or group: prefill {len(p.regions)}, "
-            f"decode {len(d.regions)}"
-        )
-    if p_tp == d_tp:
-        if [r.block_len for r in p.regions] != [r.block_len for r in d.regions]:
-            return "KV regions differ in block length at equal TP"
-        return ""
-    what = f"prefill TP {p_tp} into decode TP {d_tp}"
-    if max(p_tp, d_tp) % min(p_tp, d_tp):
-        return f"{what}: one TP size must divide the other"
-    if not (p.head_major and d.head_major):
-        return (
-            f"{what}: needs a head-major KV block layout on both sides (a head range "
-            f"of a block contiguous); prefill head_major={p.head_major}, "
-            f"decode head_major={d.head_major}"
-        )
-    if p.kv_heads and d.kv_heads and p.kv_heads * p_tp != d.kv_heads * d_tp:
-        return (
-            f"{what}: KV heads are replicated across ranks (prefill {p.kv_heads} per rank, "
-            f"decode {d.kv_heads} per rank): TP larger than the KV heads, or MLA, "
-            "is not supported with different TP sizes"
-        )
-    p_len, d_len = {r.block_len for r in p.regions}, {r.block_len for r in d.regions}
-    if len(p_len) != 1 or len(d_len) != 1:
-        return f"{what}: needs one block length in every KV region"
-    small, large = (p_len.pop(), d_len.pop()) if p_tp > d_tp else (d_len.pop(), p_len.pop())
-    ratio = max(p_tp, d_tp) // min(p_tp, d_tp)
-    if large != ratio * small:
-        return (
-            f"{what}: block length {large} is not {ratio} x {small}: the ranks do not "
-            "hold disjoint head ranges (replicated heads or MLA)"
-        )
     return ""
 
 

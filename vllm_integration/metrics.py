@@ -37,7 +37,12 @@ log = logging.getLogger("pushkv.metrics")
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("ok", "client_error", "unavailable", "engine_error", "aborted")
-FALLBACK_REASONS = ("prefill_failed", "coordinator_unavailable", "no_prefill_engine")
+FALLBACK_REASONS = (
+    "prefill_failed",
+    "coordinator_unavailable",
+    "no_prefill_engine",
+    "no_compatible_prefill",
+)
 CONNECTOR_FALLBACK_REASONS = ("transfer_failed", "registration_failed")
 
 
@@ -82,7 +87,7 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "pushkv_router_fallbacks",
             "requests the decode engine served without a push, by reason "
-            "(prefill_failed, coordinator_unavailable, no_prefill_engine)",
+            "(prefill_failed, coordinator_unavailable, no_prefill_engine, no_compatible_prefill)",
             ["reason"],
             registry=r,
         )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from vllm_integration.metrics import RouterMetrics, outcome_of
+from vllm_integration.router_engines import Engine, EngineDirectory
 from vllm_integration.router_failures import Failure, Stage, client_error
 from wire.tls import TLSFiles, aio_channel
 
@@ -55,57 +55,6 @@ class RouterSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     # mTLS to the coordinator; the router's certificate CN is "router".
     tls: TLSFiles = field(default_factory=TLSFiles)
-
-
-@dataclass(slots=True)
-class Engine:
-    engine_id: str
-    url: str
-    inflight: int = 0  # as last reported by the coordinator
-    local: int = 0  # requests this router has open on it
-
-
-@dataclass
-class EngineDirectory:
-    """Engines known to the coordinator, refreshed in the background."""
-
-    stub: pbg.StatusServiceAsyncStub
-    refresh_s: float
-    prefill: dict[str, Engine] = field(default_factory=dict)
-    decode: dict[str, Engine] = field(default_factory=dict)
-    error: str = "engine list not loaded yet"
-    _rr: itertools.count[int] = field(default_factory=itertools.count)
-
-    async def refresh(self) -> None:
-        try:
-            resp = await self.stub.ListEngines(pb.ListEnginesRequest(), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            self.error = f"coordinator unreachable: {exc.code().name}"
-            return
-        seen: dict[int, dict[str, Engine]] = {pb.ROLE_PREFILL: {}, pb.ROLE_DECODE: {}}
-        for e in resp.engines:
-            if not e.ready or not e.api_url or e.role not in seen:
-                continue
-            table = self.prefill if e.role == pb.ROLE_PREFILL else self.decode
-            eng = table.get(e.engine_id) or Engine(e.engine_id, e.api_url.rstrip("/"))
-            eng.url, eng.inflight = e.api_url.rstrip("/"), e.inflight_transfers
-            seen[e.role][e.engine_id] = eng
-        self.prefill, self.decode = seen[pb.ROLE_PREFILL], seen[pb.ROLE_DECODE]
-        self.error = ""
-
-    async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.refresh_s)
-
-    def pick(self, table: dict[str, Engine]) -> Engine | None:
-        """Least loaded (coordinator in-flight + our open requests), round-robin on ties."""
-        if not table:
-            return None
-        engines = sorted(table.values(), key=lambda e: e.engine_id)
-        start = next(self._rr) % len(engines)
-        rotated = engines[start:] + engines[:start]
-        return min(rotated, key=lambda e: e.inflight + e.local)
 
 
 class BadRequest(Exception):
@@ -210,8 +159,14 @@ class Router:
     # ------------------------------------------------------------ handlers
     async def health(self, request: web.Request) -> web.Response:
         d = self.directory
-        body = {"prefill": sorted(d.prefill), "decode": sorted(d.decode), "error": d.error}
-        ok = bool(d.prefill and d.decode)
+        body = {
+            "prefill": sorted(d.prefill),
+            "decode": sorted(d.decode),
+            "pairs": [[p.engine_id, e.engine_id] for p, e in d.pairs],
+            "unpaired": d.unpaired,
+            "error": d.error,
+        }
+        ok = bool(d.pairs)
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -307,25 +262,54 @@ class Router:
         except BadRequest as exc:
             return client_error(400, str(exc))
         d = self.directory
-        p_eng, d_eng = d.pick(d.prefill), d.pick(d.decode)
+        pair = d.pick_pair()
+        if pair is None:
+            return await self._unpaired(request, body)
+        p_eng, d_eng = pair
+        # Counted at once, before any await: requests arriving together spread.
+        p_eng.local += 1
+        d_eng.local += 1
+        p_held = True
+        try:
+            try:
+                await self._begin(transfer_id, p_eng, d_eng)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise Failure(Stage.OVERLOADED, str(exc.details())) from None
+                if not self.fallback:
+                    raise Failure(Stage.COORDINATOR_UNAVAILABLE, exc.code().name) from None
+                p_eng.local, p_held = p_eng.local - 1, False
+                return await self._decode_alone(request, body, d_eng, "coordinator_unavailable")
+            return await self._disaggregated(
+                request, transfer_id, p_eng, d_eng, prefill_body, decode_body
+            )
+        finally:
+            p_eng.local -= int(p_held)
+            d_eng.local -= 1
+
+    async def _unpaired(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """No (prefill, decode) pair the coordinator would accept: the decode
+        engine alone serves the request (recompute), or a 503 says why (fail).
+        Recompute serves it because an unpairable prefill engine leaves the
+        decode engine as able to serve as no prefill engine does: the same
+        fallback, counted under its own reason."""
+        d = self.directory
         why = f" ({d.error})" if d.error else ""
+        d_eng = d.pick(d.decode)
         if d_eng is None:
             raise Failure(Stage.NO_ENGINE, "no decode engine available" + why)
-        if p_eng is None:
-            if not self.fallback:
-                raise Failure(Stage.NO_ENGINE, "no prefill engine available" + why)
-            return await self._decode_alone(request, body, d_eng, "no_prefill_engine")
+        if not d.prefill:
+            reason, detail = "no_prefill_engine", "no prefill engine available" + why
+        else:
+            reason = "no_compatible_prefill"
+            detail = f"no prefill engine can push into a decode engine: {d.unpaired}"
+        if not self.fallback:
+            raise Failure(Stage.NO_ENGINE, detail)
+        d_eng.local += 1
         try:
-            await self._begin(transfer_id, p_eng, d_eng)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Failure(Stage.OVERLOADED, str(exc.details())) from None
-            if not self.fallback:
-                raise Failure(Stage.COORDINATOR_UNAVAILABLE, exc.code().name) from None
-            return await self._decode_alone(request, body, d_eng, "coordinator_unavailable")
-        return await self._disaggregated(
-            request, transfer_id, p_eng, d_eng, prefill_body, decode_body
-        )
+            return await self._decode_alone(request, body, d_eng, reason)
+        finally:
+            d_eng.local -= 1
 
     async def _begin(self, transfer_id: str, p_eng: Engine, d_eng: Engine) -> None:
         """Announce the pairing first: the transfer is visible (and cancellable)
@@ -352,12 +336,8 @@ class Router:
         """Fallback: the decode engine serves the request as a single engine would."""
         self.metrics.fallbacks.labels(reason).inc()
         log.info("serving a request on %s alone: %s", d_eng.engine_id, reason)
-        d_eng.local += 1
-        try:
-            response, _ = await self._relay(request, d_eng, body, {}, time.monotonic())
-            return response
-        finally:
-            d_eng.local -= 1
+        response, _ = await self._relay(request, d_eng, body, {}, time.monotonic())
+        return response
 
     async def _disaggregated(
         self,
@@ -370,8 +350,6 @@ class Router:
     ) -> web.StreamResponse:
         started = time.monotonic()
         headers = {"X-Request-Id": transfer_id}
-        p_eng.local += 1
-        d_eng.local += 1
         decode: asyncio.Task[tuple[web.StreamResponse, bool]] | None = None
 
         async def prefill_leg() -> None:
@@ -419,8 +397,6 @@ class Router:
                 raise
             return response
         finally:
-            p_eng.local -= 1
-            d_eng.local -= 1
             if decode is not None and not decode.done():
                 decode.cancel()
             if not finished:

@@ -1396,6 +1396,7 @@ class EngineStatus(_message.Message):
     INFLIGHT_TRANSFERS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     API_URL_FIELD_NUMBER: _builtins.int
+    KV_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     tp_size: _builtins.int
@@ -1407,6 +1408,13 @@ class EngineStatus(_message.Message):
     """from the agents' hello; empty if none was given"""
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLease]: ...
+    @_builtins.property
+    def kv(self) -> Global___KVShape:
+        """What a router needs to pair this engine with engines of the other role
+        (wire/pairing.py holds the rule the coordinator applies): rank 0's layout
+        without addresses. Unset while no rank is registered.
+        """
+
     def __init__(
         self,
         *,
@@ -1418,14 +1426,95 @@ class EngineStatus(_message.Message):
         inflight_transfers: _builtins.int = ...,
         tokens_per_block: _builtins.int = ...,
         api_url: _builtins.str = ...,
+        kv: Global___KVShape | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "kv", b"kv", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineStatus: _TypeAlias = EngineStatus  # noqa: Y015
+
+@_typing.final
+class KVShape(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CompatEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    COMPAT_FIELD_NUMBER: _builtins.int
+    COMPAT_HASH_FIELD_NUMBER: _builtins.int
+    KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_MAJOR_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
+    compat_hash: _builtins.str
+    kv_heads: _builtins.int
+    """KV heads one rank holds per block (0 = unknown)"""
+    head_major: _builtins.bool
+    @_builtins.property
+    def compat(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """as KVLayout.compat"""
+
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RegionShape]:
+        """one per KVLayout region, in order"""
+
+    def __init__(
+        self,
+        *,
+        compat: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        compat_hash: _builtins.str = ...,
+        kv_heads: _builtins.int = ...,
+        head_major: _builtins.bool = ...,
+        regions: _abc.Iterable[Global___RegionShape] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "compat_hash", b"compat_hash", "head_major", b"head_major", "kv_heads", b"kv_heads", "regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVShape: _TypeAlias = KVShape  # noqa: Y015
+
+@_typing.final
+class RegionShape(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    BLOCK_LEN_FIELD_NUMBER: _builtins.int
+    group: _builtins.int
+    block_len: _builtins.int
+    def __init__(
+        self,
+        *,
+        group: _builtins.int = ...,
+        block_len: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_len", b"block_len", "group", b"group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegionShape: _TypeAlias = RegionShape  # noqa: Y015
 
 @_typing.final
 class ListEnginesRequest(_message.Message):
