@@ -107,8 +107,9 @@ def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
                 layout = [(r.base_addr, r.block_len, r.num_blocks) for r in ep.regions]
                 conn.send(("ready", ep.metadata(), layout, os.getpid()))
             elif cmd[0] == "verify" and ep is not None:
-                _, pairs, notif = cmd
-                conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen)))
+                pairs, notif = cmd[1], cmd[2]
+                span = cmd[3] if len(cmd) > 3 else None  # --sliced: (offset, length)
+                conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen, span)))
             elif cmd[0] == "exit":
                 return
     finally:
@@ -136,17 +137,23 @@ def _verify_target(
     pairs: Sequence[tuple[int, int]],
     notif: bytes,
     seen: list[tuple[str, bytes]],
+    span: tuple[int, int] | None = None,
 ) -> str:
+    """Each remote block holds its local block's byte (local % 251); with
+    ``span`` only bytes [offset, offset + length) do, the rest the fill."""
     deadline = time.monotonic() + WAIT_S
     while not any(msg == notif for _, msg in seen):
         if time.monotonic() > deadline:
             return f"notification {notif!r} not received within {WAIT_S} s"
         seen += ep.get_notifications()
     seen.clear()
+    lo, hi = (span[0], span[0] + span[1]) if span else (0, pools[0].shape[1])
     for pool in pools:
         for remote, local in pairs:
-            if not np.all(pool[remote] == local % 251):
+            if not np.all(pool[remote, lo:hi] == local % 251):
                 return f"remote block {remote} does not hold local block {local}"
+            if not (np.all(pool[remote, :lo] == FILL) and np.all(pool[remote, hi:] == FILL)):
+                return f"remote block {remote} was written outside [{lo}, {hi})"
     return "ok"
 
 
@@ -434,6 +441,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run over the emulated two-node link capped at RATE (e.g. 1gbit; needs root); "
         "--max-mib then defaults to 16",
     )
+    p.add_argument(
+        "--sliced",
+        action="store_true",
+        help="head-slice WRITEs between different TP sizes (2->1 and 1->2; the block size "
+        "is the larger side's) instead of whole blocks, against memcpy of the same slices",
+    )
     args = p.parse_args(argv)
     if args.regions < 1 or args.reps < 0 or args.target_poll_ms < 0:
         p.error("--regions must be >= 1, --reps and --target-poll-ms >= 0")
@@ -457,7 +470,11 @@ def _run_sizes(bench: _Bench, args: argparse.Namespace) -> list[Row]:
     sizes = [b for b in BLOCK_SIZES if not args.block_kib or b // KiB in args.block_kib]
     for block_len in sizes:
         counts = [c for c in counts_all if c * block_len * args.regions <= args.max_mib * MiB]
-        if counts:
+        if counts and args.sliced:
+            from bench.dataplane_sliced import run_sliced
+
+            rows += run_sliced(bench, block_len, counts)
+        elif counts:
             rows += bench.run_size(block_len, counts)
     return rows
 
@@ -552,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print_table(rows)
     goal = {r.layout: r for r in rows if (r.blocks, r.block_len) == GOAL}
+    if args.sliced and goal:
+        print(
+            "sliced_write_vs_memcpy_64x128KiB "
+            + " ".join(f"{k.replace(' ', '_')}={r.ratio:.2f}" for k, r in sorted(goal.items()))
+        )
     if len(goal) == 2:
         print(
             f"write_vs_memcpy_64x128KiB_scattered={goal['scattered'].ratio:.2f} "
