@@ -24,6 +24,7 @@ from bench.serving.deployment import Deployment
 from bench.serving.workload import ReqRecord
 from bench.stats import percentile
 from harness.vllm_server import metric_value
+from vllm_integration.metrics import FALLBACK_REASONS
 
 
 @dataclass
@@ -57,10 +58,9 @@ def router_fallbacks(front_url: str) -> dict[str, float]:
     """The router's pushkv_router_fallbacks_total, by reason."""
     with urllib.request.urlopen(front_url.rstrip("/") + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    reasons = ("prefill_failed", "coordinator_unavailable", "no_prefill_engine")
     return {
         reason: metric_value(text, "pushkv_router_fallbacks_total", f'reason="{reason}"')
-        for reason in reasons
+        for reason in FALLBACK_REASONS
     }
 
 
