@@ -20,6 +20,7 @@ from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
 from wire.pairing import pair_mismatch
+from wire.tp_map import prefill_targets, total_heads
 
 
 def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
@@ -52,32 +53,41 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
 def rank_targets(
     pe: EngineRecord, de: EngineRecord, rank: int, src: Blocks, dst: Blocks
 ) -> tuple[WriteTarget, ...]:
-    """Where prefill rank `rank` writes (`mismatch` found nothing wrong).
+    """Where prefill rank `rank` writes (`mismatch` found nothing wrong): the
+    decode ranks whose heads it is chosen to write (wire/tp_map.py), each
+    with its slice and the count of prefill ranks writing into it.
 
-    Equal TP: whole blocks into decode rank `rank`. Prefill TP = k x decode TP:
-    its blocks into decode rank rank // k at slice rank % k of each block, and
-    that decode rank expects k writers. Decode TP = k x prefill TP: slice j of
-    each of its blocks into decode rank rank * k + j, which expects 1 writer."""
-    p_tp, d_tp = pe.tp_size, de.tp_size
-    if p_tp == d_tp:
-        d = de.ranks[rank]
-        return (WriteTarget(de.engine_id, rank, d.incarnation, src, dst, 1),)
-    if p_tp > d_tp:
-        k = p_tp // d_tp
-        n = pe.ranks[rank].reg.layout.regions[0].block_len
-        d = de.ranks[rank // k]
-        return (
-            WriteTarget(de.engine_id, rank // k, d.incarnation, src, dst, k, (rank % k) * n, n),
-        )
-    k = d_tp // p_tp
-    targets = []
-    for j in range(k):
-        d = de.ranks[rank * k + j]
-        n = d.reg.layout.regions[0].block_len
-        targets.append(
-            WriteTarget(de.engine_id, rank * k + j, d.incarnation, src, dst, 1, j * n, n)
-        )
-    return tuple(targets)
+    Equal TP: whole blocks into decode rank `rank`, 1 writer. Prefill TP = k x
+    decode TP, disjoint heads: its blocks into decode rank rank // k at slice
+    rank % k of each block, k writers. Decode TP = k x prefill TP: slice j of
+    each of its blocks into decode rank rank * k + j, 1 writer. Replicated
+    heads (and MLA, one latent on every rank): one replica writes each decode
+    rank's heads, and a prefill rank no decode rank chose gets no target."""
+    p_layout, d_layout = pe.ranks[0].reg.layout, de.ranks[0].reg.layout
+    total = total_heads(
+        pe.tp_size,
+        p_layout.kv_heads,
+        p_layout.compat,
+        de.tp_size,
+        d_layout.kv_heads,
+        d_layout.compat,
+    )
+    if not total:  # heads not reported: disjoint ranges, in units of the smaller block
+        total = max(pe.tp_size, de.tp_size)
+    plan = prefill_targets(
+        pe.tp_size,
+        p_layout.regions[0].block_len,
+        de.tp_size,
+        d_layout.regions[0].block_len,
+        total,
+        rank,
+    )
+    return tuple(
+        [
+            WriteTarget(de.engine_id, d, de.ranks[d].incarnation, src, dst, writers, offset, length)
+            for d, offset, length, writers in plan
+        ]
+    )
 
 
 def rank_order(

@@ -120,8 +120,13 @@ class Transfer:
         return False
 
     def arrived_ranks(self) -> set[int]:
-        """Prefill ranks whose arrival every decode rank they write into counted."""
+        """Prefill ranks whose arrival every decode rank they write into counted
+        (a rank whose order has no target, its heads written by another
+        replica, has nothing to arrive)."""
         got: set[int] = set()
+        for r, o in self.orders.items():
+            if not o.order.targets:
+                got.add(r)
         missing: set[int] = set()
         for d, exp in self.expected.items():
             seen = self.arrived.get(d)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from agent.events import EventKind, HostEvent
+from wire.tp_map import TOTAL_KV_HEADS, rank_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +48,22 @@ class HostSpec:
     # How long the agent waits for a lost coordinator (AgentConfig.give_up_s).
     give_up_s: float = 30.0
     # KV heads per block (0: blocks are opaque), the first one's global index
-    # (-1: tp_rank * kv_heads, as vLLM shards heads).
+    # (-1: as vLLM shards heads: tp_rank * kv_heads, or with total_kv_heads
+    # and TP above it, the head this rank holds a replica of).
     kv_heads: int = 0
     first_head: int = -1
+    # The model's KV heads, reported as the total_kv_heads compat field (0: not
+    # reported). Fewer than tp_size: replicated heads (1 on every rank: MLA).
+    total_kv_heads: int = 0
+
+
+def first_head(spec: HostSpec) -> int:
+    """The global index of the first KV head this host holds."""
+    if spec.first_head >= 0:
+        return spec.first_head
+    if spec.total_kv_heads:
+        return rank_heads(spec.tp_size, spec.total_kv_heads, spec.tp_rank)[0]
+    return spec.tp_rank * spec.kv_heads
 
 
 def head_pattern(
@@ -63,7 +77,7 @@ def block_pattern(spec: HostSpec, seed: int, position: int, region: int) -> np.n
     """What block position `position` of a transfer seeded `seed` holds on this host."""
     if not spec.kv_heads:
         return pattern(seed, position, region, spec.block_len)
-    first = spec.tp_rank * spec.kv_heads if spec.first_head < 0 else spec.first_head
+    first = first_head(spec)
     n = spec.block_len // spec.kv_heads
     return np.concatenate(
         [head_pattern(seed, position, region, h, n) for h in range(first, first + spec.kv_heads)]
@@ -97,6 +111,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         regions=regions,
         kv_heads=spec.kv_heads,
         head_major=spec.kv_heads > 0,
+        compat=((TOTAL_KV_HEADS, str(spec.total_kv_heads)),) if spec.total_kv_heads else (),
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
@@ -148,7 +163,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
             elif cmd == "check_heads":  # blocks, seed: (position, head) pairs that differ
                 ids, seed = args
                 per = spec.block_len // max(1, spec.kv_heads)
-                first = spec.tp_rank * spec.kv_heads if spec.first_head < 0 else spec.first_head
+                first = first_head(spec)
                 reply = [
                     (i, first + k)
                     for i, b in enumerate(ids)

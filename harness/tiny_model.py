@@ -9,7 +9,13 @@ tokenizer files, and greedy outputs are reproducible.
 Usage::
 
     python -m harness.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
-        [--max-positions 2048]
+        [--max-positions 2048] [--kv-heads N] [--mla]
+
+``kv_heads`` gives the Llama fewer KV heads than the default (hidden / 64),
+e.g. 1, so that TP 2 replicates the head on both ranks. ``build_tiny_mla_model``
+builds a tiny random DeepSeek-V2 (MLA: one compressed latent per token,
+kv_lora_rank 512 + rope 64 = 576, the only head size vLLM's CPU MLA kernel
+compiles for), dense layers only, with the same tokenizer.
 
 ``build_tiny_model`` is idempotent: a marker file records the build
 parameters, and a directory whose marker matches is returned as is.
@@ -32,9 +38,13 @@ __all__ = [
     "HEAD_DIM",
     "MARKER_NAME",
     "MAX_POSITION_EMBEDDINGS",
+    "MLA_KV_LORA_RANK",
+    "MLA_ROPE_DIM",
     "VOCAB_SIZE",
+    "build_tiny_mla_model",
     "build_tiny_model",
     "main",
+    "mla_model_params",
     "model_params",
 ]
 
@@ -51,6 +61,9 @@ _IM_END: Final = "<|im_end|>"
 _PAD: Final = "<pad>"
 _SPECIAL_TOKENS: Final = (BOS_EOS_TOKEN, _IM_START, _IM_END, _PAD)  # ids 0..3
 _CORPUS_SENTENCES: Final = 6000
+# vLLM's CPU MLA decode kernel compiles only for a 576-wide latent (512 + 64).
+MLA_KV_LORA_RANK: Final = 512
+MLA_ROPE_DIM: Final = 64
 _INITIALIZER_RANGE: Final = 0.1  # sharper logits than the HF default 0.02: clear greedy winners
 
 CHAT_TEMPLATE: Final = (
@@ -94,8 +107,10 @@ def model_params(
     hidden: int = 128,
     seed: int = 0,
     max_positions: int = MAX_POSITION_EMBEDDINGS,
+    kv_heads: int | None = None,
 ) -> dict[str, Any]:
-    """The parameters that identify a build; stored in the marker file."""
+    """The parameters that identify a build; stored in the marker file.
+    `kv_heads` (default: half the attention heads) must divide them."""
     if max_positions < 1:
         raise ValueError(f"max_positions must be >= 1, got {max_positions}")
     if layers < 1:
@@ -103,6 +118,9 @@ def model_params(
     if hidden < 2 * HEAD_DIM or hidden % (2 * HEAD_DIM) != 0:
         raise ValueError(f"hidden must be a positive multiple of {2 * HEAD_DIM}, got {hidden}")
     num_heads = hidden // HEAD_DIM
+    n_kv = num_heads // 2 if kv_heads is None else kv_heads
+    if n_kv < 1 or num_heads % n_kv:
+        raise ValueError(f"kv_heads must divide the {num_heads} attention heads, got {n_kv}")
     return {
         "format_version": _FORMAT_VERSION,
         "layers": layers,
@@ -110,7 +128,7 @@ def model_params(
         "seed": seed,
         "intermediate": 2 * hidden,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads // 2,
+        "num_key_value_heads": n_kv,
         "head_dim": HEAD_DIM,
         "vocab_size": VOCAB_SIZE,
         "max_position_embeddings": max_positions,
@@ -125,6 +143,7 @@ def build_tiny_model(
     hidden: int = 128,
     seed: int = 0,
     max_positions: int = MAX_POSITION_EMBEDDINGS,
+    kv_heads: int | None = None,
 ) -> Path:
     """Build (or reuse) the tiny model in ``out_dir`` and return ``out_dir``.
 
@@ -132,15 +151,50 @@ def build_tiny_model(
     heads, 2 KV heads, head_dim 32, vocab 1024, max positions 2048, float32.
     ``max_positions`` (max_position_embeddings, also the tokenizer's
     model_max_length) allows longer contexts, e.g. for the serving benchmark.
+    ``kv_heads`` overrides the number of KV heads (1: every TP rank holds it).
     """
-    out_dir = Path(out_dir)
-    params = model_params(layers=layers, hidden=hidden, seed=seed, max_positions=max_positions)
+    params = model_params(
+        layers=layers, hidden=hidden, seed=seed, max_positions=max_positions, kv_heads=kv_heads
+    )
+    return _build(Path(out_dir), params)
+
+
+def mla_model_params(
+    *, layers: int = 2, hidden: int = 128, seed: int = 0, max_positions: int = 1024
+) -> dict[str, Any]:
+    """The parameters of a tiny DeepSeek-V2 (MLA) build; stored in the marker file."""
+    base = model_params(layers=layers, hidden=hidden, seed=seed, max_positions=max_positions)
+    base.pop("num_key_value_heads")
+    base.pop("head_dim")
+    return {
+        **base,
+        "architecture": "DeepseekV2ForCausalLM",
+        "kv_lora_rank": MLA_KV_LORA_RANK,
+        "qk_rope_head_dim": MLA_ROPE_DIM,
+        "qk_nope_head_dim": HEAD_DIM,
+        "v_head_dim": HEAD_DIM,
+        "q_lora_rank": None,
+    }
+
+
+def build_tiny_mla_model(
+    out_dir: Path, *, layers: int = 2, hidden: int = 128, seed: int = 0, max_positions: int = 1024
+) -> Path:
+    """Build (or reuse) a tiny random DeepSeek-V2 with MLA in ``out_dir``: dense
+    MLP in every layer (no MoE), no q LoRA, 4 attention heads, latent 512 + 64."""
+    params = mla_model_params(layers=layers, hidden=hidden, seed=seed, max_positions=max_positions)
+    return _build(Path(out_dir), params)
+
+
+def _build(out_dir: Path, params: dict[str, Any]) -> Path:
     if _is_complete(out_dir, params):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     marker = out_dir / MARKER_NAME
     marker.unlink(missing_ok=True)  # an interrupted rebuild must not look complete
-    token_ids = _build_tokenizer(out_dir, seed=seed, max_len=max_positions)
+    token_ids = _build_tokenizer(
+        out_dir, seed=params["seed"], max_len=params["max_position_embeddings"]
+    )
     _build_model(out_dir, params, token_ids)
     tmp = marker.with_suffix(".tmp")
     tmp.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
@@ -215,25 +269,49 @@ def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int
     transformers.utils.logging.disable_progress_bar()
 
     eos = token_ids[BOS_EOS_TOKEN]
-    config = transformers.LlamaConfig(
-        vocab_size=params["vocab_size"],
-        hidden_size=params["hidden"],
-        intermediate_size=params["intermediate"],
-        num_hidden_layers=params["layers"],
-        num_attention_heads=params["num_attention_heads"],
-        num_key_value_heads=params["num_key_value_heads"],
-        head_dim=params["head_dim"],
-        max_position_embeddings=params["max_position_embeddings"],
-        initializer_range=_INITIALIZER_RANGE,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=token_ids[_PAD],
-        dtype=params["dtype"],
-    )
+    common = {
+        "vocab_size": params["vocab_size"],
+        "hidden_size": params["hidden"],
+        "intermediate_size": params["intermediate"],
+        "num_hidden_layers": params["layers"],
+        "num_attention_heads": params["num_attention_heads"],
+        "max_position_embeddings": params["max_position_embeddings"],
+        "initializer_range": _INITIALIZER_RANGE,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "pad_token_id": token_ids[_PAD],
+        "dtype": params["dtype"],
+    }
+    if params.get("architecture") == "DeepseekV2ForCausalLM":
+        config = transformers.DeepseekV2Config(
+            **common,
+            num_key_value_heads=params["num_attention_heads"],
+            kv_lora_rank=params["kv_lora_rank"],
+            q_lora_rank=params["q_lora_rank"],
+            qk_rope_head_dim=params["qk_rope_head_dim"],
+            qk_nope_head_dim=params["qk_nope_head_dim"],
+            v_head_dim=params["v_head_dim"],
+            head_dim=params["qk_rope_head_dim"],
+            # Every layer dense (first_k_dense_replace = layers): the expert
+            # fields must be set but no MoE layer is built.
+            first_k_dense_replace=params["layers"],
+            n_routed_experts=2,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=params["hidden"],
+        )
+        model_cls = transformers.DeepseekV2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(
+            **common,
+            num_key_value_heads=params["num_key_value_heads"],
+            head_dim=params["head_dim"],
+        )
+        model_cls = transformers.LlamaForCausalLM
     torch.manual_seed(params["seed"])
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(str(out_dir), safe_serialization=True)
     generation = transformers.GenerationConfig(
         bos_token_id=eos,
@@ -253,15 +331,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-positions", type=int, default=MAX_POSITION_EMBEDDINGS)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--mla", action="store_true", help="a tiny DeepSeek-V2 (MLA) instead")
     args = parser.parse_args(argv)
     try:
-        path = build_tiny_model(
-            args.out_dir,
-            layers=args.layers,
-            hidden=args.hidden,
-            seed=args.seed,
-            max_positions=args.max_positions,
-        )
+        if args.mla:
+            path = build_tiny_mla_model(
+                args.out_dir,
+                layers=args.layers,
+                hidden=args.hidden,
+                seed=args.seed,
+                max_positions=args.max_positions,
+            )
+        else:
+            path = build_tiny_model(
+                args.out_dir,
+                layers=args.layers,
+                hidden=args.hidden,
+                seed=args.seed,
+                max_positions=args.max_positions,
+                kv_heads=args.kv_heads,
+            )
     except ValueError as exc:
         parser.error(str(exc))
     sys.stdout.write(f"{path}\n")

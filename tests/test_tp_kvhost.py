@@ -58,6 +58,7 @@ def engine(
                 block_len=per * HEAD_LEN,
                 kv_heads=per,
                 first_head=kw.get(f"first_head_{r}", -1),
+                total_kv_heads=kw.get("total", 0),
             )
         )
         for r in range(tp)
@@ -155,6 +156,56 @@ def test_head_slices_land_at_their_offsets(coord: CoordinatorProcess, p_tp: int,
         # Every decode rank counted each prefill rank writing into it.
         arrived = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrived == sorted(r for r in range(p_tp) for _ in range(max(1, d_tp // p_tp)))
+    finally:
+        stop(ps, ds)
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads"),
+    [(2, 1, 1), (1, 2, 1), (2, 4, 1), (4, 2, 1), (4, 1, 2), (1, 4, 2)],
+    ids=str,
+)
+def test_replicated_heads_one_replica_writes_each_decode_rank(
+    coord: CoordinatorProcess, p_tp: int, d_tp: int, heads: int
+) -> None:
+    """TP above the model's KV heads: vLLM replicates each head on TP / heads
+    ranks. heads = 1 is also MLA's mapping (one latent on every rank, whole
+    blocks). Every decode rank gets each head it holds exactly once, from one
+    replica, byte-verified; a prefill replica no decode rank chose posts no
+    WRITE, still frees its blocks and counts as done and arrived; each decode
+    rank's expected writers are exactly the prefill ranks that wrote it."""
+    req, status = transfer_rpcs(coord)
+    ps = engine(coord, "P", "prefill", p_tp, heads=heads, total=heads)
+    ds = engine(coord, "D", "decode", d_tp, heads=heads, total=heads)
+    try:
+        for h in ds:
+            h.call("canary", CANARY)
+            h.call("expect", ["t"])
+        for h in ps:
+            h.fill(SRC, seed=11)  # each replica holds the same bytes of its head
+        both_sides(req, "t", SRC, DST, TOKENS)
+        for h in ds:
+            assert h.wait_event("t").kind is EventKind.KV_READY
+            assert h.call("check_heads", DST, 11) == []
+            untouched = [b for b in range(NB) if b not in DST]
+            assert h.call("check_canary", untouched, CANARY) == []
+        for h in ps:
+            assert h.wait_event("t").kind is EventKind.BLOCKS_FREE
+        t = wait_for(status, "t", complete)
+        assert complete(t), t
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (r, pb.RANK_STATE_DONE, True) for r in range(p_tp)
+        ]
+        assert list(t.outstanding_ranks) == [] and not t.write_may_land
+        # One arrival per (decode rank, prefill rank chosen for its heads):
+        # exactly one writer per decode rank and head.
+        writers = sorted(e.rank for e in t.timeline if e.stage == "arrived")
+        posted = [h.call("writes_posted") for h in ps]
+        assert sum(posted) == len(writers)
+        per_decode_rank = max(1, heads // d_tp) // max(1, heads // p_tp) or 1
+        assert len(writers) == d_tp * per_decode_rank
+        idle = [r for r in range(p_tp) if posted[r] == 0]
+        assert set(writers) == set(range(p_tp)) - set(idle)
     finally:
         stop(ps, ds)
 

@@ -24,8 +24,11 @@ def engine(
     head_major: bool = True,
     compat: tuple[tuple[str, str], ...] = COMPAT,
     regions: int = 2,
+    total: int = 0,  # reported as the total_kv_heads compat field when > 0
 ) -> EngineRecord:
     per = max(1, heads // tp)
+    if total:
+        compat = (*compat, ("total_kv_heads", str(total)))
     eng = EngineRecord(EngineId(eid), role, tp, 16, "")
     for r in range(tp):
         layout = KVLayout(
@@ -47,9 +50,12 @@ def transfer() -> Transfer:
     return t
 
 
-def plan(p_tp: int, d_tp: int) -> dict[int, list[tuple[int, int, int, int]]]:
+def plan(
+    p_tp: int, d_tp: int, heads: int = 4, total: int = 0
+) -> dict[int, list[tuple[int, int, int, int]]]:
     """prefill rank -> [(decode rank, slice offset, slice len, expected writers)]."""
-    pe, de = engine("P", Role.PREFILL, p_tp), engine("D", Role.DECODE, d_tp)
+    pe = engine("P", Role.PREFILL, p_tp, heads=heads, total=total)
+    de = engine("D", Role.DECODE, d_tp, heads=heads, total=total)
     assert mismatch(transfer(), pe, de) == ""
     out = {}
     for r in range(p_tp):
@@ -84,6 +90,48 @@ def test_decode_tp_larger_reads_head_slices_of_prefill_blocks() -> None:
     }
 
 
+def writers_per_decode_rank(
+    p: dict[int, list[tuple[int, int, int, int]]],
+) -> dict[int, tuple[list[int], set[int]]]:
+    """decode rank -> (prefill ranks writing into it, the expected_writers they carry)."""
+    out: dict[int, tuple[list[int], set[int]]] = {}
+    for r, targets in p.items():
+        for d, _, _, writers in targets:
+            ranks, counts = out.setdefault(d, ([], set()))
+            ranks.append(r)
+            counts.add(writers)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads", "expected"),
+    [
+        # 1 KV head (or MLA's one latent): every rank holds it whole.
+        (2, 2, 1, {0: [(0, 0, 0, 1)], 1: [(1, 0, 0, 1)]}),  # equal TP: rank to rank
+        (2, 1, 1, {0: [(0, 0, 0, 1)], 1: []}),  # one replica writes, the other idles
+        (1, 2, 1, {0: [(0, 0, 0, 1), (1, 0, 0, 1)]}),  # each decode rank gets it whole
+        (2, 4, 1, {0: [(0, 0, 0, 1), (2, 0, 0, 1)], 1: [(1, 0, 0, 1), (3, 0, 0, 1)]}),
+        (4, 2, 1, {0: [(0, 0, 0, 1)], 1: [(1, 0, 0, 1)], 2: [], 3: []}),
+        # 2 KV heads, TP 4 prefill: heads 0, 0, 1, 1 on ranks 0-3.
+        (4, 1, 2, {0: [(0, 0, HEAD, 2)], 1: [], 2: [(0, HEAD, HEAD, 2)], 3: []}),
+        (4, 2, 2, {0: [(0, 0, 0, 1)], 1: [], 2: [], 3: [(1, 0, 0, 1)]}),
+        # 2 KV heads, TP 4 decode: ranks 0, 1 hold head 0 and ranks 2, 3 head 1.
+        (1, 4, 2, {0: [(0, 0, HEAD, 1), (1, 0, HEAD, 1), (2, HEAD, HEAD, 1), (3, HEAD, HEAD, 1)]}),
+        (2, 4, 2, {0: [(0, 0, 0, 1), (1, 0, 0, 1)], 1: [(2, 0, 0, 1), (3, 0, 0, 1)]}),
+    ],
+)
+def test_replicated_heads_one_replica_writes_each_decode_rank(
+    p_tp: int, d_tp: int, heads: int, expected: dict[int, list[tuple[int, int, int, int]]]
+) -> None:
+    got = plan(p_tp, d_tp, heads=heads, total=heads)
+    assert got == expected
+    # Every decode rank is written, by as many prefill ranks as it expects.
+    per_rank = writers_per_decode_rank(got)
+    assert sorted(per_rank) == list(range(d_tp))
+    for ranks, counts in per_rank.values():
+        assert counts == {len(ranks)} and len(set(ranks)) == len(ranks)
+
+
 @pytest.mark.parametrize(
     ("pe", "de", "why"),
     [
@@ -95,7 +143,18 @@ def test_decode_tp_larger_reads_head_slices_of_prefill_blocks() -> None:
         (
             engine("P", Role.PREFILL, 2, heads=1),  # TP 2 > 1 KV head: replicated
             engine("D", Role.DECODE, 1, heads=1),
-            "KV heads are replicated across ranks",
+            "KV heads are replicated across ranks (prefill 1 per rank, decode 1 per rank) "
+            "and neither engine reports total_kv_heads",
+        ),
+        (
+            engine("P", Role.PREFILL, 4, heads=8, total=2),  # 2 per rank, 2 in the model
+            engine("D", Role.DECODE, 2, heads=2, total=2),
+            "prefill reports 2 KV heads per rank; TP 4 of 2 KV heads gives 1",
+        ),
+        (
+            engine("P", Role.PREFILL, 4, heads=4, total=6),
+            engine("D", Role.DECODE, 2, heads=6, total=6),
+            "prefill TP 4 does not divide the 6 KV heads",
         ),
         (
             engine("P", Role.PREFILL, 2, head_major=False),

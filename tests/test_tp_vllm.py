@@ -3,9 +3,13 @@ a TP2 prefill engine pushing into a TP2 decode engine through the router.
 
 Each prefill rank writes its own KV heads into the same decode rank's blocks;
 the transfer completes only when both ranks wrote and both decode ranks
-counted their arrival. Outputs are compared with an independent TP1 engine
-started with no KV connector. On this 2-core machine a TP2 engine binds both
-cores, so the reference engine is stopped once its outputs are computed."""
+counted their arrival. Run twice: with the tiny model's 2 KV heads (one per
+rank), and with a 1-KV-head variant that vLLM replicates on both ranks (each
+prefill rank writes its replica into the same decode rank, which holds the
+same head and needs it: one writer per decode rank, as without replication).
+Outputs are compared with an independent TP1 engine started with no KV
+connector. On this 2-core machine a TP2 engine binds both cores, so the
+reference engine is stopped once its outputs are computed."""
 
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ from pushkv.v1 import pushkv_pb2 as pb
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.vllm_fixtures import (  # noqa: F401
+    tiny_model_1kv_dir_fixture,
+    tiny_model_dir_fixture,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -41,8 +48,13 @@ class Cluster:
     reference: list[str]  # outputs of an independent TP1 engine with no connector
 
 
-@pytest.fixture(scope="module")
-def tp2_cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+@pytest.fixture(
+    scope="module",
+    params=["tiny_model_dir", "tiny_model_1kv_dir"],
+    ids=["2-kv-heads", "1-kv-head-replicated"],
+)
+def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    tiny_model_dir: Path = request.getfixturevalue(request.param)
     coord = CoordinatorProcess(*COORD_FLAGS).start()
     prefill, decode = (
         pushkv_server(

@@ -122,7 +122,9 @@ def kv_geometry(vllm_config: Any) -> dict[str, str]:
         "kv_cache_dtype": str(cc.cache_dtype),
         "block_size": str(cc.block_size),
         "head_size": str(mc.get_head_size()),
-        "total_kv_heads": str(mc.get_total_num_kv_heads()),
+        # MLA: one latent per token on every rank (get_num_kv_heads says 1), not
+        # the config's num_key_value_heads: wire/tp_map.py maps it as 1 head.
+        "total_kv_heads": "1" if mc.use_mla else str(mc.get_total_num_kv_heads()),
         "mla": str(bool(mc.use_mla)),
         "kv_heads_per_rank": str(mc.get_num_kv_heads(vllm_config.parallel_config)),
     }

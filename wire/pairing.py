@@ -9,6 +9,8 @@ values: no gRPC, no protobuf, typed for mypyc.
 
 from __future__ import annotations
 
+from wire.tp_map import different_tp_mismatch, total_heads
+
 
 class KVShape:
     """What pairing reads of one engine besides its TP size: its first rank's KV
@@ -71,9 +73,8 @@ def tp_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
     """Why KV cannot move between these TP sizes and per-rank layouts, or "".
 
     Equal TP: every region's blocks are the same size. Different TP: one size
-    divides the other and each rank holds its own head range (no replicated
-    heads, no MLA), so the larger side's block is `ratio` smaller blocks one
-    after another; both sides head-major, one block length in every region."""
+    divides the other, and the heads each rank holds (replicated or MLA
+    included) map as wire/tp_map.py says: `different_tp_mismatch`."""
     if len(p.regions) != len(d.regions) or [g for g, _ in p.regions] != [g for g, _ in d.regions]:
         return (
             f"KV regions differ in count or group: prefill {len(p.regions)}, "
@@ -83,30 +84,9 @@ def tp_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
         if [n for _, n in p.regions] != [n for _, n in d.regions]:
             return "KV regions differ in block length at equal TP"
         return ""
-    what = f"prefill TP {p_tp} into decode TP {d_tp}"
-    if min(p_tp, d_tp) < 1 or max(p_tp, d_tp) % min(p_tp, d_tp):
-        return f"{what}: one TP size must divide the other"
-    if not (p.head_major and d.head_major):
-        return (
-            f"{what}: needs a head-major KV block layout on both sides (a head range "
-            f"of a block contiguous); prefill head_major={p.head_major}, "
-            f"decode head_major={d.head_major}"
-        )
-    if p.kv_heads and d.kv_heads and p.kv_heads * p_tp != d.kv_heads * d_tp:
-        return (
-            f"{what}: KV heads are replicated across ranks (prefill {p.kv_heads} per rank, "
-            f"decode {d.kv_heads} per rank): TP larger than the KV heads, or MLA, "
-            "is not supported with different TP sizes"
-        )
-    p_len = {n for _, n in p.regions}
-    d_len = {n for _, n in d.regions}
-    if len(p_len) != 1 or len(d_len) != 1:
-        return f"{what}: needs one block length in every KV region"
-    small, large = (p_len.pop(), d_len.pop()) if p_tp > d_tp else (d_len.pop(), p_len.pop())
-    ratio = max(p_tp, d_tp) // min(p_tp, d_tp)
-    if large != ratio * small:
-        return (
-            f"{what}: block length {large} is not {ratio} x {small}: the ranks do not "
-            "hold disjoint head ranges (replicated heads or MLA)"
-        )
-    return ""
+    total = total_heads(p_tp, p.kv_heads, p.compat, d_tp, d.kv_heads, d.compat)
+    return different_tp_mismatch(
+        p_tp, p.kv_heads, p.head_major, {n for _, n in p.regions},
+        d_tp, d.kv_heads, d.head_major, {n for _, n in d.regions},
+        total,
+    )  # fmt: skip

@@ -16,10 +16,16 @@ import pytest
 
 from harness.tiny_model import build_tiny_model
 
-__all__ = ["tiny_model_dir_fixture"]
+__all__ = ["tiny_model_1kv_dir_fixture", "tiny_model_dir_fixture"]
 
 
 @pytest.fixture(scope="session", name="tiny_model_dir")
 def tiny_model_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama (2 layers, hidden 128, vocab 1024), built once per session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session", name="tiny_model_1kv_dir")
+def tiny_model_1kv_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with 1 KV head (4 attention heads): TP 2 replicates it."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model_1kv"), kv_heads=1)
