@@ -432,7 +432,8 @@ async def test_a_failed_prefill_leg_fails_fast_when_configured(coord: Coordinato
         assert err["message"].startswith("prefill engine failed: HTTP 500")
         await wait(c.decode.closed, "decode leg cut off")
         tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
-        await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
+        t = await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
+        assert "prefill leg failed" in t.detail and t.detail.endswith("(request failed)")
         assert sample(c, "pushkv_router_fallbacks_total", reason="prefill_failed") == 0
 
 

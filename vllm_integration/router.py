@@ -368,14 +368,16 @@ class Router:
                 # The decode side learns from the coordinator that no KV is coming:
                 # it recomputes (fallback) or fails the request, and no WRITE can
                 # land in its blocks after that.
-                outcome = "decode recomputes" if self.fallback else "request failed"
-                reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
-                await self._cancel(transfer_id, reason)
+                # Fail fast: cut the decode leg before anything else can await,
+                # so a decode engine that recomputes cannot answer in between.
                 if self.fallback:
                     self.metrics.fallbacks.labels("prefill_failed").inc()
                 elif decode is not None and not answering.is_set():
                     prefill_failure.append(failure)
                     decode.cancel()
+                outcome = "decode recomputes" if self.fallback else "request failed"
+                reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
+                await self._cancel(transfer_id, reason)
 
         prefill_failure: list[Failure] = []
         answering = asyncio.Event()  # the decode leg's answer has begun
@@ -399,8 +401,9 @@ class Router:
         finally:
             if decode is not None and not decode.done():
                 decode.cancel()
-            if not finished:
+            if not finished and not prefill_failure:
                 # Client gone or decode failed: stop the prefill leg and release the KV.
+                # (After a lost prefill leg, that leg cancels the transfer itself.)
                 p_task.cancel()
                 self._spawn(self._cancel(transfer_id, "client disconnected or decode failed"))
             if len(self.ttft_s) > 10_000:
