@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from harness.vllm_server import (
     metric_value,
     pushkv_server,
 )
+from tests.support.serving import completion, post
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -88,20 +88,6 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         decode.stop()
         reference.stop()
         coord.stop()
-
-
-def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        out: dict[str, Any] = json.loads(r.read())
-        return out
-
-
-def completion(url: str, prompt: list[int], max_tokens: int) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return str(post(url + "/v1/completions", body)["choices"][0]["text"])
 
 
 def on_router(c: Cluster, ps: list[list[int]], max_tokens: int) -> list[str]:

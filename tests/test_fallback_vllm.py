@@ -10,7 +10,6 @@ The reference outputs come from an independent engine with no connector.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -31,6 +30,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, metric_value, pushkv_server
+from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
@@ -64,14 +64,7 @@ def body(prompt: list[int]) -> dict[str, Any]:
 
 
 def post(url: str, payload: dict[str, Any], timeout: float = ANSWER_S) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+    return post_status(url, payload, timeout)
 
 
 def text(answer: Any) -> str:

@@ -29,6 +29,7 @@ from harness.vllm_server import (
     metric_value,
     pushkv_server,
 )
+from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
@@ -84,14 +85,8 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+    status, out = post_status(url, body, timeout)
+    return status, out
 
 
 def complete(c: Cluster, n: int = 40) -> tuple[int, dict[str, Any]]:

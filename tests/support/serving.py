@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +35,18 @@ def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]
     with urllib.request.urlopen(req, timeout=timeout) as r:
         out: dict[str, Any] = json.loads(r.read())
         return out
+
+
+def post_status(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    """POST JSON; (HTTP status, decoded body) whether or not the status is an error."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def completion(url: str, prompt: list[int], max_tokens: int) -> str:
