@@ -55,7 +55,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(rng.randrange(40, 300))] for _ in range(n)]
 
 
-PROMPTS = prompts(BURST, 7)
+# A burst of its own for each test: a prompt the decode engine served before is
+# a local prefix hit there, whose transfer completes at once (nothing to move).
+STORM, RESTART, FOR_GOOD, PREFILL_KILL = (prompts(BURST, seed) for seed in (7, 9, 10, 11))
+PROMPTS = STORM + RESTART + FOR_GOOD + PREFILL_KILL
 FRESH = prompts(4, 8)
 
 
@@ -187,7 +190,7 @@ def test_abort_storm_leaves_no_transfer_behind(cluster: Cluster) -> None:
     statuses: list[int] = []
 
     async def one(http: aiohttp.ClientSession, i: int, t: float) -> None:
-        p = PROMPTS[i % len(PROMPTS)]
+        p = STORM[i % len(STORM)]
         try:
             async with http.post(
                 cluster.router.url + "/v1/completions",
@@ -230,23 +233,32 @@ def kill_coordinator(c: Cluster) -> None:
 
 
 def test_coordinator_killed_and_restarted(cluster: Cluster) -> None:
-    futures = burst(cluster, PROMPTS)
+    futures = burst(cluster, RESTART)
     wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
     kill_coordinator(cluster)
     cluster.coord.start()  # same port
-    assert_all_correct(cluster, PROMPTS, futures)
+    assert_all_correct(cluster, RESTART, futures)
     wait_until("no KV blocks held", lambda: no_blocks_held(cluster.prefill, cluster.decode), 60)
+    # Pushing resumes with the new coordinator (the router and agents found it).
+    p = FRESH[1]
+
+    def pushed() -> bool:
+        status, answer = cluster.complete(p)
+        assert status == 200 and text(answer) == cluster.expect(p)
+        return any(t.state == pb.TRANSFER_STATE_COMPLETE for t in cluster.transfers())
+
+    wait_until("a pushed transfer after the restart", pushed, 60)
 
 
 def test_coordinator_killed_for_good(cluster: Cluster) -> None:
     """In-flight requests and new ones all complete correctly: the in-flight ones
     once no WRITE can land (UNCERTAIN_GRACE_S), the new ones on the decode engine
     alone at once."""
-    futures = burst(cluster, PROMPTS)
+    futures = burst(cluster, FOR_GOOD)
     wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
     kill_coordinator(cluster)
     fresh = burst(cluster, FRESH)
-    assert_all_correct(cluster, PROMPTS, futures)
+    assert_all_correct(cluster, FOR_GOOD, futures)
     assert_all_correct(cluster, FRESH, fresh)
     fallbacks = metric_value(
         urllib.request.urlopen(cluster.router.url + "/metrics", timeout=10).read().decode(),
@@ -271,11 +283,11 @@ def test_coordinator_killed_for_good(cluster: Cluster) -> None:
 
 
 def test_prefill_engine_killed_during_a_burst(cluster: Cluster) -> None:
-    futures = burst(cluster, PROMPTS)
+    futures = burst(cluster, PREFILL_KILL)
     wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
     assert cluster.prefill.proc is not None
     os.killpg(cluster.prefill.proc.pid, signal.SIGKILL)
-    assert_all_correct(cluster, PROMPTS, futures)
+    assert_all_correct(cluster, PREFILL_KILL, futures)
     wait_until("no KV blocks held on decode", lambda: no_blocks_held(cluster.decode), 60)
     cluster.prefill.stop()
 

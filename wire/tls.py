@@ -56,13 +56,22 @@ class TLSFiles:
         )
 
 
+# A restarted coordinator is found again within 2 s: gRPC's default reconnect
+# backoff grows to 120 s, during which every call fails fast (UNAVAILABLE).
+OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
 def channel(address: str, tls: TLSFiles | None = None) -> grpc.Channel:
     if tls is not None and tls.enabled:
-        return grpc.secure_channel(address, tls.channel_credentials())
-    return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, tls.channel_credentials(), options=OPTIONS)
+    return grpc.insecure_channel(address, options=OPTIONS)
 
 
 def aio_channel(address: str, tls: TLSFiles | None = None) -> grpc.aio.Channel:
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials())
-    return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=OPTIONS)
+    return grpc.aio.insecure_channel(address, options=OPTIONS)
