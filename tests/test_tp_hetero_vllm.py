@@ -28,8 +28,9 @@ BLOCK = 32
 MAX_TOKENS = 12
 # TP2 workers busy-poll vLLM's shared-memory queues on 2 oversubscribed
 # cores; a lease longer than the default 5 s keeps a starved agent thread's
-# late heartbeat from failing every transfer of its engine.
-COORD_FLAGS = ("--lease-s", "20", "--log-level", "WARNING")
+# late heartbeat from failing every transfer of its engine, and a longer write
+# timeout than the default 15 s does the same for a starved rank's DONE report.
+COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
 PROMPTS = serving.varied_prompts(77)
 
 
@@ -104,13 +105,15 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     outputs = serving.concurrently(pair.router.url, PROMPTS, MAX_TOKENS)
     assert outputs == reference
 
-    loaded = serving.external_tokens(pair.decode.metrics()) - before
-    assert loaded == sum(len(p) for p in PROMPTS), "decode recomputed instead of loading"
-
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
+    why = serving.why_not_loaded(
+        pair.coord.address, set(), pair.prefill.log_tail(400), pair.decode.log_tail(400)
+    )
+    loaded = serving.external_tokens(pair.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in PROMPTS), f"decode recomputed instead of loading:\n{why}"
     assert len(listed) == len(PROMPTS)
     for t in listed:
-        assert t.state == pb.TRANSFER_STATE_COMPLETE, t
+        assert t.state == pb.TRANSFER_STATE_COMPLETE, why
         assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
             (r, pb.RANK_STATE_DONE, True) for r in range(pair.p_tp)
         ]

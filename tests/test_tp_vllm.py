@@ -34,8 +34,9 @@ BLOCK = 32
 MAX_TOKENS = 12
 # TP2 workers busy-poll vLLM's shared-memory queues on 2 oversubscribed
 # cores; a lease longer than the default 5 s keeps a starved agent thread's
-# late heartbeat from failing every transfer of its engine.
-COORD_FLAGS = ("--lease-s", "20", "--log-level", "WARNING")
+# late heartbeat from failing every transfer of its engine, and a longer write
+# timeout than the default 15 s does the same for a starved rank's DONE report.
+COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
 PROMPTS = serving.varied_prompts(2024)
 
 
@@ -107,13 +108,15 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
     outputs = serving.concurrently(c.router.url, PROMPTS, MAX_TOKENS)
     assert outputs == c.reference
 
-    loaded = serving.external_tokens(c.decode.metrics()) - before
-    assert loaded == sum(len(p) for p in PROMPTS), "decode recomputed instead of loading"
-
     listed = serving.settled(c.coord.address, len(PROMPTS), earlier)
+    why = serving.why_not_loaded(
+        c.coord.address, earlier, c.prefill.log_tail(400), c.decode.log_tail(400)
+    )
+    loaded = serving.external_tokens(c.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in PROMPTS), f"decode recomputed instead of loading:\n{why}"
     assert len(listed) == len(PROMPTS)
     for t in listed:
-        assert t.state == pb.TRANSFER_STATE_COMPLETE, t
+        assert t.state == pb.TRANSFER_STATE_COMPLETE, why
         assert (t.prefill_engine_id, t.decode_engine_id) == ("prefill-tp2", "decode-tp2")
         assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
             (0, pb.RANK_STATE_DONE, True),

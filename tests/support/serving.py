@@ -118,3 +118,23 @@ def settled(
     live = [t for t in transfers(coordinator) if t.transfer_id not in skip]
     assert len(done) >= count, f"not terminal within {timeout} s: {live}"
     return list(done.values())
+
+
+def why_not_loaded(coordinator: str, skip: set[str], *logs: str) -> str:
+    """For an assertion message: how the transfers not in `skip` ended (state,
+    reason, per-rank states, timeline stages) and the pushkv lines of the
+    engines' logs, so that a run where decode recomputed says why."""
+    lines = []
+    for t in transfers(coordinator):
+        if t.transfer_id in skip:
+            continue
+        ranks = [(r.prefill_rank, pb.RankState.Name(r.state), r.arrived) for r in t.ranks]
+        stages = [(e.stage, e.rank) for e in t.timeline]
+        lines.append(
+            f"{t.transfer_id} {pb.TransferState.Name(t.state)} {pb.Reason.Name(t.reason)}"
+            f" {t.detail!r} ranks={ranks} timeline={stages}"
+        )
+    for text in logs:
+        picked = [ln for ln in text.splitlines() if "pushkv" in ln or "WARN" in ln]
+        lines.extend(picked[-30:])
+    return "\n".join(lines)
