@@ -175,16 +175,40 @@ class VllmServer:
             return text
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        # Also when the API server already exited (its engine died): what is
+        # left of its process group (EngineCore, workers) goes too.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+
+    def kill_process(self, title: str) -> int:
+        """SIGKILL the one process of this server whose title (vLLM's
+        setproctitle, e.g. "VLLM::Worker_TP1") is `title`; its pid."""
+        assert self.proc is not None
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.proc.pid:
+                    continue
+                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except (OSError, ProcessLookupError):
+                continue
+            if argv0.strip() == title:
+                found.append(int(entry.name))
+        if len(found) != 1:
+            raise LookupError(f"{self.name}: {len(found)} processes titled {title!r}")
+        os.kill(found[0], signal.SIGKILL)
+        return found[0]
 
 
 def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> dict[str, Any]:

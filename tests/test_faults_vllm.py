@@ -23,18 +23,13 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import (
-    RouterProcess,
-    VllmServer,
-    metric_value,
-    pushkv_server,
-)
+from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from tests.support import serving
 from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
-USAGE = "vllm:kv_cache_usage_perc"
 # A request whose prefill engine hangs must be answered (with an error) within
 # this deadline: the coordinator's lease (2 s) and rendezvous timeout (4 s) here,
 # plus generous room for a loaded machine, and well short of the client's own
@@ -96,17 +91,6 @@ def complete(c: Cluster, n: int = 40) -> tuple[int, dict[str, Any]]:
     )
 
 
-def wait_no_blocks_held(*servers: VllmServer, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    usage = [1.0]
-    while time.monotonic() < deadline:
-        usage = [metric_value(s.metrics(), USAGE) for s in servers]
-        if all(u == 0 for u in usage):
-            return
-        time.sleep(0.2)  # polling engine metrics under a deadline
-    raise AssertionError(f"KV blocks still held: {usage}")
-
-
 def transfers(c: Cluster) -> list[pb.TransferStatus]:
     stub = pbg.StatusServiceStub(grpc.insecure_channel(c.coord.address))
     return list(stub.ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10).transfers)
@@ -129,7 +113,7 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> N
     r = urllib.request.urlopen(req, timeout=60)
     assert r.readline()  # the first streamed chunk: decode is running
     r.close()  # the client goes away
-    wait_no_blocks_held(cluster.prefill, cluster.decode)
+    serving.wait_no_blocks_held(cluster.prefill, cluster.decode)
     status, out = complete(cluster)
     assert status == 200 and out["choices"][0]["text"]
 
@@ -159,7 +143,7 @@ def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:
     ]
     assert len(stuck) == 1 and not stuck[0].write_may_land
     assert stuck[0].reason in (pb.REASON_AGENT_LOST, pb.REASON_DEADLINE)
-    wait_no_blocks_held(cluster.decode)
+    serving.wait_no_blocks_held(cluster.decode)
     # Now it crashes for good; a replacement engine registers and serves.
     os.killpg(cluster.prefill.proc.pid, signal.SIGKILL)
     cluster.prefill.stop()
@@ -174,7 +158,7 @@ def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:
     # The same prompt with its KV pushed again gives the answer decode computed alone.
     status, out = complete(cluster, 70)
     assert status == 200 and out["choices"][0]["text"] == recomputed, out
-    wait_no_blocks_held(cluster.prefill, cluster.decode)
+    serving.wait_no_blocks_held(cluster.prefill, cluster.decode)
 
 
 def stream_end(resp: http.client.HTTPResponse) -> str:
@@ -221,7 +205,7 @@ def test_router_killed_mid_request(cluster: Cluster) -> None:
         assert stream_end(resp) == "broken"  # not completed, and not hanging
     finally:
         conn.close()
-    wait_no_blocks_held(cluster.prefill, cluster.decode)
+    serving.wait_no_blocks_held(cluster.prefill, cluster.decode)
     cluster.router = RouterProcess(cluster.coord.address).start()
     status, _ = complete(cluster)
     assert status == 200

@@ -11,6 +11,7 @@ starts (a TP2 engine binds both cores of this machine)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,16 +33,19 @@ MAX_TOKENS = 12
 # timeout than the default 15 s does the same for a starved rank's DONE report.
 COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
 PROMPTS = serving.varied_prompts(77)
+# Long prompts, so that the burst is still in flight when a rank is killed.
+KILL_PROMPTS = serving.varied_prompts(78, (600, 511, 450, 383, 300, 255, 200, 129) * 2)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> list[str]:
-    """Outputs of an independent TP1 engine with no KV connector."""
+    """Outputs of an independent TP1 engine with no KV connector: PROMPTS', then
+    KILL_PROMPTS'."""
     ref = VllmServer(tiny_model_dir, "reference-tp1", cpu_core=0, block_size=BLOCK)
     assert ref.kv_transfer_config is None
     try:
         ref.start().wait_ready()
-        return serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
+        return serving.one_by_one(ref.url, PROMPTS + KILL_PROMPTS, MAX_TOKENS)
     finally:
         ref.stop()
 
@@ -51,6 +55,7 @@ class Pair:
     p_tp: int
     d_tp: int
     coord: CoordinatorProcess
+    prefill: VllmServer
     decode: VllmServer
     router: RouterProcess
 
@@ -88,7 +93,7 @@ def pair(
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Pair(p_tp, d_tp, coord, decode, router)
+        yield Pair(p_tp, d_tp, coord, prefill, decode, router)
     finally:
         router.stop()
         prefill.stop()
@@ -103,7 +108,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     before = serving.external_tokens(pair.decode.metrics())
 
     outputs = serving.concurrently(pair.router.url, PROMPTS, MAX_TOKENS)
-    assert outputs == reference
+    assert outputs == reference[: len(PROMPTS)]
 
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
     why = serving.why_not_loaded(
@@ -121,3 +126,70 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
         # One arrival per (decode rank, prefill rank writing into it).
         arrived = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrived == ([0] * pair.d_tp if pair.p_tp == 1 else [0, 1])
+
+
+# Longer than a lease (20 s) plus the write timeout (60 s): a request still
+# open after this hangs.
+ANSWER_S = 150.0
+IN_FLIGHT = (
+    pb.TRANSFER_STATE_REGISTERED,
+    pb.TRANSFER_STATE_ORDERED,
+    pb.TRANSFER_STATE_WRITING,
+)
+
+
+def _first_in_flight(coordinator: str, skip: set[str], timeout: float = 120) -> str:
+    """The id of the first transfer not in `skip` seen with decode blocks held."""
+    req = pb.WatchTransfersRequest(states=IN_FLIGHT, include_existing=True)
+    events = serving.status_stub(coordinator).WatchTransfers(req, timeout=timeout)
+    try:
+        for ev in events:
+            if ev.transfer.transfer_id not in skip:
+                return ev.transfer.transfer_id
+    finally:
+        events.cancel()
+    raise AssertionError(f"no transfer in flight within {timeout} s")
+
+
+def test_rank_killed_mid_transfer(pair: Pair, reference: list[str]) -> None:
+    """Rank 1 of the TP2 engine (prefill in tp2-into-tp1, decode in tp1-into-tp2)
+    is killed while a burst's transfers are in flight. vLLM's engine dies with
+    its worker. Every request ends, none hangs: with the prefill engine lost,
+    the decode engine recomputes (the router's default); with the decode
+    engine lost, the client gets a clean error. No transfer is left open or
+    with a WRITE that may still land, and the surviving engine holds no block."""
+    victim, survivor = pair.prefill, pair.decode
+    if pair.d_tp == 2:
+        victim, survivor = pair.decode, pair.prefill
+    earlier = {t.transfer_id for t in serving.transfers(pair.coord.address)}
+    url = pair.router.url + "/v1/completions"
+    bodies = [
+        {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+        for p in KILL_PROMPTS
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = [pool.submit(serving.post_status, url, b, ANSWER_S) for b in bodies]
+        _first_in_flight(pair.coord.address, earlier)
+        victim.kill_process("VLLM::Worker_TP1")
+        ended = [a.result(timeout=ANSWER_S + 10) for a in answers]
+
+    statuses = [status for status, _ in ended]
+    expected = reference[len(PROMPTS) :]
+    for (status, out), want in zip(ended, expected, strict=True):
+        if status == 200:
+            assert out["choices"][0]["text"] == want  # pushed or recomputed: the same
+    if victim is pair.prefill:
+        # Served by the decode engine alone where the push could not happen.
+        assert statuses == [200] * len(bodies), ended
+    else:
+        assert all(s == 200 or 500 <= s < 600 for s in statuses), ended
+        assert any(s != 200 for s in statuses), "the decode engine died yet every request passed"
+        for s, out in ended:
+            if s != 200:
+                assert out.get("error", {}).get("message"), out  # a clean error, saying why
+
+    listed = serving.settled(pair.coord.address, len(bodies), earlier, timeout=120)
+    assert not [t for t in listed if t.write_may_land], listed
+    lost = [t for t in listed if t.state != pb.TRANSFER_STATE_COMPLETE]
+    assert lost, "no transfer was affected by the kill"
+    serving.wait_no_blocks_held(survivor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -13,9 +14,10 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from harness.vllm_server import metric_value
+from harness.vllm_server import VllmServer, metric_value
 
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
+USAGE = "vllm:kv_cache_usage_perc"
 
 # Prompt lengths around a 32-token block: shorter than a block, exactly one,
 # one over, several, partial last block, many blocks.
@@ -138,3 +140,15 @@ def why_not_loaded(coordinator: str, skip: set[str], *logs: str) -> str:
         picked = [ln for ln in text.splitlines() if "pushkv" in ln or "WARN" in ln]
         lines.extend(picked[-30:])
     return "\n".join(lines)
+
+
+def wait_no_blocks_held(*servers: VllmServer, timeout: float = 20.0) -> None:
+    """Until every server's KV cache usage is 0 (no request holds a block)."""
+    deadline = time.monotonic() + timeout
+    usage = [1.0]
+    while time.monotonic() < deadline:
+        usage = [metric_value(s.metrics(), USAGE) for s in servers]
+        if all(u == 0 for u in usage):
+            return
+        time.sleep(0.2)  # polling engine metrics under a deadline
+    raise AssertionError(f"KV blocks still held: {usage}")
