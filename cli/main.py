@@ -144,6 +144,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.link import main as bench_link
 
         return bench_link(args.rest)
+    if args.which == "failover":
+        from bench.failover import main as bench_failover
+
+        return bench_failover(args.rest)
     from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -244,7 +248,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
     b.add_argument(
         "which",
-        choices=["dataplane", "coordinator", "core", "order", "serving", "hooks", "link"],
+        choices=[
+            "dataplane",
+            "coordinator",
+            "core",
+            "order",
+            "serving",
+            "hooks",
+            "link",
+            "failover",
+        ],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     handlers["bench"] = _cmd_bench
