@@ -225,6 +225,23 @@ def test_leader_kill9_a_standby_leads(cluster: Cluster) -> None:
     assert begin(standby.address, "ha-after").state == pb.TRANSFER_STATE_AWAITING
 
 
+def test_leader_sigterm_hands_over_at_once(cluster: Cluster) -> None:
+    """A clean shutdown revokes the leader's lease: no wait for it to expire."""
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    assert lead.proc is not None
+    lead.proc.terminate()
+    started = time.monotonic()
+    lead.proc.wait(DEADLINE_S)
+    assert lead.proc.returncode == 0
+    _event(lead, "leadership_resigned")
+    poll(
+        lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
+        "the standby leads after the leader's SIGTERM",
+    )
+    print(f"handover after SIGTERM: {time.monotonic() - started:.3f} s")
+
+
 def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
     lead = cluster.leader()
     (standby,) = cluster.standbys()
