@@ -153,6 +153,20 @@ class EtcdElection:
                 )
                 log.info("leadership_resigned", lease=lease_id)
 
+    @property
+    def _endpoint(self) -> str:
+        host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
+        return f"{host}:{port}"
+
+    async def _next_member(self) -> None:
+        """Renew through the next etcd endpoint (a leader keeps its lease)."""
+        await self._close_client()
+        self._next_endpoint += 1
+        host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
+        self._client = aetcd.Client(host=host, port=port)
+        await self._client.connect()
+        log.info("etcd_endpoint_switched", endpoint=self._endpoint, lease=self._lease_id)
+
     async def _close_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
@@ -252,10 +266,14 @@ class EtcdElection:
     async def _lead(self) -> None:
         """Renew the lease every TTL/4 and check the key is still ours."""
         term = self._leadership.view.term
+        failures = 0
         while not self._lost:
             try:
                 await self._keepalive()
                 self._leadership.extend(self._valid_until - self.margin_s)
+                if failures:
+                    log.info("etcd_keepalive_recovered", endpoint=self._endpoint, failures=failures)
+                    failures = 0
                 reply = await self._client.kvstub.Range(
                     rpc.RangeRequest(key=self._key), timeout=self._call_timeout()
                 )
@@ -269,7 +287,11 @@ class EtcdElection:
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # transient: retry until the deadline
-                log.warning("etcd_keepalive_failed", error=_why(exc))
-                await asyncio.sleep(min(0.1, self._ttl / 20))
+                failures += 1
+                log.warning("etcd_keepalive_failed", endpoint=self._endpoint, error=_why(exc))
+                if len(self._endpoints) > 1:
+                    await self._next_member()  # the lease lives in the cluster, not the member
+                else:
+                    await asyncio.sleep(min(0.1, self._ttl / 20))
                 continue
             await asyncio.sleep(self._ttl / 4)

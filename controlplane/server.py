@@ -108,6 +108,10 @@ class Coordinator:
 
 async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordinator:
     """Start a coordinator; port 0 picks a free port (see Coordinator.port)."""
+    if settings.etcd and not settings.advertise and settings.host in ("0.0.0.0", "::", "[::]"):
+        raise ValueError(
+            f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
+        )
     runtime = Runtime(settings.core, clock or SystemClock())
     metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
     tracer = tracer_from_env(runtime)

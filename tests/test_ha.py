@@ -8,9 +8,11 @@ failover time is measured and printed, never asserted.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +22,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
+from harness.etcd import ETCD, EtcdCluster
 from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
 from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
@@ -69,7 +72,7 @@ def health(address: str, service: str) -> int:
 
 @dataclass
 class Cluster:
-    etcd: EtcdServer
+    etcd: Any  # EtcdServer or EtcdCluster
     replicas: list[CoordinatorProcess]
 
     @property
@@ -265,6 +268,57 @@ def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
     print(f"standby led {took:.3f} s after etcd resumed")
     # The old leader stepped down before the new one was elected (same host clock).
     assert lost["timestamp"] < _event(standby, "leadership_won")["timestamp"]
+
+
+# ---------------------------------------------------------------- three etcd members
+
+
+@pytest.fixture
+def etcd3() -> Iterator[EtcdCluster]:
+    if not os.path.exists(ETCD):
+        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    members = EtcdCluster(3).start()
+    try:
+        yield members
+    finally:
+        members.stop()
+
+
+def test_three_etcd_members_leader_survives_one_loss_and_steps_down_on_quorum_loss(
+    etcd3: EtcdCluster,
+) -> None:
+    raft = etcd3.raft_leader()
+    first, last = [m for m in etcd3.members if m is not raft]
+    # Every replica dials `first` first; its loss leaves the raft leader alone.
+    urls = ",".join(m.url for m in (first, raft, last))
+    replicas = [CoordinatorProcess("--etcd", urls, *REPLICA).start() for _ in range(2)]
+    try:
+        cluster = Cluster(etcd3, replicas)
+        lead = cluster.leader()
+        term = leadership(lead.address).term  # type: ignore[union-attr]
+
+        first.kill()  # one member of three: the cluster keeps its quorum
+        poll(
+            lambda: "etcd_keepalive_recovered" in lead.log_text(),
+            "the leader renews its lease through another member",
+        )
+        assert _event(lead, "etcd_endpoint_switched")["endpoint"] != first.url.removeprefix(
+            "http://"
+        )
+        assert lead.proc is not None and lead.proc.poll() is None
+        assert cluster.leader() is lead  # the same leadership, every replica agrees
+        assert leadership(lead.address).term == term  # type: ignore[union-attr]
+
+        raft.kill()  # two of three gone: no quorum, no lease can be renewed
+        lead.proc.wait(DEADLINE_S)
+        assert lead.proc.returncode == EXIT_LEADERSHIP_LOST
+        (standby,) = [r for r in replicas if r is not lead]
+        with pytest.raises(grpc.RpcError) as refused:
+            begin(standby.address, "ha-no-quorum")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        for r in replicas:
+            r.stop()
 
 
 # ---------------------------------------------------------------- agents follow
