@@ -23,7 +23,7 @@ from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
 from controlplane.leadership import ElectionSettings, Leadership, Role, View
 from controlplane.logs import TransferLog
-from controlplane.metrics import CoordinatorMetrics
+from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
@@ -150,6 +150,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     for name in ("", *SERVICE_NAMES):
         serving = gate.serving_writes or name not in WRITE_SERVICE_NAMES
         await health_servicer.set(name, _health(serving))
+    if metrics is not None:
+        metrics.registry.register(LeadershipCollector(gate))
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
     if settings.etcd:
         _start_election(coord, settings)

@@ -95,3 +95,16 @@ def test_election_settings_validate() -> None:
         ElectionSettings(etcd="http://h:1", advertise="nohost")
     with pytest.raises(ValueError):
         ElectionSettings(etcd="http://h:1", advertise="h:1", lease_s=0)
+
+
+def test_leadership_metrics() -> None:
+    from controlplane.metrics import LeadershipCollector
+
+    gate = Leadership(View(Role.STANDBY, "lead:1", 9))
+    leader, term = LeadershipCollector(gate).collect()
+    assert [(s.labels, s.value) for s in leader.samples] == [({"role": "standby"}, 0.0)]
+    assert [s.value for s in term.samples] == [9.0]
+    gate.update(View(Role.LEADER, "me:1", 11), order_deadline=float("inf"))
+    leader, term = LeadershipCollector(gate).collect()
+    assert [(s.labels, s.value) for s in leader.samples] == [({"role": "leader"}, 1.0)]
+    assert [s.value for s in term.samples] == [11.0]
