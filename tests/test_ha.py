@@ -184,21 +184,32 @@ def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None
     import asyncio
 
     from vllm_integration.router import Router, RouterSettings
+    from vllm_integration.router_engines import Engine
 
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     standby_first = f"{standby.address},{lead.address}"
 
-    async def router_follows() -> str:
-        router = Router(RouterSettings(coordinator=standby_first))
+    async def router_follows() -> tuple[str, str]:
+        # BeginTransfer sent to the standby first: refused, the router moves and retries.
+        router = Router(RouterSettings(coordinator=standby_first, connect_timeout_s=5))
         try:
-            await router._follow_leader()
-            return router._follower.current
+            await router._begin("ha-router-1", Engine("P", "http://p"), Engine("D", "http://d"))
+            after_begin = router._follower.current
+            router._follower.move_to(standby.address)
+            router._use_current()
+            await router._follow_leader()  # GetLeadership: the standby names the leader
+            return after_begin, router._follower.current
         finally:
             for ch in router._channels.values():
                 await ch.close(None)
 
-    assert asyncio.run(router_follows()) == lead.address
+    assert asyncio.run(router_follows()) == (lead.address, lead.address)
+    with grpc.insecure_channel(lead.address) as ch:
+        t = pbg.StatusServiceStub(ch).GetTransfer(
+            pb.GetTransferRequest(transfer_id="ha-router-1"), timeout=5
+        )
+        assert t.state == pb.TRANSFER_STATE_AWAITING
 
     client = CoordinatorClient(standby_first, timeout_s=2.0)
     try:
