@@ -75,7 +75,6 @@ class EtcdElection:
         self._valid_until = 0.0  # monotonic: our lease is alive in etcd until at least this
         self._lost = False
         self._watchdog: asyncio.Task[None] | None = None
-        self.terms_won = 0
         self._update(Role.STANDBY, "", 0)
 
     @property
@@ -143,7 +142,8 @@ class EtcdElection:
         if self._lost:
             return  # nothing to hand over: the lease is gone or about to expire
         client, lease_id = self._client, self._lease_id
-        if self._leadership.view.role is Role.LEADER:
+        led = self._leadership.view.role is Role.LEADER
+        if led:
             self._lost = True  # this process leads no more; on_lost is not called
             self._update(Role.STANDBY, "", self._leadership.view.term)
         if client is not None and lease_id:
@@ -151,7 +151,8 @@ class EtcdElection:
                 await client.leasestub.LeaseRevoke(
                     rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._call_timeout()
                 )
-                log.info("leadership_resigned", lease=lease_id)
+                if led:
+                    log.info("leadership_resigned", lease=lease_id)
 
     @property
     def _endpoint(self) -> str:
@@ -249,7 +250,6 @@ class EtcdElection:
     def _won(self, term: int) -> None:
         if time.monotonic() >= self._valid_until - self.margin_s:
             return  # too close to our lease's end to order anything: renew first
-        self.terms_won += 1
         self._update(Role.LEADER, self.settings.advertise, term)
         log.info("leadership_won", term=term, lease=self._lease_id, ttl_s=self._ttl)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_deadline())
