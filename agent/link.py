@@ -38,6 +38,7 @@ from agent.messages import (
 )
 from agent.nixl_types import KVRegion, MemoryKind
 from wire.codes import PERMANENT
+from wire.leader import LeaderFollower
 
 log = logging.getLogger("pushkv.agent")
 
@@ -136,7 +137,9 @@ class CoordinatorLink:
         self._give_up_s = give_up_s
         self._lost = False  # the stream to a coordinator that welcomed us ended
         self.outbox: queue.Queue[Outbound] = queue.Queue()
-        self._address = address
+        # One coordinator address, or several (comma-separated) replicas: the
+        # link dials the one leading (wire/leader.py).
+        self._follower = LeaderFollower(address)
         # With batching, queued reports go up as one AgentBatch, and the
         # coordinator may send us CoordinatorBatch (hello.accepts_batches).
         self._batching = batching
@@ -171,6 +174,11 @@ class CoordinatorLink:
             call.cancel()
         self._thread.join(timeout)
 
+    @property
+    def address(self) -> str:
+        """The coordinator address the link dials now."""
+        return self._follower.current
+
     def lease_ok(self) -> bool:
         """True while the coordinator has acknowledged us within the lease."""
         return time.monotonic() < self._lease_until
@@ -182,7 +190,7 @@ class CoordinatorLink:
     def _run(self) -> None:
         delay = self._backoff[0]
         while not self._stop.is_set():
-            channel = self._channel_factory(self._address)
+            channel = self._channel_factory(self._follower.current)
             try:
                 self._session(channel)
                 delay = self._backoff[0]
@@ -195,7 +203,15 @@ class CoordinatorLink:
                     log.error("coordinator rejected this agent: %s", self.fatal_error)
                     delay = self._backoff[1]
                 elif not self._stop.is_set():
-                    log.info("coordinator stream ended (%s); reconnecting", code)
+                    log.info(
+                        "coordinator stream to %s ended (%s); reconnecting",
+                        self._follower.current,
+                        code,
+                    )
+                    # Several replicas: to the leader a standby named (at once,
+                    # jittered), else to the next address with the usual backoff.
+                    if self._follower.follow(exc):
+                        delay = self._backoff[0]
             except Exception:
                 log.exception("coordinator link failed; reconnecting")
             finally:

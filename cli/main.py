@@ -75,9 +75,11 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         tls=_tls(args),
         core=_core_settings(args),
+        etcd=args.etcd,
+        advertise=args.advertise,
+        etcd_lease_s=args.etcd_lease_s,
     )
-    asyncio.run(serve(settings))
-    return 0
+    return asyncio.run(serve(settings))
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
@@ -142,6 +144,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.link import main as bench_link
 
         return bench_link(args.rest)
+    if args.which == "failover":
+        from bench.failover import main as bench_failover
+
+        return bench_failover(args.rest)
     from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -175,6 +181,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         help="serve Prometheus /metrics over HTTP on --host at this port (0 = off)",
     )
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
+    h = c.add_argument_group("replicated coordinators (docs/reliability.md)")
+    h.add_argument(
+        "--etcd",
+        default=_env("etcd", ""),
+        help="etcd client URLs (http://HOST:PORT, comma-separated): run as a replica that "
+        "campaigns for leadership there; empty = the single in-memory coordinator",
+    )
+    h.add_argument(
+        "--advertise",
+        default=_env("advertise", ""),
+        help="HOST:PORT clients dial for this replica (standbys name the leader by it); "
+        "default --host:bound port",
+    )
+    h.add_argument(
+        "--etcd-lease-s",
+        type=int,
+        default=_env("etcd_lease_s", 2),
+        help="TTL of the replica's etcd lease in whole seconds: a dead leader is replaced "
+        "about this long after it stopped renewing (etcd may grant more: its minimum is "
+        "1.5 election timeouts)",
+    )
     _add_tls_flags(c)
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator
@@ -221,7 +248,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")
     b.add_argument(
         "which",
-        choices=["dataplane", "coordinator", "core", "order", "serving", "hooks", "link"],
+        choices=[
+            "dataplane",
+            "coordinator",
+            "core",
+            "order",
+            "serving",
+            "hooks",
+            "link",
+            "failover",
+        ],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     handlers["bench"] = _cmd_bench

@@ -36,6 +36,7 @@ from pushkv.protocol import PROTOCOL_VERSION
 
 from controlplane.core_build import core_build
 from controlplane.domain import RankState, State
+from controlplane.leadership import Leadership
 from controlplane.metric_families import (
     CounterFamily,
     FamilyCopy,
@@ -147,6 +148,31 @@ class _Snapshot:
     engines: tuple[_EngineSnap, ...]
     inflight: tuple[tuple[str, int], ...]  # (state, transfers)
     events: list[FamilyCopy]  # CoordinatorMetrics.families, copied on the loop
+
+
+class LeadershipCollector:
+    """This replica's role and its leader's term (controlplane/leadership.py)."""
+
+    def __init__(self, gate: Leadership) -> None:
+        self._gate = gate
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        view = self._gate.view
+        leader = GaugeMetricFamily(
+            "pushkv_coordinator_leader",
+            "1 while this replica serves writes (the leader, or the single coordinator)",
+            labels=["role"],
+        )
+        leader.add_metric([view.role.value], 1.0 if self._gate.serving_writes else 0.0)
+        term = GaugeMetricFamily(
+            "pushkv_coordinator_leader_term",
+            "the leader's term as this replica knows it (etcd create revision; 0 single)",
+        )
+        term.add_metric([], float(view.term))
+        return [leader, term]
 
 
 class _Collector:

@@ -146,6 +146,17 @@ class Runtime:
             with contextlib.suppress(asyncio.QueueFull):
                 w.queue.put_nowait(None)
 
+    def silence(self) -> None:
+        """Send nothing more to any agent, at once: queued messages are dropped,
+        every agent stream ends and the clock stops ticking. For a replica that
+        lost the leadership (controlplane/election.py); the process ends next."""
+        if self._ticker:
+            self._ticker.cancel()
+        for s in list(self._sessions.values()):
+            while not s.outbox.empty():
+                s.outbox.get_nowait()
+            s.close()
+
     async def _tick_loop(self) -> None:
         while True:
             try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -19,8 +21,9 @@ from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
+from controlplane.leadership import ElectionSettings, Leadership, Role, View
 from controlplane.logs import TransferLog
-from controlplane.metrics import CoordinatorMetrics
+from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
@@ -34,6 +37,12 @@ SERVICE_NAMES = tuple(
     pb.DESCRIPTOR.services_by_name[n].full_name
     for n in ("AgentService", "TransferService", "StatusService")
 )
+# Served by the leader only (controlplane/leadership.py); health says so per service.
+WRITE_SERVICE_NAMES = SERVICE_NAMES[:2]
+
+# The exit status of a replica that lost the leadership: its supervisor restarts
+# it, as a fresh standby (its in-memory state belongs to the old term).
+EXIT_LEADERSHIP_LOST = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,13 @@ class ServerSettings:
     core: CoreSettings = field(default_factory=CoreSettings)
     # Prometheus /metrics over HTTP on `host`: None = off, 0 = any free port.
     metrics_port: int | None = None
+    # Replicated coordinators (docs/reliability.md): etcd client URLs; empty =
+    # the single in-memory coordinator, with no election.
+    etcd: str = ""
+    # The address clients dial for this replica; empty = host:bound port.
+    advertise: str = ""
+    # TTL of the replica's etcd lease (s): failover takes about this long.
+    etcd_lease_s: int = 2
 
 
 @dataclass
@@ -59,6 +75,12 @@ class Coordinator:
     port: int
     metrics: CoordinatorMetrics | None = None
     tracer: TransferTracer | None = None
+    leadership: Leadership = field(default_factory=Leadership)
+    election: Any = None  # controlplane.election.EtcdElection with --etcd
+    election_task: asyncio.Task[None] | None = None
+    # Set when this replica led and lost the leadership (the process should end).
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: set[asyncio.Task[None]] = field(default_factory=set)  # health updates
 
     @property
     def address(self) -> str:
@@ -69,6 +91,12 @@ class Coordinator:
         return self.metrics.port if self.metrics is not None else None
 
     async def stop(self, grace: float | None = None) -> None:
+        if self.election is not None:
+            await self.election.resign()  # a standby leads at once
+        if self.election_task is not None:
+            self.election_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.election_task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.runtime.stop()
@@ -80,6 +108,10 @@ class Coordinator:
 
 async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordinator:
     """Start a coordinator; port 0 picks a free port (see Coordinator.port)."""
+    if settings.etcd and not settings.advertise and settings.host in ("0.0.0.0", "::", "[::]"):
+        raise ValueError(
+            f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
+        )
     runtime = Runtime(settings.core, clock or SystemClock())
     metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
     tracer = tracer_from_env(runtime)
@@ -93,10 +125,12 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         ("grpc.keepalive_permit_without_calls", 1),
     ]
     authz = Authorizer(tls_enabled=settings.tls.enabled)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz)], options=opts)
-    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime, authz), server)
+    # With --etcd a replica starts as a standby: nothing is written before it is elected.
+    gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
+    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime, authz, gate), server)
     pbg.add_TransferServiceServicer_to_server(TransferServicer(runtime, authz), server)
-    pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime), server)
+    pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -114,15 +148,57 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     await server.start()
     runtime.start()
     for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        serving = gate.serving_writes or name not in WRITE_SERVICE_NAMES
+        await health_servicer.set(name, _health(serving))
+    if metrics is not None:
+        metrics.registry.register(LeadershipCollector(gate))
+    coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
+    if settings.etcd:
+        _start_election(coord, settings)
     log.info(
         "coordinator_started",
         host=settings.host,
         port=port,
         coordinator_id=runtime.core.coordinator_id,
         core=core_build(),
+        etcd=settings.etcd or None,
     )
-    return Coordinator(server, runtime, health_servicer, port, metrics, tracer)
+    return coord
+
+
+def _health(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
+def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
+    """Campaign on etcd; the write services serve while this replica leads."""
+    from controlplane.election import EtcdElection  # aetcd only with --etcd
+
+    election_settings = ElectionSettings(
+        etcd=settings.etcd,
+        advertise=settings.advertise or f"{settings.host}:{coord.port}",
+        lease_s=settings.etcd_lease_s,
+    )
+    loop = asyncio.get_running_loop()
+
+    def on_change(view: View) -> None:
+        serving = view.role is not Role.STANDBY
+        for name in WRITE_SERVICE_NAMES:
+            task = loop.create_task(coord.health.set(name, _health(serving)))
+            coord.pending.add(task)
+            task.add_done_callback(coord.pending.discard)
+
+    def on_lost(reason: str) -> None:
+        coord.runtime.silence()  # no order leaves after this line
+        coord.lost.set()
+
+    coord.leadership.on_change.append(on_change)
+    coord.election = EtcdElection(election_settings, coord.leadership, on_lost)
+    coord.election_task = loop.create_task(coord.election.run(), name="etcd-election")
 
 
 def _write_port_file(path: str, port: int) -> None:
@@ -136,8 +212,10 @@ def tune_gc() -> None:
     gcpolicy.install()
 
 
-async def serve(settings: ServerSettings) -> None:
-    """Run until SIGTERM/SIGINT, then drain gracefully."""
+async def serve(settings: ServerSettings) -> int:
+    """Run until SIGTERM/SIGINT, then drain gracefully; the exit status.
+
+    A replica that lost the leadership stops at once (EXIT_LEADERSHIP_LOST)."""
     tune_gc()
     full_gc = asyncio.create_task(gcpolicy.full_collections())  # owned here
     try:
@@ -148,8 +226,16 @@ async def serve(settings: ServerSettings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(coord.lost.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if coord.lost.is_set():
+            log.error("coordinator_stopping", reason="leadership lost", exit=EXIT_LEADERSHIP_LOST)
+            await coord.stop(0)
+            return EXIT_LEADERSHIP_LOST
         log.info("coordinator_stopping", grace_s=settings.shutdown_grace_s)
         await coord.stop(settings.shutdown_grace_s)
+        return 0
     finally:
         full_gc.cancel()

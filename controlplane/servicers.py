@@ -22,6 +22,7 @@ from controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
+from controlplane.leadership import Leadership, NotLeader, Role
 from controlplane.runtime import Runtime, to_message
 from controlplane.transfer_filter import TransferFilter
 
@@ -88,9 +89,23 @@ def _filter(
     return TransferFilter(frozenset(wanted), engine_id, min_age_ms / 1000, max_age_ms / 1000)
 
 
+_ROLES = {
+    Role.SINGLE: pb.LEADER_ROLE_SINGLE,
+    Role.LEADER: pb.LEADER_ROLE_LEADER,
+    Role.STANDBY: pb.LEADER_ROLE_STANDBY,
+}
+
+
 class StatusServicer(pbg.StatusServiceServicer):
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, gate: Leadership | None = None) -> None:
         self._rt = rt
+        self._gate = gate or Leadership()
+
+    async def GetLeadership(self, request: pb.GetLeadershipRequest, context: Ctx) -> pb.Leadership:
+        v = self._gate.view
+        return pb.Leadership(
+            role=_ROLES[v.role], leader=v.leader, term=v.term, advertise=v.advertise, etcd=v.etcd
+        )
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
         return self._rt.status(self._rt.core.get(request.transfer_id))
@@ -135,9 +150,16 @@ class StatusServicer(pbg.StatusServiceServicer):
 
 
 class AgentServicer(pbg.AgentServiceServicer):
-    def __init__(self, rt: Runtime, authz: Authorizer) -> None:
+    def __init__(self, rt: Runtime, authz: Authorizer, gate: Leadership | None = None) -> None:
         self._rt = rt
         self._authz = authz
+        self._gate = gate or Leadership()
+
+    def _fence(self) -> None:
+        """Nothing goes to an agent once this replica may no longer order."""
+        if not self._gate.may_order():
+            v = self._gate.view
+            raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
 
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
@@ -183,9 +205,11 @@ class AgentServicer(pbg.AgentServiceServicer):
         try:
             msg = await session.outbox.get()
             if msg is not None:
+                self._fence()
                 yield to_message(msg)  # the welcome, always alone
                 while (msg := await session.outbox.get()) is not None:
                     out, ended = session.take(msg)
+                    self._fence()
                     yield out
                     if ended:
                         break

@@ -11,6 +11,7 @@ import structlog
 
 from controlplane import errors
 from controlplane.auth import Authorizer
+from controlplane.leadership import LEADER_METADATA_KEY, Leadership, NotLeader
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -37,12 +38,17 @@ def outcome(exc: BaseException, rpc: str) -> tuple[grpc.StatusCode, str]:
     call of a Submit batch). Anything but a domain error is logged as a bug."""
     if isinstance(exc, errors.PushKVError):
         return code_for(exc), str(exc)
+    if isinstance(exc, NotLeader):
+        # UNAVAILABLE: every client already retries it, and nothing was recorded.
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     log.error("rpc_failed", rpc=rpc, exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal error (see coordinator log)"
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
     code, message = outcome(exc, rpc)
+    if isinstance(exc, NotLeader):
+        await context.abort(code, message, ((LEADER_METADATA_KEY, exc.leader),))
     await context.abort(code, message)
 
 
@@ -81,11 +87,12 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _wrap_unary(
-    fn: Callable[..., Awaitable[Any]], rpc: str, authz: Authorizer
+    fn: Callable[..., Awaitable[Any]], rpc: str, authz: Authorizer, gate: Leadership
 ) -> Callable[..., Awaitable[Any]]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             authz.check_method(authz.principal(context), rpc)
+            gate.check_write(rpc)
             _check(request)
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -100,12 +107,14 @@ def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]],
     rpc: str,
     authz: Authorizer,
+    gate: Leadership,
     *,
     request_stream: bool = False,
 ) -> Callable[..., Any]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             authz.check_method(authz.principal(context), rpc)
+            gate.check_write(rpc)
             if request_stream:
                 request = _checked(request)
             else:
@@ -121,11 +130,13 @@ def _wrap_stream(
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Wraps every pushkv handler: checks the caller may call the method, and
+    """Wraps every pushkv handler: checks the caller may call the method, that
+    this replica leads if the method writes (controlplane/leadership.py), and
     turns a domain error into its status code."""
 
-    def __init__(self, authz: Authorizer | None = None) -> None:
+    def __init__(self, authz: Authorizer | None = None, gate: Leadership | None = None) -> None:
         self._authz = authz or Authorizer(tls_enabled=False)
+        self._gate = gate or Leadership()
 
     async def intercept_service(
         self,
@@ -144,16 +155,22 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, rpc, self._authz), **ser
+                _wrap_unary(handler.unary_unary, rpc, self._authz, self._gate), **ser
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, rpc, self._authz),  # type: ignore[arg-type]
+                _wrap_stream(handler.unary_stream, rpc, self._authz, self._gate),  # type: ignore[arg-type]
                 **ser,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, rpc, self._authz, request_stream=True),  # type: ignore[arg-type]
+                _wrap_stream(
+                    handler.stream_stream,  # type: ignore[arg-type]
+                    rpc,
+                    self._authz,
+                    self._gate,
+                    request_stream=True,
+                ),
                 **ser,
             )
         return handler

@@ -4,6 +4,11 @@
     pushkv status --coordinator HOST:PORT ls [--state S...] [--engine E] [--limit N] [--sort WAIT]
     pushkv status --coordinator HOST:PORT watch [--state S...] [--engine E] [--existing] [--count N]
     pushkv status --coordinator HOST:PORT engines [--role prefill|decode]
+    pushkv status --coordinator HOST:PORT[,HOST:PORT...] leader
+
+With several coordinator replicas (comma-separated addresses), the commands
+read from the one that leads; `leader` asks every replica for its view of the
+election (its role, the leader and the leader's term).
 
 Human tables by default; `--json` prints the StatusService responses as
 protobuf JSON (one document per line for `watch`). `ls --sort` orders the
@@ -15,6 +20,7 @@ no sort field, so sorting happens here.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,6 +35,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import timeline
 from ops import tables
+from wire.leader import addresses
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 
@@ -72,7 +79,7 @@ def _connection_flags(p: argparse.ArgumentParser, *, top: bool) -> None:
     g.add_argument(
         "--coordinator",
         default=default(_env("coordinator", DEFAULT_COORDINATOR)),
-        help="coordinator HOST:PORT",
+        help="coordinator HOST:PORT, or the replicas' addresses comma-separated",
     )
     g.add_argument(
         "--json",
@@ -148,6 +155,9 @@ def register(sub: Any) -> Callable[[argparse.Namespace], int]:
     e.add_argument("--role", choices=sorted(ROLES), default="", help="only this role")
     _connection_flags(e, top=False)
 
+    ld = cmds.add_parser("leader", help="each replica's role, the leader and its term")
+    _connection_flags(ld, top=False)
+
     return lambda args: run(args, sys.stdout)
 
 
@@ -167,7 +177,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     tls = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key)
     if tls.enabled or tls.key:
         tls.check()
-    with tls_channel(args.coordinator, tls) as ch:
+    replicas = addresses(args.coordinator)
+    if args.status_command == "leader":
+        return _leader(replicas, tls, args, out)
+    address = replicas[0] if len(replicas) == 1 else _find_leader(replicas, tls, args.timeout_s)
+    with tls_channel(address, tls) as ch:
         stub = pbg.StatusServiceStub(ch)
         try:
             return _COMMANDS[args.status_command](stub, args, out)
@@ -178,6 +192,66 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             details = exc.details() if hasattr(exc, "details") else str(exc)
             sys.stderr.write(f"pushkv status {args.status_command}: {code}: {details}\n")
             return 1
+
+
+ROLE_NAMES = {
+    pb.LEADER_ROLE_SINGLE: "single",
+    pb.LEADER_ROLE_LEADER: "leader",
+    pb.LEADER_ROLE_STANDBY: "standby",
+}
+
+
+def _leadership(address: str, tls: TLSFiles, timeout_s: float) -> pb.Leadership | str:
+    """The replica's Leadership, or why it could not be read."""
+    with tls_channel(address, tls) as ch:
+        try:
+            view: pb.Leadership = pbg.StatusServiceStub(ch).GetLeadership(
+                pb.GetLeadershipRequest(), timeout=timeout_s
+            )
+            return view
+        except grpc.RpcError as exc:
+            return exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+
+
+def _find_leader(replicas: Sequence[str], tls: TLSFiles, timeout_s: float) -> str:
+    """The replica that leads, as the replicas say (the first one if none knows)."""
+    for address in replicas:
+        view = _leadership(address, tls, timeout_s)
+        if isinstance(view, str):
+            continue
+        if view.role in (pb.LEADER_ROLE_LEADER, pb.LEADER_ROLE_SINGLE):
+            return address
+        if view.leader:
+            return view.leader
+    return replicas[0]
+
+
+def _leader(replicas: Sequence[str], tls: TLSFiles, args: argparse.Namespace, out: TextIO) -> int:
+    rows: list[list[str]] = []
+    docs: list[str] = []
+    failed = 0
+    for address in replicas:
+        view = _leadership(address, tls, args.timeout_s)
+        if isinstance(view, str):
+            failed += 1
+            rows.append([address, f"unreachable ({view})", "", "", ""])
+            docs.append(json.dumps({"replica": address, "error": view}))
+            continue
+        docs.append(_json(view, compact=True))
+        rows.append(
+            [
+                address,
+                ROLE_NAMES.get(view.role, "?"),
+                view.leader or "-",
+                str(view.term) if view.term else "-",
+                view.etcd or "-",
+            ]
+        )
+    if args.json:
+        out.write("\n".join(docs) + "\n")
+    else:
+        out.write(tables.leadership_table(rows) + "\n")
+    return 1 if failed == len(replicas) else 0
 
 
 def _get(stub: pbg.StatusServiceStub, args: argparse.Namespace, out: TextIO) -> int:

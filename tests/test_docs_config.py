@@ -47,7 +47,8 @@ NOTES: dict[tuple[str, str], str] = {
     "(JSON lines when stderr is not a terminal)",
     ("coordinator", "heartbeat_interval_s"): "how often agents send a heartbeat (sent to them "
     "in Welcome); must be shorter than --lease-s",
-    ("router", "coordinator"): "coordinator HOST:PORT; engines are discovered with ListEngines",
+    ("router", "coordinator"): "coordinator HOST:PORT, or the replicas' addresses "
+    "comma-separated (the router follows the leader); engines are discovered with ListEngines",
     ("router", "host"): "address of the OpenAI-compatible HTTP API (also /health and /metrics)",
     ("router", "port"): "port of the HTTP API",
     ("router", "leg_timeout_s"): "time limit of each leg's whole HTTP request to an engine",

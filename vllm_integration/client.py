@@ -9,9 +9,11 @@ atomic). The client thread sends everything queued since its last RPC as one
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,6 +23,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from wire.codes import REFUSALS, RETRYABLE, code_of
+from wire.leader import LeaderFollower
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 
@@ -28,6 +31,9 @@ log = logging.getLogger("pushkv.connector")
 
 MAX_BATCH = 256  # calls per Submit RPC (the coordinator accepts more)
 IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this often
+# With several coordinator replicas, a call is retried (on the leader a standby
+# names, or the next address) for this long: a failover takes about one etcd TTL.
+FAILOVER_S = 5.0
 
 
 class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
@@ -107,8 +113,12 @@ class CoordinatorClient:
         attempts: int = 3,
         tls: TLSFiles | None = None,
         keep: Callable[[Result], bool] | None = None,
+        failover_s: float = FAILOVER_S,
     ) -> None:
-        self._address = address
+        # One address, or several coordinator replicas (comma-separated).
+        self._follower = LeaderFollower(address)
+        self._failover_s = failover_s
+        self._channels: dict[str, grpc.Channel] = {}
         # Results for which this is false are dropped on the client thread
         # (None: every result is queued). Read per batch, so a test may change it.
         self.keep = keep
@@ -165,9 +175,25 @@ class CoordinatorClient:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------ client thread
+    def _stub(self) -> pbg.TransferServiceStub:
+        """A stub on the channel to the address the client dials now."""
+        address = self._follower.current
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = tls_channel(address, self._tls)
+        return pbg.TransferServiceStub(channel)
+
+    def _retry(self, attempt: int, started: float, exc: BaseException) -> bool:
+        """After a retryable failure: whether to try again (on which replica)."""
+        if not self._follower.several:
+            return attempt + 1 < self._attempts
+        if time.monotonic() - started > self._failover_s:
+            return False
+        named = self._follower.follow(exc)
+        time.sleep(self._follower.delay(0 if named else attempt))  # jittered: no herd
+        return True
+
     def _run(self) -> None:
-        channel = tls_channel(self._address, self._tls)
-        stub = pbg.TransferServiceStub(channel)
         batched = True  # until the coordinator says it has no Submit
         try:
             while True:
@@ -179,6 +205,7 @@ class CoordinatorClient:
                 batch: list[Call] = []
                 while self._calls and len(batch) < MAX_BATCH:
                     batch.append(self._calls.popleft())
+                stub = self._stub()
                 if batched:
                     results = self._submit(stub, batch)
                     if results is None:
@@ -193,7 +220,8 @@ class CoordinatorClient:
                     self._results.extend(results if keep is None else filter(keep, results))
                     self._done.notify_all()
         finally:
-            channel.close()
+            for channel in self._channels.values():
+                channel.close()
 
     def _sleep(self, timeout: float) -> None:
         """Until submit() or close() wakes this thread, or `timeout` passes."""
@@ -218,7 +246,8 @@ class CoordinatorClient:
         request = pb.SubmitRequest(calls=[_to_proto(c) for c in batch])
         code: grpc.StatusCode | None = None
         details = ""
-        for attempt in range(self._attempts):
+        started = time.monotonic()
+        for attempt in itertools.count():
             try:
                 reply = stub.Submit(request, timeout=self._timeout)
             except grpc.RpcError as exc:
@@ -236,6 +265,9 @@ class CoordinatorClient:
                     getattr(code, "name", code),
                     details,
                 )
+                if not self._retry(attempt, started, exc):
+                    break
+                stub = self._stub()
                 continue
             if len(reply.results) != len(batch):
                 code, details = (
@@ -256,7 +288,8 @@ class CoordinatorClient:
         call = _to_proto(c)
         code: grpc.StatusCode | None = None
         details = ""
-        for attempt in range(self._attempts):
+        started = time.monotonic()
+        for attempt in itertools.count():
             try:
                 if c.kind == "register":
                     st = stub.RegisterDecodeBlocks(call.register, timeout=self._timeout)
@@ -277,4 +310,7 @@ class CoordinatorClient:
                     attempt + 1,
                     details,
                 )
+                if not self._retry(attempt, started, exc):
+                    break
+                stub = self._stub()
         return _error_result(c, code, details)

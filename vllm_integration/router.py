@@ -26,6 +26,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from vllm_integration.metrics import RouterMetrics, outcome_of
 from vllm_integration.router_engines import Engine, EngineDirectory
 from vllm_integration.router_failures import Failure, Stage, client_error
+from wire.leader import LeaderFollower
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.router")
@@ -104,9 +105,12 @@ class Router:
                 f"on_transfer_failure: {settings.on_transfer_failure!r} is not recompute or fail"
             )
         self.settings = settings
-        self._channel = aio_channel(settings.coordinator, settings.tls)
-        self._transfers = pbg.TransferServiceStub(self._channel)
-        self.directory = EngineDirectory(pbg.StatusServiceStub(self._channel), settings.refresh_s)
+        # One coordinator address, or several replicas (comma-separated): the
+        # router dials the leader (wire/leader.py, _follow_leader).
+        self._follower = LeaderFollower(settings.coordinator)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._transfers = pbg.TransferServiceStub(self._channel())
+        self.directory = EngineDirectory(pbg.StatusServiceStub(self._channel()), settings.refresh_s)
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
@@ -128,8 +132,13 @@ class Router:
         self._http = aiohttp.ClientSession(
             timeout=timeout, connector=connector, trace_configs=[trace]
         )
-        await self.directory.refresh()
-        self._spawn(self.directory.run())
+        if self._follower.several:
+            await self._follow_leader()
+            await self.directory.refresh()
+            self._spawn(self._refresh_following())
+        else:
+            await self.directory.refresh()
+            self._spawn(self.directory.run())
 
     async def stop(self, app: web.Application) -> None:
         for t in list(self._tasks):
@@ -137,7 +146,50 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._http:
             await self._http.close()
-        await self._channel.close(None)
+        for channel in self._channels.values():
+            await channel.close(None)
+
+    # ------------------------------------------------------------ coordinator replicas
+    def _channel(self) -> grpc.aio.Channel:
+        address = self._follower.current
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = aio_channel(address, self.settings.tls)
+        return channel
+
+    def _use_current(self) -> None:
+        channel = self._channel()
+        self._transfers = pbg.TransferServiceStub(channel)
+        self.directory.stub = pbg.StatusServiceStub(channel)
+
+    async def _follow_leader(self) -> None:
+        """With several coordinator replicas: dial the one that leads (each
+        answers GetLeadership; a standby names the leader)."""
+        for attempt in range(2 * len(self._follower.addresses)):
+            stub = pbg.StatusServiceStub(self._channel())
+            try:
+                view = await stub.GetLeadership(pb.GetLeadershipRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # a coordinator without replicas: stay
+                self._follower.follow(exc)
+                self._use_current()
+                await asyncio.sleep(self._follower.delay(attempt))
+                continue
+            if view.role != pb.LEADER_ROLE_STANDBY:
+                return
+            if view.leader:
+                self._follower.move_to(view.leader)
+            else:  # no leader elected yet
+                self._follower.follow()
+                await asyncio.sleep(self._follower.delay(attempt))
+            self._use_current()
+
+    async def _refresh_following(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            await self._follow_leader()
+            await self.directory.refresh()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -314,6 +366,23 @@ class Router:
     async def _begin(self, transfer_id: str, p_eng: Engine, d_eng: Engine) -> None:
         """Announce the pairing first: the transfer is visible (and cancellable)
         before either leg arrives, and the coordinator can push back."""
+        if not self._follower.several:
+            return await self._begin_once(transfer_id, p_eng, d_eng)
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            try:
+                return await self._begin_once(transfer_id, p_eng, d_eng)
+            except grpc.aio.AioRpcError as exc:
+                # UNAVAILABLE: a standby's refusal (nothing recorded) or a
+                # replica gone; the transfer id is new, so a retry is safe.
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                self._follower.follow(exc)
+                self._use_current()
+                await asyncio.sleep(self._follower.delay(0))
+                await self._follow_leader()
+
+    async def _begin_once(self, transfer_id: str, p_eng: Engine, d_eng: Engine) -> None:
         begin = asyncio.ensure_future(
             self._transfers.BeginTransfer(
                 pb.BeginTransferRequest(

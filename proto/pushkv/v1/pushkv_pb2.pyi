@@ -177,6 +177,32 @@ RANK_STATE_FAILED: RankState.ValueType  # 4
 RANK_STATE_DROPPED: RankState.ValueType  # 5
 Global___RankState: _TypeAlias = RankState  # noqa: Y015
 
+class _LeaderRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LeaderRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaderRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LEADER_ROLE_UNSPECIFIED: _LeaderRole.ValueType  # 0
+    LEADER_ROLE_SINGLE: _LeaderRole.ValueType  # 1
+    """no --etcd: the one in-memory coordinator, always serving"""
+    LEADER_ROLE_LEADER: _LeaderRole.ValueType  # 2
+    """holds the etcd election key: serves writes"""
+    LEADER_ROLE_STANDBY: _LeaderRole.ValueType  # 3
+    """serves reads; refuses writes (UNAVAILABLE, naming the leader)"""
+
+class LeaderRole(_LeaderRole, metaclass=_LeaderRoleEnumTypeWrapper):
+    """Which replica leads (docs/reliability.md, "Replicated coordinators")."""
+
+LEADER_ROLE_UNSPECIFIED: LeaderRole.ValueType  # 0
+LEADER_ROLE_SINGLE: LeaderRole.ValueType  # 1
+"""no --etcd: the one in-memory coordinator, always serving"""
+LEADER_ROLE_LEADER: LeaderRole.ValueType  # 2
+"""holds the etcd election key: serves writes"""
+LEADER_ROLE_STANDBY: LeaderRole.ValueType  # 3
+"""serves reads; refuses writes (UNAVAILABLE, naming the leader)"""
+Global___LeaderRole: _TypeAlias = LeaderRole  # noqa: Y015
+
 @_typing.final
 class BlockIds(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -1555,3 +1581,53 @@ class ListEnginesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListEnginesResponse: _TypeAlias = ListEnginesResponse  # noqa: Y015
+
+@_typing.final
+class GetLeadershipRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLeadershipRequest: _TypeAlias = GetLeadershipRequest  # noqa: Y015
+
+@_typing.final
+class Leadership(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    ADVERTISE_FIELD_NUMBER: _builtins.int
+    ETCD_FIELD_NUMBER: _builtins.int
+    role: Global___LeaderRole.ValueType
+    leader: _builtins.str
+    """the leader's advertised HOST:PORT; empty while unknown"""
+    term: _builtins.int
+    """the leader's term: its election key's etcd create revision (0: single)"""
+    advertise: _builtins.str
+    """this replica's own advertised HOST:PORT"""
+    etcd: _builtins.str
+    """the etcd endpoint this replica campaigns on (empty: single)"""
+    def __init__(
+        self,
+        *,
+        role: Global___LeaderRole.ValueType = ...,
+        leader: _builtins.str = ...,
+        term: _builtins.int = ...,
+        advertise: _builtins.str = ...,
+        etcd: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "etcd", b"etcd", "leader", b"leader", "role", b"role", "term", b"term"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Leadership: _TypeAlias = Leadership  # noqa: Y015

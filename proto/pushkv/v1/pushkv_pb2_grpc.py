@@ -377,6 +377,11 @@ class StatusServiceStub(object):
                 request_serializer=pushkv_dot_v1_dot_pushkv__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.GetLeadership = channel.unary_unary(
+                '/pushkv.v1.StatusService/GetLeadership',
+                request_serializer=pushkv_dot_v1_dot_pushkv__pb2.GetLeadershipRequest.SerializeToString,
+                response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.Leadership.FromString,
+                _registered_method=True)
 
 
 class StatusServiceServicer(object):
@@ -406,6 +411,12 @@ class StatusServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLeadership(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StatusServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -428,6 +439,11 @@ def add_StatusServiceServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.ListEnginesRequest.FromString,
                     response_serializer=pushkv_dot_v1_dot_pushkv__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'GetLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLeadership,
+                    request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.GetLeadershipRequest.FromString,
+                    response_serializer=pushkv_dot_v1_dot_pushkv__pb2.Leadership.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -538,6 +554,33 @@ class StatusService(object):
             '/pushkv.v1.StatusService/ListEngines',
             pushkv_dot_v1_dot_pushkv__pb2.ListEnginesRequest.SerializeToString,
             pushkv_dot_v1_dot_pushkv__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pushkv.v1.StatusService/GetLeadership',
+            pushkv_dot_v1_dot_pushkv__pb2.GetLeadershipRequest.SerializeToString,
+            pushkv_dot_v1_dot_pushkv__pb2.Leadership.FromString,
             options,
             channel_credentials,
             insecure,

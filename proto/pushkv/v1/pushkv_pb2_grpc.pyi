@@ -147,6 +147,7 @@ class StatusServiceStub:
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.ListTransfersRequest, _pushkv_pb2.ListTransfersResponse]
     WatchTransfers: _grpc.UnaryStreamMultiCallable[_pushkv_pb2.WatchTransfersRequest, _pushkv_pb2.TransferEvent]
     ListEngines: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.ListEnginesRequest, _pushkv_pb2.ListEnginesResponse]
+    GetLeadership: _grpc.UnaryUnaryMultiCallable[_pushkv_pb2.GetLeadershipRequest, _pushkv_pb2.Leadership]
 
 @_typing.type_check_only
 class StatusServiceAsyncStub(StatusServiceStub):
@@ -155,6 +156,7 @@ class StatusServiceAsyncStub(StatusServiceStub):
     ListTransfers: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.ListTransfersRequest, _pushkv_pb2.ListTransfersResponse]  # type: ignore[assignment]
     WatchTransfers: _aio.UnaryStreamMultiCallable[_pushkv_pb2.WatchTransfersRequest, _pushkv_pb2.TransferEvent]  # type: ignore[assignment]
     ListEngines: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.ListEnginesRequest, _pushkv_pb2.ListEnginesResponse]  # type: ignore[assignment]
+    GetLeadership: _aio.UnaryUnaryMultiCallable[_pushkv_pb2.GetLeadershipRequest, _pushkv_pb2.Leadership]  # type: ignore[assignment]
 
 class StatusServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -184,5 +186,12 @@ class StatusServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _pushkv_pb2.ListEnginesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_pushkv_pb2.ListEnginesResponse, _abc.Awaitable[_pushkv_pb2.ListEnginesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetLeadership(
+        self,
+        request: _pushkv_pb2.GetLeadershipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pushkv_pb2.Leadership, _abc.Awaitable[_pushkv_pb2.Leadership]]: ...
 
 def add_StatusServiceServicer_to_server(servicer: StatusServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

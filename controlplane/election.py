@@ -1,0 +1,297 @@
+"""Leader election of coordinator replicas on etcd (``pushkv coordinator --etcd``).
+
+Every replica holds an etcd lease (TTL ``lease_s``) that it keeps alive, and
+campaigns with one transaction: create the election key, bound to its lease and
+holding its advertised address, if the key does not exist; otherwise read it.
+The replica that created the key leads; the key's create revision is the
+leader's *term* (it grows with every new leadership). The key goes away when
+the leader's lease ends: revoked on a clean shutdown, expired in etcd when the
+leader dies or loses etcd. Standbys repeat the transaction every ``poll_s``.
+
+No split brain: the leader counts its lease as valid until the *send* time of
+its last acknowledged keep-alive plus the TTL etcd granted, which is never
+later than etcd's own expiry of the lease (etcd starts the TTL when it handles
+the request, after we sent it). It stops ordering (``Leadership.may_order``
+turns false, the watchdog steps it down) ``margin`` seconds before that time,
+so before any standby can create the key. A leader that loses the leadership
+never leads again in this process: ``on_lost`` ends it (its in-memory state
+belongs to the old term), and its supervisor starts a fresh standby.
+
+The client is aetcd (a maintained asyncio etcd v3 client on grpc.aio, see
+docs/reliability.md): its channel and its generated etcd API, called through
+the stubs so that every call carries its own deadline. This module is the only
+one that imports it, and only ``controlplane.server`` imports this module, when
+``--etcd`` is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aetcd
+import structlog
+from aetcd import rpc
+
+from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints
+
+log = structlog.get_logger("pushkv.coordinator")
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, rpc.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class LeaseLost(Exception):
+    """etcd answered that the replica's lease no longer exists."""
+
+
+class EtcdElection:
+    """Campaigns until cancelled; drives `leadership`; calls `on_lost` once if
+    this replica led and stopped leading."""
+
+    def __init__(
+        self,
+        settings: ElectionSettings,
+        leadership: Leadership,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.settings = settings
+        self._leadership = leadership
+        self._on_lost = on_lost
+        self._endpoints = endpoints(settings.etcd)
+        self._next_endpoint = 0
+        self._key = settings.key.encode()
+        self._value = settings.advertise.encode()
+        self._client: Any = None
+        self._lease_id = 0
+        self._ttl = float(settings.lease_s)
+        self._valid_until = 0.0  # monotonic: our lease is alive in etcd until at least this
+        self._lost = False
+        self._watchdog: asyncio.Task[None] | None = None
+        self._update(Role.STANDBY, "", 0)
+
+    @property
+    def lost(self) -> bool:
+        """This replica led and leads no more (it never campaigns again)."""
+        return self._lost
+
+    # ------------------------------------------------------------ timing
+    @property
+    def margin_s(self) -> float:
+        """How long before our lease could expire in etcd we stop ordering."""
+        return self._ttl / 4
+
+    def _call_timeout(self) -> float:
+        return max(self._ttl / 4, 0.1)
+
+    # ------------------------------------------------------------ state
+    def _update(self, role: Role, leader: str, term: int) -> None:
+        deadline = self._valid_until - self.margin_s if role is Role.LEADER else 0.0
+        self._leadership.update(
+            View(role, leader, term, self.settings.advertise, self.settings.etcd),
+            order_deadline=deadline,
+        )
+
+    def _lose(self, reason: str) -> None:
+        """Stop leading, for good (the process ends: see on_lost)."""
+        if self._lost:
+            return
+        self._lost = True
+        view = self._leadership.view
+        self._update(Role.STANDBY, "", view.term)
+        log.error("leadership_lost", term=view.term, reason=reason)
+        self._on_lost(reason)
+
+    # ------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        backoff = 0.05
+        try:
+            while not self._lost:
+                host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
+                try:
+                    await self._session(host, port)
+                    backoff = 0.05
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:
+                    if self.lost:
+                        return
+                    log.warning(
+                        "etcd_session_failed",
+                        endpoint=f"{host}:{port}",
+                        error=_why(exc),
+                    )
+                    self._next_endpoint += 1
+                finally:
+                    await self._close_client()
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 1.0)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+    async def resign(self) -> None:
+        """A clean shutdown: revoke the lease, so a standby leads at once."""
+        if self._lost:
+            return  # nothing to hand over: the lease is gone or about to expire
+        client, lease_id = self._client, self._lease_id
+        led = self._leadership.view.role is Role.LEADER
+        if led:
+            self._lost = True  # this process leads no more; on_lost is not called
+            self._update(Role.STANDBY, "", self._leadership.view.term)
+        if client is not None and lease_id:
+            with contextlib.suppress(Exception):
+                await client.leasestub.LeaseRevoke(
+                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._call_timeout()
+                )
+                if led:
+                    log.info("leadership_resigned", lease=lease_id)
+
+    @property
+    def _endpoint(self) -> str:
+        host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
+        return f"{host}:{port}"
+
+    async def _next_member(self) -> None:
+        """Renew through the next etcd endpoint (a leader keeps its lease)."""
+        await self._close_client()
+        self._next_endpoint += 1
+        host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
+        self._client = aetcd.Client(host=host, port=port)
+        await self._client.connect()
+        log.info("etcd_endpoint_switched", endpoint=self._endpoint, lease=self._lease_id)
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def _session(self, host: str, port: int) -> None:
+        self._client = aetcd.Client(host=host, port=port)
+        await self._client.connect()
+        sent = time.monotonic()
+        grant = await self._client.leasestub.LeaseGrant(
+            rpc.LeaseGrantRequest(TTL=self.settings.lease_s), timeout=2.0
+        )
+        if grant.error:
+            raise RuntimeError(f"lease grant refused: {grant.error}")
+        self._lease_id, self._ttl = grant.ID, float(grant.TTL)
+        self._valid_until = sent + self._ttl
+        log.info("etcd_lease_granted", endpoint=f"{host}:{port}", lease=grant.ID, ttl_s=grant.TTL)
+        next_keepalive = time.monotonic() + self._ttl / 4
+        while not self._lost:
+            if self._leadership.view.role is not Role.LEADER:
+                await self._campaign()
+            if self._leadership.view.role is Role.LEADER:
+                await self._lead()  # returns only when the leadership ended
+                return
+            if time.monotonic() >= next_keepalive:
+                await self._keepalive()
+                next_keepalive = time.monotonic() + self._ttl / 4
+            await asyncio.sleep(self.settings.poll_s)
+
+    async def _keepalive(self) -> None:
+        sent = time.monotonic()
+        reply = None
+        async for r in self._client.leasestub.LeaseKeepAlive(
+            iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=self._call_timeout()
+        ):
+            reply = r
+            break
+        if reply is None or reply.TTL <= 0:
+            raise LeaseLost(f"lease {self._lease_id} expired in etcd")
+        self._valid_until = max(self._valid_until, sent + float(reply.TTL))
+
+    async def _campaign(self) -> None:
+        """One try at the key: lead if it was free, else learn who leads."""
+        txn = rpc.TxnRequest(
+            compare=[
+                rpc.Compare(
+                    result=rpc.Compare.EQUAL,
+                    target=rpc.Compare.CREATE,
+                    key=self._key,
+                    create_revision=0,
+                )
+            ],
+            success=[
+                rpc.RequestOp(
+                    request_put=rpc.PutRequest(
+                        key=self._key, value=self._value, lease=self._lease_id
+                    )
+                )
+            ],
+            failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self._key))],
+        )
+        reply = await self._client.kvstub.Txn(txn, timeout=self._call_timeout())
+        if reply.succeeded:
+            self._won(reply.header.revision)
+            return
+        kvs = reply.responses[0].response_range.kvs
+        if not kvs:
+            return  # deleted in between: try again at the next poll
+        kv = kvs[0]
+        if kv.lease == self._lease_id:  # ours (an answer lost on the way)
+            self._won(kv.create_revision)
+            return
+        view = self._leadership.view
+        leader, term = kv.value.decode(errors="replace"), kv.create_revision
+        if (leader, term) != (view.leader, view.term):
+            log.info("leader_observed", leader=leader, term=term)
+        self._update(Role.STANDBY, leader, term)
+
+    def _won(self, term: int) -> None:
+        if time.monotonic() >= self._valid_until - self.margin_s:
+            return  # too close to our lease's end to order anything: renew first
+        self._update(Role.LEADER, self.settings.advertise, term)
+        log.info("leadership_won", term=term, lease=self._lease_id, ttl_s=self._ttl)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_deadline())
+
+    async def _watch_deadline(self) -> None:
+        """Step down when the lease could not be renewed in time."""
+        while not self._lost:
+            wait = self._valid_until - self.margin_s - time.monotonic()
+            if wait <= 0:
+                self._lose(f"etcd lease not renewed within {self._ttl - self.margin_s:.2f} s")
+                return
+            await asyncio.sleep(wait)
+
+    async def _lead(self) -> None:
+        """Renew the lease every TTL/4 and check the key is still ours."""
+        term = self._leadership.view.term
+        failures = 0
+        while not self._lost:
+            try:
+                await self._keepalive()
+                self._leadership.extend(self._valid_until - self.margin_s)
+                if failures:
+                    log.info("etcd_keepalive_recovered", endpoint=self._endpoint, failures=failures)
+                    failures = 0
+                reply = await self._client.kvstub.Range(
+                    rpc.RangeRequest(key=self._key), timeout=self._call_timeout()
+                )
+                kv = reply.kvs[0] if reply.kvs else None
+                if kv is None or kv.lease != self._lease_id or kv.create_revision != term:
+                    self._lose("the election key is no longer ours")
+                    return
+            except LeaseLost as exc:
+                self._lose(str(exc))
+                return
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # transient: retry until the deadline
+                failures += 1
+                log.warning("etcd_keepalive_failed", endpoint=self._endpoint, error=_why(exc))
+                if len(self._endpoints) > 1:
+                    await self._next_member()  # the lease lives in the cluster, not the member
+                else:
+                    await asyncio.sleep(min(0.1, self._ttl / 20))
+                continue
+            await asyncio.sleep(self._ttl / 4)

@@ -1,0 +1,171 @@
+"""Start a real etcd server as a child process (tests, benchmarks).
+
+Debian's etcd-server (``/usr/bin/etcd``, 3.4; ``scripts/setup.sh`` installs
+it). One member (``EtcdServer``) or a cluster of several (``EtcdCluster``) on
+loopback, on free ports, with their data in temporary directories. Raft
+timings are shortened (heartbeat 50 ms, election 500 ms) so that etcd grants
+leases as short as 1 s (its minimum TTL is 1.5 election timeouts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class EtcdServer:
+    def __init__(self, name: str = "pushkv-test") -> None:
+        self.name = name
+        self.dir = Path(tempfile.mkdtemp(prefix="pushkv-etcd-"))
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.dir / "etcd.log"
+        # name=peer URL of every member; this one alone unless EtcdCluster sets it.
+        self.initial_cluster = f"{name}={self.peer_url}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, deadline_s: float = 20.0) -> EtcdServer:
+        self.launch()
+        self.wait_healthy(deadline_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting (cluster members need each other)."""
+        cmd = [
+            ETCD,
+            f"--name={self.name}",
+            f"--data-dir={self.dir / 'data'}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster}",
+            "--initial-cluster-token=pushkv-test",
+            "--initial-cluster-state=new",
+            "--heartbeat-interval=50",
+            "--election-timeout=500",
+            "--log-level=warn",
+            "--logger=zap",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_healthy(self, deadline_s: float = 20.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + deadline_s
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"etcd not healthy within {deadline_s} s")
+            time.sleep(0.05)  # polling another process's HTTP endpoint
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return bool(json.loads(r.read()).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def pause(self) -> None:
+        """SIGSTOP: etcd stops answering (its clients' calls time out)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL: the member is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def status(self) -> tuple[int, int]:
+        """(this member's id, the raft leader's id), from etcd's JSON gateway."""
+        req = urllib.request.Request(self.url + "/v3/maintenance/status", data=b"{}")
+        with urllib.request.urlopen(req, timeout=2) as r:
+            doc = json.loads(r.read())
+        return int(doc["header"]["member_id"]), int(doc["leader"])
+
+
+class EtcdCluster:
+    """`size` etcd members on loopback forming one cluster."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.members = [EtcdServer(f"pushkv-test-{i}") for i in range(size)]
+        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = cluster
+
+    @property
+    def urls(self) -> str:
+        return ",".join(m.url for m in self.members)
+
+    def start(self, deadline_s: float = 30.0) -> EtcdCluster:
+        try:
+            for m in self.members:
+                m.launch()
+            for m in self.members:
+                m.wait_healthy(deadline_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def live(self) -> list[EtcdServer]:
+        return [m for m in self.members if m.proc is not None and m.proc.poll() is None]
+
+    def raft_leader(self) -> EtcdServer:
+        live = self.live()
+        leader_id = live[0].status()[1]
+        for m in live:
+            if m.status()[0] == leader_id:
+                return m
+        raise RuntimeError("no etcd raft leader")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()

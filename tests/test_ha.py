@@ -1,0 +1,441 @@
+"""Replicated coordinators on a real etcd (docs/reliability.md, "Replicated coordinators").
+
+Real etcd (tests/support/etcd.py), real coordinator processes, real KV hosts
+with their agents and NIXL. Waits are polls or watches under deadlines; the
+failover time is measured and printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.events import EventKind
+from harness.coordinator import CoordinatorProcess
+from harness.etcd import ETCD, EtcdCluster
+from harness.kvhost import HostSpec, KVHost
+from ops import status as status_cli
+from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
+from tests.test_agent_e2e import wait_state
+from vllm_integration.client import Call, CoordinatorClient
+
+pytestmark = pytest.mark.faults
+
+# etcd in the tests grants 1 s leases (tests/support/etcd.py shortens its raft timings).
+REPLICA = ["--etcd-lease-s", "1", "--lease-s", "2", "--heartbeat-interval-s", "0.5"]
+REPLICA += ["--write-timeout-s", "3", "--log-level", "INFO"]
+DEADLINE_S = 20.0  # generous: a loaded 2-core box; the measured figures are printed
+NB = 32
+CANARY = 0x77
+GIVE_UP_S = 6.0
+EXIT_LEADERSHIP_LOST = 3
+
+
+def leadership(address: str) -> pb.Leadership | None:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            view: pb.Leadership = pbg.StatusServiceStub(ch).GetLeadership(
+                pb.GetLeadershipRequest(), timeout=2
+            )
+            return view
+        except grpc.RpcError:
+            return None
+
+
+def poll(cond: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> float:
+    """Poll `cond` (another process's state) until it holds; the seconds it took."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > deadline_s:
+            raise AssertionError(f"not within {deadline_s} s: {what}")
+        time.sleep(0.01)  # polling other processes under a deadline
+    return time.monotonic() - start
+
+
+def health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+        return int(reply.status)
+
+
+@dataclass
+class Cluster:
+    etcd: Any  # EtcdServer or EtcdCluster
+    replicas: list[CoordinatorProcess]
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(r.address for r in self.replicas)
+
+    def leader(self) -> CoordinatorProcess:
+        """The replica that leads, once every live replica agrees on it."""
+        found: list[CoordinatorProcess] = []
+
+        def agreed() -> bool:
+            live = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+            views = [leadership(r.address) for r in live]
+            leaders = [
+                r for r, v in zip(live, views, strict=True) if v and v.role == pb.LEADER_ROLE_LEADER
+            ]
+            if len(leaders) != 1 or any(v is None for v in views):
+                return False
+            found[:] = leaders
+            return all(v is not None and v.leader == leaders[0].address for v in views)
+
+        poll(agreed, "one leader that every replica names")
+        return found[0]
+
+    def standbys(self) -> list[CoordinatorProcess]:
+        lead = self.leader()
+        return [r for r in self.replicas if r is not lead and r.proc and r.proc.poll() is None]
+
+
+@pytest.fixture
+def cluster(etcd: EtcdServer) -> Iterator[Cluster]:  # noqa: F811
+    replicas = [CoordinatorProcess("--etcd", etcd.url, *REPLICA).start() for _ in range(2)]
+    try:
+        yield Cluster(etcd, replicas)
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def begin(address: str, tid: str) -> pb.TransferStatus:
+    with grpc.insecure_channel(address) as ch:
+        status: pb.TransferStatus = pbg.TransferServiceStub(ch).BeginTransfer(
+            pb.BeginTransferRequest(transfer_id=tid, prefill_engine_id="P", decode_engine_id="D"),
+            timeout=5,
+        )
+        return status
+
+
+# ---------------------------------------------------------------- election and standbys
+
+
+def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: Cluster) -> None:
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    view = leadership(standby.address)
+    assert view is not None and view.role == pb.LEADER_ROLE_STANDBY
+    assert view.leader == lead.address and view.term > 0 and view.etcd == cluster.etcd.url
+    assert view.advertise == standby.address
+
+    # Writes: refused with UNAVAILABLE, the leader named in details and metadata.
+    with pytest.raises(grpc.RpcError) as refused:
+        begin(standby.address, "ha-1")
+    exc: grpc.Call = refused.value  # type: ignore[assignment]
+    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+    assert lead.address in (exc.details() or "")
+    assert ("pushkv-leader", lead.address) in tuple(exc.trailing_metadata() or ())
+    # The agent stream too: a hello to a standby is refused the same way.
+    with grpc.insecure_channel(standby.address) as ch:
+        hello = pb.AgentMessage(hello=pb.AgentHello(protocol_version=1))
+        stream = pbg.AgentServiceStub(ch).AgentStream(iter([hello]), timeout=5)
+        with pytest.raises(grpc.RpcError) as agent_refused:
+            next(iter(stream))
+        assert agent_refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+    # Reads: served.
+    with grpc.insecure_channel(standby.address) as ch:
+        st = pbg.StatusServiceStub(ch)
+        assert st.ListEngines(pb.ListEnginesRequest(), timeout=5).engines == []
+        assert st.ListTransfers(pb.ListTransfersRequest(), timeout=5).total_matching == 0
+
+    # Health: the write services are NOT_SERVING on the standby, SERVING on the leader.
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        (health_pb2.HealthCheckResponse.NOT_SERVING),
+    )
+    for service in ("pushkv.v1.AgentService", "pushkv.v1.TransferService"):
+        assert health(standby.address, service) == not_serving
+        assert health(lead.address, service) == serving
+    for address in (standby.address, lead.address):
+        assert health(address, "pushkv.v1.StatusService") == serving
+        assert health(address, "") == serving
+
+    # The leader takes the write; `pushkv status` reads from it through either address.
+    assert begin(lead.address, "ha-1").transfer_id == "ha-1"
+    out = _Out()
+    assert status_cli.main(["--coordinator", cluster.addresses, "get", "ha-1", "--json"], out) == 0
+    assert json.loads(out.text)["transferId"] == "ha-1"
+    out = _Out()
+    assert status_cli.main(["--coordinator", cluster.addresses, "leader"], out) == 0
+    print(out.text)
+    rows = out.text.splitlines()[2:]
+    assert len(rows) == 2
+    for row in rows:
+        assert lead.address in row and str(view.term) in row
+    assert sum(" leader " in row for row in rows) == 1
+
+
+def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None:
+    import asyncio
+
+    from vllm_integration.router import Router, RouterSettings
+    from vllm_integration.router_engines import Engine
+
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    standby_first = f"{standby.address},{lead.address}"
+
+    async def router_follows() -> tuple[str, str]:
+        # BeginTransfer sent to the standby first: refused, the router moves and retries.
+        router = Router(RouterSettings(coordinator=standby_first, connect_timeout_s=5))
+        try:
+            await router._begin("ha-router-1", Engine("P", "http://p"), Engine("D", "http://d"))
+            after_begin = router._follower.current
+            router._follower.move_to(standby.address)
+            router._use_current()
+            await router._follow_leader()  # GetLeadership: the standby names the leader
+            return after_begin, router._follower.current
+        finally:
+            for ch in router._channels.values():
+                await ch.close(None)
+
+    assert asyncio.run(router_follows()) == (lead.address, lead.address)
+    with grpc.insecure_channel(lead.address) as ch:
+        t = pbg.StatusServiceStub(ch).GetTransfer(
+            pb.GetTransferRequest(transfer_id="ha-router-1"), timeout=5
+        )
+        assert t.state == pb.TRANSFER_STATE_AWAITING
+
+    client = CoordinatorClient(standby_first, timeout_s=2.0)
+    try:
+        client.submit(Call("cancel", "r1", "ha-client-1", reason="test"))
+        res = client.wait_result(lambda r: r.call.transfer_id == "ha-client-1", DEADLINE_S)
+        assert res is not None
+        # Answered by the leader (a cancel of an unknown transfer is NOT_FOUND
+        # there; the standby would have refused with UNAVAILABLE).
+        assert "UNAVAILABLE" not in res.error, res
+        assert client._follower.current == lead.address
+    finally:
+        client.close()
+
+
+def test_leader_kill9_a_standby_leads(cluster: Cluster) -> None:
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    term = leadership(lead.address).term  # type: ignore[union-attr]
+    lead.kill()
+    took = poll(
+        lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
+        "the standby leads after the leader's kill -9",
+    )
+    print(f"failover after kill -9: {took:.3f} s (etcd lease TTL 1 s)")
+    view = leadership(standby.address)
+    assert view is not None and view.term > term and view.leader == standby.address
+    assert begin(standby.address, "ha-after").state == pb.TRANSFER_STATE_AWAITING
+
+
+def test_leader_sigterm_hands_over_at_once(cluster: Cluster) -> None:
+    """A clean shutdown revokes the leader's lease: no wait for it to expire."""
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    assert lead.proc is not None
+    lead.proc.terminate()
+    started = time.monotonic()
+    lead.proc.wait(DEADLINE_S)
+    assert lead.proc.returncode == 0
+    _event(lead, "leadership_resigned")
+    poll(
+        lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
+        "the standby leads after the leader's SIGTERM",
+    )
+    print(f"handover after SIGTERM: {time.monotonic() - started:.3f} s")
+
+
+def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    cluster.etcd.pause()  # SIGSTOP: every etcd call of the leader times out
+    try:
+        assert lead.proc is not None
+        lead.proc.wait(DEADLINE_S)  # it stops ordering, then ends
+        assert lead.proc.returncode == EXIT_LEADERSHIP_LOST
+        lost = _event(lead, "leadership_lost")
+        assert "not renewed" in lost["reason"]
+        # No leader while etcd is away: the standby still refuses writes.
+        with pytest.raises(grpc.RpcError) as refused:
+            begin(standby.address, "ha-cut")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        cluster.etcd.resume()
+    took = poll(
+        lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
+        "the standby leads once etcd is back",
+    )
+    print(f"standby led {took:.3f} s after etcd resumed")
+    # The old leader stepped down before the new one was elected (same host clock).
+    assert lost["timestamp"] < _event(standby, "leadership_won")["timestamp"]
+
+
+# ---------------------------------------------------------------- three etcd members
+
+
+@pytest.fixture
+def etcd3() -> Iterator[EtcdCluster]:
+    if not os.path.exists(ETCD):
+        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    members = EtcdCluster(3).start()
+    try:
+        yield members
+    finally:
+        members.stop()
+
+
+def test_three_etcd_members_leader_survives_one_loss_and_steps_down_on_quorum_loss(
+    etcd3: EtcdCluster,
+) -> None:
+    raft = etcd3.raft_leader()
+    first, last = [m for m in etcd3.members if m is not raft]
+    # Every replica dials `first` first; its loss leaves the raft leader alone.
+    urls = ",".join(m.url for m in (first, raft, last))
+    replicas = [CoordinatorProcess("--etcd", urls, *REPLICA).start() for _ in range(2)]
+    try:
+        cluster = Cluster(etcd3, replicas)
+        lead = cluster.leader()
+        term = leadership(lead.address).term  # type: ignore[union-attr]
+
+        first.kill()  # one member of three: the cluster keeps its quorum
+        poll(
+            lambda: "etcd_keepalive_recovered" in lead.log_text(),
+            "the leader renews its lease through another member",
+        )
+        assert _event(lead, "etcd_endpoint_switched")["endpoint"] != first.url.removeprefix(
+            "http://"
+        )
+        assert lead.proc is not None and lead.proc.poll() is None
+        assert cluster.leader() is lead  # the same leadership, every replica agrees
+        assert leadership(lead.address).term == term  # type: ignore[union-attr]
+
+        raft.kill()  # two of three gone: no quorum, no lease can be renewed
+        lead.proc.wait(DEADLINE_S)
+        assert lead.proc.returncode == EXIT_LEADERSHIP_LOST
+        (standby,) = [r for r in replicas if r is not lead]
+        with pytest.raises(grpc.RpcError) as refused:
+            begin(standby.address, "ha-no-quorum")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+# ---------------------------------------------------------------- agents follow
+
+
+def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> None:
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    # Each agent is given both addresses, the dead-to-be leader first.
+    both = f"{lead.address},{standby.address}"
+    p = KVHost(HostSpec(both, "P", "prefill", num_blocks=NB, give_up_s=GIVE_UP_S))
+    d = KVHost(HostSpec(both, "D", "decode", num_blocks=NB, give_up_s=GIVE_UP_S))
+    client = CoordinatorClient(both, timeout_s=2.0)
+    try:
+        p.start()
+        d.start()
+        d.call("canary", CANARY)
+        _wait_ready(lead.address)
+        _transfer(client, lead.address, p, d, "ha-before", seed=41)
+
+        # In flight at the failover (the WRITE held back): resolves as after a
+        # coordinator restart today (phase 1; docs/reliability.md).
+        written = p.call("writes_posted")
+        p.call("pause", True)
+        d.call("expect", ["ha-inflight"])
+        _register_and_done(client, p, "ha-inflight", [1, 2], [5, 6])
+        started = time.monotonic()
+        lead.kill()
+        _wait_ready(standby.address)
+        took = time.monotonic() - started
+        print(f"agents registered with the new leader {took:.3f} s after the kill -9")
+        assert p.wait_event("ha-inflight", DEADLINE_S).kind is EventKind.BLOCKS_FREE
+        assert d.wait_event("ha-inflight", DEADLINE_S).kind is EventKind.KV_FAILED
+        p.call("pause", False)
+        assert p.call("writes_posted") == written  # nothing of ha-inflight was written
+        untouched = [b for b in range(NB) if b not in (20, 21)]  # ha-before wrote 20, 21
+        assert d.call("check_canary", untouched, CANARY) == []
+
+        _transfer(client, standby.address, p, d, "ha-after", seed=42)
+        assert client._follower.current == standby.address
+    finally:
+        client.close()
+        p.stop()
+        d.stop()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def _event(replica: CoordinatorProcess, name: str) -> dict[str, str]:
+    for line in replica.log_text().splitlines():
+        if line.startswith("{"):
+            doc = json.loads(line)
+            if doc.get("event") == name:
+                return {k: str(v) for k, v in doc.items()}
+    raise AssertionError(f"no {name} in the log of {replica.address}")
+
+
+def _wait_ready(address: str) -> None:
+    def ready() -> bool:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return sorted(e.engine_id for e in engines.engines if e.ready) == ["D", "P"]
+
+    poll(ready, f"P and D ready at {address}")
+
+
+def _register_and_done(
+    client: CoordinatorClient, p: KVHost, tid: str, dst: list[int], src: list[int]
+) -> None:
+    """The scheduler halves' calls, through the client given both addresses."""
+    client.submit(Call("register", tid + "-d", tid, "D", tuple(dst), 20))
+    p.call("hold", [tid])  # as the connector's worker half does
+    client.submit(Call("prefill_done", tid + "-p", tid, "P", tuple(src), 20))
+    for kind in ("register", "prefill_done"):
+        res = client.wait_result(
+            lambda r, k=kind: r.call.transfer_id == tid and r.call.kind == k, DEADLINE_S
+        )
+        assert res is not None and res.ok, res
+
+
+def _transfer(
+    client: CoordinatorClient, leader: str, p: KVHost, d: KVHost, tid: str, seed: int
+) -> None:
+    """A fresh transfer through the leader, bytes verified."""
+    p.fill([9, 10], seed=seed)
+    d.call("expect", [tid])
+    _register_and_done(client, p, tid, [20, 21], [9, 10])
+    assert d.wait_event(tid, DEADLINE_S).kind is EventKind.KV_READY
+    assert d.check([20, 21], seed=seed) == []
+    assert p.wait_event(tid, DEADLINE_S).kind is EventKind.BLOCKS_FREE
+    with grpc.insecure_channel(leader) as ch:
+        t = wait_state(pbg.StatusServiceStub(ch), tid, pb.TRANSFER_STATE_COMPLETE, DEADLINE_S)
+    assert t.state == pb.TRANSFER_STATE_COMPLETE
