@@ -8,7 +8,6 @@ failover time is measured and printed, never asserted.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
-from harness.etcd import ETCD, EtcdCluster
+from harness.etcd import EtcdCluster
 from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
-from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
+from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.test_agent_e2e import wait_state
 from vllm_integration.client import Call, CoordinatorClient
 
@@ -286,8 +285,7 @@ def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
 
 @pytest.fixture
 def etcd3() -> Iterator[EtcdCluster]:
-    if not os.path.exists(ETCD):
-        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    require_etcd()
     members = EtcdCluster(3).start()
     try:
         yield members
