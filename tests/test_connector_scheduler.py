@@ -417,6 +417,36 @@ async def test_hybrid_groups_register_the_window_and_orders_pair_token_positions
         assert [list(g.ids) for g in target.dst_blocks] == [full_ids, window_ids[skipped:]]
 
 
+async def test_hybrid_prompt_whose_window_edge_vllm_frees_is_computed_by_decode(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """47 tokens, 32-token window, 16-token blocks: vLLM frees the
+    get_num_skipped_tokens(47) = 16 tokens before the window (block 0) on both
+    engines, but the last prompt token vLLM recomputes after a load attends to
+    token 15 in block 0. No transfer can serve it exactly, so the decode
+    engine claims nothing, computes the prompt itself and cancels the transfer
+    naming why (the prefill side then frees its blocks at once)."""
+    tid = new_tid()
+    async with engine(coord, tiny_model_dir, "kv_consumer", window=32) as dec:
+        req = make_request(
+            "de", prompt_tokens(47), dec.config, max_tokens=2, kv_transfer_params=decode_params(tid)
+        )
+        dec.scheduler.add_request(req)
+        assert dec.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched_out, _ = step(dec.scheduler)
+        assert sched_out.num_scheduled_tokens == {"de": 47}  # computed here
+        (cancel,) = dec.spy.calls
+        assert cancel.kind == "cancel"
+        assert "frees the block holding token 15 on both engines" in cancel.reason
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert "decode computes this 47-token prompt itself" in t.detail
+        assert _meta(sched_out).recv == []
+        # 48 tokens: the window edge falls inside block 1, which both keep.
+        assert dec.connector._scheduler is not None
+        assert dec.connector._scheduler.window_edge(48) == ""
+        assert dec.connector._scheduler.window_edge(31) == ""  # nothing freed
+
+
 async def test_decode_with_local_prefix_hit_registers_only_the_tail(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
 ) -> None:

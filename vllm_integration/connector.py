@@ -48,11 +48,16 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
         self.engine_id = str(tc.engine_id)
         block_size = int(vllm_config.cache_config.block_size)
         kv_groups = len(kv_cache_config.kv_cache_groups)
+        windows = tuple(
+            (int(g.kv_cache_spec.sliding_window), int(g.kv_cache_spec.extra_retained_tokens))
+            for g in kv_cache_config.kv_cache_groups
+            if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
+        )
         self._scheduler: PushSchedulerHalf | None = None
         self._worker: PushWorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             half = self._scheduler = PushSchedulerHalf(
-                self.settings, self.engine_id, block_size, kv_groups
+                self.settings, self.engine_id, block_size, kv_groups, windows
             )
             # vLLM calls these for every request on its engine thread: bound
             # straight to the half, they cost one Python call instead of two.

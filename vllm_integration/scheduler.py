@@ -14,6 +14,14 @@ tail ending at the prompt's last block. A sliding-window group holds only the
 blocks of its window (vLLM's null block stands for the others), so its tail is
 shorter; the coordinator writes each decode group's tail from the same token
 positions of the prefill group (controlplane/orders.py, source_blocks).
+
+One case no transfer can serve exactly (vLLM 0.32): after loading a whole
+prompt of n tokens vLLM recomputes its last token, whose window reaches back to
+token n - W; but both engines free the blocks before the window of token n
+(SlidingWindowManager.get_num_skipped_tokens(n) = n - W + 1 tokens), and when
+that count is a whole number of blocks the block holding token n - W is gone on
+both sides. For such prompts the decode engine claims no external tokens and
+computes the prompt itself, and cancels the transfer naming why (`window_edge`).
 """
 
 from __future__ import annotations
@@ -38,11 +46,19 @@ _EMPTY_IDLE = PushKVMetadata(idle=True)
 
 class PushSchedulerHalf:
     def __init__(
-        self, settings: ConnectorSettings, engine_id: str, block_size: int, kv_groups: int = 1
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        block_size: int,
+        kv_groups: int = 1,
+        windows: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
         self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
+        # Per sliding-window group: (window, tokens of a prompt of n tokens that
+        # vLLM keeps besides n - window + 1: its extra_retained_tokens).
+        self.windows = windows
         self.client = CoordinatorClient(
             settings.coordinator,
             timeout_s=settings.rpc_timeout_s,
@@ -71,9 +87,27 @@ class PushSchedulerHalf:
         rid = request.request_id
         if rid in self._registered or leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
             return 0, False
+        if self.windows and self.window_edge(request.num_prompt_tokens):
+            return 0, False  # computed here; update_state_after_alloc cancels
         self._local_hit[rid] = num_computed_tokens
         remaining = request.num_prompt_tokens - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
+
+    def window_edge(self, n: int) -> str:
+        """Why no transfer can serve an n-token prompt exactly, or "" (see the
+        module docstring): a sliding-window group frees, on both engines, the
+        block holding token n - window, which the recomputed last token needs."""
+        bs = self.block_size
+        for window, extra in self.windows:
+            skipped = n - window + 1 - extra
+            if skipped > 0 and skipped % bs == 0:
+                return (
+                    f"decode computes this {n}-token prompt itself: vLLM's sliding-window "
+                    f"KV cache group (window {window}, {bs}-token blocks) frees the block "
+                    f"holding token {n - window} on both engines, and the recomputed last "
+                    "prompt token needs it"
+                )
+        return ""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = request.kv_transfer_params
@@ -105,6 +139,12 @@ class PushSchedulerHalf:
             self._waiting[rid] = spec
             self._meta.recv.append(spec)
         else:
+            why = self.window_edge(n_tokens) if self.windows else ""
+            if why:
+                # Computed here (get_num_new_matched_tokens claimed nothing):
+                # the prefill side frees its blocks at once.
+                self.client.submit(Call("cancel", rid, tid, reason=why))
+                return
             # Full local prefix hit: nothing to write, but the coordinator must
             # learn it so the prefill side frees its blocks at once.
             dst = ()
