@@ -551,3 +551,27 @@ def test_groups_of_a_hybrid_model_land_byte_for_byte(
     finally:
         d.half.shutdown()
         p.half.shutdown()
+
+
+@pytest.mark.parametrize("kv_groups", [1, 2])
+def test_a_failed_load_names_block_ids_only_with_one_kv_group(kv_groups: int) -> None:
+    """vLLM raises on invalid_block_ids with several KV cache groups (its block
+    ids are unique only per group): the worker then reports the request in
+    failed_recving only, and vLLM applies kv_load_failure_policy to it."""
+    half = PushWorkerHalf(
+        ConnectorSettings(coordinator="127.0.0.1:9"),
+        engine_id="D-groups",
+        is_prefill=False,
+        tp_rank=0,
+        tp_size=1,
+        tokens_per_block=BLOCK,
+        num_blocks=NB,
+        kv_groups=kv_groups,
+    )
+    spec = RecvSpec("dreq", new_tid(), (4, 5, 9))
+    half.start_load_kv(PushKVMetadata(recv=[spec]))
+    half.start_load_kv(PushKVMetadata(fail=[spec]))
+    assert half.get_finished(set(), idle=False) == (None, {"dreq"})
+    assert half.take_failed() == {"dreq"}
+    assert half.get_block_ids_with_load_errors() == ({4, 5, 9} if kv_groups == 1 else set())
+    half.shutdown()

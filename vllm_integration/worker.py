@@ -328,7 +328,11 @@ class PushWorkerHalf:
             detail or "refused",
             "recomputing it here" if recompute else "the request fails",
         )
-        self._load_errors.update(block_ids)
+        if self.kv_groups == 1:
+            # Several KV cache groups: block ids are unique only per group, and
+            # vLLM refuses invalid_block_ids then (RuntimeError); failed_recving
+            # alone makes it apply kv_load_failure_policy to the request.
+            self._load_errors.update(block_ids)
         self.counts.failed += 1
         self.counts.load_error_blocks += len(block_ids)
         if recompute:
