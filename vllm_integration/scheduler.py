@@ -104,7 +104,7 @@ class PushSchedulerHalf:
                 return (
                     f"decode computes this {n}-token prompt itself: vLLM's sliding-window "
                     f"KV cache group (window {window}, {bs}-token blocks) frees the block "
-                    f"holding token {n - window} on both engines, and the recomputed last "
+                    f"holding token {skipped - 1} on both engines, and the recomputed last "
                     "prompt token needs it"
                 )
         return ""
