@@ -59,12 +59,24 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
     targets = []
     error = ""
     for t in o.targets:
-        if len(t.src_blocks) != 1 or len(t.dst_blocks) != 1:
-            error = "orders with several KV groups are not supported by this agent"
+        if len(t.src_blocks) != len(t.dst_blocks):
+            error = "src_blocks and dst_blocks name different numbers of KV groups"
         if t.slice_offset and not t.slice_len:
             error = "slice_offset without slice_len"
-        src = tuple(t.src_blocks[0].ids) if t.src_blocks else ()
-        dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
+        if len(t.src_blocks) == 1:  # one KV group: the common case
+            src = tuple(t.src_blocks[0].ids)
+            dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
+        else:
+            # Several KV groups (vLLM's hybrid KV cache manager): one block pool,
+            # each block id in one group, every group's block b in every region
+            # (AgentConfig.kv_groups), so the groups' blocks are written as one
+            # list, paired position by position within each group.
+            src = tuple([b for g in t.src_blocks for b in g.ids])
+            dst = tuple([b for g in t.dst_blocks for b in g.ids])
+            if any(
+                len(s.ids) != len(d.ids) for s, d in zip(t.src_blocks, t.dst_blocks, strict=False)
+            ):
+                error = "a KV group's src_blocks and dst_blocks differ in length"
         targets.append(
             Target(
                 t.decode_engine_id,
@@ -88,8 +100,12 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
 
 
 def peer_from_pb(p: pb.PeerInfo) -> PeerMsg:
+    # A peer with several KV groups lists its regions once per group (the same
+    # memory: AgentConfig.kv_groups); NIXL pairs group 0's by index.
     regions = tuple(
-        KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id) for r in p.layout.regions
+        KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id)
+        for r in p.layout.regions
+        if r.group == 0
     )
     memory = MemoryKind.VRAM if p.layout.memory_kind == "VRAM" else MemoryKind.DRAM
     return PeerMsg(

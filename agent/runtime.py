@@ -58,6 +58,11 @@ class AgentConfig:
     # freed). Must exceed the coordinator's write timeout plus an agent lease, so
     # that no WRITE can land after it.
     give_up_s: float = 30.0
+    # KV cache groups whose blocks `regions` hold (vLLM's hybrid KV cache
+    # manager: the groups share one block pool, a block id belongs to one group
+    # at a time, and block b of any group lies in every region). The hello
+    # lists the regions once per group; an order's groups are written alike.
+    kv_groups: int = 1
 
     @property
     def agent_name(self) -> str:
@@ -134,8 +139,10 @@ class Agent:
                         block_len=r.block_len,
                         num_blocks=r.num_blocks,
                         device_id=r.device_id,
-                        name=f"region{i}",
+                        group=g,
+                        name=f"region{i}" if g == 0 else f"group{g}-region{i}",
                     )
+                    for g in range(max(1, c.kv_groups))
                     for i, r in enumerate(c.regions)
                 ],
                 memory_kind=c.memory.value,

@@ -48,7 +48,10 @@ def side_blocks(
     s: CoreSettings,
 ) -> Blocks:
     """One side's block ids, checked against its engine's layout and its token
-    count: decode registers at most the blocks the prompt needs, prefill at least."""
+    count: decode registers at most the blocks the prompt needs in each KV group,
+    prefill at least that many in its longest group (a sliding-window group of
+    a hybrid model holds only its window's tail; `orders.mismatch` checks each
+    group against the decode side's)."""
     layout = eng.ranks[min(eng.ranks)].reg.layout
     checked = validation.blocks(
         blocks,
@@ -60,16 +63,19 @@ def side_blocks(
     )
     validation.num_tokens(num_tokens)
     need = math.ceil(num_tokens / eng.tokens_per_block)
-    for g, ids in enumerate(checked):
-        if role is Role.DECODE and len(ids) > need:
+    if role is Role.DECODE:
+        for g, ids in enumerate(checked):
+            if len(ids) > need:
+                raise InvalidArgument(
+                    f"{len(ids)} blocks for {num_tokens} tokens (at most {need})",
+                    field=f"block_ids[{g}]",
+                )
+    else:
+        longest = max(range(len(checked)), key=lambda g: len(checked[g]))
+        if len(checked[longest]) < need:
             raise InvalidArgument(
-                f"{len(ids)} blocks for {num_tokens} tokens (at most {need})",
-                field=f"block_ids[{g}]",
-            )
-        if role is Role.PREFILL and len(ids) < need:
-            raise InvalidArgument(
-                f"{len(ids)} blocks cannot hold {num_tokens} tokens (need {need})",
-                field=f"block_ids[{g}]",
+                f"{len(checked[longest])} blocks cannot hold {num_tokens} tokens (need {need})",
+                field=f"block_ids[{longest}]",
             )
     return checked
 

@@ -36,11 +36,25 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
         return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
     if len(t.decode.blocks) != len(t.prefill.blocks):
         return "number of KV groups differs"
+    n_prompt_blocks = math.ceil(t.decode.num_tokens / de.tokens_per_block)
+    for g, (p_ids, d_ids) in enumerate(zip(t.prefill.blocks, t.decode.blocks, strict=True)):
+        held = min(len(p_ids), n_prompt_blocks)
+        if held < len(d_ids):
+            return (
+                f"KV group {g}: prefill holds {held} of the prompt's last blocks, "
+                f"decode registered {len(d_ids)}"
+            )
     return ""
 
 
 def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
-    """Per KV group, the prefill blocks written into the decode side's blocks."""
+    """Per KV group, the prefill blocks written into the decode side's blocks.
+
+    Each side's group is a tail of the prompt's blocks ending at its last block
+    (decode: the uncached suffix it holds; prefill: every prompt block, or, in a
+    hybrid model's sliding-window group, the window's), so decode's blocks are
+    paired with the prefill blocks of the same token positions: the tail of the
+    prefill's prompt blocks as long as decode's (`mismatch` checked it fits)."""
     n_prompt_blocks = math.ceil(decode.num_tokens / tokens_per_block)
     src: list[tuple[int, ...]] = []
     for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True):

@@ -9,13 +9,18 @@ tokenizer files, and greedy outputs are reproducible.
 Usage::
 
     python -m harness.tiny_model OUT_DIR [--layers 2] [--hidden 128] [--seed 0]
-        [--max-positions 2048] [--kv-heads N] [--mla]
+        [--max-positions 2048] [--kv-heads N] [--mla] [--sliding-window 64]
 
 ``kv_heads`` gives the Llama fewer KV heads than the default (hidden / 64),
 e.g. 1, so that TP 2 replicates the head on both ranks. ``build_tiny_mla_model``
 builds a tiny random DeepSeek-V2 (MLA: one compressed latent per token,
 kv_lora_rank 512 + rope 64 = 576, the only head size vLLM's CPU MLA kernel
 compiles for), dense layers only, with the same tokenizer.
+
+``build_tiny_hybrid_model`` (``--sliding-window W``) builds a tiny random
+Gemma-2 (same head size and KV heads as the Llama): its layers alternate
+sliding-window attention (window W tokens, even layers) and full attention, so
+vLLM's hybrid KV cache manager serves it with two KV cache groups.
 
 ``build_tiny_model`` is idempotent: a marker file records the build
 parameters, and a directory whose marker matches is returned as is.
@@ -41,8 +46,10 @@ __all__ = [
     "MLA_KV_LORA_RANK",
     "MLA_ROPE_DIM",
     "VOCAB_SIZE",
+    "build_tiny_hybrid_model",
     "build_tiny_mla_model",
     "build_tiny_model",
+    "hybrid_model_params",
     "main",
     "mla_model_params",
     "model_params",
@@ -186,6 +193,48 @@ def build_tiny_mla_model(
     return _build(Path(out_dir), params)
 
 
+def hybrid_model_params(
+    *,
+    layers: int = 4,
+    hidden: int = 128,
+    seed: int = 0,
+    max_positions: int = MAX_POSITION_EMBEDDINGS,
+    sliding_window: int = 64,
+) -> dict[str, Any]:
+    """The parameters of a tiny Gemma-2 build (alternating sliding-window and
+    full-attention layers); stored in the marker file."""
+    if layers < 2:
+        raise ValueError(f"a hybrid model needs >= 2 layers (one of each kind), got {layers}")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    base = model_params(layers=layers, hidden=hidden, seed=seed, max_positions=max_positions)
+    return {**base, "architecture": "Gemma2ForCausalLM", "sliding_window": sliding_window}
+
+
+def build_tiny_hybrid_model(
+    out_dir: Path,
+    *,
+    layers: int = 4,
+    hidden: int = 128,
+    seed: int = 0,
+    max_positions: int = MAX_POSITION_EMBEDDINGS,
+    sliding_window: int = 64,
+) -> Path:
+    """Build (or reuse) a tiny random Gemma-2 in ``out_dir``: `layers` layers
+    alternating sliding-window (window `sliding_window` tokens) and full
+    attention, no logit soft-capping, tied embeddings scaled to a tenth of the
+    Llama's (so that attention, not the input token, decides the output),
+    otherwise as the Llama."""
+    params = hybrid_model_params(
+        layers=layers,
+        hidden=hidden,
+        seed=seed,
+        max_positions=max_positions,
+        sliding_window=sliding_window,
+    )
+    return _build(Path(out_dir), params)
+
+
 def _build(out_dir: Path, params: dict[str, Any]) -> Path:
     if _is_complete(out_dir, params):
         return out_dir
@@ -303,6 +352,19 @@ def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int
             moe_intermediate_size=params["hidden"],
         )
         model_cls = transformers.DeepseekV2ForCausalLM
+    elif params.get("architecture") == "Gemma2ForCausalLM":
+        n = params["layers"]
+        config = transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True},  # vLLM's Gemma-2 has no lm_head
+            num_key_value_heads=params["num_key_value_heads"],
+            head_dim=params["head_dim"],
+            sliding_window=params["sliding_window"],
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            query_pre_attn_scalar=params["head_dim"],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
+        model_cls = transformers.Gemma2ForCausalLM
     else:
         config = transformers.LlamaConfig(
             **common,
@@ -312,6 +374,13 @@ def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int
         model_cls = transformers.LlamaForCausalLM
     torch.manual_seed(params["seed"])
     model = model_cls(config).to(torch.float32).eval()
+    if params.get("architecture") == "Gemma2ForCausalLM":
+        # Gemma scales the (tied) input embeddings by sqrt(hidden): at the Llama's
+        # init range the input token dominates the residual stream and greedy
+        # decoding repeats it. A tenth of that lets attention (so the KV cache)
+        # decide the output.
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.1)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     generation = transformers.GenerationConfig(
         bos_token_id=eos,
@@ -333,9 +402,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-positions", type=int, default=MAX_POSITION_EMBEDDINGS)
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--mla", action="store_true", help="a tiny DeepSeek-V2 (MLA) instead")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="a tiny Gemma-2 instead: layers alternate a sliding window of this many "
+        "tokens and full attention (vLLM: two KV cache groups)",
+    )
     args = parser.parse_args(argv)
     try:
-        if args.mla:
+        if args.sliding_window is not None:
+            path = build_tiny_hybrid_model(
+                args.out_dir,
+                layers=args.layers,
+                hidden=args.hidden,
+                seed=args.seed,
+                max_positions=args.max_positions,
+                sliding_window=args.sliding_window,
+            )
+        elif args.mla:
             path = build_tiny_mla_model(
                 args.out_dir,
                 layers=args.layers,

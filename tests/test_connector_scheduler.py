@@ -20,14 +20,23 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
 
 from harness.coordinator import CoordinatorProcess
 from tests.support.sim_agent import SimAgent
+from tests.support.sim_agent import layout as sim_layout
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     DEFAULT_SAMPLED_TOKEN,
@@ -79,6 +88,8 @@ class Spy:
         field(default_factory=dict)
     )
     calls: list[Call] = field(default_factory=list)
+    # Every KV cache group's block ids vLLM handed request_finished_all_groups.
+    all_groups: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,14 +128,17 @@ class Engine:
 
 
 def _spy(conn: PushKVConnector, spy: Spy) -> None:
-    orig_finished = conn.request_finished
+    # The connector is SupportsHMA, so vLLM's scheduler calls
+    # request_finished_all_groups (one group here: the tiny Llama).
+    orig_finished = conn.request_finished_all_groups
 
-    def request_finished(request: Request, block_ids: list[int]) -> Any:
+    def request_finished_all_groups(request: Request, block_ids: tuple[list[int], ...]) -> Any:
         result = orig_finished(request, block_ids)
-        spy.finished[request.request_id] = (request.status, list(block_ids), result)
+        spy.finished[request.request_id] = (request.status, list(block_ids[0]), result)
+        spy.all_groups[request.request_id] = tuple(list(g) for g in block_ids)
         return result
 
-    conn.request_finished = request_finished  # type: ignore[method-assign]
+    conn.request_finished_all_groups = request_finished_all_groups  # type: ignore[method-assign]
     half = conn._scheduler
     assert half is not None
     orig_submit = half.client.submit
@@ -143,14 +157,26 @@ async def engine(
     role: str,
     *,
     register_agent: bool = True,
+    window: int | None = None,
     **config: Any,
 ) -> AsyncIterator[Engine]:
-    """A scheduler with PushKVConnector for a fresh engine id (its agent registered)."""
+    """A scheduler with PushKVConnector for a fresh engine id (its agent registered).
+
+    With `window`, vLLM's hybrid KV cache manager over two KV cache groups: full
+    attention (layer 1) and a sliding window of `window` tokens (layer 0)."""
     engine_id = f"{'dec' if role == 'kv_consumer' else 'pre'}-{uuid.uuid4().hex[:8]}"
     agent = None
     if register_agent:
         agent_role = "decode" if role == "kv_consumer" else "prefill"
-        agent = SimAgent(coord.address, engine_id, agent_role, heartbeat_interval=0.5)
+        kv_layout = None
+        if window is not None:  # the agent lists its regions once per group
+            kv_layout = sim_layout()
+            kv_layout.regions.extend(
+                [pb.KVRegion(group=1, **_region_fields(r)) for r in kv_layout.regions]
+            )
+        agent = SimAgent(
+            coord.address, engine_id, agent_role, heartbeat_interval=0.5, kv_layout=kv_layout
+        )
         await agent.start()
     # The connector's on_transfer_failure sets vLLM's kv_load_failure_policy;
     # these tests name the policy they exercise ("fail" unless told).
@@ -165,7 +191,7 @@ async def engine(
         block_size=BLOCK,
         **config,
     )
-    sched = make_scheduler(cfg, num_blocks=64)
+    sched = make_scheduler(cfg, num_blocks=64) if window is None else hybrid_scheduler(cfg, window)
     eng = Engine(engine_id, cfg, sched, agent, Spy())
     _spy(eng.connector, eng.spy)
     try:
@@ -174,6 +200,46 @@ async def engine(
         sched.shutdown()
         if agent is not None:
             await agent.close()
+
+
+def _region_fields(r: pb.KVRegion) -> dict[str, Any]:
+    return {
+        "base_addr": r.base_addr,
+        "block_len": r.block_len,
+        "num_blocks": r.num_blocks,
+        "name": f"group1-{r.name}",
+    }
+
+
+def hybrid_scheduler(cfg: VllmConfig, window: int, num_blocks: int = 64) -> Scheduler:
+    """vLLM's Scheduler with its hybrid KV cache manager over a full-attention
+    group and a sliding-window group (one block pool, as vLLM builds for Gemma-2)."""
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    spec: dict[str, Any] = {
+        "block_size": BLOCK,
+        "num_kv_heads": 2,
+        "head_size": 32,
+        "dtype": torch.float32,
+    }
+    kv = KVCacheConfig(
+        num_blocks,
+        [],
+        [
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(**spec)),
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"],
+                SlidingWindowSpec(sliding_window=window, **spec),
+            ),
+        ],
+    )
+    return Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        log_stats=True,
+    )
 
 
 async def wait_transfer(
@@ -281,6 +347,104 @@ async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
         assert _status(req) == RequestStatus.FINISHED_LENGTH_CAPPED
         assert eng.spy.finished["d1"][2] == (False, None)
         assert [c.kind for c in eng.spy.calls] == ["register"]  # no Cancel after success
+
+
+async def test_hybrid_groups_register_the_window_and_orders_pair_token_positions(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """vLLM's hybrid KV cache manager with a full-attention and a 32-token
+    sliding-window group (16-token blocks), 100-token prompt (7 blocks).
+
+    What vLLM hands the connector, found here: on the decode side
+    update_state_after_alloc's KVCacheBlocks holds, in the sliding-window group,
+    vLLM's null block (id 0) for the blocks wholly before the window of the next
+    token (get_num_skipped_tokens(100) = 100 - 32 + 1 = 69 tokens: 4 blocks) and
+    new blocks for the other 3; on the prefill side request_finished_all_groups
+    gets the same: null ids before the window. Both sides report per group the
+    blocks they hold, a tail ending at the prompt's last block, and the
+    coordinator's order writes each decode block from the prefill block of the
+    same token positions, never a block decode does not hold."""
+    n, window = 100, 32
+    need = -(-n // BLOCK)  # 7
+    skipped = (n - window + 1) // BLOCK  # 4
+    prompt = prompt_tokens(n, seed=11)
+    tid = new_tid()
+    async with (
+        engine(coord, tiny_model_dir, "kv_consumer", window=window) as dec,
+        engine(coord, tiny_model_dir, "kv_producer", window=window) as pre,
+    ):
+        assert len(dec.scheduler.kv_cache_config.kv_cache_groups) == 2
+        req = make_request(
+            "dh", prompt, dec.config, max_tokens=2, kv_transfer_params=decode_params(tid)
+        )
+        dec.scheduler.add_request(req)
+        assert dec.connector.get_num_new_matched_tokens(req, 0) == (n, True)
+        sched_out, _ = step(dec.scheduler)
+        assert _status(req) == RequestStatus.WAITING_FOR_REMOTE_KVS
+        full_ids, window_ids = dec.scheduler.kv_cache_manager.get_block_ids("dh")
+        assert len(full_ids) == need and 0 not in full_ids
+        assert window_ids[:skipped] == [0] * skipped  # vLLM's null block
+        assert len(window_ids) == need and 0 not in window_ids[skipped:]
+        (reg,) = dec.spy.calls
+        assert reg.kind == "register" and reg.num_tokens == n
+        assert reg.block_ids == tuple(full_ids)
+        assert reg.more_groups == (tuple(window_ids[skipped:]),)
+        assert _meta(sched_out).recv == [
+            RecvSpec("dh", tid, tuple(full_ids) + tuple(window_ids[skipped:]))
+        ]
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
+        assert [list(g.ids) for g in t.decode_blocks] == [full_ids, window_ids[skipped:]]
+
+        preq = make_request(
+            "ph", prompt, pre.config, max_tokens=1, kv_transfer_params=prefill_params(tid)
+        )
+        pre.scheduler.add_request(preq)
+        sched_out, _ = step(pre.scheduler)
+        assert _status(preq) == RequestStatus.FINISHED_LENGTH_CAPPED
+        p_full, p_window = pre.spy.all_groups["ph"]
+        assert len(p_full) == need and 0 not in p_full
+        assert p_window[:skipped] == [0] * skipped and 0 not in p_window[skipped:need]
+        done = next(c for c in pre.spy.calls if c.kind == "prefill_done")
+        assert done.block_ids == tuple(p_full[:need])
+        assert done.more_groups == (tuple(p_window[skipped:need]),)
+        assert pre.spy.finished["ph"][2] == (True, {"transfer_id": tid})
+
+        # The order: group by group, decode's blocks from the same positions.
+        assert pre.agent is not None
+        order = await pre.agent.expect("order", skip=("peer",))
+        (target,) = order.targets
+        assert [list(g.ids) for g in target.src_blocks] == [p_full[:need], p_window[skipped:need]]
+        assert [list(g.ids) for g in target.dst_blocks] == [full_ids, window_ids[skipped:]]
+
+
+async def test_hybrid_prompt_whose_window_edge_vllm_frees_is_computed_by_decode(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """47 tokens, 32-token window, 16-token blocks: vLLM frees the
+    get_num_skipped_tokens(47) = 16 tokens before the window (block 0) on both
+    engines, but the last prompt token vLLM recomputes after a load attends to
+    token 15 in block 0. No transfer can serve it exactly, so the decode
+    engine claims nothing, computes the prompt itself and cancels the transfer
+    naming why (the prefill side then frees its blocks at once)."""
+    tid = new_tid()
+    async with engine(coord, tiny_model_dir, "kv_consumer", window=32) as dec:
+        req = make_request(
+            "de", prompt_tokens(47), dec.config, max_tokens=2, kv_transfer_params=decode_params(tid)
+        )
+        dec.scheduler.add_request(req)
+        assert dec.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched_out, _ = step(dec.scheduler)
+        assert sched_out.num_scheduled_tokens == {"de": 47}  # computed here
+        (cancel,) = dec.spy.calls
+        assert cancel.kind == "cancel"
+        assert "frees the block holding token 15 on both engines" in cancel.reason
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert "decode computes this 47-token prompt itself" in t.detail
+        assert _meta(sched_out).recv == []
+        # 48 tokens: the window edge falls inside block 1, which both keep.
+        assert dec.connector._scheduler is not None
+        assert dec.connector._scheduler.window_edge(48) == ""
+        assert dec.connector._scheduler.window_edge(31) == ""  # nothing freed
 
 
 async def test_decode_with_local_prefix_hit_registers_only_the_tail(

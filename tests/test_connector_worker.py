@@ -33,7 +33,7 @@ from vllm_integration.compat import KVConnectorRole
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.settings import ConnectorSettings
-from vllm_integration.worker import PushWorkerHalf, regions_of
+from vllm_integration.worker import PushWorkerHalf, distinct_regions, regions_of
 
 NB = 32  # blocks per layer
 HEADS, BLOCK, HEAD_DIM = 2, 16, 8
@@ -444,3 +444,134 @@ def test_regions_of_rejects_non_contiguous_blocks(make: Callable[[], torch.Tenso
 def test_regions_of_needs_a_block_dimension() -> None:
     with pytest.raises(ValueError, match=f"no dimension of size {NB}"):
         regions_of({"layer": torch.zeros(NB - 1, HEADS, BLOCK, 2 * HEAD_DIM)}, NB)
+
+
+# ---------------------------------------------------------------- KV cache groups
+
+
+def hybrid_caches(storage: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What vLLM's hybrid KV cache manager hands a CPU worker for 4 layers in 2
+    groups (full attention: layers 1, 3; sliding window: layers 0, 2): one
+    allocation, layer j of each group in slot j, so layers 0 and 1 alias one
+    region and layers 2 and 3 the other (block ids are unique across groups)."""
+    per_layer = NB * HEADS * BLOCK * 2 * HEAD_DIM
+    slot = [
+        storage[i * per_layer : (i + 1) * per_layer].view(NB, HEADS, BLOCK, 2 * HEAD_DIM)
+        for i in (0, 1)
+    ]
+    return {f"model.layers.{i}.self_attn.attn": slot[i // 2] for i in range(4)}
+
+
+def test_distinct_regions_lists_aliased_layers_once() -> None:
+    storage = torch.zeros(2 * NB * HEADS * BLOCK * 2 * HEAD_DIM)
+    regions = regions_of(hybrid_caches(storage), NB)
+    assert len(regions) == 4
+    assert distinct_regions(regions) == (regions[0], regions[2])
+    assert distinct_regions(regions[:1]) == regions[:1]
+
+
+def test_groups_of_a_hybrid_model_land_byte_for_byte(
+    coord: CoordinatorProcess, nixl_env: None, stubs: Stubs
+) -> None:
+    """Two KV cache groups end to end through real agents and NIXL: each
+    group's decode blocks get the prefill blocks of the same token positions
+    (the sliding-window group only its window's tail), in every aliased layer
+    slot, and no other decode block is written."""
+    sides = []
+    for is_prefill in (True, False):
+        engine_id = f"{'P' if is_prefill else 'D'}-{uuid.uuid4().hex[:8]}"
+        half = PushWorkerHalf(
+            ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+            engine_id=engine_id,
+            is_prefill=is_prefill,
+            tp_rank=0,
+            tp_size=1,
+            tokens_per_block=BLOCK,
+            num_blocks=NB,
+            compat=COMPAT,
+            kv_groups=2,
+        )
+        storage = torch.zeros(2 * NB * HEADS * BLOCK * 2 * HEAD_DIM)
+        caches = hybrid_caches(storage)
+        half.register_kv_caches(caches)
+        assert half.agent is not None and half.agent.registered
+        sides.append(Side(engine_id, half, caches))
+    p, d = sides
+    try:
+        engines = {
+            e.engine_id: e
+            for e in stubs.status.ListEngines(pb.ListEnginesRequest(), timeout=10).engines
+        }
+        block_len = HEADS * BLOCK * 2 * HEAD_DIM * 4
+        assert [(r.group, r.block_len) for r in engines[d.engine_id].kv.regions] == [
+            (0, block_len),
+            (0, block_len),
+            (1, block_len),
+            (1, block_len),
+        ]
+        tid = new_tid()
+        # 80 tokens: 5 blocks of 16; the window group holds its last 2 on both sides.
+        src = ([3, 9, 4, 5, 6], [12, 13])
+        dst = ([20, 7, 11, 21, 22], [25, 26])
+        fill(p.caches, [b for g in src for b in g], seed=3)
+        d.half.start_load_kv(
+            PushKVMetadata(recv=[RecvSpec("dreq", tid, tuple(b for g in dst for b in g))])
+        )
+        reply = stubs.transfers.RegisterDecodeBlocks(
+            pb.RegisterDecodeBlocksRequest(
+                transfer_id=tid,
+                decode_engine_id=d.engine_id,
+                block_ids=[pb.BlockIds(ids=g) for g in dst],
+                num_tokens=80,
+            ),
+            timeout=10,
+        )
+        assert reply.state == pb.TRANSFER_STATE_REGISTERED
+        reply = stubs.transfers.ReportPrefillDone(
+            pb.ReportPrefillDoneRequest(
+                transfer_id=tid,
+                prefill_engine_id=p.engine_id,
+                block_ids=[pb.BlockIds(ids=g) for g in src],
+                num_tokens=80,
+            ),
+            timeout=10,
+        )
+        assert reply.state == pb.TRANSFER_STATE_ORDERED
+        p.half.start_load_kv(PushKVMetadata(send=[("preq", tid)]))
+        seen = run_steps([(p, {"preq"}), (d, set())], until=lambda f: bool(f.recving and f.sending))
+        assert seen.recving == ["dreq"] and seen.sending == ["preq"]
+        for name in d.caches:  # all 4 layers: both aliased slots
+            written = [b for g in dst for b in g]
+            for s, t in zip([b for g in src for b in g], written, strict=True):
+                assert same_bytes(d.caches[name][t], p.caches[name][s]), (name, s, t)
+            others = [b for b in range(NB) if b not in written]
+            assert not d.caches[name][others].any()
+        t = wait_state(stubs.status, tid, pb.TRANSFER_STATE_COMPLETE)
+        assert t.state == pb.TRANSFER_STATE_COMPLETE
+    finally:
+        d.half.shutdown()
+        p.half.shutdown()
+
+
+@pytest.mark.parametrize("kv_groups", [1, 2])
+def test_a_failed_load_names_block_ids_only_with_one_kv_group(kv_groups: int) -> None:
+    """vLLM raises on invalid_block_ids with several KV cache groups (its block
+    ids are unique only per group): the worker then reports the request in
+    failed_recving only, and vLLM applies kv_load_failure_policy to it."""
+    half = PushWorkerHalf(
+        ConnectorSettings(coordinator="127.0.0.1:9"),
+        engine_id="D-groups",
+        is_prefill=False,
+        tp_rank=0,
+        tp_size=1,
+        tokens_per_block=BLOCK,
+        num_blocks=NB,
+        kv_groups=kv_groups,
+    )
+    spec = RecvSpec("dreq", new_tid(), (4, 5, 9))
+    half.start_load_kv(PushKVMetadata(recv=[spec]))
+    half.start_load_kv(PushKVMetadata(fail=[spec]))
+    assert half.get_finished(set(), idle=False) == (None, {"dreq"})
+    assert half.take_failed() == {"dreq"}
+    assert half.get_block_ids_with_load_errors() == ({4, 5, 9} if kv_groups == 1 else set())
+    half.shutdown()

@@ -96,20 +96,26 @@ def mamba() -> MambaSpec:
 # (id, KVCacheConfig, substrings the refusal must contain: the feature and what to do)
 REFUSED: list[tuple[str, Callable[[], KVCacheConfig], tuple[str, ...]]] = [
     (
-        "two-groups-hybrid-attention",
-        lambda: two_groups(full(), attn(SlidingWindowSpec, sliding_window=64)),
+        "two-groups-mamba-hybrid",
+        lambda: two_groups(full(), mamba()),
         (
-            "2 KV cache groups (group 0: FullAttentionSpec, 1 layer(s); "
-            "group 1: SlidingWindowSpec(sliding_window=64), 1 layer(s))",
-            "pushkv transfers group 0 only",
-            "leave vLLM's hybrid KV cache manager off",
-            "group 1: sliding-window attention as its own KV cache group",
+            "2 KV cache groups (group 0: FullAttentionSpec, 1 layer(s); group 1: MambaSpec(",
+            "pushkv moves full-attention groups and, beside them, sliding-window groups",
+            "group 1: Mamba/state-space (SSM) state",
+            "without pushkv",
         ),
     ),
     (
-        "two-groups-mamba-hybrid",
-        lambda: two_groups(full(), mamba()),
-        ("2 KV cache groups", "group 1: Mamba/state-space (SSM) state", "without pushkv"),
+        "two-sliding-window-groups",
+        lambda: two_groups(
+            attn(SlidingWindowSpec, sliding_window=64), attn(SlidingWindowSpec, sliding_window=128)
+        ),
+        (
+            "2 KV cache groups",
+            "group 0: sliding-window attention as its own KV cache group with no "
+            "full-attention group beside it",
+            "--disable-sliding-window",
+        ),
     ),
     (
         "mamba",
@@ -288,6 +294,23 @@ def test_parallelism_pushkv_cannot_pair_is_refused(cfg: VllmConfig, field: str, 
 )
 def test_single_full_attention_group_is_accepted(cfg: VllmConfig, spec: KVCacheSpec) -> None:
     assert kv_checks.config_problems(cfg, one_group(spec)) == []
+
+
+@pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
+def test_hybrid_full_and_sliding_window_groups_are_accepted(
+    cfg: VllmConfig, window_first: bool
+) -> None:
+    """Gemma-2 with vLLM's hybrid KV cache manager on: a full-attention and a
+    sliding-window group, in either order; the scheduler builds the connector."""
+    groups = [full(), attn(SlidingWindowSpec, sliding_window=64)]
+    kv = two_groups(*(groups[::-1] if window_first else groups))
+    assert kv_checks.config_problems(cfg, kv) == []
+    sched = scheduler_with(cfg, kv)
+    try:
+        assert isinstance(sched.connector, PushKVConnector)
+    finally:
+        assert sched.connector is not None
+        sched.connector.shutdown()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
-from controlplane.orders import mismatch, rank_targets
+from controlplane.orders import mismatch, rank_targets, source_blocks
 from controlplane.registry import AgentRecord, EngineRecord
 from controlplane.transfer import Side, State, Transfer
 
@@ -202,3 +202,36 @@ def test_replication_without_head_counts_is_caught_by_block_lengths() -> None:
                 KVLayout(16, layout.regions, compat=COMPAT, kv_heads=0, head_major=True),
             )
     assert "is not 2 x" in mismatch(transfer(), pe, de)
+
+
+def hybrid_transfer(
+    decode: tuple[tuple[int, ...], ...], prefill: tuple[tuple[int, ...], ...]
+) -> Transfer:
+    """A 100-token transfer (7 blocks of 16) with two KV cache groups."""
+    t = Transfer("t", State.REGISTERED, 0.0, 0.0, 60.0, 0.0)  # type: ignore[arg-type]
+    t.decode = Side(EngineId("D"), decode, 100)
+    t.prefill = Side(EngineId("P"), prefill, 100)
+    return t
+
+
+def test_sliding_window_group_pairs_the_same_token_positions() -> None:
+    """vLLM's hybrid KV cache manager: group 1 is a sliding window, of which
+    each side holds only the last blocks (a tail ending at the prompt's last
+    block). Decode's blocks get the prefill blocks of the same positions;
+    prefill blocks past the prompt are never written."""
+    pe, de = engine("P", Role.PREFILL, 1), engine("D", Role.DECODE, 1)
+    full_p, full_d = tuple(range(1, 9)), tuple(range(21, 28))  # prefill holds one extra block
+    t = hybrid_transfer((full_d, (34, 35, 36)), (full_p, (11, 12, 13, 14)))
+    assert mismatch(t, pe, de) == ""
+    assert source_blocks(t.prefill, t.decode, 16) == (tuple(range(1, 8)), (12, 13, 14))
+    # A decode prefix hit leaves it fewer blocks in either group: still the tail.
+    t = hybrid_transfer(((26, 27), (36,)), (full_p, (11, 12, 13, 14)))
+    assert source_blocks(t.prefill, t.decode, 16) == ((6, 7), (14,))
+
+
+def test_decode_group_longer_than_the_prefill_window_is_refused() -> None:
+    pe, de = engine("P", Role.PREFILL, 1), engine("D", Role.DECODE, 1)
+    t = hybrid_transfer((tuple(range(21, 28)), (33, 34, 35, 36)), (tuple(range(1, 8)), (12, 13)))
+    assert mismatch(t, pe, de) == (
+        "KV group 1: prefill holds 2 of the prompt's last blocks, decode registered 4"
+    )

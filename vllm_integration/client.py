@@ -41,9 +41,11 @@ class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
     request_id: str
     transfer_id: str
     engine_id: str = ""
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # KV cache group 0 (the only one without HMA)
     num_tokens: int = 0
     reason: str = ""
+    # KV cache groups 1.. (vLLM's hybrid KV cache manager), each its own list.
+    more_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +82,20 @@ def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result
     return Result(c, 0, text, refused=code in REFUSALS)
 
 
+def _groups(c: Call) -> list[pb.BlockIds]:
+    first = pb.BlockIds(ids=c.block_ids)
+    if not c.more_groups:
+        return [first]
+    return [first, *(pb.BlockIds(ids=g) for g in c.more_groups)]
+
+
 def _to_proto(c: Call) -> pb.TransferCall:
     if c.kind == "register":
         return pb.TransferCall(
             register=pb.RegisterDecodeBlocksRequest(
                 transfer_id=c.transfer_id,
                 decode_engine_id=c.engine_id,
-                block_ids=[pb.BlockIds(ids=c.block_ids)],
+                block_ids=_groups(c),
                 num_tokens=c.num_tokens,
             )
         )
@@ -95,7 +104,7 @@ def _to_proto(c: Call) -> pb.TransferCall:
             prefill_done=pb.ReportPrefillDoneRequest(
                 transfer_id=c.transfer_id,
                 prefill_engine_id=c.engine_id,
-                block_ids=[pb.BlockIds(ids=c.block_ids)],
+                block_ids=_groups(c),
                 num_tokens=c.num_tokens,
             )
         )

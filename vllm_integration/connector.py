@@ -14,7 +14,12 @@ import logging
 from typing import Any
 
 from vllm_integration import compat, kv_checks
-from vllm_integration.compat import KVConnectorBase_V1, KVConnectorRole, NoLayerwiseHooks
+from vllm_integration.compat import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    NoLayerwiseHooks,
+    SupportsHMA,
+)
 from vllm_integration.metadata import PushKVMetadata
 from vllm_integration.scheduler import PushSchedulerHalf
 from vllm_integration.settings import ConnectorSettings
@@ -23,7 +28,11 @@ from vllm_integration.worker import PushWorkerHalf
 log = logging.getLogger("pushkv.connector")
 
 
-class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[misc]
+class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """SupportsHMA: vLLM keeps its hybrid KV cache manager on, so a model with
+    sliding-window and full-attention layers keeps its KV cache groups and
+    pushkv moves each group's blocks (a sliding-window group only its window's)."""
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
@@ -38,15 +47,24 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
         self.is_prefill = tc.kv_role == "kv_producer"
         self.engine_id = str(tc.engine_id)
         block_size = int(vllm_config.cache_config.block_size)
+        kv_groups = len(kv_cache_config.kv_cache_groups)
+        windows = tuple(
+            (int(g.kv_cache_spec.sliding_window), int(g.kv_cache_spec.extra_retained_tokens))
+            for g in kv_cache_config.kv_cache_groups
+            if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec"
+        )
         self._scheduler: PushSchedulerHalf | None = None
         self._worker: PushWorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            half = self._scheduler = PushSchedulerHalf(self.settings, self.engine_id, block_size)
+            half = self._scheduler = PushSchedulerHalf(
+                self.settings, self.engine_id, block_size, kv_groups, windows
+            )
             # vLLM calls these for every request on its engine thread: bound
             # straight to the half, they cost one Python call instead of two.
             self.get_num_new_matched_tokens = half.get_num_new_matched_tokens  # type: ignore[method-assign]
             self.update_state_after_alloc = half.update_state_after_alloc  # type: ignore[method-assign]
             self.request_finished = half.request_finished  # type: ignore[method-assign]
+            self.request_finished_all_groups = half.request_finished_all_groups  # type: ignore[method-assign]
         else:
             rank, size = compat.tp_rank_and_size()
             geometry = compat.kv_geometry(vllm_config)
@@ -61,6 +79,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
                 num_blocks=int(kv_cache_config.num_blocks),
                 compat=geometry,
                 kv_heads=kv_heads,
+                kv_groups=kv_groups,
             )
 
     # ------------------------------------------------------------ scheduler side
@@ -87,6 +106,12 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished_all_groups(request, block_ids)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -1,10 +1,12 @@
 """What the connector refuses at engine start: every KV cache pushkv cannot transfer exactly.
 
-pushkv moves one KV cache group of plain full attention: every prompt block of
-every layer, byte for byte, from prefill block ids to decode block ids. Any
-other KV cache vLLM hands the connector (several groups, recurrent state,
-windowed or ring-buffer caches, latent or packed pages, another tensor layout)
-would be transferred partly or wrongly, so the connector refuses it when vLLM
+pushkv moves KV cache groups of plain full attention (every prompt block of
+every layer, byte for byte, from prefill block ids to decode block ids) and,
+beside at least one full-attention group (vLLM's hybrid KV cache manager on,
+e.g. Gemma-2), sliding-window groups (the blocks of the window that decode
+holds). Any other KV cache vLLM hands the connector (recurrent state, chunked
+or ring-buffer caches, latent or packed pages, another tensor layout) would be
+transferred partly or wrongly, so the connector refuses it when vLLM
 builds it (`check_kv_cache_config`, both roles) and when the worker registers
 its KV tensors (`check_kv_tensors`). Each refusal names the feature and what
 to do instead; docs/configuration.md ("Refused configurations") lists them.
@@ -34,6 +36,8 @@ REQUIRED_KV_LAYOUT = "HND"
 _LAYOUT_NAMES = ("LBHNC", "HND")
 
 _SUPPORTED_SPEC = "FullAttentionSpec"
+# Supported only as a group beside a full-attention group (the hybrid manager on).
+_WINDOW_SPEC = "SlidingWindowSpec"
 _WITHOUT_PUSHKV = "serve this model without pushkv (e.g. with vLLM's NixlConnector)"
 _WINDOW_INSTEAD = (
     "start both engines with --disable-sliding-window (full attention; vLLM caps "
@@ -44,12 +48,14 @@ _WINDOW_INSTEAD = (
 _REFUSED_SPECS: dict[str, tuple[str, str]] = {
     "MambaSpec": (
         "Mamba/state-space (SSM) state: pushkv does not transfer recurrent state",
-        f"{_WITHOUT_PUSHKV}; hybrid SSM models (Jamba, Bamba, ...) also need vLLM's "
-        "hybrid KV cache manager, which pushkv does not support yet",
+        f"{_WITHOUT_PUSHKV}; pushkv keeps vLLM's hybrid KV cache manager on, but "
+        "moves only attention KV (full and sliding-window groups), so hybrid SSM "
+        "models (Jamba, Bamba, ...) are refused too",
     ),
     "SlidingWindowSpec": (
-        "sliding-window attention as its own KV cache group (vLLM frees blocks "
-        "outside the window; pushkv transfers every prompt block)",
+        "sliding-window attention as its own KV cache group with no full-attention "
+        "group beside it (pushkv moves a sliding-window group's window only beside "
+        "a full-attention group, as in Gemma-2 with vLLM's hybrid KV cache manager on)",
         _WINDOW_INSTEAD,
     ),
     "SlidingWindowMLASpec": (
@@ -141,9 +147,9 @@ def describe_spec(spec: Any) -> str:
     return f"{name}({', '.join(extras)})" if extras else name
 
 
-def _spec_problems(spec: Any, block_size: int) -> list[str]:
+def _spec_problems(spec: Any, block_size: int, window_ok: bool = False) -> list[str]:
     name = type(spec).__name__
-    if name != _SUPPORTED_SPEC:
+    if name != _SUPPORTED_SPEC and not (window_ok and name == _WINDOW_SPEC):
         feature, instead = _REFUSED_SPECS.get(
             name,
             (
@@ -185,27 +191,28 @@ def _group_problems(kv_cache_config: Any, block_size: int) -> list[str]:
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         return ["no KV cache group (an attention-free model): there is no KV to transfer"]
-    if len(groups) > 1:
-        kinds = "; ".join(
-            f"group {i}: {describe_spec(g.kv_cache_spec)}, {len(g.layer_names)} layer(s)"
-            for i, g in enumerate(groups)
-        )
-        problems = [
-            f"{len(groups)} KV cache groups ({kinds}), and pushkv transfers group 0 "
-            "only; use a model with one KV cache group, or leave vLLM's hybrid KV "
-            "cache manager off (vLLM's default with pushkv: do not pass "
-            "--no-disable-hybrid-kv-cache-manager), which merges sliding-window and "
-            "full-attention layers into one full-attention group (Mamba state it cannot merge)"
-        ]
-    else:
-        problems = []
+    names = [type(g.kv_cache_spec).__name__ for g in groups]
+    # Sliding-window groups only beside a full-attention group: the hybrid KV
+    # cache manager's split of a model with both kinds of layers.
+    window_ok = _SUPPORTED_SPEC in names
+    problems: list[str] = []
     for i, group in enumerate(groups):
         where = f"group {i}: " if len(groups) > 1 else ""
-        problems += [where + p for p in _spec_problems(group.kv_cache_spec, block_size)]
+        problems += [where + p for p in _spec_problems(group.kv_cache_spec, block_size, window_ok)]
         if getattr(group, "host_resident", False):
             problems.append(f"{where}host-resident (HiSparse) KV cache; turn HiSparse off")
         if not getattr(group, "enable_kv_transfer", True):
             problems.append(f"{where}vLLM marks this KV cache group as not transferable")
+    if len(groups) > 1 and problems:
+        kinds = "; ".join(
+            f"group {i}: {describe_spec(g.kv_cache_spec)}, {len(g.layer_names)} layer(s)"
+            for i, g in enumerate(groups)
+        )
+        problems.insert(
+            0,
+            f"{len(groups)} KV cache groups ({kinds}); pushkv moves full-attention "
+            "groups and, beside them, sliding-window groups, and no other kind",
+        )
     return problems
 
 

@@ -5,7 +5,23 @@ those blocks with the coordinator right after allocation (off the engine
 loop), and cancels the transfer if the request is aborted while waiting.
 
 Prefill: reports prefill done with the request's blocks in request_finished
-and keeps the blocks until the worker's agent says they may be freed.
+(request_finished_all_groups) and keeps the blocks until the worker's agent
+says they may be freed.
+
+KV cache groups (vLLM's hybrid KV cache manager, e.g. sliding-window and
+full-attention layers): both sides name each group's blocks of the prompt as a
+tail ending at the prompt's last block. A sliding-window group holds only the
+blocks of its window (vLLM's null block stands for the others), so its tail is
+shorter; the coordinator writes each decode group's tail from the same token
+positions of the prefill group (controlplane/orders.py, source_blocks).
+
+One case no transfer can serve exactly (vLLM 0.32): after loading a whole
+prompt of n tokens vLLM recomputes its last token, whose window reaches back to
+token n - W; but both engines free the blocks before the window of token n
+(SlidingWindowManager.get_num_skipped_tokens(n) = n - W + 1 tokens), and when
+that count is a whole number of blocks the block holding token n - W is gone on
+both sides. For such prompts the decode engine claims no external tokens and
+computes the prompt itself, and cancels the transfer naming why (`window_edge`).
 """
 
 from __future__ import annotations
@@ -29,9 +45,20 @@ _EMPTY_IDLE = PushKVMetadata(idle=True)
 
 
 class PushSchedulerHalf:
-    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        engine_id: str,
+        block_size: int,
+        kv_groups: int = 1,
+        windows: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
+        self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
+        # Per sliding-window group: (window, tokens of a prompt of n tokens that
+        # vLLM keeps besides n - window + 1: its extra_retained_tokens).
+        self.windows = windows
         self.client = CoordinatorClient(
             settings.coordinator,
             timeout_s=settings.rpc_timeout_s,
@@ -60,9 +87,27 @@ class PushSchedulerHalf:
         rid = request.request_id
         if rid in self._registered or leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
             return 0, False
+        if self.windows and self.window_edge(request.num_prompt_tokens):
+            return 0, False  # computed here; update_state_after_alloc cancels
         self._local_hit[rid] = num_computed_tokens
         remaining = request.num_prompt_tokens - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
+
+    def window_edge(self, n: int) -> str:
+        """Why no transfer can serve an n-token prompt exactly, or "" (see the
+        module docstring): a sliding-window group frees, on both engines, the
+        block holding token n - window, which the recomputed last token needs."""
+        bs = self.block_size
+        for window, extra in self.windows:
+            skipped = n - window + 1 - extra
+            if skipped > 0 and skipped % bs == 0:
+                return (
+                    f"decode computes this {n}-token prompt itself: vLLM's sliding-window "
+                    f"KV cache group (window {window}, {bs}-token blocks) frees the block "
+                    f"holding token {skipped - 1} on both engines, and the recomputed last "
+                    "prompt token needs it"
+                )
+        return ""
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         raw = request.kv_transfer_params
@@ -77,17 +122,36 @@ class PushSchedulerHalf:
         self._registered.add(rid)
         n_tokens = request.num_prompt_tokens
         local = self._local_hit.pop(rid, 0)
+        more: tuple[tuple[int, ...], ...] = ()
         if num_external_tokens > 0:
             bs = self.block_size
-            dst = compat.first_group_block_ids(blocks, local // bs, -(-n_tokens // bs))
-            spec = RecvSpec(rid, tid, dst)
+            if self.kv_groups == 1:
+                dst = compat.first_group_block_ids(blocks, local // bs, -(-n_tokens // bs))
+                held = dst
+            else:
+                # Per group the blocks decode holds of the uncached suffix (a
+                # sliding-window group: its window's), each a tail ending at the
+                # prompt's last block.
+                dst, *rest = compat.group_block_ids(blocks, local // bs, -(-n_tokens // bs))
+                more = tuple(rest)
+                held = dst + tuple([b for g in more for b in g])
+            spec = RecvSpec(rid, tid, held)
             self._waiting[rid] = spec
             self._meta.recv.append(spec)
         else:
+            why = self.window_edge(n_tokens) if self.windows else ""
+            if why:
+                # Computed here (get_num_new_matched_tokens claimed nothing):
+                # the prefill side frees its blocks at once.
+                self.client.submit(Call("cancel", rid, tid, reason=why))
+                return
             # Full local prefix hit: nothing to write, but the coordinator must
             # learn it so the prefill side frees its blocks at once.
             dst = ()
-        self.client.submit(Call("register", rid, tid, self.engine_id, dst, n_tokens))
+            more = ((),) * (self.kv_groups - 1)
+        self.client.submit(
+            Call("register", rid, tid, self.engine_id, dst, n_tokens, more_groups=more)
+        )
 
     # ------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
@@ -174,8 +238,19 @@ class PushSchedulerHalf:
             self._waiting.pop(rid, None)
             self._uncertain.pop(rid, None)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA hook: every KV cache group's blocks of the request."""
+        if len(block_ids) == 1:
+            return self.request_finished(request, block_ids[0])
+        return self.request_finished(request, block_ids[0], block_ids[1:])
+
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self,
+        request: Any,
+        block_ids: list[int],
+        more_groups: tuple[list[int], ...] = (),
     ) -> tuple[bool, dict[str, Any] | None]:
         raw = request.kv_transfer_params
         if raw is None:
@@ -192,15 +267,25 @@ class PushSchedulerHalf:
             return False, None
         tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
         if tid is not None:
-            if request.status in compat.FINISHED_NORMALLY and block_ids:
+            if request.status in compat.FINISHED_NORMALLY and (block_ids or any(more_groups)):
+                first: tuple[int, ...] = tuple(block_ids)
+                more: tuple[tuple[int, ...], ...] = ()
+                if more_groups:
+                    # Each group's blocks of the prompt that the engine holds, a
+                    # tail ending at the prompt's last block (a sliding-window
+                    # group: null blocks before its window dropped).
+                    need = -(-request.num_prompt_tokens // self.block_size)
+                    first = compat.held_tail(block_ids[:need])
+                    more = tuple([compat.held_tail(g[:need]) for g in more_groups])
                 self.client.submit(
                     Call(
                         "prefill_done",
                         rid,
                         tid,
                         self.engine_id,
-                        tuple(block_ids),
+                        first,
                         request.num_prompt_tokens,
+                        more_groups=more,
                     )
                 )
                 self._meta.send.append((rid, tid))

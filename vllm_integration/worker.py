@@ -89,6 +89,22 @@ def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion,
     return tuple(regions)
 
 
+def distinct_regions(regions: tuple[KVRegion, ...]) -> tuple[KVRegion, ...]:
+    """The regions without repeats, in order. vLLM's hybrid KV cache manager
+    lays its KV cache groups over the same memory (layer j of every group in the
+    same per-layer slot; a block id belongs to one group at a time), so the
+    layers of different groups repeat the same regions: each is registered and
+    written once, and block b of any group lies in every region."""
+    seen: set[tuple[int, int, int]] = set()
+    out: list[KVRegion] = []
+    for r in regions:
+        key = (r.base_addr, r.block_len, r.device_id)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return tuple(out)
+
+
 class PushWorkerHalf:
     def __init__(
         self,
@@ -102,6 +118,7 @@ class PushWorkerHalf:
         num_blocks: int,
         compat: Mapping[str, str] | None = None,
         kv_heads: int = 0,
+        kv_groups: int = 1,
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
@@ -111,6 +128,7 @@ class PushWorkerHalf:
         self.num_blocks = num_blocks
         self.compat = dict(compat or {})
         self.kv_heads = kv_heads  # KV heads this rank holds (0: unknown)
+        self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
         self.agent: Agent | None = None
         self._recv: dict[str, RecvSpec] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
@@ -128,6 +146,8 @@ class PushWorkerHalf:
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         regions = regions_of(kv_caches, self.num_blocks)
+        if self.kv_groups > 1:
+            regions = distinct_regions(regions)
         first = next(iter(kv_caches.values()))
         memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
         shape, head_major = block_layout(
@@ -153,6 +173,7 @@ class PushWorkerHalf:
             api_url=self.settings.api_url,
             tls=self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
+            kv_groups=self.kv_groups,
         )
         self.agent = Agent(cfg)
         self.agent.start()
@@ -167,10 +188,11 @@ class PushWorkerHalf:
                 self.settings.register_timeout_s,
             )
         log.info(
-            "pushkv agent %s ready: %d KV regions, %d blocks of %d tokens; "
+            "pushkv agent %s ready: %d KV regions, %d KV cache group(s), %d blocks of %d tokens; "
             "layer %s: shape %s (%s, head-major %s), strides %s, %s",
             cfg.agent_name,
             len(regions),
+            self.kv_groups,
             self.num_blocks,
             self.tokens_per_block,
             next(iter(kv_caches)),
@@ -306,7 +328,11 @@ class PushWorkerHalf:
             detail or "refused",
             "recomputing it here" if recompute else "the request fails",
         )
-        self._load_errors.update(block_ids)
+        if self.kv_groups == 1:
+            # Several KV cache groups: block ids are unique only per group, and
+            # vLLM refuses invalid_block_ids then (RuntimeError); failed_recving
+            # alone makes it apply kv_load_failure_policy to the request.
+            self._load_errors.update(block_ids)
         self.counts.failed += 1
         self.counts.load_error_blocks += len(block_ids)
         if recompute:

