@@ -36,7 +36,7 @@ from agent.messages import (
     Target,
     WriteReportMsg,
 )
-from agent.nixl_types import KVRegion, MemoryKind
+from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 from wire.codes import PERMANENT
 
 log = logging.getLogger("pushkv.agent")
@@ -64,6 +64,9 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
             error = "slice_offset without slice_len"
         src = tuple(t.src_blocks[0].ids) if t.src_blocks else ()
         dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
+        resize = resize_from_pb(t)
+        if resize is not None and t.slice_len:
+            error = "a token range (different block sizes) with a head slice is not supported"
         targets.append(
             Target(
                 t.decode_engine_id,
@@ -74,6 +77,7 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 max(1, t.expected_writers),
                 t.slice_offset,
                 t.slice_len,
+                resize,
             )
         )
     return OrderMsg(
@@ -83,6 +87,15 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
         tuple(targets),
         o.deadline_unix_ms / 1000,
         error,
+    )
+
+
+def resize_from_pb(t: pb.WriteTarget) -> BlockResize | None:
+    """The target's token range between blocks of different sizes, or None."""
+    if not t.resize_tokens:
+        return None
+    return BlockResize(
+        t.src_tokens_per_block, t.dst_tokens_per_block, t.kv_heads, t.first_token, t.resize_tokens
     )
 
 

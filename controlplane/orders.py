@@ -50,6 +50,58 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
     return tuple(src)
 
 
+def token_window(decode: Side, d_tokens: int) -> tuple[int, int]:
+    """(first token, end token) of the prompt the decode side's blocks take:
+    its blocks cover the prompt's tail, after its local prefix hit (a whole
+    number of its blocks), up to its token count. From KV group 0."""
+    d_ids = decode.blocks[0] if decode.blocks else ()
+    hit = (math.ceil(decode.num_tokens / d_tokens) - len(d_ids)) * d_tokens
+    return hit, decode.num_tokens
+
+
+def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> Blocks:
+    """Per KV group, the prefill blocks holding the tokens the decode side's
+    blocks take (different block sizes: `token_window`); empty for a group
+    the decode side registered no block in."""
+    hit, end = token_window(decode, d_tokens)
+    first, last = hit // p_tokens, math.ceil(end / p_tokens)
+    return tuple(
+        [
+            tuple(p_ids[first:last]) if d_ids else ()
+            for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True)
+        ]
+    )
+
+
+def resized(
+    targets: tuple[WriteTarget, ...], decode: Side, p_tokens: int, d_tokens: int, kv_heads: int
+) -> tuple[WriteTarget, ...]:
+    """`targets` (equal TP: whole blocks) as token ranges between blocks of
+    `p_tokens` and `d_tokens` tokens (pushkv.proto, WriteTarget)."""
+    hit, end = token_window(decode, d_tokens)
+    first = hit - hit // p_tokens * p_tokens
+    return tuple(
+        [
+            WriteTarget(
+                t.decode_engine_id,
+                t.decode_rank,
+                t.decode_incarnation,
+                t.src_blocks,
+                t.dst_blocks,
+                t.expected_writers,
+                t.slice_offset,
+                t.slice_len,
+                p_tokens,
+                d_tokens,
+                first,
+                end - hit,
+                kv_heads,
+            )
+            for t in targets
+        ]
+    )
+
+
 def rank_targets(
     pe: EngineRecord, de: EngineRecord, rank: int, src: Blocks, dst: Blocks
 ) -> tuple[WriteTarget, ...]:
@@ -102,13 +154,17 @@ def rank_order(
 ) -> Order:
     """The order for prefill rank `rank` of `pe`."""
     p_agent = pe.ranks[rank]
+    targets = rank_targets(pe, de, rank, src, decode.blocks)
+    if pe.tokens_per_block != de.tokens_per_block:
+        heads = pe.ranks[0].reg.layout.kv_heads
+        targets = resized(targets, decode, pe.tokens_per_block, de.tokens_per_block, heads)
     return Order(
         order_id=order_id,
         transfer_id=tid,
         prefill_engine_id=pe.engine_id,
         prefill_rank=rank,
         prefill_incarnation=p_agent.incarnation,
-        targets=rank_targets(pe, de, rank, src, decode.blocks),
+        targets=targets,
         deadline_unix=deadline_unix,
         num_tokens=decode.num_tokens,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from wire.tp_map import different_tp_mismatch, total_heads
 
+BLOCK_SIZE = "block_size"  # the compat field naming an engine's block size
+
 
 class KVShape:
     """What pairing reads of one engine besides its TP size: its first rank's KV
@@ -48,21 +50,28 @@ def pair_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
     """Why a prefill engine of TP `p_tp` and shape `p` cannot write into a decode
     engine of TP `d_tp` and shape `d`, or "".
 
-    Everything but the TP sizes must agree; the TP sizes must pass `tp_mismatch`."""
-    problem = compat_mismatch(p.compat, d.compat)
+    Everything but the TP sizes and the block sizes must agree; the TP sizes
+    must pass `tp_mismatch`, different block sizes `block_size_mismatch`."""
+    resized = p.tokens_per_block != d.tokens_per_block
+    problem = compat_mismatch(p.compat, d.compat, skip=BLOCK_SIZE if resized else "")
     if problem:
         return problem
-    if p.tokens_per_block != d.tokens_per_block:
-        return f"tokens per block differ: {p.tokens_per_block} vs {d.tokens_per_block}"
+    if resized:
+        return block_size_mismatch(p_tp, p, d_tp, d)
     if p.compat_hash and d.compat_hash and p.compat_hash != d.compat_hash:
         return "KV layouts are incompatible (compat_hash differs)"
     return tp_mismatch(p_tp, p, d_tp, d)
 
 
-def compat_mismatch(p: tuple[tuple[str, str], ...], d: tuple[tuple[str, str], ...]) -> str:
-    """The first compatibility field both engines name and give different values."""
+def compat_mismatch(
+    p: tuple[tuple[str, str], ...], d: tuple[tuple[str, str], ...], skip: str = ""
+) -> str:
+    """The first compatibility field both engines name and give different
+    values (the field named `skip` aside)."""
     d_compat = dict(d)
     for name, value in p:
+        if name == skip:
+            continue
         other = d_compat.get(name)
         if other is not None and other != value:
             return f"{name} differs: prefill {value!r}, decode {other!r}"
@@ -90,3 +99,49 @@ def tp_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
         d_tp, d.kv_heads, d.head_major, {n for _, n in d.regions},
         total,
     )  # fmt: skip
+
+
+def block_size_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
+    """Why KV cannot move between engines of different block sizes, or "".
+
+    The coordinator then maps token ranges (controlplane/orders.py): one block
+    size must divide the other, the TP sizes must be equal (a head slice and a
+    token range together are not supported), both sides must report their KV
+    heads per rank (the same) and be head-major (a head's token range inside a
+    block is contiguous), and in every region a head's token must be the same
+    number of bytes on both sides. The compat fields other than the block size
+    agree (`pair_mismatch` checked); the compat hash, which covers the block
+    size, is then ignored where both engines name their fields."""
+    bp, bd = p.tokens_per_block, d.tokens_per_block
+    what = f"block sizes differ (prefill {bp}, decode {bd} tokens per block)"
+    if min(bp, bd) < 1 or max(bp, bd) % min(bp, bd):
+        return f"{what}: one block size must divide the other"
+    if p_tp != d_tp:
+        return (
+            f"{what} and TP sizes differ (prefill TP {p_tp}, decode TP {d_tp}): "
+            "different block sizes are supported at equal TP only"
+        )
+    hashes_differ = p.compat_hash and d.compat_hash and p.compat_hash != d.compat_hash
+    if hashes_differ and not (p.compat and d.compat):
+        return f"{what}: KV layouts are incompatible (compat_hash differs)"
+    if not (p.kv_heads and d.kv_heads and p.head_major and d.head_major):
+        return (
+            f"{what}: needs the KV heads per rank and a head-major block layout on both "
+            f"sides; prefill kv_heads={p.kv_heads} head_major={p.head_major}, "
+            f"decode kv_heads={d.kv_heads} head_major={d.head_major}"
+        )
+    if p.kv_heads != d.kv_heads:
+        return f"{what}: KV heads per rank differ (prefill {p.kv_heads}, decode {d.kv_heads})"
+    if len(p.regions) != len(d.regions) or [g for g, _ in p.regions] != [g for g, _ in d.regions]:
+        return (
+            f"KV regions differ in count or group: prefill {len(p.regions)}, "
+            f"decode {len(d.regions)}"
+        )
+    h = p.kv_heads
+    for i, ((_, p_len), (_, d_len)) in enumerate(zip(p.regions, d.regions, strict=True)):
+        if p_len % (h * bp) or d_len % (h * bd) or p_len // (h * bp) != d_len // (h * bd):
+            return (
+                f"{what}: region {i}: a token of a KV head is not the same size on both "
+                f"sides (prefill block {p_len} B, decode block {d_len} B, {h} heads)"
+            )
+    return ""
