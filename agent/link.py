@@ -95,7 +95,11 @@ def resize_from_pb(t: pb.WriteTarget) -> BlockResize | None:
     if not t.resize_tokens:
         return None
     return BlockResize(
-        t.src_tokens_per_block, t.dst_tokens_per_block, t.kv_heads, t.first_token, t.resize_tokens
+        t.src_tokens_per_block,
+        t.dst_tokens_per_block,
+        t.token_spans,
+        t.first_token,
+        t.resize_tokens,
     )
 
 

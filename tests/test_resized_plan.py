@@ -52,7 +52,7 @@ def apply(plan: WritePlan, src: Layout, src_mem: list[np.ndarray], dst: Layout,
 def naive(resize: BlockResize, lb: list[int], rb: list[int], src_mem: list[np.ndarray],
           dst_mem: list[np.ndarray]) -> None:  # fmt: skip
     """Token by token, head by head, as the layout defines it."""
-    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.kv_heads
+    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.spans
     for r, tb in enumerate(TB):
         for k in range(resize.num_tokens):
             g = resize.first_token + k
@@ -143,7 +143,7 @@ def test_a_wrong_first_token_is_caught_by_the_byte_check() -> None:
         ([1, 2], [3], BlockResize(64, 32, 2, 16, 40), "first token 16 is not a multiple of 32"),
         ([1, 2], [3], BlockResize(32, 64, 2, 0, 100), "take 4 local blocks of 32 and 2 remote"),
         ([1], [3], BlockResize(32, 64, 2, 0, 64), "got 1 and 1"),
-        ([1, 2], [3], BlockResize(32, 64, 3, 0, 64), "do not hold 3 heads"),
+        ([1, 2], [3], BlockResize(32, 64, 3, 0, 64), "do not hold 3 spans"),
         ([1, NB], [3], BlockResize(32, 64, 2, 0, 64), f"local block id {NB} out of range"),
         ([1, 2, 3, 4], [3, 3], BlockResize(32, 64, 2, 0, 128), "duplicate remote block ids"),
     ],

