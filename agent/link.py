@@ -97,9 +97,10 @@ def resize_from_pb(t: pb.WriteTarget) -> BlockResize | None:
     return BlockResize(
         t.src_tokens_per_block,
         t.dst_tokens_per_block,
-        t.token_spans,
+        t.kv_heads,
         t.first_token,
         t.resize_tokens,
+        tuple(t.head_span_units),
     )
 
 

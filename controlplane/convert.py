@@ -181,7 +181,8 @@ def fill_order(m: pb.TransferOrder, order: Order) -> None:
             w.dst_tokens_per_block = t.dst_tokens_per_block
             w.first_token = t.first_token
             w.resize_tokens = t.resize_tokens
-            w.token_spans = t.token_spans
+            w.kv_heads = t.kv_heads
+            w.head_span_units.extend(t.head_span_units)
         add = w.src_blocks.add
         for g in t.src_blocks:
             add().ids.extend(g)

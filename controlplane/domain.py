@@ -172,7 +172,8 @@ class WriteTarget(NamedTuple):
     dst_tokens_per_block: int = 0
     first_token: int = 0
     resize_tokens: int = 0
-    token_spans: int = 0
+    kv_heads: int = 0
+    head_span_units: tuple[int, ...] = ()
 
 
 class Order(NamedTuple):

@@ -19,7 +19,7 @@ from controlplane.domain import (
 from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
-from wire.pairing import pair_mismatch, token_spans
+from wire.pairing import head_span_units, pair_mismatch
 from wire.tp_map import prefill_targets, total_heads
 
 
@@ -74,7 +74,12 @@ def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: 
 
 
 def resized(
-    targets: tuple[WriteTarget, ...], decode: Side, p_tokens: int, d_tokens: int, spans: int
+    targets: tuple[WriteTarget, ...],
+    decode: Side,
+    p_tokens: int,
+    d_tokens: int,
+    kv_heads: int,
+    units: tuple[int, ...],
 ) -> tuple[WriteTarget, ...]:
     """`targets` (equal TP: whole blocks) as token ranges between blocks of
     `p_tokens` and `d_tokens` tokens (pushkv.proto, WriteTarget)."""
@@ -95,7 +100,8 @@ def resized(
                 d_tokens,
                 first,
                 end - hit,
-                spans,
+                kv_heads,
+                units,
             )
             for t in targets
         ]
@@ -156,8 +162,11 @@ def rank_order(
     p_agent = pe.ranks[rank]
     targets = rank_targets(pe, de, rank, src, decode.blocks)
     if pe.tokens_per_block != de.tokens_per_block:
-        spans = token_spans(pe.ranks[0].reg.layout.shape)
-        targets = resized(targets, decode, pe.tokens_per_block, de.tokens_per_block, spans)
+        shape = pe.ranks[0].reg.layout.shape
+        units = head_span_units(shape) or ()
+        targets = resized(
+            targets, decode, pe.tokens_per_block, de.tokens_per_block, shape.kv_heads, units
+        )
     return Order(
         order_id=order_id,
         transfer_id=tid,

