@@ -189,3 +189,31 @@ def test_connector_reads_spans_from_coded_tokens() -> None:
     tiled = [k_t[i ^ 1] for i in range(len(k_t))]  # tokens swapped in pairs
     assert spans_of(tiled + v, n, hs, 4) is None
     assert spans_of([0] * 16, n, hs, 4) is None
+
+
+def test_orders_carry_the_token_range_to_the_agent() -> None:
+    """The coordinator's order, through the contract, as the agent reads it."""
+    from pushkv.v1 import pushkv_pb2 as pb
+
+    from agent.link import order_from_pb
+    from agent.nixl_types import BlockResize
+    from controlplane.convert import fill_order
+
+    rv = core(layout(64), layout(32))
+    rv.register_decode("t", D, [[7, 8, 9, 10]], 150)  # hit 32: the tail of 5 blocks
+    _, effects = rv.prefill_done("t", P, [[1, 2, 3]], 150)
+    [o] = [e for e in effects if isinstance(e, SendOrder)]
+    msg = pb.TransferOrder()
+    fill_order(msg, o.order)
+    [tgt] = order_from_pb(msg).targets
+    assert (tgt.src, tgt.dst) == ((1, 2, 3), (7, 8, 9, 10))
+    assert tgt.resize == BlockResize(64, 32, HEADS, 32, 118, (4,) * 16 + (64,))
+    # Equal block sizes: no token range on the wire, as before.
+    rv = core(layout(32), layout(32))
+    rv.register_decode("e", D, [[7, 8]], 60)
+    _, effects = rv.prefill_done("e", P, [[1, 2]], 60)
+    [o] = [e for e in effects if isinstance(e, SendOrder)]
+    msg = pb.TransferOrder()
+    fill_order(msg, o.order)
+    assert msg.targets[0].resize_tokens == 0 and not msg.targets[0].head_span_units
+    assert order_from_pb(msg).targets[0].resize is None
