@@ -395,7 +395,14 @@ class DataPlane:
                     notif = WriteNotif(order.transfer_id, order.prefill_rank, tgt.expected_writers)
                     cut = BlockSlice(tgt.slice_offset, tgt.slice_len) if tgt.slice_len else None
                     handles.append(
-                        self._ep.post_write(peer, tgt.src, tgt.dst, notif.encode(), block_slice=cut)
+                        self._ep.post_write(
+                            peer,
+                            tgt.src,
+                            tgt.dst,
+                            notif.encode(),
+                            block_slice=cut,
+                            resize=tgt.resize,
+                        )
                     )
                     self.writes_posted += 1
             except NixlError as exc:

@@ -36,7 +36,7 @@ from agent.messages import (
     Target,
     WriteReportMsg,
 )
-from agent.nixl_types import KVRegion, MemoryKind
+from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 from wire.codes import PERMANENT
 from wire.leader import LeaderFollower
 
@@ -77,6 +77,11 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 len(s.ids) != len(d.ids) for s, d in zip(t.src_blocks, t.dst_blocks, strict=False)
             ):
                 error = "a KV group's src_blocks and dst_blocks differ in length"
+        resize = resize_from_pb(t)
+        if resize is not None and t.slice_len:
+            error = "a token range (different block sizes) with a head slice is not supported"
+        if resize is not None and len(t.src_blocks) > 1:
+            error = "a token range (different block sizes) with several KV groups is not supported"
         targets.append(
             Target(
                 t.decode_engine_id,
@@ -87,6 +92,7 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 max(1, t.expected_writers),
                 t.slice_offset,
                 t.slice_len,
+                resize,
             )
         )
     return OrderMsg(
@@ -96,6 +102,20 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
         tuple(targets),
         o.deadline_unix_ms / 1000,
         error,
+    )
+
+
+def resize_from_pb(t: pb.WriteTarget) -> BlockResize | None:
+    """The target's token range between blocks of different sizes, or None."""
+    if not t.resize_tokens:
+        return None
+    return BlockResize(
+        t.src_tokens_per_block,
+        t.dst_tokens_per_block,
+        t.kv_heads,
+        t.first_token,
+        t.resize_tokens,
+        tuple(t.head_span_units),
     )
 
 

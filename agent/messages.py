@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from agent.nixl_types import KVRegion, MemoryKind
+from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +19,8 @@ class Target:
     # Heterogeneous TP: a head range (pushkv.proto, WriteTarget); 0, 0 = whole blocks.
     slice_offset: int = 0
     slice_len: int = 0
+    # Different block sizes: a token range (pushkv.proto, WriteTarget); None = equal sizes.
+    resize: BlockResize | None = None
 
 
 @dataclass(frozen=True, slots=True)

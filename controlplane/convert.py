@@ -176,6 +176,13 @@ def fill_order(m: pb.TransferOrder, order: Order) -> None:
             slice_len=t.slice_len,
             expected_writers=t.expected_writers,
         )
+        if t.resize_tokens:  # different block sizes; unset (0) otherwise
+            w.src_tokens_per_block = t.src_tokens_per_block
+            w.dst_tokens_per_block = t.dst_tokens_per_block
+            w.first_token = t.first_token
+            w.resize_tokens = t.resize_tokens
+            w.kv_heads = t.kv_heads
+            w.head_span_units.extend(t.head_span_units)
         add = w.src_blocks.add
         for g in t.src_blocks:
             add().ids.extend(g)

