@@ -77,8 +77,12 @@ def run_target(
             except EOFError:  # parent went away
                 return
             if cmd[0] == "verify":
-                conn.send(("verified", _verify(arrays, cmd[1])))
+                errors = _verify(arrays, cmd[1])
+                # Refilled before the answer: once it has the answer, the
+                # parent may post the next WRITE, which the refill must not
+                # overwrite.
                 for arr in arrays:
                     arr.fill(CANARY)
+                conn.send(("verified", errors))
             elif cmd[0] == "exit":
                 return
