@@ -12,6 +12,10 @@ Invariants:
   the coordinator then treats the order as resolved.
 - Each transfer produces at most one BLOCKS_FREE (prefill) and one of
   KV_READY / KV_FAILED (decode).
+- Term fencing: an order or cancel of an older leader term than the newest the
+  link has seen in a welcome is refused. A refused order is reported DROPPED
+  ("refused: ...") and changes nothing here: no WRITE, no block released (the
+  newer leader governs the transfer); a refused cancel is ignored.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from agent.messages import (
     PauseMsg,
     PeerMsg,
     ReportStatus,
+    TermMsg,
     WriteReportMsg,
 )
 from agent.nixl_adapter import NixlEndpoint
@@ -144,6 +149,10 @@ class DataPlane:
         self._give_up_at = 0.0
         self._idle = FAST_POLL_S
         self.writes_posted = 0
+        # The leader term the link follows (TermMsg); 0 without --etcd.
+        self._term = 0
+        self.orders_refused = 0
+        self.cancels_refused = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> bytes:
@@ -268,6 +277,8 @@ class DataPlane:
             self._give_up_at = time.monotonic() + msg.give_up_s
         elif isinstance(msg, CoordinatorBackMsg):
             self._give_up_at = 0.0
+        elif isinstance(msg, TermMsg):
+            self._term = msg.term
 
     def _on_peer(self, msg: PeerMsg) -> None:
         assert self._ep is not None
@@ -279,7 +290,19 @@ class DataPlane:
             return
         self._peers[(msg.engine_id, msg.rank)] = key
 
+    def _refuse(self, order: OrderMsg) -> None:
+        """An order of an older leader term: reported, otherwise ignored."""
+        self.orders_refused += 1
+        detail = f"refused: order of term {order.term}, older than term {self._term}"
+        log.warning("order %s %s", order.order_id, detail)
+        self._report(
+            WriteReportMsg(order.order_id, order.transfer_id, ReportStatus.DROPPED, detail)
+        )
+
     def _on_order(self, order: OrderMsg) -> None:
+        if order.term < self._term:
+            self._refuse(order)
+            return
         oid = order.order_id
         if oid in self._queued or oid in self._inflight:
             return  # replayed after a reconnect
@@ -297,6 +320,15 @@ class DataPlane:
         self._queued[oid] = order
 
     def _on_cancel(self, msg: CancelMsg) -> None:
+        if msg.term < self._term:
+            self.cancels_refused += 1
+            log.warning(
+                "cancel of order %s refused: term %d, older than term %d",
+                msg.order_id,
+                msg.term,
+                self._term,
+            )
+            return
         order = self._queued.pop(msg.order_id, None)
         if order is not None:
             self._finish(order, ReportStatus.DROPPED, "cancelled before it was posted")
@@ -376,6 +408,9 @@ class DataPlane:
         now_unix = time.time()
         while self._queued:
             _, order = self._queued.popitem(last=False)
+            if order.term < self._term:  # queued before a newer leader welcomed us
+                self._refuse(order)
+                continue
             if not self._lease_ok():
                 self._finish(order, ReportStatus.DROPPED, "agent lease lapsed; not posting")
                 continue

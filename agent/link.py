@@ -34,6 +34,7 @@ from agent.messages import (
     PeerMsg,
     ReportStatus,
     Target,
+    TermMsg,
     WriteReportMsg,
 )
 from agent.nixl_types import BlockResize, KVRegion, MemoryKind
@@ -53,6 +54,11 @@ ARRIVAL_REPLAY_S = 30.0
 MAX_OUT_BATCH = 256
 
 ChannelFactory = Callable[[str], grpc.Channel]
+
+
+class StaleLeaderError(Exception):
+    """A coordinator welcomed the agent with an older term than the newest it
+    has seen: it no longer leads (term fencing). The link tries another."""
 
 
 def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
@@ -102,6 +108,7 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
         tuple(targets),
         o.deadline_unix_ms / 1000,
         error,
+        o.term,
     )
 
 
@@ -172,6 +179,11 @@ class CoordinatorLink:
     ) -> None:
         self._give_up_s = give_up_s
         self._lost = False  # the stream to a coordinator that welcomed us ended
+        self._lost_since = 0.0
+        # The newest leader term seen in a welcome (0: none, or no --etcd).
+        # Orders and cancels of older terms are refused (agent/dataplane.py).
+        self.term = 0
+        self.stale_refused = 0  # welcomes refused for an older term
         self.outbox: queue.Queue[Outbound] = queue.Queue()
         # One coordinator address, or several (comma-separated) replicas: the
         # link dials the one leading (wire/leader.py).
@@ -230,6 +242,10 @@ class CoordinatorLink:
             try:
                 self._session(channel)
                 delay = self._backoff[0]
+            except StaleLeaderError as exc:
+                self.stale_refused += 1
+                log.warning("%s; trying another coordinator", exc)
+                self._follower.follow()
             except grpc.RpcError as exc:
                 call: Any = exc
                 code = call.code() if hasattr(call, "code") else None
@@ -253,6 +269,7 @@ class CoordinatorLink:
             finally:
                 if self.registered.is_set() and not self._stop.is_set():
                     self._lost = True
+                    self._lost_since = time.monotonic()
                     self._deliver(CoordinatorLostMsg(self._give_up_s))
                 self.registered.clear()
                 self._call = None
@@ -265,16 +282,28 @@ class CoordinatorLink:
     def _session(self, channel: grpc.Channel) -> None:
         stub = pbg.AgentServiceStub(channel)
         done = threading.Event()
-        call = stub.AgentStream(self._requests(done))
+        call: Any = stub.AgentStream(self._requests(done))
         self._call = call
         try:
             for msg in call:
                 self._on_message(msg)
+        except StaleLeaderError:
+            call.cancel()
+            raise
         finally:
             done.set()
 
+    def _term_may_go_back(self) -> bool:
+        """Whether an older term may be followed: only once the agent has been
+        without a coordinator for give_up_s, by when it resolved every transfer
+        locally and nothing of the newer term is left to protect (etcd's data
+        was replaced and its revisions, so the terms, started again)."""
+        return self._lost and time.monotonic() - self._lost_since >= self._give_up_s
+
     def _requests(self, done: threading.Event) -> Iterator[pb.AgentMessage]:
         self._hello_sent = time.monotonic()
+        # A leader of an older term than this refuses us (controlplane/servicers.py).
+        self._hello.term = 0 if self._term_may_go_back() else self.term
         yield pb.AgentMessage(hello=self._hello)
         now = time.monotonic()
         # Arrivals are not replayed by the coordinator: resend recent ones.
@@ -291,6 +320,11 @@ class CoordinatorLink:
             except queue.Empty:
                 item = None
             if item is not None:
+                if done.is_set():
+                    # This stream ended while we waited (grpc still pulls from a
+                    # cancelled call's iterator): the next stream sends it.
+                    self.outbox.put(item)
+                    break
                 yield self._coalesce(item)
             now = time.monotonic()
             if now >= next_hb:
@@ -326,6 +360,16 @@ class CoordinatorLink:
                     self._on_message(item)
         elif kind == "welcome":
             w = msg.welcome
+            if w.term != self.term:
+                if w.term < self.term and not self._term_may_go_back():
+                    raise StaleLeaderError(
+                        f"coordinator {self._follower.current} leads term {w.term}, "
+                        f"older than term {self.term} this agent follows"
+                    )
+                log.info("following leader term %d (was %d)", w.term, self.term)
+                self.term = w.term
+                # Before anything this coordinator sends: its orders are of this term.
+                self._deliver(TermMsg(w.term))
             self._lease_s = w.lease_ms / 1000 or self._lease_s
             self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s
             self._lease_until = self._hello_sent + self._lease_s
@@ -347,7 +391,7 @@ class CoordinatorLink:
             self._deliver(order_from_pb(msg.order))
         elif kind == "cancel_order":
             c = msg.cancel_order
-            self._deliver(CancelMsg(c.order_id, c.transfer_id))
+            self._deliver(CancelMsg(c.order_id, c.transfer_id, c.term))
         elif kind == "peer":
             self._deliver(peer_from_pb(msg.peer))
         elif kind == "peer_fenced":

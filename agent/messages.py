@@ -31,12 +31,22 @@ class OrderMsg:
     targets: tuple[Target, ...]
     deadline_unix: float
     error: str = ""  # set when the order cannot be executed as received
+    term: int = 0  # the term of the leader that sent it (0: no --etcd)
 
 
 @dataclass(frozen=True, slots=True)
 class CancelMsg:
     order_id: str
     transfer_id: str
+    term: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TermMsg:
+    """A welcome carried a newer leader term: refuse orders and cancels of
+    older terms from now on (docs/reliability.md, "Term fencing")."""
+
+    term: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +130,7 @@ Inbound = (
     | CoordinatorChangedMsg
     | CoordinatorLostMsg
     | CoordinatorBackMsg
+    | TermMsg
 )
 
 

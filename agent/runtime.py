@@ -213,3 +213,13 @@ class Agent:
     @property
     def writes_posted(self) -> int:
         return self._dataplane.writes_posted
+
+    @property
+    def leader_term(self) -> int:
+        """The newest leader term seen in a welcome (0: none, or no --etcd)."""
+        return self._link.term if self._link is not None else 0
+
+    @property
+    def orders_refused(self) -> int:
+        """Orders refused for an older leader term (term fencing)."""
+        return self._dataplane.orders_refused

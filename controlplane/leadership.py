@@ -47,6 +47,18 @@ class NotLeader(Exception):
         self.term = term
 
 
+class StaleTerm(NotLeader):
+    """An agent has seen a newer leader than this one (its hello's term is
+    higher): this replica's leadership is over even if it does not know yet."""
+
+    def __init__(self, term: int, agent_term: int) -> None:
+        super().__init__("", term)
+        self.args = (
+            f"this coordinator leads term {term}, but the agent has seen term "
+            f"{agent_term}: a newer leader exists",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class View:
     role: Role

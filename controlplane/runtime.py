@@ -46,17 +46,26 @@ WATCH_QUEUE_LIMIT = 10_000
 Outgoing: TypeAlias = pb.CoordinatorMessage | Order
 
 
-def to_message(item: Outgoing) -> pb.CoordinatorMessage:
-    """An outbox item as the message that carries it alone."""
-    return item if isinstance(item, pb.CoordinatorMessage) else convert.order_message(item)
+def to_message(item: Outgoing, term: int = 0) -> pb.CoordinatorMessage:
+    """An outbox item as the message that carries it alone (an order stamped
+    with the leader's `term`)."""
+    if isinstance(item, pb.CoordinatorMessage):
+        return item
+    msg = convert.order_message(item)
+    if term:
+        msg.order.term = term
+    return msg
 
 
-def _add(msgs: Any, item: Outgoing) -> None:
+def _add(msgs: Any, item: Outgoing, term: int) -> None:
     """Append `item` to a CoordinatorBatch's messages (an order is filled in place)."""
     if isinstance(item, pb.CoordinatorMessage):
         msgs.append(item)
     else:
-        convert.fill_order(msgs.add().order, item)
+        m = msgs.add().order
+        convert.fill_order(m, item)
+        if term:
+            m.term = term
 
 
 @dataclass(eq=False)
@@ -68,27 +77,30 @@ class AgentSession:
     known_peers: set[tuple[AgentKey, str]] = field(default_factory=set)
     closed: bool = False
     accepts_batches: bool = False  # AgentHello.accepts_batches
+    # The leader's term, stamped on every order (0: no --etcd).
+    term: int = 0
 
     def take(self, first: Outgoing) -> tuple[pb.CoordinatorMessage, bool]:
         """What to send now, given the item just taken from the outbox, and
         whether the session ended. With a batching agent, everything already
         queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
+        term = self.term
         if not self.accepts_batches or q.empty():
-            return to_message(first), False
+            return to_message(first, term), False
         nxt = q.get_nowait()
         if nxt is None:
-            return to_message(first), True
+            return to_message(first, term), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
-        _add(msgs, first)
-        _add(msgs, nxt)
+        _add(msgs, first, term)
+        _add(msgs, nxt, term)
         n = 2
         while n < MAX_OUT_BATCH and not q.empty():
             item = q.get_nowait()
             if item is None:
                 return out, True
-            _add(msgs, item)
+            _add(msgs, item, term)
             n += 1
         return out, False
 
@@ -130,6 +142,10 @@ class Runtime:
         self._ticker: asyncio.Task[None] | None = None
         # Metrics and tracing (controlplane/metrics.py, tracing.py), told of every change.
         self.observers: list[TransferObserver] = []
+        # The leader's term (controlplane/leadership.py): set once, when this
+        # replica is elected (a replica that loses the leadership ends), and
+        # stamped on every welcome, order and cancel. 0 without --etcd.
+        self.term = 0
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -194,6 +210,7 @@ class Runtime:
                                 order_id=e.order_id,
                                 transfer_id=e.transfer_id,
                                 reason=convert.REASON_TO_PB[e.reason],
+                                term=self.term,
                             )
                         )
                     )
@@ -258,7 +275,7 @@ class Runtime:
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()
-        s = AgentSession(reg, accepts_batches=accepts_batches)
+        s = AgentSession(reg, accepts_batches=accepts_batches, term=self.term)
         self._sessions[reg.key] = s
         st = self.core.settings
         s.send(
@@ -267,6 +284,7 @@ class Runtime:
                     lease_ms=int(st.lease_s * 1000),
                     heartbeat_interval_ms=int(st.heartbeat_interval_s * 1000),
                     coordinator_id=self.core.coordinator_id,
+                    term=self.term,
                 )
             )
         )

@@ -22,7 +22,7 @@ from controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
-from controlplane.leadership import Leadership, NotLeader, Role
+from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
 from controlplane.runtime import Runtime, to_message
 from controlplane.transfer_filter import TransferFilter
 
@@ -181,6 +181,8 @@ class AgentServicer(pbg.AgentServiceServicer):
             first.hello.identity.engine_id,
             field="hello.identity.engine_id",
         )
+        if self._rt.term and first.hello.term > self._rt.term:
+            raise StaleTerm(self._rt.term, first.hello.term)  # term fencing
         session = self._rt.open_session(
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,

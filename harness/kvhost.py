@@ -233,6 +233,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 agent.pause_posting(args[0])
             elif cmd == "writes_posted":
                 reply = agent.writes_posted
+            elif cmd == "term":  # the newest leader term seen, orders refused for older ones
+                reply = (agent.leader_term, agent.orders_refused)
             conn.send(("reply", reply))
     finally:
         agent.close()

@@ -346,6 +346,8 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         d.start()
         d.call("canary", CANARY)
         _wait_ready(lead.address)
+        old_term = leadership(lead.address).term  # type: ignore[union-attr]
+        assert p.call("term") == d.call("term") == (old_term, 0)  # from the welcome
         _transfer(client, lead.address, p, d, "ha-before", seed=41)
 
         # In flight at the failover (the WRITE held back): resolves as after a
@@ -363,6 +365,10 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         assert d.wait_event("ha-inflight", DEADLINE_S).kind is EventKind.KV_FAILED
         p.call("pause", False)
         assert p.call("writes_posted") == written  # nothing of ha-inflight was written
+        # The agents follow the new leader's term (orders are stamped with it).
+        new_term = leadership(standby.address).term  # type: ignore[union-attr]
+        assert new_term > old_term
+        assert p.call("term")[0] == d.call("term")[0] == new_term
         untouched = [b for b in range(NB) if b not in (20, 21)]  # ha-before wrote 20, 21
         assert d.call("check_canary", untouched, CANARY) == []
 

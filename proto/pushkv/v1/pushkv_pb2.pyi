@@ -378,6 +378,7 @@ class AgentHello(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     API_URL_FIELD_NUMBER: _builtins.int
     ACCEPTS_BATCHES_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
@@ -386,6 +387,11 @@ class AgentHello(_message.Message):
     accepts_batches: _builtins.bool
     """The agent understands CoordinatorMessage.batch; without it the
     coordinator sends one message per order or notice.
+    """
+    term: _builtins.int
+    """The newest leader term this agent has seen in a welcome (0: none, or no
+    --etcd). A leader of an older term refuses the agent (docs/reliability.md,
+    "Term fencing").
     """
     @_builtins.property
     def identity(self) -> Global___AgentIdentity: ...
@@ -401,10 +407,11 @@ class AgentHello(_message.Message):
         layout: Global___KVLayout | None = ...,
         api_url: _builtins.str = ...,
         accepts_batches: _builtins.bool = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -561,19 +568,26 @@ class Welcome(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     COORDINATOR_ID_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     lease_ms: _builtins.int
     heartbeat_interval_ms: _builtins.int
     coordinator_id: _builtins.str
+    term: _builtins.int
+    """The leader's term (its etcd election key's create revision; 0 without
+    --etcd). An agent moves to a newer term and refuses orders and cancels of
+    an older one than the newest it has seen.
+    """
     def __init__(
         self,
         *,
         lease_ms: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         coordinator_id: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lease_ms", b"lease_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lease_ms", b"lease_ms", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -759,12 +773,15 @@ class TransferOrder(_message.Message):
     TARGETS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     order_id: _builtins.str
     transfer_id: _builtins.str
     prefill_rank: _builtins.int
     prefill_incarnation: _builtins.str
     deadline_unix_ms: _builtins.int
     num_tokens: _builtins.int
+    term: _builtins.int
+    """The term of the leader that sent it (Welcome.term; 0 without --etcd)."""
     @_builtins.property
     def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___WriteTarget]: ...
     def __init__(
@@ -777,10 +794,11 @@ class TransferOrder(_message.Message):
         targets: _abc.Iterable[Global___WriteTarget] | None = ...,
         deadline_unix_ms: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "num_tokens", b"num_tokens", "order_id", b"order_id", "prefill_incarnation", b"prefill_incarnation", "prefill_rank", b"prefill_rank", "targets", b"targets", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "num_tokens", b"num_tokens", "order_id", b"order_id", "prefill_incarnation", b"prefill_incarnation", "prefill_rank", b"prefill_rank", "targets", b"targets", "term", b"term", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -793,19 +811,23 @@ class CancelOrder(_message.Message):
     ORDER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     order_id: _builtins.str
     transfer_id: _builtins.str
     reason: Global___Reason.ValueType
+    term: _builtins.int
+    """The term of the leader that sent it (Welcome.term; 0 without --etcd)."""
     def __init__(
         self,
         *,
         order_id: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         reason: Global___Reason.ValueType = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["order_id", b"order_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["order_id", b"order_id", "reason", b"reason", "term", b"term", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
