@@ -51,6 +51,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
             rank, size = compat.tp_rank_and_size()
             geometry = compat.kv_geometry(vllm_config)
             kv_heads = int(geometry.pop("kv_heads_per_rank"))
+            mla = kv_checks.mla_geometry(kv_cache_config)
             self._worker = PushWorkerHalf(
                 self.settings,
                 engine_id=self.engine_id,
@@ -61,6 +62,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1):  # type: ignore[mis
                 num_blocks=int(kv_cache_config.num_blocks),
                 compat=geometry,
                 kv_heads=kv_heads,
+                mla_head_size=mla[1] if mla else 0,
             )
 
     # ------------------------------------------------------------ scheduler side
