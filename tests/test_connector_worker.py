@@ -33,7 +33,13 @@ from vllm_integration.compat import KVConnectorRole
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.settings import ConnectorSettings
-from vllm_integration.worker import PushWorkerHalf, distinct_regions, regions_of
+from vllm_integration.worker import (
+    PushWorkerHalf,
+    block_layout,
+    distinct_regions,
+    mla_block_layout,
+    regions_of,
+)
 
 NB = 32  # blocks per layer
 HEADS, BLOCK, HEAD_DIM = 2, 16, 8
@@ -575,3 +581,70 @@ def test_a_failed_load_names_block_ids_only_with_one_kv_group(kv_groups: int) ->
     assert half.take_failed() == {"dreq"}
     assert half.get_block_ids_with_load_errors() == ({4, 5, 9} if kv_groups == 1 else set())
     half.shutdown()
+
+
+# ---------------------------------------------------------------- MLA
+
+
+LATENT = 576  # MLA: kv_lora_rank 512 + rope 64, one latent per token
+
+
+@pytest.mark.parametrize(
+    ("shape", "described"),
+    [((NB, 1, BLOCK, LATENT), f"B,1,N,L{LATENT}"), ((NB, BLOCK, LATENT), f"B,N,L{LATENT}")],
+    ids=["vllm-cpu", "no-heads-dim"],
+)
+def test_mla_layer_is_one_latent_region_of_whole_blocks(
+    shape: tuple[int, ...], described: str
+) -> None:
+    """vLLM's CPU MLA cache: per layer [blocks, 1, tokens, latent], no K/V split:
+    one region per layer, a block = BLOCK x 576 x 4 bytes, one contiguous span."""
+    caches = {n: torch.zeros(shape) for n in LAYERS}
+    assert mla_block_layout(caches, NB, BLOCK, LATENT) == (described, True)
+    block_len = BLOCK * LATENT * 4
+    regions = regions_of(caches, NB)
+    assert regions == tuple(KVRegion(caches[n].data_ptr(), block_len, NB, 0) for n in LAYERS)
+    r = regions[0]
+    assert r.base_addr + 7 * r.block_len == caches[LAYERS[0]][7].data_ptr()
+    # The per-head description would not say it is MLA's latent.
+    assert block_layout(caches, NB, 1, BLOCK)[0] != described
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (NB, 2, BLOCK, LATENT),
+        (2, NB, BLOCK, LATENT),
+        (NB, BLOCK, 512),
+        (2 * NB, BLOCK // 2, LATENT),
+    ],
+    ids=["heads-dimension", "kv-split", "latent-width", "kernel-blocks"],
+)
+def test_mla_layout_refuses_a_shape_it_cannot_describe(shape: tuple[int, ...]) -> None:
+    caches = {n: torch.zeros(shape) for n in LAYERS}
+    with pytest.raises(ValueError, match="MLA KV tensor of shape"):
+        mla_block_layout(caches, NB, BLOCK, LATENT)
+
+
+def test_mla_worker_registers_the_latent_layout(coord: CoordinatorProcess, nixl_env: None) -> None:
+    half = PushWorkerHalf(
+        ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+        engine_id=f"D-mla-{uuid.uuid4().hex[:8]}",
+        is_prefill=False,
+        tp_rank=0,
+        tp_size=1,
+        tokens_per_block=BLOCK,
+        num_blocks=NB,
+        compat={**COMPAT, "mla": "True"},
+        kv_heads=1,
+        mla_head_size=LATENT,
+    )
+    try:
+        half.register_kv_caches({n: torch.zeros(NB, 1, BLOCK, LATENT) for n in LAYERS})
+        assert half.agent is not None and half.agent.registered
+        cfg = half.agent.config
+        assert dict(cfg.compat)["kv_layout"] == f"B,1,N,L{LATENT}"
+        assert cfg.head_major and cfg.kv_heads == 1
+        assert [r.block_len for r in cfg.regions] == [BLOCK * LATENT * 4] * len(LAYERS)
+    finally:
+        half.shutdown()

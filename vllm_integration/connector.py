@@ -69,6 +69,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
             rank, size = compat.tp_rank_and_size()
             geometry = compat.kv_geometry(vllm_config)
             kv_heads = int(geometry.pop("kv_heads_per_rank"))
+            mla = kv_checks.mla_geometry(kv_cache_config)
             self._worker = PushWorkerHalf(
                 self.settings,
                 engine_id=self.engine_id,
@@ -80,6 +81,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
                 compat=geometry,
                 kv_heads=kv_heads,
                 kv_groups=kv_groups,
+                mla_head_size=mla[1] if mla else 0,
             )
 
     # ------------------------------------------------------------ scheduler side

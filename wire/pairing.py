@@ -67,12 +67,23 @@ def pair_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
     return tp_mismatch(p_tp, p, d_tp, d)
 
 
+# The compat field saying whether an engine's KV cache is MLA latents (vLLM's
+# use_mla): checked first, as the clearest reason two layouts cannot pair.
+MLA = "mla"
+
+
 def compat_mismatch(
     p: tuple[tuple[str, str], ...], d: tuple[tuple[str, str], ...], skip: str = ""
 ) -> str:
     """The first compatibility field both engines name and give different
-    values (the field named `skip` aside)."""
-    d_compat = dict(d)
+    values (MLA or not first; the field named `skip` aside)."""
+    p_compat, d_compat = dict(p), dict(d)
+    p_mla, d_mla = p_compat.get(MLA), d_compat.get(MLA)
+    if p_mla is not None and d_mla is not None and p_mla != d_mla:
+        return (
+            f"{MLA} differs: prefill {p_mla!r}, decode {d_mla!r} (one engine's KV cache "
+            "is MLA latents, the other's per-head K/V: they cannot pair)"
+        )
     for name, value in p:
         if name == skip:
             continue

@@ -14,9 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.tiny_model import build_tiny_model
+from harness.tiny_model import build_tiny_mla_model, build_tiny_model
 
-__all__ = ["tiny_model_1kv_dir_fixture", "tiny_model_dir_fixture"]
+__all__ = [
+    "tiny_mla_model_dir_fixture",
+    "tiny_model_1kv_dir_fixture",
+    "tiny_model_dir_fixture",
+]
 
 
 @pytest.fixture(scope="session", name="tiny_model_dir")
@@ -29,3 +33,9 @@ def tiny_model_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_1kv_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama with 1 KV head (4 attention heads): TP 2 replicates it."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model_1kv"), kv_heads=1)
+
+
+@pytest.fixture(scope="session", name="tiny_mla_model_dir")
+def tiny_mla_model_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random DeepSeek-V2 (MLA: one 576-wide latent per token; 2 layers)."""
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla_model"))
