@@ -17,33 +17,20 @@ import sys
 import time
 from collections.abc import Sequence
 
-import grpc
 from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from harness.coordinator import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess, leadership
 from harness.etcd import EtcdServer
 
 POLL_S = 0.005
 DEADLINE_S = 30.0
 
 
-def _view(address: str) -> pb.Leadership | None:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            view: pb.Leadership = pbg.StatusServiceStub(ch).GetLeadership(
-                pb.GetLeadershipRequest(), timeout=1
-            )
-            return view
-        except grpc.RpcError:
-            return None
-
-
 def _leader(replicas: Sequence[CoordinatorProcess]) -> CoordinatorProcess:
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         for r in replicas:
-            v = _view(r.address)
+            v = leadership(r.address, timeout=1)
             if v is not None and v.role == pb.LEADER_ROLE_LEADER:
                 return r
         time.sleep(POLL_S)
@@ -54,7 +41,10 @@ def _standbys_ready(replicas: Sequence[CoordinatorProcess], leader: str) -> None
     """Every replica names `leader` (each holds its lease and polls the key)."""
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
-        if all((v := _view(r.address)) is not None and v.leader == leader for r in replicas):
+        if all(
+            (v := leadership(r.address, timeout=1)) is not None and v.leader == leader
+            for r in replicas
+        ):
             return
         time.sleep(POLL_S)
     raise TimeoutError(f"replicas did not agree on {leader} within {DEADLINE_S} s")

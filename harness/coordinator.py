@@ -10,6 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
 
 class CoordinatorProcess:
     def __init__(self, *flags: str, port: int = 0, log_path: str | None = None) -> None:
@@ -81,3 +85,15 @@ class CoordinatorProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def leadership(address: str, timeout: float = 2.0) -> pb.Leadership | None:
+    """A replica's GetLeadership answer, or None while it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            view: pb.Leadership = pbg.StatusServiceStub(ch).GetLeadership(
+                pb.GetLeadershipRequest(), timeout=timeout
+            )
+            return view
+        except grpc.RpcError:
+            return None

@@ -20,7 +20,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess, leadership
 from harness.etcd import EtcdCluster
 from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
@@ -38,17 +38,6 @@ NB = 32
 CANARY = 0x77
 GIVE_UP_S = 6.0
 EXIT_LEADERSHIP_LOST = 3
-
-
-def leadership(address: str) -> pb.Leadership | None:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            view: pb.Leadership = pbg.StatusServiceStub(ch).GetLeadership(
-                pb.GetLeadershipRequest(), timeout=2
-            )
-            return view
-        except grpc.RpcError:
-            return None
 
 
 def poll(cond: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> float:
