@@ -96,6 +96,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         port=args.port,
         leg_timeout_s=args.leg_timeout_s,
         pool_idle_s=args.pool_idle_s,
+        unlisted_grace_s=args.unlisted_grace_s,
         on_transfer_failure=args.on_transfer_failure,
     )
     asyncio.run(serve(settings))
@@ -233,6 +234,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         default=_env("pool_idle_s", 2.0),
         help="close pooled engine connections idle this long; keep below the engines' "
         "keep-alive (vLLM: 5 s)",
+    )
+    r.add_argument(
+        "--unlisted-grace-s",
+        type=float,
+        default=_env("unlisted_grace_s", 10.0),
+        help="a decode engine that drops out of the coordinator's list (a restarted "
+        "coordinator lists none until the agents reconnect) still serves requests alone "
+        "this long",
     )
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(r)

@@ -179,7 +179,7 @@ def test_router_killed_mid_request(cluster: Cluster) -> None:
     body = {
         "model": "tiny",
         "prompt": list(range(10, 200)),
-        "max_tokens": 400,
+        "max_tokens": 830,  # with the 190-token prompt, just under max_model_len 1024
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -194,9 +194,16 @@ def test_router_killed_mid_request(cluster: Cluster) -> None:
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
     assert resp.readline().startswith(b"data: ")  # the first chunk: decode is running
-    assert cluster.router.proc is not None
-    cluster.router.proc.kill()  # the router crashes mid-stream
-    cluster.router.proc.wait(10)
+    assert cluster.router.proc is not None and cluster.decode.proc is not None
+    # Freeze decode so that the stream cannot finish before the router dies: a
+    # starved test process could otherwise read its first chunk after every
+    # token was relayed (seen in CI: the stream 'completed').
+    os.killpg(cluster.decode.proc.pid, signal.SIGSTOP)
+    try:
+        cluster.router.proc.kill()  # the router crashes mid-stream
+        cluster.router.proc.wait(10)
+    finally:
+        os.killpg(cluster.decode.proc.pid, signal.SIGCONT)
     # From now on a read that waits STREAM_READ_S is a hang, not a break. A
     # chunked keep-alive response leaves its socket on the connection.
     assert conn.sock is not None

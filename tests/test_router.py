@@ -506,6 +506,37 @@ async def test_an_unreachable_coordinator(coord: CoordinatorProcess, policy: str
         assert c.prefill.legs == []
 
 
+@pytest.mark.parametrize("grace", [10.0, 0.0], ids=["within-grace", "past-grace"])
+async def test_a_restarted_coordinator_lists_no_engine_yet(
+    coord: CoordinatorProcess, grace: float
+) -> None:
+    """A restarted coordinator lists no engine until the agents reconnect (these
+    SimAgents never do). Within --unlisted-grace-s the router still sends new
+    requests to the decode engine it listed last, alone, instead of a 503;
+    past it (grace 0) the 503 names the missing decode engine."""
+    async with cluster(coord, unlisted_grace_s=grace) as c:
+        assert c.prefill is not None and c.decode is not None
+        d = c.router.directory
+        assert d.decode
+        coord.stop()
+        coord.start()  # the same address, no engine registered
+        async with asyncio.timeout(DEADLINE_S):
+            while d.decode or d.error:  # the router's refresh reached the new coordinator
+                await asyncio.sleep(0.05)  # polling the router's view under a deadline
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 3}) as r:
+            status, answer = r.status, await r.json()
+        if grace:
+            assert status == 200 and answer == completion("decode says hi")
+            (leg,) = c.decode.legs
+            assert leg.body == {"prompt": "hi", "max_tokens": 3}  # alone: no transfer
+            assert sample(c, "pushkv_router_fallbacks_total", reason="decode_unlisted") == 1
+        else:
+            assert status == 503 and answer["error"]["stage"] == "no_engine", answer
+            assert "no decode engine available" in answer["error"]["message"]
+            assert c.decode.legs == []
+        assert c.prefill.legs == []
+
+
 async def test_a_leg_on_a_connection_the_engine_closed_is_sent_again(
     coord: CoordinatorProcess,
 ) -> None:

@@ -42,6 +42,7 @@ FALLBACK_REASONS = (
     "coordinator_unavailable",
     "no_prefill_engine",
     "no_compatible_prefill",
+    "decode_unlisted",
 )
 CONNECTOR_FALLBACK_REASONS = ("transfer_failed", "registration_failed")
 
@@ -87,7 +88,8 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "pushkv_router_fallbacks",
             "requests the decode engine served without a push, by reason "
-            "(prefill_failed, coordinator_unavailable, no_prefill_engine, no_compatible_prefill)",
+            "(prefill_failed, coordinator_unavailable, no_prefill_engine, no_compatible_prefill, "
+            "decode_unlisted)",
             ["reason"],
             registry=r,
         )

@@ -41,6 +41,9 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     refresh_s: float = 1.0
+    # A decode engine that drops out of the coordinator's list still serves
+    # requests alone (recompute) for this long: see EngineDirectory.
+    unlisted_grace_s: float = 10.0
     leg_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
     # What the router does when the push cannot happen: "recompute" serves the
@@ -110,7 +113,9 @@ class Router:
         self._follower = LeaderFollower(settings.coordinator)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._transfers = pbg.TransferServiceStub(self._channel())
-        self.directory = EngineDirectory(pbg.StatusServiceStub(self._channel()), settings.refresh_s)
+        self.directory = EngineDirectory(
+            pbg.StatusServiceStub(self._channel()), settings.refresh_s, settings.unlisted_grace_s
+        )
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
@@ -349,8 +354,12 @@ class Router:
         why = f" ({d.error})" if d.error else ""
         d_eng = d.pick(d.decode)
         if d_eng is None:
-            raise Failure(Stage.NO_ENGINE, "no decode engine available" + why)
-        if not d.prefill:
+            d_eng = d.pick_unlisted()
+            if d_eng is None or not self.fallback:
+                raise Failure(Stage.NO_ENGINE, "no decode engine available" + why)
+            # e.g. a restarted coordinator whose agents are reconnecting
+            reason, detail = "decode_unlisted", "no decode engine listed"
+        elif not d.prefill:
             reason, detail = "no_prefill_engine", "no prefill engine available" + why
         else:
             reason = "no_compatible_prefill"

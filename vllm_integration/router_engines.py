@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,12 +51,18 @@ class EngineDirectory:
 
     stub: pbg.StatusServiceAsyncStub
     refresh_s: float
+    # A decode engine that drops out of the list stays usable this long, for the
+    # decode engine alone: a restarted coordinator lists no engine until the
+    # agents' reconnects reach it (a few seconds), and the engines still serve.
+    unlisted_grace_s: float = 10.0
     prefill: dict[str, Engine] = field(default_factory=dict)
     decode: dict[str, Engine] = field(default_factory=dict)
     pairs: list[tuple[Engine, Engine]] = field(default_factory=list)
     # Why no pair exists, while prefill and decode engines both do ("" otherwise).
     unpaired: str = ""
     error: str = "engine list not loaded yet"
+    # Decode engines no longer listed, each with the monotonic time it expires.
+    unlisted: dict[str, tuple[Engine, float]] = field(default_factory=dict)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
 
     async def refresh(self) -> None:
@@ -77,6 +84,7 @@ class EngineDirectory:
             eng.url, eng.inflight = e.api_url.rstrip("/"), e.inflight_transfers
             eng.tp_size, eng.shape = e.tp_size, shape_of(e)
             seen[e.role][e.engine_id] = eng
+        self._note_unlisted(seen[pb.ROLE_DECODE])
         self.prefill, self.decode = seen[pb.ROLE_PREFILL], seen[pb.ROLE_DECODE]
         self.pairs, refusals = [], []
         for d in sorted(self.decode.values(), key=lambda e: e.engine_id):
@@ -91,6 +99,21 @@ class EngineDirectory:
             more = f"; and {len(refusals) - 3} more" if len(refusals) > 3 else ""
             self.unpaired = "; ".join(refusals[:3]) + more
         self.error = ""
+
+    def _note_unlisted(self, listed: dict[str, Engine]) -> None:
+        now = time.monotonic()
+        for engine_id, eng in self.decode.items():
+            if engine_id not in listed:
+                self.unlisted[engine_id] = (eng, now + self.unlisted_grace_s)
+        self.unlisted = {
+            k: (e, until) for k, (e, until) in self.unlisted.items() if k not in listed and until > now
+        }
+
+    def pick_unlisted(self) -> Engine | None:
+        """A decode engine listed until recently (within unlisted_grace_s), least loaded."""
+        now = time.monotonic()
+        live = {k: e for k, (e, until) in self.unlisted.items() if until > now}
+        return self.pick(live)
 
     async def run(self) -> None:
         while True:
