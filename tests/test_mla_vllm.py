@@ -55,6 +55,7 @@ shape the comparison:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -179,8 +180,13 @@ def pair(
             env=env,
         )
         for role, tp, core, env in (
-            ("prefill", p_tp, 0, {}),
-            ("decode", d_tp, 1, {"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CANARY_BLOCKS}"}),
+            ("prefill", p_tp, 0, {"PUSHKV_TEST_FAULT": "kv_digest"}),
+            (
+                "decode",
+                d_tp,
+                1,
+                {"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CANARY_BLOCKS},kv_digest"},
+            ),
         )
     )
     router = RouterProcess(coord.address)
@@ -266,3 +272,26 @@ def test_greedy_equals_single_engine(pair: Pair, reference: Reference) -> None:
         # One arrival per decode rank, each written whole by prefill rank 0.
         arrived = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrived == [0] * pair.d_tp
+    # Byte-exact, whatever the engines then compute: the decode blocks hold
+    # what the prefill blocks held (the test hook kv_digest), all but the
+    # canary, whose corruption the digest must see (its negative control).
+    sent, landed = (kv_digests(s.log_path) for s in (pair.prefill, pair.decode))
+    for t in listed:
+        tid = t.transfer_id
+        assert tid in sent and tid in landed, f"{tid}: no kv_digest line on both sides"
+        (p_blocks, p_sha), (d_blocks, d_sha) = sent[tid], landed[tid]
+        assert p_blocks == d_blocks, f"{tid}: {p_blocks} blocks sent, {d_blocks} landed"
+        if d_blocks == CANARY_BLOCKS:
+            assert p_sha != d_sha, f"{tid}: the corrupted canary's digest is unchanged"
+        else:
+            assert p_sha == d_sha, f"{tid}: the latents landed differ from those sent"
+
+
+DIGEST_LINE = re.compile(r"kv_digest side=\w+ transfer=(\S+) blocks=(\d+) sha256=([0-9a-f]{64})")
+
+
+def kv_digests(log: Path | None) -> dict[str, tuple[int, str]]:
+    """The kv_digest lines of an engine's log, by transfer id."""
+    assert log is not None
+    found = DIGEST_LINE.findall(log.read_text(errors="replace"))
+    return {tid: (int(n), sha) for tid, n, sha in found}

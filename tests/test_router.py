@@ -521,8 +521,9 @@ async def test_a_restarted_coordinator_lists_no_engine_yet(
         coord.stop()
         coord.start()  # the same address, no engine registered
         async with asyncio.timeout(DEADLINE_S):
-            while d.decode or d.error:  # the router's refresh reached the new coordinator
-                await asyncio.sleep(0.05)  # polling the router's view under a deadline
+            # The router's refresh reached the new coordinator (its view, polled).
+            while d.decode or d.error:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 3}) as r:
             status, answer = r.status, await r.json()
         if grace:

@@ -36,7 +36,10 @@ MAX_TOKENS = 12
 # cores; a lease longer than the default 5 s keeps a starved agent thread's
 # late heartbeat from failing every transfer of its engine, and a longer write
 # timeout than the default 15 s does the same for a starved rank's DONE report.
-COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+# 20 s was seen to lapse once in a full CI run (a decode rank's agent silent
+# for 20 s while 4 TP workers shared the 2 cores), so 60 s: these tests prove
+# the TP mapping, tests/test_tp_faults.py and the rank-kill tests the leases.
+COORD_FLAGS = ("--lease-s", "60", "--write-timeout-s", "60", "--log-level", "WARNING")
 PROMPTS = serving.varied_prompts(2024)
 
 

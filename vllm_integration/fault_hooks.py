@@ -16,13 +16,25 @@ is one call that returns at once. Faults:
     blocks), so one armed engine serves every other request untouched. DRAM
     (CPU) KV caches only.
 
-The negative control in ``tests/test_e2e_vllm.py`` uses it to prove that the
-end-to-end comparison with an independent engine detects wrong KV.
+``kv_digest``
+    Not a fault, an observation: each prefill worker logs a SHA-256 of the KV
+    it holds for every transfer it reports done (the blocks of the prompt, every
+    region, in block order), and each decode worker the same digest of the
+    blocks a transfer landed in (after ``corrupt_kv``, when both are armed), one
+    line each: ``kv_digest side=<prefill|decode> transfer=<id> blocks=<n>
+    sha256=<hex>``. Equal digests prove a transfer byte-exact, whatever the
+    engines then compute from it. TP 1 into TP 1 (whole blocks), DRAM only.
+
+Several hooks are armed together with commas (``corrupt_kv:blocks=25,kv_digest``).
+
+The negative control in ``tests/test_e2e_vllm.py`` uses ``corrupt_kv`` to prove
+that the end-to-end comparison with an independent engine detects wrong KV.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -35,12 +47,24 @@ ENV = "PUSHKV_TEST_FAULT"
 log = logging.getLogger("pushkv.fault_hooks")
 
 
+KNOWN = ("corrupt_kv", "kv_digest")
+
+
+def parse_hooks(value: str | None) -> dict[str, str]:
+    """``kind[:arg]`` items, comma-separated, by kind; an unknown kind is an error."""
+    hooks: dict[str, str] = {}
+    for item in filter(None, (value or "").split(",")):
+        kind, _, arg = item.strip().partition(":")
+        if kind not in KNOWN:
+            raise ValueError(f"{ENV}={value!r}: unknown hook {kind!r} (known: {', '.join(KNOWN)})")
+        hooks[kind] = arg
+    return hooks
+
+
 def parse_corrupt_kv(value: str | None) -> int | None:
     """The block count of ``corrupt_kv:blocks=<n>``; None when that fault is not named."""
-    if not value:
-        return None
-    kind, _, arg = value.partition(":")
-    if kind != "corrupt_kv":
+    arg = parse_hooks(value).get("corrupt_kv")
+    if arg is None:
         return None
     key, _, n = arg.partition("=")
     if key != "blocks" or not n.isdigit() or int(n) < 1:
@@ -49,6 +73,7 @@ def parse_corrupt_kv(value: str | None) -> int | None:
 
 
 _CORRUPT_BLOCKS = parse_corrupt_kv(os.environ.get(ENV))
+DIGEST = "kv_digest" in parse_hooks(os.environ.get(ENV))
 if _CORRUPT_BLOCKS is not None:
     log.warning("%s: every transfer into %d blocks is corrupted on arrival", ENV, _CORRUPT_BLOCKS)
 
@@ -66,8 +91,41 @@ def corrupt_blocks(base_addrs: Sequence[int], block_len: int, block_ids: Sequenc
     return changed
 
 
-def kv_arrived(agent: Agent | None, block_ids: Sequence[int]) -> None:
+def blocks_digest(base_addrs: Sequence[int], block_len: int, block_ids: Sequence[int]) -> str:
+    """SHA-256 of each block, region by region in ``base_addrs`` order."""
+    h = hashlib.sha256()
+    for b in block_ids:
+        for base in base_addrs:
+            h.update(ctypes.string_at(base + b * block_len, block_len))
+    return h.hexdigest()
+
+
+def kv_digest(agent: Agent | None, side: str, transfer_id: str, block_ids: Sequence[int]) -> None:
+    """Log the digest of a transfer's blocks (``kv_digest`` armed, DRAM only)."""
+    if not DIGEST or agent is None or agent.config.memory.name != "DRAM":
+        return
+    regions = agent.config.regions
+    if len({r.block_len for r in regions}) != 1:
+        log.error("%s: kv_digest needs one block length across regions; skipped", ENV)
+        return
+    sha = blocks_digest([r.base_addr for r in regions], regions[0].block_len, block_ids)
+    log.warning(
+        "kv_digest side=%s transfer=%s blocks=%d sha256=%s", side, transfer_id, len(block_ids), sha
+    )
+
+
+def kv_sent(agent: Agent | None, transfer_id: str, block_ids: Sequence[int]) -> None:
+    """Prefill worker: a transfer's prompt KV is final in ``block_ids`` (held)."""
+    kv_digest(agent, "prefill", transfer_id, block_ids)
+
+
+def kv_arrived(agent: Agent | None, transfer_id: str, block_ids: Sequence[int]) -> None:
     """Decode worker: a transfer's KV has landed in ``block_ids`` (not yet reported)."""
+    _corrupt(agent, block_ids)
+    kv_digest(agent, "decode", transfer_id, block_ids)
+
+
+def _corrupt(agent: Agent | None, block_ids: Sequence[int]) -> None:
     if _CORRUPT_BLOCKS is None or len(block_ids) != _CORRUPT_BLOCKS or agent is None:
         return
     cfg = agent.config

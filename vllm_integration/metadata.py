@@ -22,6 +22,9 @@ class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
     fail: list[RecvSpec] = field(default_factory=list)
     # Prefill: requests whose blocks are held until the agent frees them.
     send: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
+    # Prefill: the held prompt blocks by transfer id, only while the test hook
+    # kv_digest is armed (vllm_integration/fault_hooks.py).
+    send_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Prefill: held requests whose blocks no WRITE will ever read (the coordinator
     # refused or had already ended the transfer): free them without waiting for
     # the agent, which is never told about such a transfer.

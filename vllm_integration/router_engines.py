@@ -106,7 +106,9 @@ class EngineDirectory:
             if engine_id not in listed:
                 self.unlisted[engine_id] = (eng, now + self.unlisted_grace_s)
         self.unlisted = {
-            k: (e, until) for k, (e, until) in self.unlisted.items() if k not in listed and until > now
+            k: (e, until)
+            for k, (e, until) in self.unlisted.items()
+            if k not in listed and until > now
         }
 
     def pick_unlisted(self) -> Engine | None:

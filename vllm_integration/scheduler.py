@@ -30,7 +30,7 @@ import logging
 import time
 from typing import Any
 
-from vllm_integration import compat
+from vllm_integration import compat, fault_hooks
 from vllm_integration.client import Call, CoordinatorClient, needs_engine
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
@@ -289,6 +289,8 @@ class PushSchedulerHalf:
                     )
                 )
                 self._meta.send.append((rid, tid))
+                if fault_hooks.DIGEST:
+                    self._meta.send_blocks[tid] = first
                 return True, {"transfer_id": tid}
             self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))
             return False, None

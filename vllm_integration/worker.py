@@ -267,6 +267,8 @@ class PushWorkerHalf:
         for rid, tid in meta.send:
             self._send[tid] = rid
             self._held.add(rid)
+            if tid in meta.send_blocks:  # only with the test hook kv_digest armed
+                fault_hooks.kv_sent(self.agent, tid, meta.send_blocks[tid])
         if self.agent is not None:
             if expect:
                 self.agent.expect(expect)
@@ -351,7 +353,7 @@ class PushWorkerHalf:
             return 0
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
-            fault_hooks.kv_arrived(self.agent, recv.block_ids)  # no-op unless a test arms it
+            fault_hooks.kv_arrived(self.agent, tid, recv.block_ids)  # no-op unless a test arms it
             self._recving_done.add(recv.request_id)
             return 1
         if e.kind is EventKind.KV_FAILED:
