@@ -23,7 +23,8 @@ is one call that returns at once. Faults:
     blocks a transfer landed in (after ``corrupt_kv``, when both are armed), one
     line each: ``kv_digest side=<prefill|decode> transfer=<id> blocks=<n>
     sha256=<hex>``. Equal digests prove a transfer byte-exact, whatever the
-    engines then compute from it. TP 1 into TP 1 (whole blocks), DRAM only.
+    engines then compute from it. Whole blocks only (equal TP, or an MLA
+    latent replicated to every decode rank: one line per rank), DRAM only.
 
 Several hooks are armed together with commas (``corrupt_kv:blocks=25,kv_digest``).
 
