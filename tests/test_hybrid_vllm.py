@@ -17,7 +17,11 @@ coordinator's pushkv_write_bytes_total shows.
 The same pair with the manager off (--disable-hybrid-kv-cache-manager: one
 full-attention group of all 4 layers, every block kept) is the baseline: the
 same outputs, ceil(n / 32) blocks over 4 regions per transfer. Outputs are
-compared with an independent engine started with no KV connector."""
+compared with an independent engine started with no KV connector.
+
+With HMA on, the same runs at TP2 into TP2 (each rank holds one of the two
+KV heads) and TP2 into TP1 (each prefill rank writes its head's slice of the
+decode blocks, 2 writers per decode rank): the same outputs, the same bytes."""
 
 from __future__ import annotations
 
@@ -44,10 +48,10 @@ LAYERS = 4  # sliding, full, sliding, full
 MAX_TOKENS = 12
 # One block of one layer: 2 KV heads x 32 tokens x (K|V of head size 32) x 4 bytes.
 BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
-# Starvation allowances for this shared 2-core machine (as the TP tests): a
-# longer lease and write timeout than the defaults, and a longer RPC timeout
-# for the engines' coordinator calls than the default 5 s.
-COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+# Starvation allowances for this shared 2-core machine (as the TP tests; TP2
+# engines here too): a longer lease and write timeout than the defaults, and a
+# longer RPC timeout for the engines' coordinator calls than the default 5 s.
+COORD_FLAGS = ("--lease-s", "60", "--write-timeout-s", "60", "--log-level", "WARNING")
 EXTRA_CONFIG = {"rpc_timeout_s": 20}
 PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
@@ -93,6 +97,8 @@ def reference(hybrid_model_dir: Path) -> list[str]:
 @dataclass
 class Pair:
     hma: bool
+    p_tp: int
+    d_tp: int
     coord: CoordinatorProcess
     metrics_url: str
     prefill: VllmServer
@@ -100,11 +106,15 @@ class Pair:
     router: RouterProcess
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["hma-on", "hma-off"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, 1, 1), (False, 1, 1), (True, 2, 2), (True, 2, 1)],
+    ids=["hma-on", "hma-off", "hma-on-tp2", "hma-on-tp2-into-tp1"],
+)
 def pair(
     request: pytest.FixtureRequest, hybrid_model_dir: Path, reference: list[str]
 ) -> Iterator[Pair]:
-    hma: bool = request.param
+    hma, p_tp, d_tp = request.param
     metrics_port = free_port()
     coord = CoordinatorProcess(*COORD_FLAGS, "--metrics-port", str(metrics_port)).start()
     extra = () if hma else ("--disable-hybrid-kv-cache-manager",)
@@ -114,13 +124,14 @@ def pair(
             role,
             f"{role}-hybrid",
             coord.address,
-            cpu_core=core,
+            cpu_core=core if tp == 1 else None,
+            tp_size=tp,
             block_size=BLOCK,
             max_num_seqs=32,
             extra_args=extra,
             extra_config=EXTRA_CONFIG,
         )
-        for role, core in (("prefill", 0), ("decode", 1))
+        for role, core, tp in (("prefill", 0, p_tp), ("decode", 1, d_tp))
     ]
     prefill, decode = servers
     router = RouterProcess(coord.address)
@@ -130,7 +141,8 @@ def pair(
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Pair(hma, coord, f"http://127.0.0.1:{metrics_port}/metrics", prefill, decode, router)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield Pair(hma, p_tp, d_tp, coord, metrics_url, prefill, decode, router)
     finally:
         router.stop()
         prefill.stop()
@@ -154,12 +166,15 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
             assert TWO_GROUPS_LINE not in log
     # What each agent's hello says (KVShape.regions: (group, block length) per
     # region): HMA on, the 2 distinct regions listed once per KV cache group.
-    for engine in serving.engines(pair.coord.address).values():
+    for eid, engine in serving.engines(pair.coord.address).items():
+        tp = pair.p_tp if eid.startswith("prefill") else pair.d_tp
         shape = [(r.group, r.block_len) for r in engine.kv.regions]
+        rank_bytes = BLOCK_BYTES // tp  # TP2: one of the 2 KV heads per rank
+        assert engine.tp_size == tp
         if pair.hma:
-            assert shape == [(g, BLOCK_BYTES) for g in (0, 1) for _ in range(2)], shape
+            assert shape == [(g, rank_bytes) for g in (0, 1) for _ in range(2)], shape
         else:
-            assert shape == [(0, BLOCK_BYTES)] * LAYERS, shape
+            assert shape == [(0, rank_bytes)] * LAYERS, shape
     before = serving.external_tokens(pair.decode.metrics())
     bytes_before = written_bytes(pair)
 
@@ -193,7 +208,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
         seen.append(t.num_tokens)
         assert t.state == pb.TRANSFER_STATE_COMPLETE, why
         assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
-            (0, pb.RANK_STATE_DONE, True)
+            (r, pb.RANK_STATE_DONE, True) for r in range(pair.p_tp)
         ]
         n = t.num_tokens
         full = math.ceil(n / BLOCK)
