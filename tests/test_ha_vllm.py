@@ -39,8 +39,10 @@ from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
 # etcd grants 1 s leases here (harness/etcd.py shortens its raft timings).
-REPLICA = ("--etcd-lease-s", "1", "--lease-s", "2", "--heartbeat-interval-s", "0.5")
-REPLICA += ("--write-timeout-s", "3", "--log-level", "INFO")
+REPLICA = (
+    *("--etcd-lease-s", "1", "--lease-s", "2", "--heartbeat-interval-s", "0.5"),
+    *("--write-timeout-s", "3", "--log-level", "INFO"),
+)
 # As in tests/test_fallback_vllm.py: a registration whose outcome is unknown is
 # recomputed after this long, longer than the write timeout plus a lease.
 UNCERTAIN_GRACE_S = 8.0
