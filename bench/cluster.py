@@ -97,11 +97,12 @@ def summary(res: Result, hosts: int) -> list[str]:
         sat = res.saturation
         k = res.steps.index(sat)
         hcpu = res.host_cpu[k] if k < len(res.host_cpu) else math.nan
+        to, back = res.msgs[k] if k < len(res.msgs) else (math.nan, math.nan)
         bound = "" if res.saturated else "at least "
         out.append(
             f"  rendezvous: {bound}{sat.completed_per_s:.0f}/s (offered {sat.offered:.0f}/s, "
             f"leader CPU {sat.coord_cpu * 100:.0f}% of its core, hosts CPU {hcpu * 100:.0f}% "
-            f"of one core)"
+            f"of one core); {to:.0f} agent messages/s to the leader, {back:.0f}/s from it"
         )
         if not res.saturated:
             out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate)")

@@ -80,6 +80,7 @@ class Result:
     failover: Failover = field(default_factory=Failover)
     after: Step | None = None  # a step against the new leader
     host_cpu: list[float] = field(default_factory=list)  # per step, all hosts, of one core
+    msgs: list[tuple[float, float]] = field(default_factory=list)  # per step: to, from leader
 
     @property
     def saturation(self) -> Step:
@@ -126,6 +127,7 @@ class ClusterBench:
         self.hosts: list[Connection] = []
         self.leader: CoordinatorProcess | None = None
         self.last_host_cpu = 0.0  # the last step's, all hosts, fraction of one core
+        self.last_msgs = (0.0, 0.0)  # the last step's agent messages/s (to, from) the leader
 
     # ------------------------------------------------------------ processes
     def start(self) -> None:
@@ -247,11 +249,11 @@ class ClusterBench:
         a = self.a
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
-        cpu0, h0 = cpu_seconds(pid), self.host_cpu()
+        cpu0, h0, st0 = cpu_seconds(pid), self.host_cpu(), self.stats()
         share = rate / len(self.hosts)
         cap = a.max_outstanding
         reports: list[ClientReport] = self.ask("run", name, share, duration, cap, a.step_ms / 1000)
-        cpu1, h1, wall1 = cpu_seconds(pid), self.host_cpu(), time.monotonic()
+        cpu1, h1, wall1, st1 = cpu_seconds(pid), self.host_cpu(), time.monotonic(), self.stats()
         want = sum(len(r.sent) for r in reports)
         drained = True
         try:  # every admitted transfer ordered on every rank (or failed), nothing live
@@ -275,7 +277,12 @@ class ClusterBench:
         t_start = min(r.t0 for r in reports)
         s.coord_cpu = (cpu1 - cpu0) / max(wall1 - t_start, 1e-9)
         self.row(s, label)
-        self.last_host_cpu = (h1 - h0) / max(wall1 - t_start, 1e-9)
+        dt = max(wall1 - t_start, 1e-9)
+        self.last_host_cpu = (h1 - h0) / dt
+        self.last_msgs = (
+            (sum(x[1].sent for x in st1) - sum(x[1].sent for x in st0)) / dt,
+            (sum(x[1].received for x in st1) - sum(x[1].received for x in st0)) / dt,
+        )
         return s
 
     def ramp(self, res: Result) -> None:
@@ -287,10 +294,12 @@ class ClusterBench:
             s = self.step(f"s{i}", rate, a.duration)
             res.steps.append(s)
             res.host_cpu.append(self.last_host_cpu)
+            res.msgs.append(self.last_msgs)
             if s.saturated and a.recheck:  # on a shared host one hiccup is not saturation
                 s = self.step(f"s{i}x", rate, a.duration, "again")
                 res.steps.append(s)
                 res.host_cpu.append(self.last_host_cpu)
+            res.msgs.append(self.last_msgs)
             res.saturated = s.saturated
             if s.saturated or rate >= a.max_rate:
                 break

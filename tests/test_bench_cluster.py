@@ -59,6 +59,9 @@ def test_small_cluster_follows_a_new_leader_after_kill_9() -> None:
     args = build_parser().parse_args(
         [
             *("--engines", "8", "--tp", "8", "--hosts", "2"),
+            # A 4 s TTL: a leader starved of CPU on a busy CI box (3 s without a
+            # renewal) must not step down before the kill this test makes.
+            *("--lease-s", "4"),
             *("--start-rate", "100", "--max-steps", "1", "--recheck", "0"),
             *("--duration", "1", "--idle-s", "0.5", "--drain-s", "20", "--deadline-s", "60"),
         ]
