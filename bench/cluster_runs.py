@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -234,6 +235,8 @@ class ClusterBench:
                     pb.ListTransfersRequest(states=LIVE, limit=1), timeout=10
                 )
             except grpc.RpcError:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    lead.proc.wait(10)  # a leader stepping down cancels calls, then exits
                 if lead.proc.poll() is None:
                     raise
                 # Exit 3: it did not renew its etcd lease in time (a saturated
