@@ -96,7 +96,8 @@ class Rank:
     def __init__(self, host: Host, engine: str, role: Any, rank: int) -> None:
         self.host, self.engine, self.rank, self.role = host, engine, rank, role
         self.hello = agent_hello(engine, role, batched=True, rank=rank, tp=host.spec.tp)
-        self.follower = LeaderFollower(host.spec.addresses, rng=random.Random(host.rng.random()))
+        self.rng = random.Random(host.rng.random())  # this rank's jitter
+        self.follower = LeaderFollower(host.spec.addresses, rng=self.rng)
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.welcomed_at = 0.0  # monotonic time of the last Welcome (0: none)
         self.welcomed_by = ""  # the address that sent it
@@ -111,7 +112,7 @@ class Rank:
         """agent/link.py's loop: session, follow, jittered exponential backoff."""
         import grpc
 
-        rng = self.follower._rng  # one jitter source per rank
+        rng = self.rng
         await asyncio.sleep(rng.random() * self.host.spec.start_spread_s)
         delay = BACKOFF_MIN_S
         while True:
@@ -312,21 +313,19 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
 
         async def step(pairs: list[tuple[str, str, str]]) -> None:
             """One scheduler step's transfers (tid, prefill engine, decode engine)."""
-            dec: dict[str, list[Any]] = {}
+            dec: dict[str, list[Any]] = {}  # engine -> its calls (one Submit each)
             pre: dict[str, list[Any]] = {}
-            order_d: list[str] = []
-            order_p: list[str] = []
+            dec_ids: dict[str, list[str]] = {}  # engine -> the transfer of each call
+            pre_ids: dict[str, list[str]] = {}
             for tid, p, d in pairs:
                 dec.setdefault(d, []).append(pb.TransferCall(register=_decode_request(tid, d)))
                 pre.setdefault(p, []).append(pb.TransferCall(prefill_done=_prefill_request(tid, p)))
-            order_d = [
-                tid for calls in dec.values() for c in calls for tid in [c.register.transfer_id]
-            ]
-            order_p = [
-                tid for calls in pre.values() for c in calls for tid in [c.prefill_done.transfer_id]
-            ]
-            first, second = (dec, pre) if rng.random() < 0.5 else (pre, dec)
-            ids1, ids2 = (order_d, order_p) if first is dec else (order_p, order_d)
+                dec_ids.setdefault(d, []).append(tid)
+                pre_ids.setdefault(p, []).append(tid)
+            # submit() answers the engines' calls in dict order: the ids, flattened alike.
+            sides = [(dec, [t for ids in dec_ids.values() for t in ids])]
+            sides.append((pre, [t for ids in pre_ids.values() for t in ids]))
+            (first, ids1), (second, ids2) = sides if rng.random() < 0.5 else sides[::-1]
             try:
                 r1 = dict(zip(ids1, await submit(first), strict=True))
                 t_send = time.monotonic()
