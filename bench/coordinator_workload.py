@@ -25,8 +25,8 @@ CORE_SETTINGS: dict[str, Any] = {
 RPC_TIMEOUT_S = 60.0
 
 
-def agent_hello(engine: str, role: Any, *, batched: bool) -> Any:
-    """The hello of the benchmark's simulated agent rank of `engine` (TP 1)."""
+def agent_hello(engine: str, role: Any, *, batched: bool, rank: int = 0, tp: int = 1) -> Any:
+    """The hello of the benchmark's simulated agent `rank` of `engine` (TP `tp`)."""
     from pushkv.protocol import PROTOCOL_VERSION
     from pushkv.v1 import pushkv_pb2 as pb
 
@@ -34,34 +34,34 @@ def agent_hello(engine: str, role: Any, *, batched: bool) -> Any:
     return pb.AgentHello(
         protocol_version=PROTOCOL_VERSION,
         identity=pb.AgentIdentity(
-            engine_id=engine, role=role, tp_rank=0, tp_size=1, incarnation="b1"
+            engine_id=engine, role=role, tp_rank=rank, tp_size=tp, incarnation="b1"
         ),
-        nixl_agent_name=f"{engine}-0",
+        nixl_agent_name=f"{engine}-{rank}",
         nixl_metadata=b"x" * 256,
         layout=pb.KVLayout(tokens_per_block=16, regions=[region]),
         accepts_batches=batched,
     )
 
 
-def decode_request(tid: str) -> Any:
+def decode_request(tid: str, engine: str = DECODE) -> Any:
     """The decode engine's RegisterDecodeBlocksRequest for transfer `tid`."""
     from pushkv.v1 import pushkv_pb2 as pb
 
     return pb.RegisterDecodeBlocksRequest(
         transfer_id=tid,
-        decode_engine_id=DECODE,
+        decode_engine_id=engine,
         block_ids=[pb.BlockIds(ids=DECODE_BLOCKS)],
         num_tokens=TOKENS,
     )
 
 
-def prefill_request(tid: str) -> Any:
+def prefill_request(tid: str, engine: str = PREFILL) -> Any:
     """The prefill engine's ReportPrefillDoneRequest for transfer `tid`."""
     from pushkv.v1 import pushkv_pb2 as pb
 
     return pb.ReportPrefillDoneRequest(
         transfer_id=tid,
-        prefill_engine_id=PREFILL,
+        prefill_engine_id=engine,
         block_ids=[pb.BlockIds(ids=PREFILL_BLOCKS)],
         num_tokens=TOKENS,
     )

@@ -149,6 +149,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.failover import main as bench_failover
 
         return bench_failover(args.rest)
+    if args.which == "cluster":
+        from bench.cluster import main as bench_cluster
+
+        return bench_cluster(args.rest)
     from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -266,6 +270,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
             "hooks",
             "link",
             "failover",
+            "cluster",
         ],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")

@@ -1,0 +1,173 @@
+"""``pushkv bench cluster``: a simulated cluster of agent ranks (default 125
+engines x 8 ranks = 1,000 agents) against real coordinator replicas on a real
+etcd: heartbeat load, rendezvous/s, order latency at half load, the leader's
+memory, and a ``kill -9`` of the leader (failover, and every agent following
+the new leader).
+
+Processes: one etcd (``harness/etcd.py``), ``--replicas`` coordinators
+(``pushkv coordinator --etcd``, ``harness/coordinator.py``), ``--hosts`` host
+processes of simulated ranks (`bench.cluster_agents`: one gRPC channel and
+AgentStream per rank, asyncio, following the leader as ``agent/link.py``
+does). The leader is pinned alone to the first CPU when the host has more than
+one; etcd, the standby and the hosts share the others. On a small box the
+hosts may be what saturates first: the table prints their CPU, and the
+figures are "simulated agents, same host".
+
+Counting (`bench.coordinator_step`'s rules; what differs): a transfer counts
+when the simulated prefill agents received its order on every rank during the
+offer (its rendezvous done and ordered), no notice failed it, and the step
+drained (every transfer ordered on every rank, and the leader lists none
+live: the DONE and arrival reports of all of them were applied). A sample is
+asked back from the leader (GetTransfer: COMPLETE). Order latency: the send of
+the call that completed the rendezvous -> the last of its TP orders received.
+The final line:
+
+    agents=<n> rendezvous_per_s=<r> order_p99_ms=<p> failover_s=<f> agents_followed_s=<g>
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+
+from bench.cluster_runs import ClusterBench, Result
+from bench.coordinator_report import header, row
+from bench.output import say
+from bench.stats import percentile
+
+GOALS = "goals (issue 20): >= 20000 rendezvous/s, order p99 <= 2 ms at half load, "
+GOALS += "every agent following a new leader within 5 s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pushkv bench cluster",
+        description="a simulated cluster of agents against replicated coordinators on etcd",
+    )
+    p.add_argument("--quick", action="store_true", help="short steps (about 1-2 minutes)")
+    p.add_argument("--engines", type=int, default=125, help="engines (half prefill, half decode)")
+    p.add_argument("--tp", type=int, default=8, help="ranks per engine (one agent each)")
+    p.add_argument("--hosts", type=int, default=4, help="processes hosting the agents")
+    p.add_argument("--replicas", type=int, default=2, help="coordinator replicas")
+    p.add_argument(
+        "--lease-s",
+        type=int,
+        default=2,
+        help="the replicas' --etcd-lease-s (pushkv coordinator's default; at 1 s a "
+        "saturated leader on a small host misses renewals and steps down)",
+    )
+    p.add_argument("--start-rate", type=float, default=200.0, help="first offered rate (/s)")
+    p.add_argument("--factor", type=float, default=1.5, help="rate growth per step")
+    p.add_argument("--max-rate", type=float, default=50_000.0)
+    p.add_argument("--max-steps", type=int, default=10, help="0: no load (registration, failover)")
+    p.add_argument("--recheck", type=int, default=1, help="rerun a saturated step once (0: no)")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per step")
+    p.add_argument("--drain-s", type=float, default=15.0, help="max wait for a backlog")
+    p.add_argument("--max-outstanding", type=int, default=4000, help="per host")
+    p.add_argument("--step-ms", type=float, default=10.0, help="engines submit once per this")
+    p.add_argument("--idle-s", type=float, default=5.0, help="heartbeat-load interval")
+    p.add_argument("--start-spread-s", type=float, default=1.0, help="ranks start within this")
+    p.add_argument("--deadline-s", type=float, default=60.0, help="bound of every wait")
+    return p
+
+
+def final_line(res: Result) -> str:
+    sat = res.saturation.completed_per_s if res.steps else math.nan
+    p99 = percentile(res.half.order_ms, 99) if res.half is not None else math.nan
+    fo = res.failover
+    return (
+        f"agents={res.agents} rendezvous_per_s={sat:.0f} order_p99_ms={p99:.2f} "
+        f"failover_s={fo.failover_s:.3f} agents_followed_s={fo.followed_s:.3f}"
+    )
+
+
+def summary(res: Result, hosts: int) -> list[str]:
+    i, fo = res.idle, res.failover
+    out = [
+        f"summary: {res.agents} simulated agents (move no bytes) in {hosts} processes, same host",
+        f"  registration: every agent welcomed by the leader {res.registered_s:.2f} s after start",
+        f"  heartbeat load (idle, {i.seconds:.1f} s): {i.received_per_s:.0f} agent messages/s "
+        f"to the leader ({i.acks_per_s:.0f} heartbeat acks/s), leader CPU "
+        f"{i.leader_cpu * 100:.1f}%, hosts CPU {i.host_cpu * 100:.0f}%, leader RSS "
+        f"{i.rss_mib:.0f} MiB",
+    ]
+    if res.steps:
+        sat = res.saturation
+        k = res.steps.index(sat)
+        hcpu = res.host_cpu[k] if k < len(res.host_cpu) else math.nan
+        to, back = res.msgs[k] if k < len(res.msgs) else (math.nan, math.nan)
+        bound = "" if res.saturated else "at least "
+        out.append(
+            f"  rendezvous: {bound}{sat.completed_per_s:.0f}/s (offered {sat.offered:.0f}/s, "
+            f"leader CPU {sat.coord_cpu * 100:.0f}% of its core, hosts CPU {hcpu * 100:.0f}% "
+            f"of one core); {to:.0f} agent messages/s to the leader, {back:.0f}/s from it"
+        )
+        if not res.saturated:
+            out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate)")
+        if res.saturated and sat.coord_cpu < 0.8:
+            out.append(
+                "  the leader was not CPU-bound at saturation: the simulated agents and "
+                "clients on the same host limit this figure"
+            )
+    if res.half is not None:
+        h = res.half
+        out.append(
+            f"  order latency at {h.offered:.0f}/s: p50 {percentile(h.order_ms, 50):.2f} ms, "
+            f"p99 {percentile(h.order_ms, 99):.2f} ms ({len(h.order_ms)} transfers)"
+        )
+    out.append(f"  leader RSS after the load {res.loaded_rss_mib:.0f} MiB")
+    out.append(
+        f"  kill -9 of the leader {fo.old}: {fo.new} led after {fo.failover_s:.3f} s; "
+        f"{fo.followed}/{res.agents} agents registered with it, the last after "
+        f"{fo.followed_s:.3f} s (median {fo.follow_p50_s:.3f} s); {fo.hellos} streams "
+        f"opened meanwhile, {fo.refused} refused or failed (jittered backoff)"
+    )
+    if res.after is not None:
+        a = res.after
+        out.append(
+            f"  against the new leader: {a.completed} rendezvous, {a.failed} failed, "
+            f"drained={a.drained}"
+        )
+    checked = sum(s.checked for s in [*res.steps, *filter(None, [res.half, res.after])])
+    wrong = sum(s.check_failed for s in [*res.steps, *filter(None, [res.half, res.after])])
+    out.append(
+        f"  spot check: {checked - wrong}/{checked} sampled transfers are COMPLETE per the leader"
+        + ("  <-- MISCOUNTED" if wrong else "")
+    )
+    out.append(f"  {GOALS}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.duration = min(args.duration, 3.0)
+        args.drain_s = min(args.drain_s, 8.0)
+        args.idle_s = min(args.idle_s, 3.0)
+        args.max_steps = min(args.max_steps, 7)
+    bench = ClusterBench(args, row)
+    agents = args.engines * args.tp
+    say(
+        f"{agents} simulated agents ({args.engines} engines x {args.tp} ranks) in "
+        f"{args.hosts} processes, {args.replicas} coordinator replicas on etcd; leader CPUs "
+        f"{sorted(bench.coord_cpus or []) or 'any'}, everything else "
+        f"{sorted(bench.load_cpus or []) or 'any'}"
+    )
+    say(header())
+    t0 = time.monotonic()
+    try:
+        res = bench.run()
+    finally:
+        bench.stop()
+    say()
+    for line in summary(res, args.hosts):
+        say(line)
+    say(f"elapsed {time.monotonic() - t0:.0f} s")
+    say(final_line(res))
+    return 0 if res.failover.followed >= res.agents else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

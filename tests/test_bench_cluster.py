@@ -1,0 +1,87 @@
+"""`pushkv bench cluster` in short form: 64 simulated agents (8 engines x 8
+ranks) in 2 processes, real etcd, two real coordinator replicas, one short
+load step, a kill -9 of the leader. Asserts behaviour only (every agent
+re-registered with the new leader, rendezvous completed before and after, the
+final line's format); every wait in the bench is a poll under a deadline and
+no figure is asserted."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from agent.link import CoordinatorLink
+from bench import cluster_agents
+from bench.cluster import build_parser, final_line, summary
+from bench.cluster_agents import engines
+from bench.cluster_runs import ClusterBench, Failover, Result
+from bench.coordinator_report import row
+from bench.coordinator_step import Step
+from tests.support.etcd import require_etcd
+
+FINAL = re.compile(
+    r"^agents=\d+ rendezvous_per_s=\d+ order_p99_ms=\d+\.\d\d "
+    r"failover_s=\d+\.\d{3} agents_followed_s=\d+\.\d{3}$"
+)
+
+
+def test_sim_agents_back_off_as_the_agent_link_does() -> None:
+    params = inspect.signature(CoordinatorLink.__init__).parameters
+    assert params["backoff_min_s"].default == cluster_agents.BACKOFF_MIN_S
+    assert params["backoff_max_s"].default == cluster_agents.BACKOFF_MAX_S
+
+
+def test_engines_are_dealt_so_every_host_pairs_its_own() -> None:
+    dealt = engines(125, 4)
+    assert sum(len(p) + len(d) for p, d in dealt) == 125
+    assert all(p and d for p, d in dealt)
+    names = [e for p, d in dealt for e in (*p, *d)]
+    assert len(set(names)) == 125
+    with pytest.raises(ValueError):
+        engines(3, 2)
+
+
+def test_final_line_format() -> None:
+    res = Result(agents=1000)
+    res.steps = [Step(offered=100.0, completed_per_s=95.0)]
+    res.half = Step(offered=50.0, order_ms=[1.0, 2.0])
+    res.failover = Failover(failover_s=2.1, followed_s=3.4, followed=1000)
+    line = final_line(res)
+    assert FINAL.match(line), line
+    assert line.startswith("agents=1000 rendezvous_per_s=95 ")
+
+
+@pytest.mark.faults
+def test_small_cluster_follows_a_new_leader_after_kill_9() -> None:
+    require_etcd()
+    args = build_parser().parse_args(
+        [
+            *("--engines", "8", "--tp", "8", "--hosts", "2"),
+            # A 4 s TTL: a leader starved of CPU on a busy CI box (3 s without a
+            # renewal) must not step down before the kill this test makes.
+            *("--lease-s", "4"),
+            *("--start-rate", "100", "--max-steps", "1", "--recheck", "0"),
+            *("--duration", "1", "--idle-s", "0.5", "--drain-s", "20", "--deadline-s", "60"),
+        ]
+    )
+    bench = ClusterBench(args, row)
+    try:
+        res = bench.run()
+    finally:
+        bench.stop()
+    text = "\n".join([*summary(res, args.hosts), final_line(res)])
+    print(text)
+    fo = res.failover
+    assert res.agents == 64
+    # Every agent re-registered with the new leader after the kill -9.
+    assert fo.new and fo.new != fo.old
+    assert fo.followed == 64, text
+    assert fo.failover_s > 0 and fo.followed_s >= fo.follow_p50_s > 0
+    # Rendezvous completed against the first leader and against the new one.
+    for step in [*res.steps, res.half, res.after]:
+        assert step is not None
+        assert step.completed > 0 and step.failed == 0 and step.drained, text
+        assert step.check_failed == 0
+    assert FINAL.match(final_line(res)), final_line(res)
