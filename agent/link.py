@@ -261,7 +261,8 @@ class CoordinatorLink:
                         code,
                     )
                     # Several replicas: to the leader a standby named (at once,
-                    # jittered), else to the next address with the usual backoff.
+                    # jittered, unless it is the address that just failed), else
+                    # to the next address with the usual backoff.
                     if self._follower.follow(exc):
                         delay = self._backoff[0]
             except Exception:
@@ -381,6 +382,7 @@ class CoordinatorLink:
                 self._deliver(CoordinatorBackMsg())
             self._lost = False
             self.coordinator_id = w.coordinator_id
+            self._follower.reached()
             self.registered.set()
         elif kind == "heartbeat_ack":
             sent = self._hb_sent.pop(msg.heartbeat_ack.seq, None)

@@ -4,7 +4,8 @@ request load, against replicated coordinators.
 
 Each rank follows the leader as ``agent/link.py``'s CoordinatorLink does: a
 ``LeaderFollower`` over the replicas' addresses; after a stream ends it moves
-to the leader a standby named (backoff back to its minimum) or to the next
+to the leader a standby named (backoff back to its minimum, unless that is
+the address that just failed: wire/leader.py) or to the next
 address, and waits ``delay * (0.5 + random())`` before dialling again, the
 delay doubling up to its maximum (jittered exponential backoff: a thousand
 ranks losing their leader at once do not dial back in step). It re-registers
@@ -122,7 +123,8 @@ class Rank:
                 delay = BACKOFF_MIN_S
             except grpc.aio.AioRpcError as exc:
                 self.host.stats.refused += 1
-                # To the leader a standby named (backoff to its minimum), else the next.
+                # To the leader a standby named (backoff to its minimum, unless it
+                # is the address that just failed), else the next.
                 if self.follower.follow(exc):
                     delay = BACKOFF_MIN_S
             finally:
@@ -198,6 +200,7 @@ class Rank:
                 w = m.welcome
                 self.hb_interval_s = w.heartbeat_interval_ms / 1000 or self.hb_interval_s
                 self.welcomed_at, self.welcomed_by = now, self.follower.current
+                self.follower.reached()
                 self.registered = True
         for rank, msgs in out.items():
             rank.put(msgs)

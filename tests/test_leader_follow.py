@@ -48,6 +48,21 @@ def test_a_refusal_naming_the_leader_moves_there_else_round_robin() -> None:
     assert f.addresses == ["a:1", "b:2", "c:3", "d:4"]
 
 
+def test_a_standby_naming_the_leader_that_just_failed_is_no_reason_to_hurry() -> None:
+    """The leader is dead; the standby names it until its lease expires. The
+    follower still goes where it is told, but says "back off" (False) while the
+    named address is the one that just failed, so clients do not bounce between
+    the two at once; once an address answered, a named leader is "at once" again."""
+    f = LeaderFollower("a:1,b:2")
+    assert f.follow(None) is False and f.current == "b:2"  # a:1 does not answer
+    assert f.follow(Refusal("a:1")) is False and f.current == "a:1"  # named, but it just failed
+    assert f.follow(None) is False and f.current == "b:2"
+    assert f.follow(Refusal("a:1")) is False and f.current == "a:1"
+    f.reached()  # a:1 answered (it came back, say)
+    assert f.follow(Refusal("b:2")) is True and f.current == "b:2"
+    assert f.follow(Refusal("a:1")) is True and f.current == "a:1"  # a:1 has not failed since
+
+
 def test_leader_hint_reads_trailing_metadata_only() -> None:
     assert leader_hint(Refusal("x:9")) == "x:9"
     assert leader_hint(RuntimeError("no metadata")) == ""

@@ -55,6 +55,9 @@ class LeaderFollower:
         self._i = 0
         self._rng = rng or random.Random()
         self.moves = 0
+        # The address that last failed without naming a leader (it did not
+        # answer, or it was a standby that knew none): "" once one answered.
+        self._failed = ""
 
     @property
     def current(self) -> str:
@@ -76,10 +79,19 @@ class LeaderFollower:
                 self.addresses.append(hint)  # a replica the client was not told of
             self._i = self.addresses.index(hint)
             self.moves += 1
-            return True
+            # At once, unless the named leader is the address that just failed:
+            # a standby names a dead leader until its etcd lease expires, and
+            # clients retrying at once would bounce between the two every few
+            # milliseconds (a redial storm); the caller's backoff grows instead.
+            return hint != self._failed
+        self._failed = self.current
         self._i = (self._i + 1) % len(self.addresses)
         self.moves += 1
         return False
+
+    def reached(self) -> None:
+        """`current` answered (a session began): no address has failed since."""
+        self._failed = ""
 
     def move_to(self, address: str) -> None:
         """Dial `address` next (a leader learned another way, e.g. GetLeadership)."""
