@@ -48,6 +48,12 @@ def _add_tls_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", default=_env("tls_key", ""), help="this side's private key")
 
 
+def _etcd_tls(args: argparse.Namespace) -> Any:
+    from wire.tls import TLSFiles
+
+    return TLSFiles(args.etcd_ca, args.etcd_cert, args.etcd_key)
+
+
 def _tls(args: argparse.Namespace) -> Any:
     from wire.tls import TLSFiles
 
@@ -78,6 +84,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         etcd=args.etcd,
         advertise=args.advertise,
         etcd_lease_s=args.etcd_lease_s,
+        etcd_tls=_etcd_tls(args),
     )
     return asyncio.run(serve(settings))
 
@@ -207,6 +214,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "about this long after it stopped renewing (etcd may grant more: its minimum is "
         "1.5 election timeouts)",
     )
+    h.add_argument(
+        "--etcd-ca",
+        default=_env("etcd_ca", ""),
+        help="with https:// etcd endpoints: the CA certificate (PEM) that signs etcd's",
+    )
+    h.add_argument(
+        "--etcd-cert",
+        default=_env("etcd_cert", ""),
+        help="this replica's client certificate for etcd (PEM), where etcd requires one "
+        "(--client-cert-auth)",
+    )
+    h.add_argument("--etcd-key", default=_env("etcd_key", ""), help="its private key (PEM)")
     _add_tls_flags(c)
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator

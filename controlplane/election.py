@@ -17,10 +17,12 @@ so before any standby can create the key. A leader that loses the leadership
 never leads again in this process: ``on_lost`` ends it (its in-memory state
 belongs to the old term), and its supervisor starts a fresh standby.
 
-The client is aetcd (a maintained asyncio etcd v3 client on grpc.aio, see
-docs/reliability.md): its channel and its generated etcd API, called through
-the stubs so that every call carries its own deadline. This module is the only
-one that imports it, and only ``controlplane.server`` imports this module, when
+The etcd API is aetcd's (a maintained asyncio etcd v3 client on grpc.aio, see
+docs/reliability.md): its generated stubs, called so that every call carries
+its own deadline, over a grpc.aio channel of our own (`EtcdConn`): aetcd's
+Client dials plain text only, and https:// endpoints need TLS (the CA, and a
+client certificate where etcd demands one). This module is the only one that
+imports aetcd, and only ``controlplane.server`` imports this module, when
 ``--etcd`` is given.
 """
 
@@ -31,13 +33,15 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import aetcd
+import grpc
 import structlog
 from aetcd import rpc
 
-from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints
+from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints, etcd_tls
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -50,6 +54,38 @@ def _why(exc: BaseException) -> str:
 
 class LeaseLost(Exception):
     """etcd answered that the replica's lease no longer exists."""
+
+
+def credentials(settings: ElectionSettings) -> grpc.ChannelCredentials | None:
+    """TLS credentials for https:// endpoints (None for http://)."""
+    if not etcd_tls(settings.etcd):
+        return None
+    ca = Path(settings.tls_ca).read_bytes()
+    cert = Path(settings.tls_cert).read_bytes() if settings.tls_cert else None
+    key = Path(settings.tls_key).read_bytes() if settings.tls_key else None
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
+
+
+@dataclass
+class EtcdConn:
+    """One channel to one etcd member, and the two etcd services the election calls."""
+
+    channel: grpc.aio.Channel
+    kvstub: Any
+    leasestub: Any
+
+    @classmethod
+    def open(cls, host: str, port: int, creds: grpc.ChannelCredentials | None) -> EtcdConn:
+        target = f"{host}:{port}"
+        channel = (
+            grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
+        )
+        return cls(channel, rpc.KVStub(channel), rpc.LeaseStub(channel))
+
+    async def close(self) -> None:
+        await self.channel.close(None)
 
 
 class EtcdElection:
@@ -69,7 +105,8 @@ class EtcdElection:
         self._next_endpoint = 0
         self._key = settings.key.encode()
         self._value = settings.advertise.encode()
-        self._client: Any = None
+        self._client: EtcdConn | None = None
+        self._creds = credentials(settings)  # read once: a missing file fails at start
         self._lease_id = 0
         self._ttl = float(settings.lease_s)
         self._valid_until = 0.0  # monotonic: our lease is alive in etcd until at least this
@@ -155,6 +192,12 @@ class EtcdElection:
                     log.info("leadership_resigned", lease=lease_id)
 
     @property
+    def _conn(self) -> EtcdConn:
+        """The open connection (the session's; it exists while one runs)."""
+        assert self._client is not None, "no etcd session"
+        return self._client
+
+    @property
     def _endpoint(self) -> str:
         host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
         return f"{host}:{port}"
@@ -164,8 +207,7 @@ class EtcdElection:
         await self._close_client()
         self._next_endpoint += 1
         host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
-        self._client = aetcd.Client(host=host, port=port)
-        await self._client.connect()
+        self._client = EtcdConn.open(host, port, self._creds)
         log.info("etcd_endpoint_switched", endpoint=self._endpoint, lease=self._lease_id)
 
     async def _close_client(self) -> None:
@@ -175,8 +217,7 @@ class EtcdElection:
                 await client.close()
 
     async def _session(self, host: str, port: int) -> None:
-        self._client = aetcd.Client(host=host, port=port)
-        await self._client.connect()
+        self._client = EtcdConn.open(host, port, self._creds)
         sent = time.monotonic()
         grant = await self._client.leasestub.LeaseGrant(
             rpc.LeaseGrantRequest(TTL=self.settings.lease_s), timeout=2.0
@@ -201,7 +242,7 @@ class EtcdElection:
     async def _keepalive(self) -> None:
         sent = time.monotonic()
         reply = None
-        async for r in self._client.leasestub.LeaseKeepAlive(
+        async for r in self._conn.leasestub.LeaseKeepAlive(
             iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=self._call_timeout()
         ):
             reply = r
@@ -230,7 +271,7 @@ class EtcdElection:
             ],
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self._key))],
         )
-        reply = await self._client.kvstub.Txn(txn, timeout=self._call_timeout())
+        reply = await self._conn.kvstub.Txn(txn, timeout=self._call_timeout())
         if reply.succeeded:
             self._won(reply.header.revision)
             return
@@ -274,7 +315,7 @@ class EtcdElection:
                 if failures:
                     log.info("etcd_keepalive_recovered", endpoint=self._endpoint, failures=failures)
                     failures = 0
-                reply = await self._client.kvstub.Range(
+                reply = await self._conn.kvstub.Range(
                     rpc.RangeRequest(key=self._key), timeout=self._call_timeout()
                 )
                 kv = reply.kvs[0] if reply.kvs else None

@@ -124,6 +124,12 @@ class ElectionSettings:
     # How often a standby tries to take the election key.
     poll_s: float = 0.1
     key: str = DEFAULT_KEY
+    # TLS to etcd (https:// endpoints): the CA that signs etcd's certificate,
+    # and this replica's client certificate and key where etcd requires one
+    # (--client-cert-auth). PEM file paths; all empty for http://.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_s < 1:
@@ -132,20 +138,40 @@ class ElectionSettings:
             raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
         if not self.advertise or ":" not in self.advertise:
             raise ValueError(f"advertise must be HOST:PORT, got {self.advertise!r}")
-        endpoints(self.etcd)  # raises on a bad URL
+        secure = etcd_tls(self.etcd)  # raises on a bad URL
+        if secure and not self.tls_ca:
+            raise ValueError(
+                "https:// etcd endpoints need --etcd-ca (the CA of etcd's certificate)"
+            )
+        if not secure and (self.tls_ca or self.tls_cert or self.tls_key):
+            raise ValueError("--etcd-ca/--etcd-cert/--etcd-key need https:// etcd endpoints")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--etcd-cert and --etcd-key go together")
 
 
-def endpoints(text: str) -> list[tuple[str, int]]:
-    """``http://h:2379,http://h2:2379`` as [(host, port), ...]."""
+def _urls(text: str) -> list[tuple[str, str, int]]:
     out = []
     for raw in text.split(","):
         part = raw.strip()
         if not part:
             continue
         url = urlsplit(part if "://" in part else "http://" + part)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"etcd endpoint {part!r}: expected http://HOST:PORT")
-        out.append((url.hostname, url.port or 2379))
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"etcd endpoint {part!r}: expected http://HOST:PORT or https://")
+        out.append((url.scheme, url.hostname, url.port or 2379))
     if not out:
         raise ValueError("no etcd endpoint given")
     return out
+
+
+def endpoints(text: str) -> list[tuple[str, int]]:
+    """``http://h:2379,http://h2:2379`` (or https://) as [(host, port), ...]."""
+    return [(host, port) for _, host, port in _urls(text)]
+
+
+def etcd_tls(text: str) -> bool:
+    """Whether the endpoints are https:// (all of them: a mix is refused)."""
+    schemes = {scheme for scheme, _, _ in _urls(text)}
+    if len(schemes) > 1:
+        raise ValueError(f"etcd endpoints mix http:// and https://: {text!r}")
+    return schemes == {"https"}

@@ -65,6 +65,9 @@ class ServerSettings:
     advertise: str = ""
     # TTL of the replica's etcd lease (s): failover takes about this long.
     etcd_lease_s: int = 2
+    # TLS to etcd (https:// endpoints): its CA, and a client certificate and key
+    # where etcd requires one.
+    etcd_tls: TLSFiles = field(default_factory=TLSFiles)
 
 
 @dataclass
@@ -182,6 +185,9 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         etcd=settings.etcd,
         advertise=settings.advertise or f"{settings.host}:{coord.port}",
         lease_s=settings.etcd_lease_s,
+        tls_ca=settings.etcd_tls.ca,
+        tls_cert=settings.etcd_tls.cert,
+        tls_key=settings.etcd_tls.key,
     )
     loop = asyncio.get_running_loop()
 

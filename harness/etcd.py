@@ -15,11 +15,14 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from wire.tls import TLSFiles
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -32,8 +35,11 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    def __init__(self, name: str = "pushkv-test") -> None:
+    def __init__(self, name: str = "pushkv-test", tls: TLSFiles | None = None) -> None:
+        """With `tls`: clients reach it over https only, with a certificate the
+        CA signed (--client-cert-auth); `tls.cert`/`tls.key` are its own."""
         self.name = name
+        self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="pushkv-etcd-"))
         self.client_port = _free_port()
         self.peer_port = _free_port()
@@ -44,7 +50,8 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -73,6 +80,13 @@ class EtcdServer:
             "--log-level=warn",
             "--logger=zap",
         ]
+        if self.tls:
+            cmd += [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -90,8 +104,12 @@ class EtcdServer:
             time.sleep(0.05)  # polling another process's HTTP endpoint
 
     def healthy(self) -> bool:
+        context = None
+        if self.tls:  # our own certificate doubles as a client one (devpki: both uses)
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=1, context=context) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, ValueError):
             return False

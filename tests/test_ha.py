@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,9 +25,11 @@ from harness.coordinator import CoordinatorProcess, leadership
 from harness.etcd import EtcdCluster
 from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
+from ops.devpki import make_pki
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.test_agent_e2e import wait_state
 from vllm_integration.client import Call, CoordinatorClient
+from wire.tls import TLSFiles
 
 pytestmark = pytest.mark.faults
 
@@ -267,6 +270,50 @@ def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
     print(f"standby led {took:.3f} s after etcd resumed")
     # The old leader stepped down before the new one was elected (same host clock).
     assert lost["timestamp"] < _event(standby, "leadership_won")["timestamp"]
+
+
+# ---------------------------------------------------------------- TLS to etcd
+
+
+def test_replicas_reach_an_etcd_that_demands_tls_client_certificates(
+    tmp_path: Path,
+) -> None:
+    """etcd on https only, with --client-cert-auth: replicas given the CA and a
+    client certificate elect a leader, and a standby takes over after its kill
+    -9; a replica given only the CA is refused by etcd (the handshake fails),
+    and says so in its log, naming the endpoint."""
+    require_etcd()
+    certs = make_pki(tmp_path / "pki")
+    ca, cert = str(tmp_path / "pki" / "ca.pem"), certs["coordinator"]
+    key = str(cert.with_suffix(".key"))
+    server = EtcdServer(tls=TLSFiles(ca, str(cert), key)).start()
+    tls = ("--etcd-ca", ca, "--etcd-cert", str(cert), "--etcd-key", key)
+    replicas = [CoordinatorProcess("--etcd", server.url, *tls, *REPLICA) for _ in range(2)]
+    no_cert = CoordinatorProcess("--etcd", server.url, "--etcd-ca", ca, *REPLICA)
+    try:
+        assert server.url.startswith("https://")
+        for r in (*replicas, no_cert):
+            r.start()
+        c = Cluster(server, replicas)
+        lead = c.leader()
+        (standby,) = c.standbys()
+        lead.kill()
+        poll(
+            lambda: (
+                (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the standby leads over TLS after the leader's kill -9",
+        )
+        poll(lambda: "etcd_session_failed" in no_cert.log_text(), "the refused replica's log")
+        failed = _event(no_cert, "etcd_session_failed")
+        assert failed["endpoint"] == f"127.0.0.1:{server.client_port}"
+        assert failed["error"].startswith("UNAVAILABLE"), failed
+        view = leadership(no_cert.address)
+        assert view is not None and view.role == pb.LEADER_ROLE_STANDBY
+    finally:
+        for r in (*replicas, no_cert):
+            r.stop()
+        server.stop()
 
 
 # ---------------------------------------------------------------- three etcd members

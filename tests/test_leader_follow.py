@@ -104,8 +104,19 @@ def test_a_leader_may_order_only_until_its_deadline() -> None:
 
 def test_election_settings_validate() -> None:
     assert endpoints("http://h:1,h2") == [("h", 1), ("h2", 2379)]
-    with pytest.raises(ValueError):
-        endpoints("https://h:1")
+    assert endpoints("https://h:1") == [("h", 1)]
+    with pytest.raises(ValueError, match="expected http"):
+        endpoints("grpc://h:1")
+    ok = ElectionSettings(etcd="https://h:1", advertise="h:1", tls_ca="ca.pem")
+    assert ok.tls_cert == ""  # a CA alone: etcd without client certificates
+    for bad, why in [
+        ({"etcd": "https://h:1"}, "need --etcd-ca"),
+        ({"etcd": "http://h:1", "tls_ca": "ca.pem"}, "need https://"),
+        ({"etcd": "https://h:1,http://h:2", "tls_ca": "ca.pem"}, "mix http:// and https://"),
+        ({"etcd": "https://h:1", "tls_ca": "ca.pem", "tls_cert": "c.pem"}, "go together"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            ElectionSettings(advertise="h:1", **bad)
     with pytest.raises(ValueError):
         ElectionSettings(etcd="http://h:1", advertise="nohost")
     with pytest.raises(ValueError):
