@@ -43,9 +43,14 @@ class TransferCalls:
 
     def prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
         self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
-        return self._side(
-            self._rt.core.prefill_done, request, request.prefill_engine_id, "prefill_done"
-        )
+        core, finished = self._rt.core, request.finished_unix_us / 1e6
+
+        def report(
+            tid: str, engine: str, blocks: list[tuple[int, ...]], n: int
+        ) -> tuple[Transfer, list[Effect]]:
+            return core.prefill_done(tid, engine, blocks, n, finished)
+
+        return self._side(report, request, request.prefill_engine_id, "prefill_done")
 
     def _side(
         self,

@@ -251,9 +251,17 @@ class Rendezvous:
         return self._arrive(Role.DECODE, transfer_id, engine, blocks, num_tokens)
 
     def prefill_done(
-        self, transfer_id: str, engine: str, blocks: Sequence[Sequence[int]], num_tokens: int
+        self,
+        transfer_id: str,
+        engine: str,
+        blocks: Sequence[Sequence[int]],
+        num_tokens: int,
+        finished_unix: float = 0.0,
     ) -> tuple[Transfer, list[Effect]]:
-        return self._arrive(Role.PREFILL, transfer_id, engine, blocks, num_tokens)
+        """`finished_unix`: when the engine finished the request, on its own clock
+        (0: unknown); recorded as the timeline event "prefill_finished", read by
+        nothing here."""
+        return self._arrive(Role.PREFILL, transfer_id, engine, blocks, num_tokens, finished_unix)
 
     def cancel(self, transfer_id: str, reason: str) -> tuple[Transfer, list[Effect]]:
         s = self.settings
@@ -338,6 +346,7 @@ class Rendezvous:
         engine: str,
         blocks: Sequence[Sequence[int]],
         num_tokens: int,
+        finished_unix: float = 0.0,
     ) -> tuple[Transfer, list[Effect]]:
         s = self.settings
         field = "decode_engine_id" if role is Role.DECODE else "prefill_engine_id"
@@ -380,6 +389,8 @@ class Rendezvous:
             t.mark("decode_registered", wall)
         else:
             t.prefill = side
+            if finished_unix > 0:
+                t.mark("prefill_finished", finished_unix)
             t.mark("prefill_done", wall)
         if t.decode is not None and t.prefill is not None:
             effects += self._issue_orders(t)

@@ -1,9 +1,12 @@
 """Per-transfer timelines: the waits between stages, from a Transfer or a TransferStatus.
 
 The coordinator records one timeline event per stage (`Transfer.mark` in
-controlplane/rendezvous.py): begun, decode_registered, prefill_done, ordered,
-write_posted / write_done / write_failed / write_dropped (per prefill rank),
-arrived (per prefill rank), complete / failed / cancelled / expired, released.
+controlplane/rendezvous.py): begun, decode_registered, prefill_finished,
+prefill_done, ordered, write_posted / write_done / write_failed / write_dropped
+(per prefill rank), arrived (per prefill rank), complete / failed / cancelled /
+expired, released. Every time is the coordinator's clock at recording, but
+prefill_finished: the prefill engine's own time for when it finished the
+request (ReportPrefillDoneRequest.finished_unix_us; absent when not sent).
 The status API returns them as `TransferStatus.timeline`; everything here is
 derived from them, so no proto field is needed.
 

@@ -135,6 +135,25 @@ async def test_submit_applies_calls_in_order_each_with_its_own_result(
     assert (await wait_terminal(channel, ["t1"]))["t1"].state == pb.TRANSFER_STATE_COMPLETE
 
 
+async def test_prefill_done_carries_the_engines_finish_time_into_the_timeline(
+    channel: grpc.aio.Channel, cluster: SimCluster
+) -> None:
+    """Submit and the unary RPC alike: finished_unix_us becomes the timeline's
+    "prefill_finished" event, at the engine's time (observability only)."""
+    batched, unary = prefill_done("f1"), prefill_done("f2")
+    batched.prefill_done.finished_unix_us = 1_700_000_000_123_456
+    unary.prefill_done.finished_unix_us = 1_700_000_000_654_321
+    assert [r.code for r in await submit(channel, batched)] == [OK]
+    await pbg.TransferServiceStub(channel).ReportPrefillDone(unary.prefill_done, timeout=WAIT)
+    status = pbg.StatusServiceStub(channel)
+    for tid, us in (("f1", 1_700_000_000_123_456), ("f2", 1_700_000_000_654_321)):
+        t = await status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=WAIT)
+        assert [(e.stage, e.unix_us) for e in t.timeline if e.stage.startswith("prefill")] == [
+            ("prefill_finished", us),
+            ("prefill_done", t.timeline[-1].unix_us),
+        ]
+
+
 async def test_submit_refuses_a_batch_over_the_limit_and_accepts_an_empty_one(
     channel: grpc.aio.Channel,
 ) -> None:

@@ -386,3 +386,17 @@ def test_arrival_from_wrong_rank_is_rejected() -> None:
         rv.arrival_report(AgentKey(P, 0), "i1", "t", [0])
     with pytest.raises(InvalidArgument):
         rv.arrival_report(AgentKey(D, 0), "i1", "t", [3])
+
+
+def test_prefill_finished_is_recorded_at_the_engines_time_once() -> None:
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    t, _ = rv.prefill_done("t", P, [[3]], 10, finished_unix=123.25)
+    stages = [(s, at) for s, at, _ in t.timeline]
+    i = stages.index(("prefill_finished", 123.25))
+    assert stages[i + 1][0] == "prefill_done"  # recorded with it, before the order
+    assert t.updated_wall != 123.25  # the coordinator's own clock stays the last update
+    rv.prefill_done("t", P, [[3]], 10, finished_unix=999.0)  # an idempotent retry
+    assert [s for s, _, _ in t.timeline].count("prefill_finished") == 1
+    t2, _ = rv.prefill_done("u", P, [[3]], 10)  # 0: not sent (an older connector)
+    assert "prefill_finished" not in [s for s, _, _ in t2.timeline]

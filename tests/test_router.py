@@ -290,6 +290,14 @@ async def test_legs_are_dispatched_concurrently_with_the_contract(
         t = await c.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
         assert t.state == pb.TRANSFER_STATE_AWAITING
         assert (t.prefill_engine_id, t.decode_engine_id) == ("prefill-0", "decode-0")
+        # GET /timings: when the decode engine's first streamed bytes reached the
+        # router, by transfer id (stamped before they were relayed to the client).
+        async with c.http.get(c.url + "/timings") as r:
+            timings = await r.json()
+        if stream:
+            assert isinstance(timings[tid]["decode_first_byte"], float)
+        else:
+            assert "decode_first_byte" not in timings.get(tid, {})
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

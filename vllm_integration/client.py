@@ -46,6 +46,8 @@ class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
     reason: str = ""
     # KV cache groups 1.. (vLLM's hybrid KV cache manager), each its own list.
     more_groups: tuple[tuple[int, ...], ...] = ()
+    # prefill_done: when the engine finished the request (unix seconds; 0: unknown).
+    finished_unix: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,7 @@ def _to_proto(c: Call) -> pb.TransferCall:
                 prefill_engine_id=c.engine_id,
                 block_ids=_groups(c),
                 num_tokens=c.num_tokens,
+                finished_unix_us=int(c.finished_unix * 1e6),
             )
         )
     return pb.TransferCall(

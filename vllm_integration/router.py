@@ -23,6 +23,7 @@ from aiohttp import web
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from vllm_integration.front_timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
 from vllm_integration.metrics import RouterMetrics, outcome_of
 from vllm_integration.router_engines import Engine, EngineDirectory
 from vllm_integration.router_failures import Failure, Stage, client_error
@@ -121,6 +122,7 @@ class Router:
         self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
         self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
         self.metrics = RouterMetrics()
+        self.timings = FrontTimings()  # GET /timings: per transfer id, for benchmarks
 
     @property
     def fallback(self) -> bool:
@@ -209,6 +211,7 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/timings", self.timings.handler)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
@@ -436,6 +439,7 @@ class Router:
                     p_eng.url + request.path, prefill_body, headers, "prefill"
                 ) as resp:
                     text = await resp.text()
+                    self.timings.mark(transfer_id, PREFILL_RESPONSE)
                     if resp.status != 200:
                         raise Failure(Stage.PREFILL_FAILED, f"HTTP {resp.status}: {text[:200]}")
             except asyncio.CancelledError:
@@ -524,6 +528,7 @@ class Router:
                 first = True
                 async for chunk in resp.content.iter_any():
                     if first:
+                        self.timings.mark(headers.get("X-Request-Id", ""), DECODE_FIRST_BYTE)
                         self._observe_ttft(started)
                         first = False
                     await response.write(chunk)

@@ -277,6 +277,8 @@ class PushSchedulerHalf:
                     need = -(-request.num_prompt_tokens // self.block_size)
                     first = compat.held_tail(block_ids[:need])
                     more = tuple([compat.held_tail(g[:need]) for g in more_groups])
+                # vLLM calls this as it processes the output of the request's
+                # last forward: the timeline's "prefill_finished".
                 self.client.submit(
                     Call(
                         "prefill_done",
@@ -286,6 +288,7 @@ class PushSchedulerHalf:
                         first,
                         request.num_prompt_tokens,
                         more_groups=more,
+                        finished_unix=time.time(),
                     )
                 )
                 self._meta.send.append((rid, tid))

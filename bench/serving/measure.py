@@ -13,6 +13,7 @@ import os
 import time
 
 from bench.output import say
+from bench.serving import critpath
 from bench.serving.config import LABELS, BenchConfig
 from bench.serving.deployment import Deployment, deploy
 from bench.serving.fault import PrefillKiller, fault_lines, fault_summary, router_fallbacks
@@ -125,8 +126,12 @@ def _run_rate(cfg: BenchConfig, dep: Deployment, scenario: str, i: int, rate: fl
     }
     tokens1 = prompt_tokens_by_source(dep.warm_url)
     res.decode_prompt_tokens = {k: v - tokens0.get(k, 0.0) for k, v in tokens1.items()}
-    if dep.coordinator:
-        res.stages_ms = pushkv_stages(dep.coordinator, recs)
+    timelines = critpath.fetch_timelines(dep.coordinator) if dep.coordinator else {}
+    if timelines:
+        res.stages_ms = pushkv_stages(timelines, recs)
+    if critpath.paths_of(dep.system):
+        front = critpath.fetch_front_timings(dep.front_url)
+        res.critpath_ms = critpath.critical_path(dep.system, recs, front, timelines)
     if killer is not None:
         res.fault = fault_summary(recs, killer.killed_at, router_fallbacks(dep.front_url))
     return res
@@ -148,8 +153,10 @@ def _say_rate(rate: float, res: RateResult) -> None:
         + ", ".join(f"{n} {v['run']:.2f} / {v['wait']:.2f}" for n, v in res.worker_sched_s.items())
     )
     say(f"    engine-side mean times (ms): {res.engine_ms}")
+    if res.critpath_ms:
+        say("    critical path, p50 / p99 (ms): " + critpath.text(res.critpath_ms))
     if res.stages_ms:
-        say("    pushkv stages, medians (ms): " + stages_text(res.stages_ms))
+        say("    pushkv transfer stages, p50 / p99 (ms): " + stages_text(res.stages_ms))
     if res.fault:
         for line in fault_lines(res.fault):
             say(line)

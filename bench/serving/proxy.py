@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.serving.config import PREFILL_ENGINE_ID
+from vllm_integration.front_timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
 
 
 class Proxy:
@@ -40,6 +41,7 @@ class Proxy:
         self.prefill_engine_id = prefill_engine_id
         self.side_port = side_port
         self._http: aiohttp.ClientSession | None = None
+        self.timings = FrontTimings()  # GET /timings, as the pushkv router's
 
     async def _start(self, app: web.Application) -> None:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600, connect=10))
@@ -52,6 +54,7 @@ class Proxy:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/timings", self.timings.handler)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -78,6 +81,7 @@ class Proxy:
             self.prefill + "/v1/completions", json=self._prefill_body(body), headers=headers
         ) as r:
             text = await r.text()
+            self.timings.mark(headers["X-Request-Id"], PREFILL_RESPONSE)
             if r.status != 200:
                 raise RuntimeError(f"prefill answered {r.status}: {text[:200]}")
             out: dict[str, Any] = json.loads(text)
@@ -98,7 +102,11 @@ class Proxy:
             response.content_type = resp.content_type or "text/event-stream"
             response.headers["Cache-Control"] = "no-cache"
             await response.prepare(request)
+            first = True
             async for chunk in resp.content.iter_any():
+                if first:
+                    self.timings.mark(headers["X-Request-Id"], DECODE_FIRST_BYTE)
+                    first = False
                 await response.write(chunk)
             await response.write_eof()
             return response

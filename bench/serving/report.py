@@ -1,6 +1,6 @@
 """The serving benchmark's report: per-scenario tables, pushkv's ratios against
-each baseline, where pushkv's TTFT goes, the rate the ratios are taken at, the
-final line, and the TTFT plot."""
+each baseline, each system's critical path to the first token, where pushkv's
+TTFT goes, the rate the ratios are taken at, the final line, and the TTFT plot."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.output import table_head, table_row
 from bench.serving.config import COMPARED, CONTROLS, SCENARIO_LABELS, BenchConfig
+from bench.serving.critpath import PATH_VLLM, Quantiles, paths_of, stages_of
 from bench.serving.results import STAGES, SystemRun
 
 
@@ -63,6 +64,7 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
         lines.append("")
         lines.append(f"ratios pushkv / baseline ({scenario}; below 1: pushkv better)")
         lines += _ratios_table(cfg, runs)
+        lines += _critpath_tables(scenario, runs)
         lines += _stages_table(scenario, runs.get("pushkv"))
         best = highest_common_rate(runs, cfg.rates)
         lines.append(
@@ -146,17 +148,46 @@ def _ratios_table(cfg: BenchConfig, runs: dict[str, SystemRun]) -> list[str]:
     return lines
 
 
+def _cell(q: Quantiles | None, digits: int = 0) -> str:
+    """ "p50 / p99" of a stage, or "-" where it was not observed."""
+    return "-" if q is None else f"{_fmt(q['p50'], digits)} / {_fmt(q['p99'], digits)}"
+
+
+def _critpath_tables(scenario: str, runs: dict[str, SystemRun]) -> list[str]:
+    lines: list[str] = []
+    for system, run in runs.items():
+        if run.error or not any(r.critpath_ms for r in run.rates):
+            continue
+        for path in paths_of(system):
+            stages = stages_of(path)
+            what = (
+                "the stages the front sees (as for vLLM's connectors)"
+                if path == PATH_VLLM and system == "pushkv"
+                else "critical path to the first token"
+            )
+            lines += [
+                "",
+                f"{system}: {what} ({scenario}; p50 / p99 in ms over requests; "
+                'docs/benchmarks.md, "Critical path")',
+                *table_head("rate", *stages),
+            ]
+            for r in run.rates:
+                cells = (_cell(r.critpath_ms.get(s), 1) for s in stages)
+                lines.append(table_row(f"{r.rate:g}", *cells))
+    return lines
+
+
 def _stages_table(scenario: str, pk_run: SystemRun | None) -> list[str]:
     if pk_run is None or not any(r.stages_ms for r in pk_run.rates):
         return []
     lines = [
         "",
-        f"pushkv: where TTFT goes ({scenario}; medians in ms over requests, "
+        f"pushkv: where TTFT goes ({scenario}; p50 / p99 in ms over requests, "
         "from the coordinator's transfer timelines)",
         *table_head("rate", *(name for name, _, _ in STAGES)),
     ]
     for r in pk_run.rates:
-        cells = [_fmt(r.stages_ms.get(name, math.nan)) for name, _, _ in STAGES]
+        cells = [_cell(r.stages_ms.get(name)) for name, _, _ in STAGES]
         lines.append(table_row(f"{r.rate:g}", *cells))
     return lines
 

@@ -1,14 +1,16 @@
-"""What one rate and one system's run yield: percentiles, sustained or not, and,
-for pushkv, where its requests' TTFT went (the coordinator's transfer timelines)."""
+"""What one rate and one system's run yield: percentiles, sustained or not, each
+request's critical path (bench/serving/critpath.py) and, for pushkv, the waits
+of its transfers (the coordinator's timelines)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from bench.serving.config import SUSTAINED_FRACTION
+from bench.serving.critpath import Event, Quantiles, quantiles, response_key
 from bench.serving.workload import ReqRecord
 from bench.stats import percentile
 
@@ -31,9 +33,12 @@ class RateResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     loadavg_before: float = math.nan  # 1-min load average of the whole box (noise)
     loadavg_after: float = math.nan
-    # pushkv only: medians (ms) of each stage of the request, from the coordinator's
+    # pushkv only: p50 / p99 (ms) of each stage of the request, from the coordinator's
     # per-transfer timeline matched to the client's clock (same host).
-    stages_ms: dict[str, float] = field(default_factory=dict)
+    stages_ms: dict[str, Quantiles] = field(default_factory=dict)
+    # p50 / p99 (ms) of each stage of the critical path to the first token
+    # (bench/serving/critpath.py); the stages a system's logs allow.
+    critpath_ms: dict[str, Quantiles] = field(default_factory=dict)
     # The fault scenario only (--kill-prefill-at): bench/serving/fault.fault_summary.
     fault: dict[str, Any] = field(default_factory=dict)
     # The decode engine's (single: the engine's) prompt tokens by source during the
@@ -127,43 +132,30 @@ STAGES: Final = (
 )
 
 
-def pushkv_stages(coordinator: str, recs: Sequence[ReqRecord]) -> dict[str, float]:
-    """Where a pushkv request's TTFT goes, from the coordinator's transfer timelines.
-
-    The router uses its transfer id as X-Request-Id, so a streamed chunk's id is
-    ``cmpl-<transfer id>``; the timeline events are unix times on this host.
-    """
-    import grpc
-    from pushkv.v1 import pushkv_pb2 as pb
-    from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-    channel = grpc.insecure_channel(coordinator)
-    try:
-        stub = pbg.StatusServiceStub(channel)
-        listed = stub.ListTransfers(pb.ListTransfersRequest(limit=10_000), timeout=10)
-    except grpc.RpcError:
-        return {}
-    finally:
-        channel.close()
-    by_id = {t.transfer_id: t for t in listed.transfers}
+def pushkv_stages(
+    timelines: Mapping[str, Sequence[Event]], recs: Sequence[ReqRecord]
+) -> dict[str, Quantiles]:
+    """Where a pushkv request's TTFT goes, from the coordinator's transfer timelines
+    (transfer id -> events; the router's transfer id is the X-Request-Id, so a
+    streamed chunk's id is ``cmpl-<transfer id>``); unix times on this host."""
     samples: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for r in recs:
-        t = by_id.get(r.response_id.removeprefix("cmpl-"))
-        if t is None or r.first_unix is None:
+        ev = timelines.get(response_key(r))
+        if ev is None or r.first_unix is None:
             continue
         at: dict[str, float] = {"sent": r.sent_unix, "first": r.first_unix}
-        for e in t.timeline:
-            if e.stage == "write_done":  # the last rank's
-                at[e.stage] = max(at.get(e.stage, 0.0), e.unix_us / 1e6)
+        for stage, unix, _ in ev:
+            if stage == "write_done":  # the last rank's
+                at[stage] = max(at.get(stage, 0.0), unix)
             else:
-                at.setdefault(e.stage, e.unix_us / 1e6)
+                at.setdefault(stage, unix)
         if "decode_registered" in at and "prefill_done" in at:
             at["both"] = max(at["decode_registered"], at["prefill_done"])
         for name, a, b in STAGES:
             if a in at and b in at:
                 samples[name].append((at[b] - at[a]) * 1000)
-    return {name: percentile(xs, 50) for name, xs in samples.items() if xs}
+    return {name: quantiles(xs) for name, xs in samples.items() if xs}
 
 
-def stages_text(stages: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.0f}" for k, v in stages.items())
+def stages_text(stages: Mapping[str, Quantiles]) -> str:
+    return ", ".join(f"{k} {v['p50']:.0f} / {v['p99']:.0f}" for k, v in stages.items())

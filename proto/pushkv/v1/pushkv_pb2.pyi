@@ -1014,9 +1014,16 @@ class ReportPrefillDoneRequest(_message.Message):
     PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    FINISHED_UNIX_US_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     prefill_engine_id: _builtins.str
     num_tokens: _builtins.int
+    finished_unix_us: _builtins.int
+    """When the prefill engine finished the request (vLLM processed the output of
+    its last forward), unix microseconds on the prefill engine's clock; 0:
+    unknown. Observability only: the coordinator records it as the timeline
+    event "prefill_finished" and nothing else reads it.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """per KV group: every block of the prompt"""
@@ -1028,10 +1035,11 @@ class ReportPrefillDoneRequest(_message.Message):
         prefill_engine_id: _builtins.str = ...,
         block_ids: _abc.Iterable[Global___BlockIds] | None = ...,
         num_tokens: _builtins.int = ...,
+        finished_unix_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_tokens", b"num_tokens", "prefill_engine_id", b"prefill_engine_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "finished_unix_us", b"finished_unix_us", "num_tokens", b"num_tokens", "prefill_engine_id", b"prefill_engine_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
