@@ -178,18 +178,28 @@ class EtcdElection:
         """A clean shutdown: revoke the lease, so a standby leads at once."""
         if self._lost:
             return  # nothing to hand over: the lease is gone or about to expire
-        client, lease_id = self._client, self._lease_id
+        # The connection is the resign's from here: the session, which ends as
+        # it sees _lost, must not close it under the revoke (a closed channel
+        # cancels its calls: the process would exit 1 instead of 0).
+        client, self._client = self._client, None
+        lease_id = self._lease_id
         led = self._leadership.view.role is Role.LEADER
         if led:
             self._lost = True  # this process leads no more; on_lost is not called
             self._update(Role.STANDBY, "", self._leadership.view.term)
-        if client is not None and lease_id:
+        if client is None:
+            return
+        try:
+            if lease_id:
+                with contextlib.suppress(Exception):
+                    await client.leasestub.LeaseRevoke(
+                        rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._call_timeout()
+                    )
+                    if led:
+                        log.info("leadership_resigned", lease=lease_id)
+        finally:
             with contextlib.suppress(Exception):
-                await client.leasestub.LeaseRevoke(
-                    rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._call_timeout()
-                )
-                if led:
-                    log.info("leadership_resigned", lease=lease_id)
+                await client.close()
 
     @property
     def _conn(self) -> EtcdConn:

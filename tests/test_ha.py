@@ -238,7 +238,7 @@ def test_leader_sigterm_hands_over_at_once(cluster: Cluster) -> None:
     lead.proc.terminate()
     started = time.monotonic()
     lead.proc.wait(DEADLINE_S)
-    assert lead.proc.returncode == 0
+    assert lead.proc.returncode == 0, lead.log_text()[-4000:]
     _event(lead, "leadership_resigned")
     poll(
         lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
