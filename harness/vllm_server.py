@@ -351,10 +351,15 @@ class PushkvCluster:
         *,
         names: tuple[str, str] | None = None,
         extra_config: Mapping[str, Any] | None = None,
+        prefill_tp: int = 1,
         **options: Unpack[ServerOptions],
     ) -> PushkvCluster:
-        """Engines ``prefill-0`` and ``decode-0``, named ``names`` (default: their ids)."""
+        """Engines ``prefill-0`` and ``decode-0``, named ``names`` (default: their ids);
+        the prefill engine with ``prefill_tp`` ranks, the decode engine with ``options``'
+        TP size (default 1)."""
         p_name, d_name = names or (None, None)
+        p_options: ServerOptions = {**options}
+        p_options["tp_size"] = prefill_tp
         prefill = pushkv_server(
             model_dir,
             "prefill",
@@ -363,7 +368,7 @@ class PushkvCluster:
             cpu_core=0,
             name=p_name,
             extra_config=extra_config,
-            **options,
+            **p_options,
         )
         decode = pushkv_server(
             model_dir,

@@ -11,8 +11,10 @@ the same load generator:
 
 Core layout: the prefill engine's worker on core 0 and the decode engine's on
 core 1 for every disaggregated system (``VLLM_CPU_OMP_THREADS_BIND``); the
-single engine on core 0. vLLM's NIXL connectors re-pin their workers to the
-last core of each NUMA node; a ``sitecustomize`` shim on every server's
+single engine on core 0. With ``--prefill-tp 2`` (pushkv and pull only) the
+prefill engine runs TP2, its ranks' workers on cores 0 and 1, into the TP1
+decode engine on core 1; the single engine stays TP1. vLLM's NIXL connectors
+re-pin their workers to the last core of each NUMA node; a ``sitecustomize`` shim on every server's
 ``PYTHONPATH`` (``vllm_patches``) skips that call for those two baselines,
 exactly as in ``shared/reference/vllm-push-cpu.md``, and gives every system's
 NIXL agents pushkv's agent's UCX backend parameters; every server gets the same

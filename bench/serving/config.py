@@ -28,6 +28,26 @@ PREFILL_ENGINE_ID: Final = "prefill-0"
 DECODE_ENGINE_ID: Final = "decode-0"
 SUSTAINED_FRACTION: Final = 0.85  # achieved / offered throughput, with no failures
 MIN_SPIN_MS: Final = 1.0  # 0 hung a server's first request in a trial
+# With --prefill-tp 2 (prefill TP2 into decode TP1): the systems whose connector
+# takes a prefill engine of another TP size than the decode engine's. "single"
+# stays one TP1 engine, the reference.
+HETERO_TP_SYSTEMS: Final = ("pull", "pushkv", "single")
+PREFILL_TPS: Final = (1, 2)
+# The pushkv coordinator's settings for a TP2 prefill engine, as
+# tests/test_tp_hetero_vllm.py: its workers busy-poll vLLM's shm queues on 2
+# oversubscribed cores, and a starved agent's heartbeat or a starved rank's DONE
+# report may come later than the default lease (5 s) and write timeout (15 s).
+TP2_COORDINATOR_FLAGS: Final = ("--lease-s", "20", "--write-timeout-s", "60")
+
+
+def topology(prefill_tp: int) -> str:
+    """The engines' layout, as the report states it."""
+    if prefill_tp == 1:
+        return "prefill TP1 (core 0) into decode TP1 (core 1); single engine TP1 (core 0)"
+    return (
+        f"prefill TP{prefill_tp} (ranks' workers on cores 0|1) into decode TP1 (core 1): "
+        f"{prefill_tp + 1} worker processes on 2 cores; single engine TP1 (core 0)"
+    )
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,9 @@ class BenchConfig:
     # The fault scenario (bench/serving/fault.py): kill -9 the prefill engine this
     # many seconds into the load (pushkv only, one rate); None: no fault.
     kill_prefill_at_s: float | None = None
+    # Tensor parallel size of the prefill engine of the disaggregated systems; the
+    # decode engine and the single engine are TP1.
+    prefill_tp: int = 1
 
     @property
     def max_model_len(self) -> int:

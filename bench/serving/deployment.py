@@ -8,10 +8,11 @@
 - ``single``: one server.
 
 The prefill engine's worker is on core 0 and the decode engine's on core 1; the
-single engine on core 0. Every server of every system gets the same
-``sitecustomize`` patches (``bench.serving.vllm_patches``) and the same UCX
-settings, apart from the unpinning of vLLM's NIXL connectors and the
-``-noprog`` controls.
+single engine on core 0. With ``--prefill-tp 2`` the prefill engine's two
+workers are on cores 0 and 1 (rank r on core r), the decode engine's on core 1.
+Every server of every system gets the same ``sitecustomize`` patches
+(``bench.serving.vllm_patches``) and the same UCX settings, apart from the
+unpinning of vLLM's NIXL connectors and the ``-noprog`` controls.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from agent.nixl_adapter import DEFAULT_UCX_PARAMS
-from bench.serving.config import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, BenchConfig
+from bench.serving.config import (
+    DECODE_ENGINE_ID,
+    PREFILL_ENGINE_ID,
+    TP2_COORDINATOR_FLAGS,
+    BenchConfig,
+)
 from bench.serving.processes import ChildProcess
 from bench.serving.vllm_patches import sitecustomize
 from harness.coordinator import CoordinatorProcess
@@ -99,10 +105,13 @@ def server_env(cfg: BenchConfig, system: str, workdir: Path) -> dict[str, str]:
     return {**UCX_ENV, "PYTHONPATH": path}
 
 
-def _options(cfg: BenchConfig, scenario: str, env: dict[str, str]) -> ServerOptions:
+def _options(
+    cfg: BenchConfig, scenario: str, env: dict[str, str], tp_size: int = 1
+) -> ServerOptions:
     caching = "--enable-prefix-caching" if scenario == "prefixhit" else "--no-enable-prefix-caching"
     return ServerOptions(
         pin_process=cfg.pin == "engines",
+        tp_size=tp_size,
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
@@ -151,7 +160,8 @@ def _deploy_single(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> No
 
 
 def _deploy_pushkv(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> None:
-    coord = CoordinatorProcess("--log-level", "WARNING")
+    flags = TP2_COORDINATOR_FLAGS if cfg.prefill_tp > 1 else ()
+    coord = CoordinatorProcess(*flags, "--log-level", "WARNING")
     dep.helpers.append(coord)
     coord.start()
     cluster = PushkvCluster.around(
@@ -159,6 +169,7 @@ def _deploy_pushkv(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> No
         cfg.model_dir,
         names=("prefill", "decode"),
         extra_config=dict(cfg.pushkv_extra),
+        prefill_tp=cfg.prefill_tp,
         **_options(cfg, dep.scenario, env),
     )
     dep.servers += [cluster.prefill, cluster.decode]
@@ -175,9 +186,9 @@ def _deploy_vllm_nixl(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) ->
     connector = "NixlConnector" if pull else "NixlPushConnector"
     side_p, side_d = free_port(), free_port()
     servers = []
-    for name, core, role, engine_id, side in (
-        ("prefill", 0, "kv_producer", PREFILL_ENGINE_ID, side_p),
-        ("decode", 1, "kv_consumer", DECODE_ENGINE_ID, side_d),
+    for name, core, tp, role, engine_id, side in (
+        ("prefill", 0, cfg.prefill_tp, "kv_producer", PREFILL_ENGINE_ID, side_p),
+        ("decode", 1, 1, "kv_consumer", DECODE_ENGINE_ID, side_d),
     ):
         side_channel = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -189,7 +200,7 @@ def _deploy_vllm_nixl(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) ->
                 name,
                 cpu_core=core,
                 kv_transfer_config=_nixl_config(cfg, connector, role, engine_id),
-                **_options(cfg, dep.scenario, {**env, **side_channel}),
+                **_options(cfg, dep.scenario, {**env, **side_channel}, tp_size=tp),
             )
         )
     p, d = servers

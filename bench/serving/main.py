@@ -13,7 +13,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.output import say
-from bench.serving.config import CONTROLS, MIN_SPIN_MS, SCENARIOS, SYSTEMS, BenchConfig
+from bench.serving.config import (
+    CONTROLS,
+    HETERO_TP_SYSTEMS,
+    MIN_SPIN_MS,
+    PREFILL_TPS,
+    SCENARIOS,
+    SYSTEMS,
+    BenchConfig,
+    topology,
+)
 from bench.serving.measure import run_system
 from bench.serving.proxy import proxy_main
 from bench.serving.report import final_line, highest_common_rate, plot, report
@@ -88,6 +97,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         "(pushkv only, one rate) and report the success rate and the TTFT of requests "
         "after the kill (decode fallback) against those pushed before it",
     )
+    ap.add_argument(
+        "--prefill-tp",
+        type=int,
+        choices=PREFILL_TPS,
+        default=1,
+        help="tensor parallel size of the prefill engine; the decode engine stays TP1 "
+        f"(heterogeneous TP). With 2: systems from {HETERO_TP_SYSTEMS} (default all "
+        "three; single stays one TP1 engine), and the model's KV heads must divide by 2",
+    )
     a = ap.parse_args(argv)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
         ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
@@ -97,7 +115,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         if a.rates
         else ((1.0, 2.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))
     )
-    systems = tuple(a.systems.split(",")) if a.systems else SYSTEMS
+    default_systems = SYSTEMS if a.prefill_tp == 1 else HETERO_TP_SYSTEMS
+    systems = tuple(a.systems.split(",")) if a.systems else default_systems
     scenarios = (
         tuple(a.scenarios.split(",")) if a.scenarios else (("nocache",) if quick else SCENARIOS)
     )
@@ -111,6 +130,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         systems != ("pushkv",) or len(rates) != 1 or len(scenarios) != 1
     ):
         ap.error("--kill-prefill-at needs --systems pushkv, one --rates value and one scenario")
+    if a.prefill_tp > 1:
+        _check_prefill_tp(ap, a, systems)
     max_pos = 1 << math.ceil(math.log2(a.max_prompt + a.output_len + 1))
     model_dir = a.model_dir or Path(f".cache/bench-model-l{a.layers}-h{a.hidden}-p{max_pos}")
     cfg = BenchConfig(
@@ -136,8 +157,32 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         pin=a.pin,
         vllm_spin_ms=a.vllm_spin_ms,
         kill_prefill_at_s=a.kill_prefill_at,
+        prefill_tp=a.prefill_tp,
     )
     return cfg, a
+
+
+def _check_prefill_tp(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, systems: tuple[str, ...]
+) -> None:
+    """What a TP2 prefill engine needs: a connector that takes it, KV heads that
+    split across its ranks, and both cores free for its workers."""
+    from harness.tiny_model import model_params
+
+    tp = a.prefill_tp
+    other = [s for s in systems if s not in HETERO_TP_SYSTEMS]
+    if other:
+        ap.error(f"--prefill-tp {tp} runs only {HETERO_TP_SYSTEMS}, not {other}")
+    try:
+        kv_heads = int(model_params(layers=a.layers, hidden=a.hidden)["num_key_value_heads"])
+    except ValueError as exc:
+        ap.error(str(exc))
+    if kv_heads % tp:
+        ap.error(f"--prefill-tp {tp}: the model's {kv_heads} KV heads do not divide by {tp}")
+    if a.pin == "engines":
+        ap.error(f"--prefill-tp {tp} binds the prefill workers to both cores: use --pin workers")
+    if a.kill_prefill_at is not None:
+        ap.error("--kill-prefill-at is measured with a TP1 prefill engine only")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
     build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)
     say(
+        f"topology: {topology(cfg.prefill_tp)}; "
         f"core layout: --pin {cfg.pin}; vLLM shm queue busy-poll: "
         + (
             f"{cfg.vllm_spin_ms:g} ms (--vllm-spin-ms), every system"

@@ -54,6 +54,11 @@ def _start(cfg: BenchConfig, run: SystemRun) -> Deployment | None:
     return None
 
 
+def _worker_cores(affinity: dict[str, str]) -> str:
+    """The allowed cores of an engine's worker processes (TP ranks: one entry)."""
+    return " ".join(v for k, v in sorted(affinity.items()) if k.startswith("VLLM::Worker")) or "?"
+
+
 def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
     run = SystemRun(system, scenario)
     t0 = time.monotonic()
@@ -74,7 +79,7 @@ def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
         run.idle_cpu_percent = idle_cpu_percent(dep.pgids())
         say(
             f"[{scenario}] {system}: up in {run.startup_s:.0f} s; worker affinity "
-            f"{ {n: a.get('VLLM::Worker', '?') for n, a in run.affinity.items()} }; "
+            f"{ {n: _worker_cores(a) for n, a in run.affinity.items()} }; "
             f"idle CPU % {run.idle_cpu_percent}"
         )
         for i, rate in enumerate(cfg.rates):

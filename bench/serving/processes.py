@@ -101,7 +101,8 @@ def worker_schedstat(pids: Sequence[int]) -> tuple[int, int]:
     run = wait = 0
     for pid in pids:
         try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
+            # "VLLM::Worker", or "VLLM::Worker_TP" (a TP rank's title, cut to 15 bytes).
+            if not Path(f"/proc/{pid}/comm").read_text().strip().startswith("VLLM::Worker"):
                 continue
         except OSError:
             continue

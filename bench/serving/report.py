@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.output import table_head, table_row
-from bench.serving.config import COMPARED, CONTROLS, SCENARIO_LABELS, BenchConfig
+from bench.serving.config import COMPARED, CONTROLS, SCENARIO_LABELS, BenchConfig, topology
 from bench.serving.critpath import PATH_VLLM, Quantiles, paths_of, stages_of
 from bench.serving.results import STAGES, SystemRun
 
@@ -60,6 +60,7 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
     for scenario, runs in all_runs.items():
         lines.append("")
         lines.append(f"## scenario {scenario}: {SCENARIO_LABELS[scenario]}")
+        lines.append(f"topology: {topology(cfg.prefill_tp)}")
         lines += _systems_table(cfg, runs)
         lines.append("")
         lines.append(f"ratios pushkv / baseline ({scenario}; below 1: pushkv better)")
@@ -285,7 +286,12 @@ def plot(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]], path: Path
     fig.suptitle(
         f"TTFT p50 vs rate; Llama {cfg.layers}L h{cfg.hidden} fp32, prompts "
         f"{cfg.min_prompt}-{cfg.max_prompt} tok, {cfg.output_len} out\n"
-        "P core 0, D core 1 (single: core 0); red ring: rate not sustained",
+        + (
+            "P core 0, D core 1 (single: core 0)"
+            if cfg.prefill_tp == 1
+            else f"P TP{cfg.prefill_tp} cores 0|1, D TP1 core 1 (single: TP1 core 0)"
+        )
+        + "; red ring: rate not sustained",
         fontsize=9,
     )
     fig.tight_layout()
