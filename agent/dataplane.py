@@ -437,6 +437,7 @@ class DataPlane:
                             notif.encode(),
                             block_slice=cut,
                             resize=tgt.resize,
+                            dst_regions=tgt.dst_regions,
                         )
                     )
                     self.writes_posted += 1

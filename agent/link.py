@@ -99,6 +99,7 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 t.slice_offset,
                 t.slice_len,
                 resize,
+                tuple(t.dst_regions),
             )
         )
     return OrderMsg(
@@ -137,7 +138,7 @@ def peer_from_pb(p: pb.PeerInfo) -> PeerMsg:
     memory = MemoryKind.VRAM if p.layout.memory_kind == "VRAM" else MemoryKind.DRAM
     return PeerMsg(
         p.identity.engine_id,
-        p.identity.tp_rank,
+        p.identity.pp_rank * p.identity.tp_size + p.identity.tp_rank,
         p.identity.incarnation,
         p.nixl_agent_name,
         p.nixl_metadata,

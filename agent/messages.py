@@ -21,6 +21,9 @@ class Target:
     slice_len: int = 0
     # Different block sizes: a token range (pushkv.proto, WriteTarget); None = equal sizes.
     resize: BlockResize | None = None
+    # Pipeline-parallel prefill: the peer region each local region goes into
+    # (pushkv.proto, WriteTarget.dst_regions); () = region i into region i.
+    dst_regions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Self
 
@@ -170,6 +170,17 @@ class _Peer:
     key: PeerKey
     layout: Layout
     mem_type: str
+    # Sub-layouts of `layout` (its regions in the given order), built once per
+    # region list: pipeline-parallel prefill writes into the decode regions of
+    # its stage's layers only.
+    picks: dict[tuple[int, ...], Layout] = field(default_factory=dict)
+
+    def pick(self, regions: tuple[int, ...], what: str) -> Layout:
+        """The layout of these regions of the peer's, in this order."""
+        got = self.picks.get(regions)
+        if got is None:
+            got = self.picks[regions] = self.layout.pick(regions, what)
+        return got
 
 
 # --------------------------------------------------------------------------- endpoint
@@ -313,7 +324,9 @@ class NixlEndpoint:
         """
         agent = self._require_agent()
         layout = Layout.of(regions, f"peer {key.agent_name!r}")
-        if self._local is not None:
+        if self._local is not None and len(self._local.regions) >= len(layout.regions):
+            # (A pipeline-parallel stage holds fewer regions than its decode
+            # peer: each WRITE names the peer's regions it pairs with.)
             check_pairing(self._local, layout, key)
         existing = self._peers.get(key.agent_name)
         if existing is not None:
@@ -370,6 +383,7 @@ class NixlEndpoint:
         *,
         block_slice: BlockSlice | None = None,
         resize: BlockResize | None = None,
+        dst_regions: Sequence[int] = (),
     ) -> WriteHandle:
         """WRITE local block ``local_blocks[i]`` to the peer's ``remote_blocks[i]``, all regions.
 
@@ -378,6 +392,8 @@ class NixlEndpoint:
         of the larger side's blocks moves, one descriptor per block and region.
         With ``resize`` (engines of different block sizes) a token range moves
         between blocks of different sizes (:func:`plan_resized_write`).
+        With ``dst_regions`` (a pipeline-parallel prefill stage) local region
+        ``i`` goes into the peer's region ``dst_regions[i]``, not region ``i``.
         ``notif`` (if non-empty) reaches the peer once the data has landed.  With
         zero blocks nothing is transferred; the notification (if any) is sent with
         :meth:`send_notif` instead, so the receiver still sees it, and the returned
@@ -395,16 +411,15 @@ class NixlEndpoint:
         if local is None:
             raise NixlError(FailureReason.INVALID_REQUEST, "register_kv() before post_write()")
         side = f"peer {peer.agent_name!r}"
+        remote = target.pick(tuple(dst_regions), side) if dst_regions else target.layout
+        if dst_regions:
+            check_pairing(local, remote, peer)
         if resize is not None:
-            plan = plan_resized_write(
-                local, target.layout, local_blocks, remote_blocks, side, resize
-            )
+            plan = plan_resized_write(local, remote, local_blocks, remote_blocks, side, resize)
         elif block_slice is None:
-            plan = plan_write(local, target.layout, local_blocks, remote_blocks, side)
+            plan = plan_write(local, remote, local_blocks, remote_blocks, side)
         else:
-            plan = plan_sliced_write(
-                local, target.layout, local_blocks, remote_blocks, side, block_slice
-            )
+            plan = plan_sliced_write(local, remote, local_blocks, remote_blocks, side, block_slice)
         xfer: Any = None
         state = TransferState.DONE
         if plan.num_descriptors:

@@ -63,10 +63,21 @@ class AgentConfig:
     # at a time, and block b of any group lies in every region). The hello
     # lists the regions once per group; an order's groups are written alike.
     kv_groups: int = 1
+    # Pipeline parallelism: this rank's stage and the engine's stage count,
+    # and the model layer each of `regions` holds (KVRegion.layer; () = not
+    # reported; a PP stage must report them).
+    pp_rank: int = 0
+    pp_size: int = 1
+    region_layers: tuple[int, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        """The engine's rank number: pp_rank * tp_size + tp_rank."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     @property
     def agent_name(self) -> str:
-        return f"{self.engine_id}-r{self.tp_rank}-{self.incarnation}"
+        return f"{self.engine_id}-r{self.rank}-{self.incarnation}"
 
 
 class Agent:
@@ -91,7 +102,7 @@ class Agent:
             emit_report=self._report,
             emit_event=self._emit_event,
             lease_ok=self._lease_ok,
-            name=f"pushkv-nixl-{config.tp_rank}",
+            name=f"pushkv-nixl-{config.rank}",
         )
 
     def _make_endpoint(self) -> NixlEndpoint:
@@ -127,6 +138,8 @@ class Agent:
                 tp_rank=c.tp_rank,
                 tp_size=c.tp_size,
                 incarnation=c.incarnation,
+                pp_rank=c.pp_rank,
+                pp_size=c.pp_size,
             ),
             nixl_agent_name=c.agent_name,
             nixl_metadata=metadata,
@@ -141,6 +154,7 @@ class Agent:
                         device_id=r.device_id,
                         group=g,
                         name=f"region{i}" if g == 0 else f"group{g}-region{i}",
+                        layer=c.region_layers[i] if c.region_layers else None,
                     )
                     for g in range(max(1, c.kv_groups))
                     for i, r in enumerate(c.regions)
@@ -157,7 +171,7 @@ class Agent:
             hello,
             self._dataplane.inbox.put,
             channel_factory=self._channel_factory,
-            name=f"pushkv-link-{c.tp_rank}",
+            name=f"pushkv-link-{c.rank}",
             give_up_s=c.give_up_s,
         )
         self._link.start()

@@ -94,6 +94,16 @@ class Layout:
             lens=tuple(r.block_len for r in regs),
         )
 
+    def pick(self, regions: Sequence[int], what: str) -> Layout:
+        """These regions of the layout, in this order (distinct, in range)."""
+        n = len(self.regions)
+        if any(not 0 <= i < n for i in regions) or len(set(regions)) != len(regions):
+            raise NixlError(
+                FailureReason.INVALID_REQUEST,
+                f"{what}: regions {list(regions)} are not distinct regions of its {n}",
+            )
+        return Layout.of([self.regions[i] for i in regions], what)
+
     def rows(
         self, starts: Sequence[int], lengths: Sequence[int] | None
     ) -> list[tuple[int, int, int]]:

@@ -89,7 +89,15 @@ def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(
         tokens_per_block=msg.tokens_per_block,
         regions=tuple(
-            KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id, r.group, r.name)
+            KVRegion(
+                r.base_addr,
+                r.block_len,
+                r.num_blocks,
+                r.device_id,
+                r.group,
+                r.name,
+                r.layer if r.HasField("layer") else -1,
+            )
             for r in msg.regions
         ),
         memory_kind=msg.memory_kind or "DRAM",
@@ -111,6 +119,7 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
                 device_id=r.device_id,
                 group=r.group,
                 name=r.name,
+                layer=r.layer if r.layer >= 0 else None,
             )
             for r in layout.regions
         ],
@@ -137,6 +146,8 @@ def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
         nixl_metadata=hello.nixl_metadata,
         layout=layout_from_pb(hello.layout),
         api_url=hello.api_url,
+        pp_rank=ident.pp_rank,
+        pp_size=max(1, ident.pp_size),
     )
 
 
@@ -147,6 +158,8 @@ def identity_to_pb(reg: AgentRegistration) -> pb.AgentIdentity:
         tp_rank=reg.tp_rank,
         tp_size=reg.tp_size,
         incarnation=reg.incarnation,
+        pp_rank=reg.pp_rank,
+        pp_size=reg.pp_size,
     )
 
 
@@ -183,6 +196,8 @@ def fill_order(m: pb.TransferOrder, order: Order) -> None:
             w.resize_tokens = t.resize_tokens
             w.kv_heads = t.kv_heads
             w.head_span_units.extend(t.head_span_units)
+        if t.dst_regions:  # pipeline-parallel prefill; empty = region i into region i
+            w.dst_regions.extend(t.dst_regions)
         add = w.src_blocks.add
         for g in t.src_blocks:
             add().ids.extend(g)
@@ -249,25 +264,27 @@ def engine_to_pb(
 ) -> pb.EngineStatus:
     def lease(rec: AgentRecord) -> pb.RankLease:
         return pb.RankLease(
-            tp_rank=rec.reg.tp_rank,
+            tp_rank=rec.key.rank,
+            pp_rank=rec.reg.pp_rank,
             incarnation=rec.incarnation,
             nixl_agent_name=rec.reg.nixl_agent_name,
             connected=rec.connected,
             lease_expires_unix_us=_us(rec.lease_deadline + wall_offset),
             last_seen_unix_us=_us(rec.last_seen + wall_offset),
-            inflight_orders=open_orders.get(rec.reg.tp_rank, 0),
+            inflight_orders=open_orders.get(rec.key.rank, 0),
         )
 
     return pb.EngineStatus(
         engine_id=eng.engine_id,
         role=ROLE_TO_PB[eng.role],
         tp_size=eng.tp_size,
+        pp_size=eng.pp_size,
         ranks=[lease(r) for _, r in sorted(eng.ranks.items())],
         ready=eng.ready,
         inflight_transfers=inflight,
         tokens_per_block=eng.tokens_per_block,
         api_url=next((r.reg.api_url for r in eng.ranks.values() if r.reg.api_url), ""),
-        kv=shape_to_pb(eng.ranks[min(eng.ranks)].reg.layout.shape) if eng.ranks else None,
+        kv=shape_to_pb(eng.shape) if eng.ranks else None,
     )
 
 
@@ -277,5 +294,13 @@ def shape_to_pb(shape: KVShape) -> pb.KVShape:
         compat_hash=shape.compat_hash,
         kv_heads=shape.kv_heads,
         head_major=shape.head_major,
-        regions=[pb.RegionShape(group=g, block_len=n) for g, n in shape.regions],
+        regions=[
+            pb.RegionShape(group=g, block_len=n, layer=layer if layer >= 0 else None)
+            for (g, n), layer in zip(shape.regions, _layers(shape), strict=True)
+        ],
+        pp_size=shape.pp_size,
     )
+
+
+def _layers(shape: KVShape) -> tuple[int, ...]:
+    return shape.layers if len(shape.layers) == len(shape.regions) else (-1,) * len(shape.regions)

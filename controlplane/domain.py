@@ -106,6 +106,7 @@ class KVRegion:
     device_id: int = 0
     group: int = 0
     name: str = ""
+    layer: int = -1  # the model layer it holds (KVRegion.layer); -1 = not reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,7 @@ class KVLayout:
             kv_heads=self.kv_heads,
             head_major=self.head_major,
             regions=tuple([(r.group, r.block_len) for r in self.regions]),
+            layers=tuple([r.layer for r in self.regions]),
         )
         object.__setattr__(self, "shape", shape)
 
@@ -149,11 +151,16 @@ class AgentRegistration:
     nixl_metadata: bytes
     layout: KVLayout
     api_url: str = ""
+    # Pipeline-parallel stage and stage count: the engine's rank number (the
+    # key's) is pp_rank * tp_size + tp_rank.
+    pp_rank: int = 0
+    pp_size: int = 1
     # Derived once: read several times per report on the hot path.
     key: AgentKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", AgentKey(self.engine_id, self.tp_rank))
+        rank = self.pp_rank * self.tp_size + self.tp_rank
+        object.__setattr__(self, "key", AgentKey(self.engine_id, rank))
 
 
 # Orders are immutable tuples: one built per prefill rank of every transfer,
@@ -174,6 +181,9 @@ class WriteTarget(NamedTuple):
     resize_tokens: int = 0
     kv_heads: int = 0
     head_span_units: tuple[int, ...] = ()
+    # Pipeline-parallel prefill: the decode region each source region goes
+    # into (pushkv.proto, WriteTarget.dst_regions); () = region i into region i.
+    dst_regions: tuple[int, ...] = ()
 
 
 class Order(NamedTuple):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from controlplane.domain import (
     AgentKey,
     Blocks,
+    KVLayout,
     Order,
     OrderId,
     TransferId,
@@ -20,6 +21,7 @@ from controlplane.errors import InvalidArgument
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
 from wire.pairing import head_span_units, pair_mismatch
+from wire.pp_map import region_map
 from wire.tp_map import prefill_targets, total_heads
 
 
@@ -28,8 +30,7 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
 
     The engines' side of it is wire/pairing.py's rule, the one routers apply too."""
     assert t.decode is not None and t.prefill is not None
-    p_layout, d_layout = pe.ranks[0].reg.layout, de.ranks[0].reg.layout
-    problem = pair_mismatch(pe.tp_size, p_layout.shape, de.tp_size, d_layout.shape)
+    problem = pair_mismatch(pe.tp_size, pe.shape, de.tp_size, de.shape)
     if problem:
         return problem
     if t.decode.num_tokens != t.prefill.num_tokens:
@@ -120,6 +121,7 @@ def resized(
                 end - hit,
                 kv_heads,
                 units,
+                t.dst_regions,
             )
             for t in targets
         ]
@@ -139,7 +141,7 @@ def rank_targets(
     each of its blocks into decode rank rank * k + j, 1 writer. Replicated
     heads (and MLA, one latent on every rank): one replica writes each decode
     rank's heads, and a prefill rank no decode rank chose gets no target."""
-    p_layout, d_layout = pe.ranks[0].reg.layout, de.ranks[0].reg.layout
+    p_layout, d_layout = pe.ranks[rank].reg.layout, de.ranks[0].reg.layout
     total = total_heads(
         pe.tp_size,
         p_layout.kv_heads,
@@ -150,19 +152,43 @@ def rank_targets(
     )
     if not total:  # heads not reported: disjoint ranges, in units of the smaller block
         total = max(pe.tp_size, de.tp_size)
+    tp_rank = rank % pe.tp_size  # its stage: rank // pe.tp_size
     plan = prefill_targets(
         pe.tp_size,
         p_layout.regions[0].block_len,
         de.tp_size,
         d_layout.regions[0].block_len,
         total,
-        rank,
+        tp_rank,
     )
+    # Pipeline-parallel prefill (wire/pp_map.py): the rank's regions into the
+    # decode regions of their layers; every stage writes each decode rank.
+    regions = stage_regions(pe.ranks[rank].reg.layout, d_layout) if pe.pp_size > 1 else ()
     return tuple(
         [
-            WriteTarget(de.engine_id, d, de.ranks[d].incarnation, src, dst, writers, offset, length)
+            WriteTarget(
+                de.engine_id,
+                d,
+                de.ranks[d].incarnation,
+                src,
+                dst,
+                writers * pe.pp_size,
+                offset,
+                length,
+                dst_regions=regions,
+            )
             for d, offset, length, writers in plan
         ]
+    )
+
+
+def stage_regions(p_layout: KVLayout, d_layout: KVLayout) -> tuple[int, ...]:
+    """The decode region (of group 0) each group-0 region of a pipeline-parallel
+    prefill rank goes into: the same layer's (`mismatch` checked every layer
+    pairs)."""
+    return region_map(
+        [r.layer for r in p_layout.regions if r.group == 0],
+        [r.layer for r in d_layout.regions if r.group == 0],
     )
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from controlplane.domain import AgentKey, AgentRegistration, EngineId, Role
 from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound
+from wire.pairing import KVShape
+from wire.pp_map import merge_stages
 
 
 @dataclass(slots=True)
@@ -33,10 +35,28 @@ class EngineRecord:
     tokens_per_block: int
     compat_hash: str
     ranks: dict[int, AgentRecord] = field(default_factory=dict)
+    # Pipeline-parallel stages; ranks are numbered pp_rank * tp_size + tp_rank.
+    pp_size: int = 1
+
+    @property
+    def size(self) -> int:
+        """Ranks in all: every stage's."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def shape(self) -> KVShape:
+        """What pairing reads (wire/pairing.py): the first rank's layout, and
+        with several PP stages, every registered stage's first rank's regions
+        (wire/pp_map.py). Some rank must be registered."""
+        first = self.ranks[min(self.ranks)].reg.layout.shape
+        if self.pp_size <= 1:
+            return first
+        stages = [self.ranks.get(s * self.tp_size) for s in range(self.pp_size)]
+        return merge_stages([a.reg.layout.shape for a in stages if a is not None])
 
     @property
     def ready(self) -> bool:
-        if len(self.ranks) != self.tp_size:
+        if len(self.ranks) != self.size:
             return False
         for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)
             if not a.connected:
@@ -94,6 +114,10 @@ class Registry:
             raise InvalidArgument(
                 f"tp_rank {reg.tp_rank} outside tp_size {reg.tp_size}", field="identity.tp_rank"
             )
+        if reg.pp_size < 1 or not 0 <= reg.pp_rank < reg.pp_size:
+            raise InvalidArgument(
+                f"pp_rank {reg.pp_rank} outside pp_size {reg.pp_size}", field="identity.pp_rank"
+            )
         eng = self._engines.get(reg.engine_id)
         if eng is not None and eng.ranks:
             if eng.role is not reg.role:
@@ -105,6 +129,11 @@ class Registry:
                 raise FailedPrecondition(
                     f"engine {reg.engine_id!r} is registered with tp_size {eng.tp_size}",
                     field="identity.tp_size",
+                )
+            if eng.pp_size != reg.pp_size:
+                raise FailedPrecondition(
+                    f"engine {reg.engine_id!r} is registered with pp_size {eng.pp_size}",
+                    field="identity.pp_size",
                 )
             if eng.tokens_per_block != reg.layout.tokens_per_block:
                 raise FailedPrecondition(
@@ -118,11 +147,13 @@ class Registry:
                 reg.tp_size,
                 reg.layout.tokens_per_block,
                 reg.layout.compat_hash,
+                pp_size=reg.pp_size,
             )
             self._engines[reg.engine_id] = eng
-        old = eng.ranks.get(reg.tp_rank)
+        rank = reg.key.rank
+        old = eng.ranks.get(rank)
         rec = AgentRecord(reg, True, now, now + self._lease_s)
-        eng.ranks[reg.tp_rank] = rec
+        eng.ranks[rank] = rec
         if old is not None and old.incarnation != reg.incarnation:
             self._ghosts[(old.key, old.incarnation)] = old.lease_deadline
             return old

@@ -425,7 +425,7 @@ class Rendezvous:
         wall = self._clock.wall()
         deadline_unix = wall + s.write_timeout_s
         effects: list[Effect] = []
-        for rank in range(pe.tp_size):
+        for rank in range(pe.size):
             p_agent = pe.ranks[rank]
             oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
             order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)

@@ -292,10 +292,11 @@ class Runtime:
         log.info(
             "agent_registered",
             engine_id=reg.engine_id,
-            rank=reg.tp_rank,
+            rank=reg.key.rank,
             role=reg.role.value,
             incarnation=reg.incarnation,
             tp_size=reg.tp_size,
+            pp_size=reg.pp_size,
             kv_heads=reg.layout.kv_heads,
             head_major=reg.layout.head_major,
             block_len=reg.layout.regions[0].block_len,

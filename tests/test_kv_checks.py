@@ -45,6 +45,7 @@ from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_integration import kv_checks
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.kv_checks import UnsupportedKVCache
+from vllm_integration.worker import layer_of
 
 BLOCK = 16
 NB = 40
@@ -267,6 +268,7 @@ def test_worker_refuses_at_start(
 def test_one_message_names_every_problem(cfg: VllmConfig) -> None:
     kv = two_groups(mamba(), attn(SlidingWindowSpec, sliding_window=64))
     cfg.parallel_config.pipeline_parallel_size = 2
+    cfg.kv_transfer_config.kv_role = "kv_consumer"  # PP is refused on decode only
     problems = kv_checks.config_problems(cfg, kv)
     assert [p.split(" ", 2)[:2] for p in problems] == [
         ["2", "KV"],
@@ -279,7 +281,10 @@ def test_one_message_names_every_problem(cfg: VllmConfig) -> None:
 @pytest.mark.parametrize(
     ("field", "flag"),
     [
-        ("pipeline_parallel_size", "pipeline parallelism (--pipeline-parallel-size 2)"),
+        (
+            "pipeline_parallel_size",
+            "pipeline parallelism (--pipeline-parallel-size 2) on a decode engine",
+        ),
         ("decode_context_parallel_size", "context parallelism (--decode-context-parallel-size 2)"),
         (
             "prefill_context_parallel_size",
@@ -289,8 +294,22 @@ def test_one_message_names_every_problem(cfg: VllmConfig) -> None:
 )
 def test_parallelism_pushkv_cannot_pair_is_refused(cfg: VllmConfig, field: str, flag: str) -> None:
     setattr(cfg.parallel_config, field, 2)
+    cfg.kv_transfer_config.kv_role = "kv_consumer"
     with pytest.raises(UnsupportedKVCache, match=flag.replace("(", r"\(").replace(")", r"\)")):
         PushKVConnector(cfg, KVConnectorRole.WORKER, make_kv_cache_config(cfg, NB))
+
+
+def test_pipeline_parallel_prefill_is_accepted(cfg: VllmConfig) -> None:
+    """A prefill engine may run PP (each stage writes its layers, wire/pp_map.py)."""
+    cfg.parallel_config.pipeline_parallel_size = 2
+    assert kv_checks.config_problems(cfg, make_kv_cache_config(cfg, NB)) == []
+
+
+def test_layer_of_reads_vllm_layer_names() -> None:
+    assert [layer_of(n) for n in LAYERS] == [0, 1]
+    assert layer_of("model.layers.17.self_attn.attn") == 17
+    assert layer_of("language_model.model.layers.3.attn") == 3
+    assert layer_of("lm_head") == -1
 
 
 @pytest.mark.parametrize(

@@ -259,3 +259,17 @@ def test_descriptor_arrays_match_tuple_rows(monkeypatch: pytest.MonkeyPatch) -> 
     ]
     assert arrays.num_descriptors == tuples.num_descriptors == 6
     assert arrays.nbytes == tuples.nbytes == 5 * (4096 + 512)
+
+
+def test_pick_pairs_a_stage_with_the_peer_regions_of_its_layers() -> None:
+    """A pipeline-parallel stage (2 regions) writes into regions 2 and 0 of a
+    3-region peer: the WRITE's remote rows are those regions' blocks, in the
+    stage's region order; repeated or out-of-range regions are refused."""
+    local = Layout.of([KVRegion(1 << 20, 256, 8), KVRegion(1 << 21, 256, 8)], "stage")
+    peer = Layout.of([KVRegion((i + 1) << 24, 256, 8) for i in range(3)], "peer")
+    plan = write_plan.plan_write(local, peer.pick((2, 0), "peer"), [1], [5], "peer")
+    assert [row[0] for row in plan.remote_rows] == [(3 << 24) + 5 * 256, (1 << 24) + 5 * 256]
+    for bad in ((0, 0), (0, 3)):
+        with pytest.raises(NixlError, match="not distinct regions of its 3") as info:
+            peer.pick(bad, "peer")
+        assert info.value.reason is FailureReason.INVALID_REQUEST

@@ -50,7 +50,9 @@ __all__ = [
     "group_block_ids",
     "held_tail",
     "kv_geometry",
+    "pp_rank_and_size",
     "set_load_failure_policy",
+    "total_layers",
     "tp_rank_and_size",
 ]
 
@@ -147,6 +149,23 @@ def tp_rank_and_size() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except AssertionError:  # no model-parallel group (e.g. unit tests)
         return 0, 1
+
+
+def pp_rank_and_size() -> tuple[int, int]:
+    """This worker's pipeline-parallel stage and the engine's stage count."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    try:
+        group = get_pp_group()
+    except AssertionError:  # no model-parallel group (e.g. unit tests)
+        return 0, 1
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def total_layers(vllm_config: Any) -> int:
+    """The model's layers, all stages together (0: unknown)."""
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    return int(getattr(text, "num_hidden_layers", 0) or 0)
 
 
 def kv_geometry(vllm_config: Any) -> dict[str, str]:

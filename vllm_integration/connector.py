@@ -67,6 +67,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
             self.request_finished_all_groups = half.request_finished_all_groups  # type: ignore[method-assign]
         else:
             rank, size = compat.tp_rank_and_size()
+            pp_rank, pp_size = compat.pp_rank_and_size()
             geometry = compat.kv_geometry(vllm_config)
             kv_heads = int(geometry.pop("kv_heads_per_rank"))
             mla = kv_checks.mla_geometry(kv_cache_config)
@@ -82,6 +83,9 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
                 kv_heads=kv_heads,
                 kv_groups=kv_groups,
                 mla_head_size=mla[1] if mla else 0,
+                pp_rank=pp_rank,
+                pp_size=pp_size,
+                total_layers=compat.total_layers(vllm_config) if pp_size > 1 else 0,
             )
 
     # ------------------------------------------------------------ scheduler side

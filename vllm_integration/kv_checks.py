@@ -233,11 +233,13 @@ def _parallel_problems(vllm_config: Any) -> list[str]:
     pc = vllm_config.parallel_config
     problems = []
     pp = int(getattr(pc, "pipeline_parallel_size", 1))
-    if pp > 1:
+    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+    if pp > 1 and role != "kv_producer":
         problems.append(
-            f"pipeline parallelism (--pipeline-parallel-size {pp}): each stage holds "
-            "a subset of the layers and pushkv pairs ranks by TP rank only; use "
-            "--pipeline-parallel-size 1 (tensor parallelism is supported)"
+            f"pipeline parallelism (--pipeline-parallel-size {pp}) on a decode engine: "
+            "each stage holds a subset of the layers and a decode engine must hold "
+            "every layer; use --pipeline-parallel-size 1 on decode (a prefill engine "
+            "may run pipeline parallelism, and either may run tensor parallelism)"
         )
     for field, flag in (
         ("decode_context_parallel_size", "--decode-context-parallel-size"),

@@ -40,6 +40,8 @@ def shape_of(e: pb.EngineStatus) -> KVShape:
         kv_heads=e.kv.kv_heads,
         head_major=e.kv.head_major,
         regions=tuple([(r.group, r.block_len) for r in e.kv.regions]),
+        layers=tuple([r.layer if r.HasField("layer") else -1 for r in e.kv.regions]),
+        pp_size=max(1, e.kv.pp_size),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -128,6 +129,28 @@ def regions_of(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[KVRegion,
     return tuple(regions)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int:
+    """The layer index in a vLLM layer name ("model.layers.3.self_attn.attn"
+    -> 3); -1 when the name has none."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def region_layers(kv_caches: Mapping[str, Any], num_blocks: int) -> tuple[int, ...]:
+    """The layer of each region `regions_of` lists, in its order."""
+    out: list[int] = []
+    for name in sorted(kv_caches):
+        shape = list(kv_caches[name].shape)
+        outer = 1
+        for s in shape[: shape.index(num_blocks)]:
+            outer *= s
+        out.extend([layer_of(name)] * outer)
+    return tuple(out)
+
+
 def distinct_regions(regions: tuple[KVRegion, ...]) -> tuple[KVRegion, ...]:
     """The regions without repeats, in order. vLLM's hybrid KV cache manager
     lays its KV cache groups over the same memory (layer j of every group in the
@@ -159,11 +182,18 @@ class PushWorkerHalf:
         kv_heads: int = 0,
         kv_groups: int = 1,
         mla_head_size: int = 0,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        total_layers: int = 0,
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
         self.is_prefill = is_prefill
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Pipeline parallelism (prefill only): this worker's stage holds only its
+        # layers' KV caches; `total_layers` is the model's (every stage's).
+        self.pp_rank, self.pp_size, self.total_layers = pp_rank, pp_size, total_layers
+        self.rank = pp_rank * tp_size + tp_rank  # the engine's rank number
         self.tokens_per_block = tokens_per_block
         self.num_blocks = num_blocks
         self.compat = dict(compat or {})
@@ -181,10 +211,21 @@ class PushWorkerHalf:
         self._recving_done: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
-        self.metrics = ConnectorMetrics(engine_id, tp_rank)  # served if metrics_port > 0
+        self.metrics = ConnectorMetrics(engine_id, self.rank)  # served if metrics_port > 0
         self.counts = self.metrics.counts  # plain ints, bumped on the engine thread
 
     # ------------------------------------------------------------ setup
+    def model_regions(self, regions: int, layers: tuple[int, ...]) -> int:
+        """The KV regions of the whole model (the kv_regions compat field, equal
+        on a PP 1 decode): with pipeline parallelism this stage's `regions` are
+        its layers' only, so its regions per layer times the model's layers."""
+        stage_layers = len(set(layers))
+        if self.pp_size <= 1 or not self.total_layers or not stage_layers:
+            return regions
+        if regions % stage_layers:
+            return regions
+        return regions // stage_layers * self.total_layers
+
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         if self.mla_head_size:
             shape, head_major = mla_block_layout(
@@ -195,13 +236,20 @@ class PushWorkerHalf:
                 kv_caches, self.num_blocks, self.kv_heads, self.tokens_per_block
             )
         regions = regions_of(kv_caches, self.num_blocks)
+        layers = region_layers(kv_caches, self.num_blocks)
         if self.kv_groups > 1:
-            regions = distinct_regions(regions)
+            kept = distinct_regions(regions)
+            layers = tuple([layers[regions.index(r)] for r in kept])
+            regions = kept
         first = next(iter(kv_caches.values()))
         memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
-        compat = {**self.compat, "kv_layout": shape, "kv_regions": str(len(regions))}
+        compat = {
+            **self.compat,
+            "kv_layout": shape,
+            "kv_regions": str(self.model_regions(len(regions), layers)),
+        }
         compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         cfg = AgentConfig(
@@ -221,6 +269,9 @@ class PushWorkerHalf:
             tls=self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
             kv_groups=self.kv_groups,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            region_layers=layers if min(layers, default=-1) >= 0 else (),
         )
         self.agent = Agent(cfg)
         self.agent.start()

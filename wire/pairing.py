@@ -9,6 +9,7 @@ values: no gRPC, no protobuf, typed for mypyc.
 
 from __future__ import annotations
 
+from wire.pp_map import by_layer, pp_mismatch
 from wire.tp_map import different_tp_mismatch, total_heads
 
 BLOCK_SIZE = "block_size"  # the compat field naming an engine's block size
@@ -28,6 +29,8 @@ class KVShape:
         "compat_hash",
         "head_major",
         "kv_heads",
+        "layers",
+        "pp_size",
         "regions",
         "tokens_per_block",
     )
@@ -41,6 +44,8 @@ class KVShape:
         kv_heads: int = 0,
         head_major: bool = False,
         regions: tuple[tuple[int, int], ...] = (),
+        layers: tuple[int, ...] = (),
+        pp_size: int = 1,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.compat = compat  # (name, value) pairs both sides must agree on
@@ -48,6 +53,26 @@ class KVShape:
         self.kv_heads = kv_heads  # KV heads one rank holds per block; 0 = unknown
         self.head_major = head_major  # a head range of a block is one contiguous span
         self.regions = regions  # (KV group, block length in bytes) per region
+        # The model layer each region holds (-1 = not reported; () = none
+        # reported), and the engine's pipeline-parallel stages: with several,
+        # `regions` are every stage's (wire/pp_map.py).
+        self.layers = layers
+        self.pp_size = pp_size
+
+    def with_regions(
+        self, regions: tuple[tuple[int, int], ...], layers: tuple[int, ...], pp_size: int
+    ) -> KVShape:
+        """This shape with other regions, layers and PP size."""
+        return KVShape(
+            self.tokens_per_block,
+            compat=self.compat,
+            compat_hash=self.compat_hash,
+            kv_heads=self.kv_heads,
+            head_major=self.head_major,
+            regions=regions,
+            layers=layers,
+            pp_size=pp_size,
+        )
 
 
 def pair_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
@@ -55,7 +80,14 @@ def pair_mismatch(p_tp: int, p: KVShape, d_tp: int, d: KVShape) -> str:
     engine of TP `d_tp` and shape `d`, or "".
 
     Everything but the TP sizes and the block sizes must agree; the TP sizes
-    must pass `tp_mismatch`, different block sizes `block_size_mismatch`."""
+    must pass `tp_mismatch`, different block sizes `block_size_mismatch`.
+    A pipeline-parallel prefill engine's stages must hold the decode engine's
+    layers (wire/pp_map.py); regions then pair by layer."""
+    if p.pp_size > 1 or d.pp_size > 1:
+        problem = pp_mismatch(p, d)
+        if problem:
+            return problem
+        p, d = by_layer(p), by_layer(d)
     resized = p.tokens_per_block != d.tokens_per_block
     problem = compat_mismatch(p.compat, d.compat, skip=BLOCK_SIZE if resized else "")
     if problem:

@@ -240,12 +240,19 @@ class KVRegion(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
     base_addr: _builtins.int
     block_len: _builtins.int
     num_blocks: _builtins.int
     device_id: _builtins.int
     group: _builtins.int
     name: _builtins.str
+    layer: _builtins.int
+    """The model layer whose KV cache the region holds (vLLM's layer index in
+    `model.layers.<i>...`). Needed where a prefill engine runs pipeline
+    parallelism: each stage holds its own layers' regions, written into the
+    decode regions of the same layers. Unset: not reported.
+    """
     def __init__(
         self,
         *,
@@ -255,12 +262,15 @@ class KVRegion(_message.Message):
         device_id: _builtins.int = ...,
         group: _builtins.int = ...,
         name: _builtins.str = ...,
+        layer: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_layer", b"_layer", "layer", b"layer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_addr", b"base_addr", "block_len", b"block_len", "device_id", b"device_id", "group", b"group", "name", b"name", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_layer", b"_layer", "base_addr", b"base_addr", "block_len", b"block_len", "device_id", b"device_id", "group", b"group", "layer", b"layer", "name", b"name", "num_blocks", b"num_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__layer: _TypeAlias = _typing.Literal["layer"]  # noqa: Y015
+    _WhichOneofArgType__layer: _TypeAlias = _typing.Literal["_layer", b"_layer"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__layer) -> _WhichOneofReturnType__layer | None: ...
 
 Global___KVRegion: _TypeAlias = KVRegion  # noqa: Y015
 
@@ -344,12 +354,20 @@ class AgentIdentity(_message.Message):
     TP_RANK_FIELD_NUMBER: _builtins.int
     TP_SIZE_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    PP_RANK_FIELD_NUMBER: _builtins.int
+    PP_SIZE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     tp_rank: _builtins.int
     tp_size: _builtins.int
     incarnation: _builtins.str
     """Unique per process start; a new incarnation fences the old one."""
+    pp_rank: _builtins.int
+    """Pipeline-parallel stage of this rank and the engine's stage count (0 is
+    read as 1: no pipeline parallelism). An engine's ranks are numbered
+    pp_rank * tp_size + tp_rank (TransferOrder.prefill_rank, arrivals...).
+    """
+    pp_size: _builtins.int
     def __init__(
         self,
         *,
@@ -358,10 +376,12 @@ class AgentIdentity(_message.Message):
         tp_rank: _builtins.int = ...,
         tp_size: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        pp_rank: _builtins.int = ...,
+        pp_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -698,6 +718,7 @@ class WriteTarget(_message.Message):
     RESIZE_TOKENS_FIELD_NUMBER: _builtins.int
     KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_SPAN_UNITS_FIELD_NUMBER: _builtins.int
+    DST_REGIONS_FIELD_NUMBER: _builtins.int
     decode_engine_id: _builtins.str
     decode_rank: _builtins.int
     decode_incarnation: _builtins.str
@@ -736,6 +757,14 @@ class WriteTarget(_message.Message):
 
     @_builtins.property
     def head_span_units(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dst_regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Pipeline-parallel prefill: the decode rank's region (an index into its
+        group-0 regions) that each of the prefill rank's group-0 regions is
+        written into, in the prefill rank's region order (the same layer). Empty:
+        region i into region i, as always.
+        """
+
     def __init__(
         self,
         *,
@@ -753,10 +782,11 @@ class WriteTarget(_message.Message):
         resize_tokens: _builtins.int = ...,
         kv_heads: _builtins.int = ...,
         head_span_units: _abc.Iterable[_builtins.int] | None = ...,
+        dst_regions: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "head_span_units", b"head_span_units", "kv_heads", b"kv_heads", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_incarnation", b"decode_incarnation", "decode_rank", b"decode_rank", "dst_blocks", b"dst_blocks", "dst_regions", b"dst_regions", "dst_tokens_per_block", b"dst_tokens_per_block", "expected_writers", b"expected_writers", "first_token", b"first_token", "head_span_units", b"head_span_units", "kv_heads", b"kv_heads", "resize_tokens", b"resize_tokens", "slice_len", b"slice_len", "slice_offset", b"slice_offset", "src_blocks", b"src_blocks", "src_tokens_per_block", b"src_tokens_per_block"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1447,6 +1477,7 @@ class RankLease(_message.Message):
     LEASE_EXPIRES_UNIX_US_FIELD_NUMBER: _builtins.int
     LAST_SEEN_UNIX_US_FIELD_NUMBER: _builtins.int
     INFLIGHT_ORDERS_FIELD_NUMBER: _builtins.int
+    PP_RANK_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     incarnation: _builtins.str
     nixl_agent_name: _builtins.str
@@ -1454,6 +1485,10 @@ class RankLease(_message.Message):
     lease_expires_unix_us: _builtins.int
     last_seen_unix_us: _builtins.int
     inflight_orders: _builtins.int
+    pp_rank: _builtins.int
+    """The rank's pipeline-parallel stage; tp_rank above is then the engine's
+    rank number, pp_rank * tp_size + the stage's tensor-parallel rank.
+    """
     def __init__(
         self,
         *,
@@ -1464,10 +1499,11 @@ class RankLease(_message.Message):
         lease_expires_unix_us: _builtins.int = ...,
         last_seen_unix_us: _builtins.int = ...,
         inflight_orders: _builtins.int = ...,
+        pp_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "pp_rank", b"pp_rank", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1486,6 +1522,7 @@ class EngineStatus(_message.Message):
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     API_URL_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
+    PP_SIZE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     tp_size: _builtins.int
@@ -1495,6 +1532,8 @@ class EngineStatus(_message.Message):
     tokens_per_block: _builtins.int
     api_url: _builtins.str
     """from the agents' hello; empty if none was given"""
+    pp_size: _builtins.int
+    """Pipeline-parallel stages (0 or 1: none); ranks lists pp_size * tp_size."""
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLease]: ...
     @_builtins.property
@@ -1516,10 +1555,11 @@ class EngineStatus(_message.Message):
         tokens_per_block: _builtins.int = ...,
         api_url: _builtins.str = ...,
         kv: Global___KVShape | None = ...,
+        pp_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "kv", b"kv", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "kv", b"kv", "pp_size", b"pp_size", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1554,10 +1594,15 @@ class KVShape(_message.Message):
     KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_MAJOR_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
+    PP_SIZE_FIELD_NUMBER: _builtins.int
     compat_hash: _builtins.str
     kv_heads: _builtins.int
     """KV heads one rank holds per block (0 = unknown)"""
     head_major: _builtins.bool
+    pp_size: _builtins.int
+    """Pipeline-parallel stages (0 or 1: none). With several, regions lists
+    every stage's regions (stage 0's first), each with its layer.
+    """
     @_builtins.property
     def compat(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """as KVLayout.compat"""
@@ -1574,10 +1619,11 @@ class KVShape(_message.Message):
         kv_heads: _builtins.int = ...,
         head_major: _builtins.bool = ...,
         regions: _abc.Iterable[Global___RegionShape] | None = ...,
+        pp_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "compat_hash", b"compat_hash", "head_major", b"head_major", "kv_heads", b"kv_heads", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat", b"compat", "compat_hash", b"compat_hash", "head_major", b"head_major", "kv_heads", b"kv_heads", "pp_size", b"pp_size", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1589,19 +1635,25 @@ class RegionShape(_message.Message):
 
     GROUP_FIELD_NUMBER: _builtins.int
     BLOCK_LEN_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
     group: _builtins.int
     block_len: _builtins.int
+    layer: _builtins.int
+    """as KVRegion.layer"""
     def __init__(
         self,
         *,
         group: _builtins.int = ...,
         block_len: _builtins.int = ...,
+        layer: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_layer", b"_layer", "layer", b"layer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_len", b"block_len", "group", b"group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_layer", b"_layer", "block_len", b"block_len", "group", b"group", "layer", b"layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__layer: _TypeAlias = _typing.Literal["layer"]  # noqa: Y015
+    _WhichOneofArgType__layer: _TypeAlias = _typing.Literal["_layer", b"_layer"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__layer) -> _WhichOneofReturnType__layer | None: ...
 
 Global___RegionShape: _TypeAlias = RegionShape  # noqa: Y015
 
