@@ -162,7 +162,11 @@ def test_decode_waits_for_every_stage(coord: CoordinatorProcess) -> None:
         both_sides(req, "w", SRC, DST, TOKENS)
 
         def stage0_arrived(s: pb.TransferStatus) -> bool:
-            return any(r.prefill_rank == 0 and r.arrived for r in s.ranks)
+            # Its DONE report and the decode's arrival may come in either
+            # order: wait for both (a CI run saw the arrival first).
+            return any(
+                r.prefill_rank == 0 and r.arrived and r.state == pb.RANK_STATE_DONE for r in s.ranks
+            )
 
         t = wait_for(status, "w", stage0_arrived)
         assert stage0_arrived(t), t
