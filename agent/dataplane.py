@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from agent.armed import Armed, filled
 from agent.events import EventKind, HostEvent
 from agent.messages import (
+    AbortMsg,
     ArrivalMsg,
     CancelMsg,
     CoordinatorBackMsg,
@@ -38,6 +40,7 @@ from agent.messages import (
     CoordinatorLostMsg,
     ExpectMsg,
     FencedMsg,
+    FireMsg,
     HoldMsg,
     Inbound,
     NoticeMsg,
@@ -116,6 +119,7 @@ class DataPlane:
         emit_event: Callable[[HostEvent], None],
         lease_ok: Callable[[], bool],
         name: str = "pushkv-nixl",
+        tokens_per_block: int = 0,
     ) -> None:
         # SimpleQueue: put never waits on a lock this thread holds (C, no Condition).
         self.inbox: queue.SimpleQueue[Inbound | None] = queue.SimpleQueue()
@@ -141,6 +145,8 @@ class DataPlane:
         self._finished: _Lru[_Outcome] = _Lru()  # order_id -> outcome
         self._freed: _Lru[None] = _Lru()  # transfer ids whose BLOCKS_FREE was emitted
         self._held: set[str] = set()  # transfers whose blocks the host holds for us
+        self._armed = Armed(tokens_per_block)  # armed orders and early fires
+        self.orders_fired = 0  # armed orders filled by their fire and queued
         # decode state
         self._arrivals: dict[str, _Arrivals] = {}
         self._told: _Lru[None] = _Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
@@ -279,6 +285,13 @@ class DataPlane:
             self._give_up_at = 0.0
         elif isinstance(msg, TermMsg):
             self._term = msg.term
+        elif isinstance(msg, FireMsg):
+            order = self._armed.fire(msg)
+            if order is not None:
+                self._queue_fired(order, msg)
+        elif isinstance(msg, AbortMsg):
+            for tid in msg.transfer_ids:
+                self._on_abort(tid)
 
     def _on_peer(self, msg: PeerMsg) -> None:
         assert self._ep is not None
@@ -304,7 +317,7 @@ class DataPlane:
             self._refuse(order)
             return
         oid = order.order_id
-        if oid in self._queued or oid in self._inflight:
+        if oid in self._queued or oid in self._inflight or self._armed.holds(oid):
             return  # replayed after a reconnect
         done = self._finished.get(oid)
         if done is not None:
@@ -317,7 +330,36 @@ class DataPlane:
             # The host may already have reused these blocks: never WRITE from them.
             self._finish(order, ReportStatus.FAILED, "blocks of this transfer were released")
             return
+        if order.armed:
+            fire = self._armed.arm(order)
+            if fire is not None:  # the request's prompt was computed first
+                self._queue_fired(order, fire)
+            return
+        self._armed.forget_fire(order.transfer_id)
         self._queued[oid] = order
+
+    def _queue_fired(self, order: OrderMsg, fire: FireMsg) -> None:
+        """An armed order met its fire: queued with its source blocks filled."""
+        ready = filled(order, fire, self._armed.tokens_per_block)
+        if isinstance(ready, str):
+            self._finish(order, ReportStatus.FAILED, f"armed order cannot fire: {ready}")
+            return
+        self.orders_fired += 1
+        self._queued[order.order_id] = ready
+
+    def _on_abort(self, tid: str) -> None:
+        """The held transfer's request was aborted after it fired: nothing more
+        is posted for it, and its blocks are freed once no WRITE is in flight."""
+        why = "prefill request aborted"
+        order = self._armed.drop(tid)
+        if order is not None:
+            self._finish(order, ReportStatus.DROPPED, f"{why} before its order fired")
+        for oid, queued in list(self._queued.items()):
+            if queued.transfer_id == tid:
+                del self._queued[oid]
+                self._finish(queued, ReportStatus.DROPPED, f"{why} before posting")
+        if not any(f.order.transfer_id == tid for f in self._inflight.values()):
+            self._free(tid, why)
 
     def _on_cancel(self, msg: CancelMsg) -> None:
         if msg.term < self._term:
@@ -329,7 +371,7 @@ class DataPlane:
                 self._term,
             )
             return
-        order = self._queued.pop(msg.order_id, None)
+        order = self._queued.pop(msg.order_id, None) or self._armed.cancel(msg.order_id)
         if order is not None:
             self._finish(order, ReportStatus.DROPPED, "cancelled before it was posted")
             return
@@ -349,6 +391,9 @@ class DataPlane:
     def _on_notice(self, msg: NoticeMsg) -> None:
         tid = msg.transfer_id
         if self._prefill:
+            armed = self._armed.drop(tid)
+            if armed is not None:
+                self._finish(armed, ReportStatus.DROPPED, "transfer ended before it fired")
             for oid, order in list(self._queued.items()):
                 if order.transfer_id == tid:
                     del self._queued[oid]
@@ -373,8 +418,9 @@ class DataPlane:
         given by the old coordinator outlives now + lease_s.
         """
         log.warning("coordinator changed: resolving in-flight transfers locally")
-        for oid, order in list(self._queued.items()):
-            del self._queued[oid]
+        dropped = [*self._queued.values(), *self._armed.take_all()]
+        self._queued.clear()
+        for order in dropped:
             self._finish(order, ReportStatus.DROPPED, "coordinator restarted before posting")
         busy = {f.order.transfer_id for f in self._inflight.values()}
         for tid in list(self._held - busy):
@@ -391,8 +437,9 @@ class DataPlane:
         every transfer locally, as the coordinator would have."""
         self._give_up_at = 0.0
         log.warning("coordinator still unreachable: resolving in-flight transfers locally")
-        for oid, order in list(self._queued.items()):
-            del self._queued[oid]
+        dropped = [*self._queued.values(), *self._armed.take_all()]
+        self._queued.clear()
+        for order in dropped:
             self._finish(order, ReportStatus.DROPPED, "coordinator unreachable; not posting")
         busy = {f.order.transfer_id for f in self._inflight.values()}
         for tid in list(self._held - busy):

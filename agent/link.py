@@ -65,11 +65,23 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
     targets = []
     error = ""
     for t in o.targets:
-        if len(t.src_blocks) != len(t.dst_blocks):
+        if o.armed:
+            # Armed: the fire fills src (agent/armed.py) from each group's length.
+            if any(g.ids for g in t.src_blocks):
+                error = "an armed order names src_blocks"
+            elif t.resize_tokens:
+                error = "an armed order with a token range (different block sizes)"
+        elif len(t.src_blocks) != len(t.dst_blocks):
             error = "src_blocks and dst_blocks name different numbers of KV groups"
         if t.slice_offset and not t.slice_len:
             error = "slice_offset without slice_len"
-        if len(t.src_blocks) == 1:  # one KV group: the common case
+        groups: tuple[int, ...] = ()
+        src: tuple[int, ...]
+        if o.armed:
+            src = ()
+            dst = tuple([b for g in t.dst_blocks for b in g.ids])
+            groups = tuple([len(g.ids) for g in t.dst_blocks])
+        elif len(t.src_blocks) == 1:  # one KV group: the common case
             src = tuple(t.src_blocks[0].ids)
             dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
         else:
@@ -100,6 +112,7 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 t.slice_len,
                 resize,
                 tuple(t.dst_regions),
+                groups,
             )
         )
     return OrderMsg(
@@ -110,6 +123,8 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
         o.deadline_unix_ms / 1000,
         error,
         o.term,
+        o.num_tokens,
+        o.armed,
     )
 
 

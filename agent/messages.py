@@ -24,6 +24,9 @@ class Target:
     # Pipeline-parallel prefill: the peer region each local region goes into
     # (pushkv.proto, WriteTarget.dst_regions); () = region i into region i.
     dst_regions: tuple[int, ...] = ()
+    # Armed orders: the length of each KV group's part of `dst` (src is empty
+    # until the fire fills it: agent/armed.py).
+    dst_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,27 @@ class OrderMsg:
     deadline_unix: float
     error: str = ""  # set when the order cannot be executed as received
     term: int = 0  # the term of the leader that sent it (0: no --etcd)
+    num_tokens: int = 0  # the prompt's tokens (checked against the fire's)
+    armed: bool = False  # waits for its fire (pushkv.proto, TransferOrder.armed)
+
+
+@dataclass(frozen=True, slots=True)
+class FireMsg:
+    """Host (prefill): the request's last prefill forward is done; fire its
+    transfer's armed order. `blocks`: per KV group, the blocks the engine holds
+    of the prompt (a tail ending at its last block)."""
+
+    transfer_id: str
+    blocks: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortMsg:
+    """Host (prefill): these held transfers' requests were aborted after they
+    fired: drop orders not yet posted, free the blocks once nothing is in flight."""
+
+    transfer_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +158,8 @@ Inbound = (
     | CoordinatorLostMsg
     | CoordinatorBackMsg
     | TermMsg
+    | FireMsg
+    | AbortMsg
 )
 
 

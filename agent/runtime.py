@@ -20,7 +20,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from agent.dataplane import DataPlane
 from agent.events import HostEvent
 from agent.link import ChannelFactory, CoordinatorLink
-from agent.messages import ExpectMsg, HoldMsg, PauseMsg
+from agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import KVRegion, MemoryKind
 from wire.tls import TLSFiles
@@ -103,6 +103,7 @@ class Agent:
             emit_event=self._emit_event,
             lease_ok=self._lease_ok,
             name=f"pushkv-nixl-{config.rank}",
+            tokens_per_block=config.tokens_per_block,
         )
 
     def _make_endpoint(self) -> NixlEndpoint:
@@ -200,6 +201,18 @@ class Agent:
         """Prefill: these transfers' blocks are held until a BLOCKS_FREE event."""
         self._dataplane.from_host(HoldMsg(tuple(transfer_ids)))
 
+    def fire(self, fires: Sequence[tuple[str, tuple[tuple[int, ...], ...], int]]) -> None:
+        """Prefill: these transfers' prompts are computed, (transfer id, per KV
+        group the blocks held of the prompt, prompt tokens) each: fire their
+        armed orders (each posts once; an order still to come posts on arrival)."""
+        put = self._dataplane.inbox.put
+        for tid, blocks, num_tokens in fires:
+            put(FireMsg(tid, blocks, num_tokens))
+
+    def abort(self, transfer_ids: Sequence[str]) -> None:
+        """Prefill: these held transfers' requests were aborted after they fired."""
+        self._dataplane.inbox.put(AbortMsg(tuple(transfer_ids)))
+
     def pause_posting(self, paused: bool) -> None:
         """Prefill: hold new WRITEs (queued orders wait, cancel drops them) or resume."""
         self._dataplane.inbox.put(PauseMsg(paused))
@@ -232,6 +245,11 @@ class Agent:
     def leader_term(self) -> int:
         """The newest leader term seen in a welcome (0: none, or no --etcd)."""
         return self._link.term if self._link is not None else 0
+
+    @property
+    def orders_fired(self) -> int:
+        """Armed orders fired by this rank's own prefill (agent/armed.py)."""
+        return self._dataplane.orders_fired
 
     @property
     def orders_refused(self) -> int:

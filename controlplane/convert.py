@@ -32,6 +32,7 @@ STATE_TO_PB = {
     State.AWAITING: pb.TRANSFER_STATE_AWAITING,
     State.REGISTERED: pb.TRANSFER_STATE_REGISTERED,
     State.PREFILL_DONE: pb.TRANSFER_STATE_PREFILL_DONE,
+    State.ARMED: pb.TRANSFER_STATE_ARMED,
     State.ORDERED: pb.TRANSFER_STATE_ORDERED,
     State.WRITING: pb.TRANSFER_STATE_WRITING,
     State.COMPLETE: pb.TRANSFER_STATE_COMPLETE,
@@ -180,6 +181,8 @@ def fill_order(m: pb.TransferOrder, order: Order) -> None:
     m.prefill_incarnation = order.prefill_incarnation
     m.deadline_unix_ms = int(order.deadline_unix * 1000)
     m.num_tokens = order.num_tokens
+    if order.armed:
+        m.armed = True
     for t in order.targets:
         w = m.targets.add(
             decode_engine_id=t.decode_engine_id,

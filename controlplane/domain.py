@@ -31,6 +31,9 @@ class State(enum.Enum):
     AWAITING = "awaiting"
     REGISTERED = "registered"
     PREFILL_DONE = "prefill_done"
+    # Decode registered before prefill finished: the prefill engine's agents
+    # hold armed orders and fire them at its last prefill forward.
+    ARMED = "armed"
     ORDERED = "ordered"
     WRITING = "writing"
     COMPLETE = "complete"
@@ -195,6 +198,9 @@ class Order(NamedTuple):
     targets: tuple[WriteTarget, ...]
     deadline_unix: float
     num_tokens: int
+    # Armed (pushkv.proto, TransferOrder.armed): the targets' src_blocks are
+    # empty; the prefill agent fills them from its request when it fires.
+    armed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

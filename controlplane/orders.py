@@ -22,6 +22,7 @@ from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Side, Transfer
 from wire.pairing import head_span_units, pair_mismatch
 from wire.pp_map import region_map
+from wire.prompt_blocks import prompt_shortfall, prompt_tails
 from wire.tp_map import prefill_targets, total_heads
 
 
@@ -41,14 +42,25 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
         # Token ranges (one KV group: pairing refuses more); the prefill side
         # holds every prompt block (admission.side_blocks).
         return ""
-    n_prompt_blocks = math.ceil(t.decode.num_tokens / de.tokens_per_block)
-    for g, (p_ids, d_ids) in enumerate(zip(t.prefill.blocks, t.decode.blocks, strict=True)):
-        held = min(len(p_ids), n_prompt_blocks)
-        if held < len(d_ids):
-            return (
-                f"KV group {g}: prefill holds {held} of the prompt's last blocks, "
-                f"decode registered {len(d_ids)}"
-            )
+    return prompt_shortfall(
+        t.prefill.blocks,
+        [len(d) for d in t.decode.blocks],
+        t.decode.num_tokens,
+        de.tokens_per_block,
+    )
+
+
+def arm_problem(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
+    """Why the transfer's orders cannot be armed on `pe` now that decode
+    registered (prefill not done yet), or "": then the order waits for
+    prefill done, as without arming, and `mismatch` judges the pair."""
+    assert t.decode is not None
+    if pair_mismatch(pe.tp_size, pe.shape, de.tp_size, de.shape):
+        return "the engines do not pair"
+    if pe.tokens_per_block != de.tokens_per_block:
+        return "different block sizes: the token ranges need the prefill's blocks"
+    if not any(t.decode.blocks):
+        return "nothing to write"
     return ""
 
 
@@ -60,13 +72,9 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
     hybrid model's sliding-window group, the window's), so decode's blocks are
     paired with the prefill blocks of the same token positions: the tail of the
     prefill's prompt blocks as long as decode's (`mismatch` checked it fits)."""
-    n_prompt_blocks = math.ceil(decode.num_tokens / tokens_per_block)
-    src: list[tuple[int, ...]] = []
-    for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True):
-        prompt_ids = p_ids[:n_prompt_blocks]
-        # A decode prefix hit registers only the tail: write the matching tail.
-        src.append(prompt_ids[len(prompt_ids) - len(d_ids) :] if d_ids else ())
-    return tuple(src)
+    return prompt_tails(
+        prefill.blocks, [len(d) for d in decode.blocks], decode.num_tokens, tokens_per_block
+    )
 
 
 def token_window(decode: Side, d_tokens: int) -> tuple[int, int]:
@@ -201,8 +209,9 @@ def rank_order(
     rank: int,
     src: Blocks,
     deadline_unix: float,
+    armed: bool = False,
 ) -> Order:
-    """The order for prefill rank `rank` of `pe`."""
+    """The order for prefill rank `rank` of `pe` (armed: `src` is empty)."""
     p_agent = pe.ranks[rank]
     targets = rank_targets(pe, de, rank, src, decode.blocks)
     if pe.tokens_per_block != de.tokens_per_block:
@@ -220,6 +229,7 @@ def rank_order(
         targets=targets,
         deadline_unix=deadline_unix,
         num_tokens=decode.num_tokens,
+        armed=armed,
     )
 
 

@@ -4,7 +4,9 @@ Every public method is called from one thread (the coordinator's event loop).
 Methods validate, mutate, and return the effects the transport must deliver.
 
 Invariants:
-- A transfer issues orders at most once, when the second of (decode
+- A transfer issues orders at most once: armed, when decode registers first
+  and the announced prefill engine can take them (the agents fire them at the
+  request's last prefill forward), or else when the second of (decode
   registration, prefill done) arrives.
 - `Transfer.write_may_land` stays True while any order is unresolved; an order
   is resolved by a DONE/FAILED/DROPPED report, or when its agent incarnation's
@@ -63,6 +65,7 @@ from controlplane.expiry import Deadlines, Retention
 from controlplane.notices import peer_fenced, transfer_notices
 from controlplane.orders import (
     OpenOrders,
+    arm_problem,
     mismatch,
     order_by_id,
     rank_order,
@@ -76,7 +79,7 @@ from controlplane.transfer import OrderRecord, Side, Transfer
 from controlplane.transfer_filter import TransferFilter
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
-_MOVING = (State.ORDERED, State.WRITING)
+_MOVING = (State.ARMED, State.ORDERED, State.WRITING)
 _RANK_OF_REPORT = {
     WriteStatus.DONE: RankState.DONE,
     WriteStatus.FAILED: RankState.FAILED,
@@ -183,7 +186,10 @@ class Rendezvous:
         if status is WriteStatus.POSTED:
             rec.state = RankState.POSTED
             t.mark("write_posted", wall, rank)
-            if t.state is State.ORDERED:
+            if t.state is State.ARMED:  # fired by the prefill engine itself
+                self._deadlines.set(t, self.settings.write_timeout_s, self._clock.monotonic())
+                t.state = State.WRITING
+            elif t.state is State.ORDERED:
                 t.state = State.WRITING
             return effects
         was_open = t.write_may_land
@@ -392,8 +398,12 @@ class Rendezvous:
             if finished_unix > 0:
                 t.mark("prefill_finished", finished_unix)
             t.mark("prefill_done", wall)
-        if t.decode is not None and t.prefill is not None:
+        if t.orders:  # armed at decode's registration: prefill is done now
+            effects += self._prefill_after_arming(t, now)
+        elif t.decode is not None and t.prefill is not None:
             effects += self._issue_orders(t)
+        elif t.decode is not None and s.arm_orders and self._arm_orders(t, effects):
+            pass
         else:
             t.state = State.REGISTERED if role is Role.DECODE else State.PREFILL_DONE
             if not created:  # _create set this very deadline
@@ -437,6 +447,54 @@ class Rendezvous:
         t.state = State.ORDERED
         t.mark("ordered", wall)
         return effects
+
+    def _arm_orders(self, t: Transfer, effects: list[Effect]) -> bool:
+        """Decode registered first: arm the orders on the announced prefill
+        engine's agents (appended to `effects`), if it can take them; False
+        leaves the transfer to wait for prefill done as before."""
+        assert t.decode is not None
+        if t.announced_prefill is None:
+            return False
+        pe = self.registry.engine(t.announced_prefill)
+        de = self.registry.engine(t.decode.engine_id)
+        if pe is None or de is None or not pe.ready or not de.ready or arm_problem(t, pe, de):
+            return False
+        # Posted no later than the moment this transfer stops waiting for prefill.
+        now, wall = self._clock.monotonic(), self._clock.wall()
+        wait_s = self.settings.rendezvous_timeout_s
+        self._deadlines.set(t, wait_s, now)
+        deadline_unix = wall + wait_s
+        empty: Blocks = tuple([() for _ in t.decode.blocks])
+        for rank in range(pe.size):
+            p_agent = pe.ranks[rank]
+            oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
+            order = rank_order(
+                oid, t.transfer_id, t.decode, pe, de, rank, empty, deadline_unix, armed=True
+            )
+            t.orders[rank] = OrderRecord(order, p_agent.key)
+            for tgt in order.targets:
+                t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
+            self._open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
+            effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
+        t.state = State.ARMED
+        t.mark("armed", wall)
+        return True
+
+    def _prefill_after_arming(self, t: Transfer, now: float) -> list[Effect]:
+        """Prefill done on a transfer whose orders are armed (or already fired):
+        the prefill agents filled the blocks themselves, so the report is
+        checked against decode's side, and the WRITE's time starts now."""
+        pe = self.registry.engine(t.prefill_engine) if t.prefill_engine else None
+        de = self.registry.engine(t.decode_engine) if t.decode_engine else None
+        if pe is None or de is None:
+            return self._finish(t, State.FAILED, Reason.AGENT_LOST, "engine not registered")
+        problem = mismatch(t, pe, de)
+        if problem:
+            return self._finish(t, State.FAILED, Reason.MISMATCH, problem)
+        if t.state is State.ARMED:
+            t.state = State.ORDERED
+            self._deadlines.set(t, self.settings.write_timeout_s, now)
+        return self._maybe_complete(t)
 
     def _maybe_complete(self, t: Transfer) -> list[Effect]:
         for o in t.orders.values():

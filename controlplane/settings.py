@@ -26,6 +26,11 @@ class CoreSettings:
     max_blocks_per_group: int = 65_536
     # Fail ordered transfers at once when an involved agent's stream closes.
     fail_on_disconnect: bool = True
+    # Arm orders: when decode registers before prefill is done, send the
+    # announced prefill engine's agents their orders at once; each fires its
+    # own at the request's last prefill forward, with no round trip here
+    # (docs/architecture.md, "Armed orders"). Off: order when both sides are in.
+    arm_orders: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

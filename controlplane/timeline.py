@@ -123,10 +123,13 @@ def waits(x: Source) -> Waits:
     )
     done = last(ev, "write_done")
     end = terminal_at(ev)
+    # An armed order (no "ordered" stage) is timed from its first post: it
+    # fired with the prefill's last forward, not on an order from here.
+    started = ordered if ordered is not None else first(ev, "write_posted")
     return Waits(
         rendezvous_wait=_diff(prefilled, registered),
         order_latency=_diff(ordered, second),
-        write_time=_diff(done, ordered),
+        write_time=_diff(done, started),
         arrival_lag=_diff(last(ev, "arrived"), done),
         total=_diff(end[1], created_of(x)) if end else None,
     )

@@ -245,6 +245,12 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 agent.expect(args[0])
             elif cmd == "hold":
                 agent.hold(args[0])
+            elif cmd == "fire":  # [(transfer id, blocks per KV group, prompt tokens)]
+                agent.fire(args[0])
+            elif cmd == "abort":  # transfer ids whose request was aborted after firing
+                agent.abort(args[0])
+            elif cmd == "fired":  # armed orders fired here
+                reply = agent.orders_fired
             elif cmd == "pause":
                 agent.pause_posting(args[0])
             elif cmd == "writes_posted":

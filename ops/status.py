@@ -36,6 +36,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from controlplane import timeline
 from ops import tables
 from wire.leader import addresses
+from wire.states import TERMINAL
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 
@@ -47,13 +48,7 @@ STATES: dict[str, list[pb.TransferState.ValueType]] = {
     for v in pb.TransferState.values()
     if v != pb.TRANSFER_STATE_UNSPECIFIED
 }
-TERMINAL = [
-    pb.TRANSFER_STATE_COMPLETE,
-    pb.TRANSFER_STATE_FAILED,
-    pb.TRANSFER_STATE_CANCELLED,
-    pb.TRANSFER_STATE_EXPIRED,
-]
-STATES["terminal"] = TERMINAL
+STATES["terminal"] = sorted(TERMINAL)
 STATES["active"] = [v for vs in STATES.values() for v in vs if v not in TERMINAL]
 ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 

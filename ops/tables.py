@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import timeline
+from wire.states import TERMINAL
 
 
 def _state(value: pb.TransferState.ValueType) -> str:
@@ -57,9 +58,7 @@ def transfers_table(transfers: Sequence[pb.TransferStatus]) -> str:
                 ranks or "-",
                 ",".join(map(str, t.outstanding_ranks)) or "-",
                 f"{(ordered - first) / 1000:.1f}" if ordered else "-",
-                f"{(end - ordered) / 1000:.1f}"
-                if ordered and t.state >= pb.TRANSFER_STATE_COMPLETE
-                else "-",
+                f"{(end - ordered) / 1000:.1f}" if ordered and t.state in TERMINAL else "-",
             ]
         )
     return _table(

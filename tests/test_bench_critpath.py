@@ -10,6 +10,7 @@ import pytest
 
 from bench.serving.config import BenchConfig
 from bench.serving.critpath import (
+    PATH_ARMED,
     PATH_PUSHKV,
     PATH_VLLM,
     TTFT_STAGE,
@@ -68,12 +69,22 @@ def pushkv_timeline(i: int, write_ms: float, ranks: int = 1) -> list[Event]:
 
 
 def test_paths_and_stage_names() -> None:
-    assert paths_of("pushkv") == (PATH_PUSHKV, PATH_VLLM)  # its own, and the front's view
+    # Its own (whole-request, and armed), and the front's view.
+    assert paths_of("pushkv") == (PATH_PUSHKV, PATH_ARMED, PATH_VLLM)
+    assert paths_of("pushkv-whole") == (PATH_PUSHKV, PATH_VLLM)
     assert paths_of("pull") == paths_of("vllm-push") == paths_of("pull-noprog") == (PATH_VLLM,)
     assert paths_of("single") == ()
     assert stages_of(PATH_VLLM) == [
         "sent->prefill_response",
         "prefill_response->decode_first_byte",
+        "decode_first_byte->client_first_byte",
+        TTFT_STAGE,
+    ]
+    assert stages_of(PATH_ARMED) == [
+        "sent->write_posted",
+        "write_posted->write_done",
+        "write_done->kv_ready",
+        "kv_ready->decode_first_byte",
         "decode_first_byte->client_first_byte",
         TTFT_STAGE,
     ]
@@ -151,6 +162,40 @@ def test_pushkv_breakdown_exact_p50_p99_per_stage() -> None:
     }
     # TTFT 41, 42, 43, 44, 140: p99 = 44 + 96 * 0.96
     assert got[TTFT_STAGE] == {"p50": approx(43.0), "p99": approx(136.16), "n": 5.0}
+
+
+def armed_timeline(i: int, write_ms: float) -> list[Event]:
+    """An armed transfer begun at T0 + i: armed at +2 ms, the prefill worker
+    fired (POSTED heard) at +11, done `write_ms` later; prefill's report last."""
+    t = T0 + i
+    done = t + (11 + write_ms) * MS
+    return [
+        ("begun", t, -1),
+        ("decode_registered", t + 2 * MS, -1),
+        ("armed", t + 2 * MS, -1),
+        ("write_posted", t + 11 * MS, 0),
+        ("write_done", done, 0),
+        ("arrived", done + 0.5 * MS, 0),
+        ("complete", done + 0.6 * MS, -1),
+    ]
+
+
+def test_armed_requests_take_the_armed_path_and_the_others_the_ordered_one() -> None:
+    recs = [rec(0, 30.0), rec(1, 35.0), rec(2, 50.0)]
+    timelines = {
+        "tx-0": armed_timeline(0, 2.0),
+        "tx-1": armed_timeline(1, 4.0),
+        "tx-2": pushkv_timeline(2, 9.0),
+    }
+    got = critical_path("pushkv", recs, {}, timelines)
+    assert got["sent->write_posted"] == {"p50": approx(11.0), "p99": approx(11.0), "n": 2.0}
+    # Shared from write_posted on: the armed requests' only.
+    assert got["write_posted->write_done"]["n"] == 2.0
+    assert got["write_posted->write_done"]["p50"] == approx(3.0)
+    assert got["prefill_done->ordered"] == {"p50": approx(0.5), "p99": approx(0.5), "n": 1.0}
+    assert got[TTFT_STAGE]["n"] == 3.0
+    # The whole-request control has no armed path.
+    assert "sent->write_posted" not in critical_path("pushkv-whole", recs, {}, timelines)
 
 
 def test_a_request_without_a_transfer_counts_only_in_the_stages_it_has() -> None:

@@ -762,6 +762,66 @@ async def test_aborted_prefill_leg_cancels_and_frees_at_once(
         assert _meta(sched_out).send == []
 
 
+async def test_prefill_fires_in_the_step_that_computes_its_last_prompt_token(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """Chunked prefill (32 tokens a step): the fire comes with the step whose
+    forward computes token 40, naming every block of the prompt; the request's
+    end then fires nothing again."""
+    async with engine(coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32) as eng:
+        tid = new_tid()
+        req = make_request(
+            "pf",
+            prompt_tokens(40),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).fire == []  # 32 of 40 tokens
+        assert _status(req) == RequestStatus.RUNNING
+        held = eng.blocks_of("pf")
+        sched_out, _ = step(eng.scheduler)
+        [fire] = _meta(sched_out).fire
+        assert fire.transfer_id == tid and fire.num_tokens == 40
+        assert list(fire.blocks[0]) == held + eng.spy.finished["pf"][1][len(held) :]
+        assert len(fire.blocks[0]) == 3
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).send == [("pf", tid)] and _meta(sched_out).fire == []
+
+
+async def test_prefill_aborted_after_it_fired_keeps_its_blocks_for_the_agent(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """The fired order may have posted a WRITE from the blocks: vLLM keeps them
+    until the worker's agent frees them (`abort`), and the transfer is cancelled."""
+    async with engine(coord, tiny_model_dir, "kv_producer") as eng:
+        free0 = num_free_blocks(eng.scheduler)
+        tid = new_tid()
+        req = make_request(
+            "pa",
+            prompt_tokens(33),
+            eng.config,
+            max_tokens=8,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        sched_out, _ = step(eng.scheduler)
+        [fire] = _meta(sched_out).fire
+        assert fire.transfer_id == tid
+        eng.scheduler.finish_requests("pa", RequestStatus.FINISHED_ABORTED)
+        assert eng.spy.finished["pa"][2] == (True, {"transfer_id": tid})
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert "prefill request ended without KV" in t.detail
+        sched_out, _ = step(eng.scheduler)
+        meta = _meta(sched_out)
+        assert meta.send == [("pa", tid)] and meta.abort == [tid] and meta.fire == []
+        assert num_free_blocks(eng.scheduler) == free0 - 3  # held for the agent
+        step(eng.scheduler, connector_output=kv_output(finished_sending={"pa"}))
+        assert num_free_blocks(eng.scheduler) == free0
+
+
 @pytest.mark.parametrize("why", ["cancelled_first", "engine_not_registered"])
 async def test_prefill_done_refused_frees_the_blocks_at_once(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, why: str

@@ -163,6 +163,14 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
         assert t.state == pb.TRANSFER_STATE_COMPLETE, t
         assert [(r.state, r.arrived) for r in t.ranks] == [(pb.RANK_STATE_DONE, True)]
         assert list(t.outstanding_ranks) == []
+    # Both legs are dispatched at once, so decode registers while prefill
+    # computes: the order is armed on the prefill agent, which fires it
+    # itself (no "ordered" step at the coordinator).
+    fired = [t for t in listed if "armed" in [e.stage for e in t.timeline]]
+    assert fired, "no transfer was armed"
+    for t in fired:
+        stages = [e.stage for e in t.timeline]
+        assert "ordered" not in stages and stages.index("decode_registered") < stages.index("armed")
 
 
 def test_chat_streaming_through_router(cluster: Cluster) -> None:

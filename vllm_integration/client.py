@@ -24,6 +24,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from wire.codes import REFUSALS, RETRYABLE, code_of
 from wire.leader import LeaderFollower
+from wire.states import TERMINAL
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 
@@ -63,7 +64,7 @@ class Result:
 
     @property
     def terminal(self) -> bool:
-        return self.state >= pb.TRANSFER_STATE_COMPLETE
+        return self.state in TERMINAL
 
     @property
     def ok(self) -> bool:

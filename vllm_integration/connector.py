@@ -141,6 +141,11 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
         assert self._worker is not None
         self._worker.start_load_kv(self._meta())
 
+    def wait_for_save(self) -> None:
+        # Called after each step's forward (NoLayerwiseHooks has it as a no-op).
+        if self._worker is not None:
+            self._worker.fire(self._meta())
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids, idle=self._idle())

@@ -14,6 +14,18 @@ class RecvSpec(NamedTuple):
     block_ids: tuple[int, ...]
 
 
+class FireSpec(NamedTuple):
+    """Prefill: a request's prompt is computed by this step's forward (or,
+    late, it finished without such a step being seen): its agent fires the
+    transfer's armed order, if it holds one (pushkv.proto, TransferOrder.armed)."""
+
+    transfer_id: str
+    # Per KV group, the blocks the engine holds of the prompt (a tail ending
+    # at the prompt's last block).
+    blocks: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
 @dataclass
 class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Decode: requests whose blocks were registered and now wait for KV.
@@ -29,5 +41,11 @@ class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # refused or had already ended the transfer): free them without waiting for
     # the agent, which is never told about such a transfer.
     free: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
+    # Prefill: fire these transfers' armed orders once this step's forward is done.
+    fire: list[FireSpec] = field(default_factory=list)
+    # Prefill: held transfers whose request was aborted after it fired: the
+    # agent drops an order not yet posted and frees the blocks once no WRITE
+    # of them is in flight.
+    abort: list[str] = field(default_factory=list)
     # Nothing was scheduled this step: the worker may wait briefly for events.
     idle: bool = False

@@ -4,9 +4,12 @@ Decode: claims the uncached prompt suffix as an async load, registers exactly
 those blocks with the coordinator right after allocation (off the engine
 loop), and cancels the transfer if the request is aborted while waiting.
 
-Prefill: reports prefill done with the request's blocks in request_finished
-(request_finished_all_groups) and keeps the blocks until the worker's agent
-says they may be freed.
+Prefill: marks the step whose forward computes a request's last prompt token
+(`FireSpec`: the worker fires the transfer's armed order after that forward,
+with no coordinator round trip), reports prefill done with the request's
+blocks in request_finished (request_finished_all_groups) and keeps the blocks
+until the worker's agent says they may be freed. A request aborted after it
+fired keeps its blocks too, until the agent knows no WRITE reads them.
 
 KV cache groups (vLLM's hybrid KV cache manager, e.g. sliding-window and
 full-attention layers): both sides name each group's blocks of the prompt as a
@@ -32,7 +35,7 @@ from typing import Any
 
 from vllm_integration import compat, fault_hooks
 from vllm_integration.client import Call, CoordinatorClient, needs_engine
-from vllm_integration.metadata import PushKVMetadata, RecvSpec
+from vllm_integration.metadata import FireSpec, PushKVMetadata, RecvSpec
 from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
 from vllm_integration.settings import ConnectorSettings
 
@@ -42,6 +45,17 @@ log = logging.getLogger("pushkv.connector")
 # (the scheduler half only appends to its own `_meta`, never to these).
 _EMPTY_BUSY = PushKVMetadata()
 _EMPTY_IDLE = PushKVMetadata(idle=True)
+
+
+class _Leg:
+    """A prefill leg being computed: its transfer, prompt length and blocks so
+    far (per KV group, from the scheduler's outputs)."""
+
+    __slots__ = ("blocks", "num_tokens", "transfer_id")
+
+    def __init__(self, transfer_id: str, num_tokens: int) -> None:
+        self.transfer_id, self.num_tokens = transfer_id, num_tokens
+        self.blocks: list[list[int]] = []
 
 
 class PushSchedulerHalf:
@@ -73,6 +87,10 @@ class PushSchedulerHalf:
         self._uncertain: dict[str, float] = {}
         self.uncertain_grace_s = settings.uncertain_grace_s
         self._meta = PushKVMetadata()
+        # Prefill legs scheduled but not computed to their last prompt token,
+        # and those fired (their armed order may have posted a WRITE).
+        self._legs: dict[str, _Leg] = {}
+        self._fired: set[str] = set()
 
     # ------------------------------------------------------------ decode
     # The per-request hooks below run on vLLM's engine thread, once or twice
@@ -85,7 +103,12 @@ class PushSchedulerHalf:
         if raw is None:
             return 0, False
         rid = request.request_id
-        if rid in self._registered or leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
+        if rid in self._registered:
+            return 0, False
+        if leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
+            tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
+            if tid is not None and rid not in self._fired:  # watched until it fires
+                self._legs[rid] = _Leg(tid, request.num_prompt_tokens)
             return 0, False
         if self.windows and self.window_edge(request.num_prompt_tokens):
             return 0, False  # computed here; update_state_after_alloc cancels
@@ -157,6 +180,8 @@ class PushSchedulerHalf:
     def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
         if self.client.has_results():
             self._take_results()
+        if self._legs:
+            self._watch_legs(scheduler_output)
         if self._uncertain:
             now = time.monotonic()
             for rid in [r for r, dl in self._uncertain.items() if now >= dl]:
@@ -165,11 +190,59 @@ class PushSchedulerHalf:
                     self._meta.fail.append(self._waiting[rid])
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta = self._meta
-        if not (meta.recv or meta.fail or meta.send or meta.free):
+        if not (meta.recv or meta.fail or meta.send or meta.free or meta.fire or meta.abort):
             return _EMPTY_IDLE if idle else _EMPTY_BUSY  # most steps
         self._meta = PushKVMetadata()
         meta.idle = idle
         return meta
+
+    def _watch_legs(self, out: Any) -> None:
+        """Follow each prefill leg's blocks through the step's output, and fire
+        the legs whose last prompt token this step computes."""
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
+        legs = self._legs
+        for r in getattr(out, "scheduled_new_reqs", ()):
+            leg = legs.get(r.req_id)
+            if leg is not None:
+                leg.blocks = [list(g) for g in r.block_ids]
+                if r.num_computed_tokens + scheduled.get(r.req_id, 0) >= leg.num_tokens:
+                    self._fire(r.req_id, leg)
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        if cached is None or not legs:
+            return
+        for i, rid in enumerate(cached.req_ids):
+            leg = legs.get(rid)
+            if leg is None:
+                continue
+            new = cached.new_block_ids[i]
+            if new is not None:
+                if rid in cached.resumed_req_ids or not leg.blocks:  # preempted: all anew
+                    leg.blocks = [list(g) for g in new]
+                else:
+                    for have, more in zip(leg.blocks, new, strict=False):
+                        have.extend(more)
+            if cached.num_computed_tokens[i] + scheduled.get(rid, 0) >= leg.num_tokens:
+                self._fire(rid, leg)
+
+    def _fire(self, rid: str, leg: _Leg) -> None:
+        del self._legs[rid]
+        self._fired.add(rid)
+        self._meta.fire.append(
+            FireSpec(
+                leg.transfer_id, self._prompt_blocks(leg.blocks, leg.num_tokens), leg.num_tokens
+            )
+        )
+
+    def _prompt_blocks(
+        self, groups: list[list[int]] | tuple[list[int], ...], num_tokens: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """Per KV group, the blocks held of an n-token prompt: with one group
+        every block; with several, each group's tail after its null blocks (a
+        sliding-window group's window)."""
+        if len(groups) == 1:
+            return (tuple(groups[0]),)
+        need = -(-num_tokens // self.block_size)
+        return tuple([compat.held_tail(list(g[:need])) for g in groups])
 
     def _take_results(self) -> None:
         for res in self.client.drain():
@@ -267,6 +340,11 @@ class PushSchedulerHalf:
             return False, None
         tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
         if tid is not None:
+            if self._legs:
+                self._legs.pop(rid, None)
+            fired = rid in self._fired
+            if fired:
+                self._fired.discard(rid)
             if request.status in compat.FINISHED_NORMALLY and (block_ids or any(more_groups)):
                 first: tuple[int, ...] = tuple(block_ids)
                 more: tuple[tuple[int, ...], ...] = ()
@@ -292,10 +370,18 @@ class PushSchedulerHalf:
                     )
                 )
                 self._meta.send.append((rid, tid))
+                if not fired:  # no step was seen computing its last prompt token
+                    self._meta.fire.append(FireSpec(tid, (first, *more), request.num_prompt_tokens))
                 if fault_hooks.DIGEST:
                     self._meta.send_blocks[tid] = first
                 return True, {"transfer_id": tid}
             self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))
+            if fired:
+                # Its armed order may have posted a WRITE from these blocks:
+                # held until the agent knows none is in flight.
+                self._meta.send.append((rid, tid))
+                self._meta.abort.append(tid)
+                return True, {"transfer_id": tid}
             return False, None
         tid = leg_tid(raw, DECODE_LEG, PREFILL_LEG)
         if tid is not None:  # never registered, e.g. rejected before scheduling

@@ -201,6 +201,7 @@ class PushWorkerHalf:
         self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
         self.mla_head_size = mla_head_size  # MLA: the latent's width per token; 0: not MLA
         self.agent: Agent | None = None
+        self._on_gpu = False  # the KV caches are CUDA tensors (set at registration)
         self._recv: dict[str, RecvSpec] = {}  # transfer id -> decode request waiting
         self._send: dict[str, str] = {}  # transfer id -> prefill request holding blocks
         # Prefill requests whose blocks we hold: values of _send plus _free_ready.
@@ -242,6 +243,7 @@ class PushWorkerHalf:
             layers = tuple([layers[regions.index(r)] for r in kept])
             regions = kept
         first = next(iter(kv_caches.values()))
+        self._on_gpu = first.device.type == "cuda"
         memory = MemoryKind.DRAM if first.device.type == "cpu" else MemoryKind.VRAM
         # Everything the peer engine must match besides TP (block lengths
         # depend on TP; the coordinator checks them against the TP ratio).
@@ -303,7 +305,7 @@ class PushWorkerHalf:
 
     # ------------------------------------------------------------ per step
     def start_load_kv(self, meta: PushKVMetadata | None) -> None:
-        if meta is None or not (meta.recv or meta.send or meta.fail or meta.free):
+        if meta is None or not (meta.recv or meta.send or meta.fail or meta.free or meta.abort):
             return  # most steps: nothing started or ended
         expect = []
         for spec in meta.recv:
@@ -335,6 +337,19 @@ class PushWorkerHalf:
             if self._send.get(tid) == rid:
                 del self._send[tid]
                 self._free_ready.add(rid)
+        if meta.abort and self.agent is not None:
+            self.agent.abort(meta.abort)  # after the hold above, on the same queue
+
+    def fire(self, meta: PushKVMetadata | None) -> None:
+        """After the step's forward: the KV of the requests whose prompt it
+        completed is in place, so their agents fire the armed orders."""
+        if meta is None or not meta.fire or self.agent is None:
+            return
+        if self._on_gpu:  # the forward was only launched: let its kernels finish first
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        self.agent.fire([(f.transfer_id, f.blocks, f.num_tokens) for f in meta.fire])
 
     def get_finished(
         self, finished_req_ids: set[str], idle: bool

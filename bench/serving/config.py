@@ -9,7 +9,9 @@ from typing import Final
 SYSTEMS: Final = ("pull", "vllm-push", "pushkv", "single")
 # Controls, run only when named in --systems: vLLM's NIXL connectors with NIXL's
 # progress thread switched off (not vLLM's default; see vllm_patches.no_progress_thread).
-CONTROLS: Final = ("pull-noprog", "vllm-push-noprog")
+# "pushkv-whole": pushkv with --arm-orders false, the coordinator orders each
+# WRITE once both sides reported (the whole-request push armed orders improve on).
+CONTROLS: Final = ("pull-noprog", "vllm-push-noprog", "pushkv-whole")
 COMPARED: Final = ("pull", "vllm-push", "pushkv")  # "sustained by all systems" uses these
 LABELS: Final = {
     "pull": "vLLM NixlConnector (pull, sequential proxy)",
@@ -18,6 +20,7 @@ LABELS: Final = {
     "single": "single engine (no disaggregation)",
     "pull-noprog": "control: pull with NIXL's progress thread off",
     "vllm-push-noprog": "control: vLLM push with NIXL's progress thread off",
+    "pushkv-whole": "control: pushkv ordering after prefill done (--arm-orders false)",
 }
 SCENARIOS: Final = ("nocache", "prefixhit")
 SCENARIO_LABELS: Final = {
@@ -32,6 +35,7 @@ MIN_SPIN_MS: Final = 1.0  # 0 hung a server's first request in a trial
 # takes a prefill engine of another TP size than the decode engine's. "single"
 # stays one TP1 engine, the reference.
 HETERO_TP_SYSTEMS: Final = ("pull", "pushkv", "single")
+HETERO_TP_CONTROLS: Final = ("pushkv-whole",)  # run only when named
 PREFILL_TPS: Final = (1, 2)
 # The pushkv coordinator's settings for a TP2 prefill engine, as
 # tests/test_tp_hetero_vllm.py: its workers busy-poll vLLM's shm queues on 2

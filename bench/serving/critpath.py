@@ -62,6 +62,17 @@ PATH_PUSHKV: Final = (
     "decode_first_byte",
     "client_first_byte",
 )
+# An armed order (docs/architecture.md, "Armed orders"): the prefill worker
+# fires the WRITE itself after its last forward; the prefill report and the
+# coordinator's order are off this path.
+PATH_ARMED: Final = (
+    "sent",
+    "write_posted",
+    "write_done",
+    "kv_ready",
+    "decode_first_byte",
+    "client_first_byte",
+)
 PATH_VLLM: Final = ("sent", "prefill_response", "decode_first_byte", "client_first_byte")
 TTFT_STAGE: Final = "sent->client_first_byte"
 # timeline stage -> boundary; per-rank stages take the last rank's
@@ -72,12 +83,15 @@ _FROM_TIMELINE: Final = {
     "write_posted": "write_posted",
     "write_done": "write_done",
     "arrived": "kv_ready",
+    "armed": "armed",  # not a boundary: says which path the request took
 }
 
 
 def paths_of(system: str) -> tuple[tuple[str, ...], ...]:
     """The paths of boundaries observable for a system; () for one with no transfer."""
     if system == "pushkv":
+        return (PATH_PUSHKV, PATH_ARMED, PATH_VLLM)
+    if system == "pushkv-whole":
         return (PATH_PUSHKV, PATH_VLLM)
     if system.startswith(("pull", "vllm-push")):
         return (PATH_VLLM,)
@@ -147,7 +161,15 @@ def critical_path(
     ]
     out: dict[str, Quantiles] = {}
     for path in paths:
-        out.update(breakdown(marks, path))
+        # An armed request's path is PATH_ARMED, another's PATH_PUSHKV; the
+        # stages both share (from write_posted on) are the armed requests'.
+        if path == PATH_ARMED:
+            took = [m for m in marks if "armed" in m]
+        elif path == PATH_PUSHKV and PATH_ARMED in paths:
+            took = [m for m in marks if "armed" not in m]
+        else:
+            took = marks
+        out.update(breakdown(took, path))
     return out
 
 

@@ -95,7 +95,7 @@ def server_env(cfg: BenchConfig, system: str, workdir: Path) -> dict[str, str]:
     """The environment a system's servers add: UCX settings, and the patches'
     sitecustomize on PYTHONPATH (written into ``workdir``)."""
     shim = sitecustomize(
-        unpin=system not in ("single", "pushkv"),  # vLLM's NIXL connectors
+        unpin=system not in ("single", "pushkv", "pushkv-whole"),  # vLLM's NIXL connectors
         noprog=system.endswith("-noprog"),
         spin_ms=cfg.vllm_spin_ms,
         ucx_params=DEFAULT_UCX_PARAMS,
@@ -141,8 +141,8 @@ def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
         env = server_env(cfg, system, dep.workdir)
         if system == "single":
             _deploy_single(cfg, dep, env)
-        elif system == "pushkv":
-            _deploy_pushkv(cfg, dep, env)
+        elif system in ("pushkv", "pushkv-whole"):
+            _deploy_pushkv(cfg, dep, env, armed=system == "pushkv")
         else:
             _deploy_vllm_nixl(cfg, dep, env)
         return dep
@@ -159,9 +159,12 @@ def _deploy_single(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> No
     dep.front_url = dep.warm_url = s.url
 
 
-def _deploy_pushkv(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> None:
+def _deploy_pushkv(
+    cfg: BenchConfig, dep: Deployment, env: dict[str, str], *, armed: bool = True
+) -> None:
     flags = TP2_COORDINATOR_FLAGS if cfg.prefill_tp > 1 else ()
-    coord = CoordinatorProcess(*flags, "--log-level", "WARNING")
+    arm = ("--arm-orders", "true" if armed else "false")
+    coord = CoordinatorProcess(*flags, *arm, "--log-level", "WARNING")
     dep.helpers.append(coord)
     coord.start()
     cluster = PushkvCluster.around(

@@ -15,6 +15,7 @@ from pathlib import Path
 from bench.output import say
 from bench.serving.config import (
     CONTROLS,
+    HETERO_TP_CONTROLS,
     HETERO_TP_SYSTEMS,
     MIN_SPIN_MS,
     PREFILL_TPS,
@@ -170,9 +171,10 @@ def _check_prefill_tp(
     from harness.tiny_model import model_params
 
     tp = a.prefill_tp
-    other = [s for s in systems if s not in HETERO_TP_SYSTEMS]
+    takes = HETERO_TP_SYSTEMS + HETERO_TP_CONTROLS
+    other = [s for s in systems if s not in takes]
     if other:
-        ap.error(f"--prefill-tp {tp} runs only {HETERO_TP_SYSTEMS}, not {other}")
+        ap.error(f"--prefill-tp {tp} runs only {takes}, not {other}")
     try:
         kv_heads = int(model_params(layers=a.layers, hidden=a.hidden)["num_key_value_heads"])
     except ValueError as exc:

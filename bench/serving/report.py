@@ -163,7 +163,7 @@ def _critpath_tables(scenario: str, runs: dict[str, SystemRun]) -> list[str]:
             stages = stages_of(path)
             what = (
                 "the stages the front sees (as for vLLM's connectors)"
-                if path == PATH_VLLM and system == "pushkv"
+                if path == PATH_VLLM and system.startswith("pushkv")
                 else "critical path to the first token"
             )
             lines += [

@@ -64,6 +64,11 @@ class _TransferStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transfe
     TRANSFER_STATE_FAILED: _TransferState.ValueType  # 7
     TRANSFER_STATE_CANCELLED: _TransferState.ValueType  # 8
     TRANSFER_STATE_EXPIRED: _TransferState.ValueType  # 9
+    TRANSFER_STATE_ARMED: _TransferState.ValueType  # 10
+    """Decode registered first: the prefill engine's agents hold armed orders
+    and fire them when its last prefill forward of the request completes.
+    Not terminal (compare against the terminal states by name, not by number).
+    """
 
 class TransferState(_TransferState, metaclass=_TransferStateEnumTypeWrapper): ...
 
@@ -83,6 +88,11 @@ TRANSFER_STATE_COMPLETE: TransferState.ValueType  # 6
 TRANSFER_STATE_FAILED: TransferState.ValueType  # 7
 TRANSFER_STATE_CANCELLED: TransferState.ValueType  # 8
 TRANSFER_STATE_EXPIRED: TransferState.ValueType  # 9
+TRANSFER_STATE_ARMED: TransferState.ValueType  # 10
+"""Decode registered first: the prefill engine's agents hold armed orders
+and fire them when its last prefill forward of the request completes.
+Not terminal (compare against the terminal states by name, not by number).
+"""
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
 class _Reason:
@@ -803,6 +813,7 @@ class TransferOrder(_message.Message):
     TARGETS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ARMED_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
     order_id: _builtins.str
     transfer_id: _builtins.str
@@ -810,6 +821,15 @@ class TransferOrder(_message.Message):
     prefill_incarnation: _builtins.str
     deadline_unix_ms: _builtins.int
     num_tokens: _builtins.int
+    armed: _builtins.bool
+    """Armed (sent when decode registered before prefill finished): every
+    target's src_blocks are empty, and the prefill agent fills them from its
+    own request's blocks when its worker fires the order at the request's last
+    prefill forward (per KV group, the tail of the prompt's blocks as long as
+    that group's dst_blocks, as the coordinator pairs them). It is posted at
+    most once; a cancel before firing drops it unposted, and it is never
+    posted after deadline_unix_ms or once the agent's lease lapsed.
+    """
     term: _builtins.int
     """The term of the leader that sent it (Welcome.term; 0 without --etcd)."""
     @_builtins.property
@@ -824,11 +844,12 @@ class TransferOrder(_message.Message):
         targets: _abc.Iterable[Global___WriteTarget] | None = ...,
         deadline_unix_ms: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
+        armed: _builtins.bool = ...,
         term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "num_tokens", b"num_tokens", "order_id", b"order_id", "prefill_incarnation", b"prefill_incarnation", "prefill_rank", b"prefill_rank", "targets", b"targets", "term", b"term", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["armed", b"armed", "deadline_unix_ms", b"deadline_unix_ms", "num_tokens", b"num_tokens", "order_id", b"order_id", "prefill_incarnation", b"prefill_incarnation", "prefill_rank", b"prefill_rank", "targets", b"targets", "term", b"term", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
