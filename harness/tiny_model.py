@@ -22,6 +22,12 @@ Gemma-2 (same head size and KV heads as the Llama): its layers alternate
 sliding-window attention (window W tokens, even layers) and full attention, so
 vLLM's hybrid KV cache manager serves it with two KV cache groups.
 
+``build_tiny_jamba_model`` (``--jamba``) builds a tiny random Jamba (a hybrid
+state-space model, as Jamba and Bamba): layer 0 a Mamba layer, layer 1
+attention (same head size and KV heads as the Llama), dense MLPs (one expert);
+vLLM gives it a ``MambaSpec`` and a ``FullAttentionSpec`` KV cache group, which
+pushkv refuses (``tests/test_refused_vllm.py``).
+
 ``build_tiny_model`` is idempotent: a marker file records the build
 parameters, and a directory whose marker matches is returned as is.
 """
@@ -47,9 +53,11 @@ __all__ = [
     "MLA_ROPE_DIM",
     "VOCAB_SIZE",
     "build_tiny_hybrid_model",
+    "build_tiny_jamba_model",
     "build_tiny_mla_model",
     "build_tiny_model",
     "hybrid_model_params",
+    "jamba_model_params",
     "main",
     "mla_model_params",
     "model_params",
@@ -235,6 +243,32 @@ def build_tiny_hybrid_model(
     return _build(Path(out_dir), params)
 
 
+def jamba_model_params(
+    *, seed: int = 0, max_positions: int = 1024, kv_heads: int | None = None
+) -> dict[str, Any]:
+    """The parameters of a tiny Jamba build (one Mamba and one attention layer);
+    stored in the marker file."""
+    base = model_params(layers=2, seed=seed, max_positions=max_positions, kv_heads=kv_heads)
+    return {
+        **base,
+        "architecture": "JambaForCausalLM",
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+    }
+
+
+def build_tiny_jamba_model(
+    out_dir: Path, *, seed: int = 0, max_positions: int = 1024, kv_heads: int | None = None
+) -> Path:
+    """Build (or reuse) a tiny random Jamba in ``out_dir``: layer 0 Mamba (state
+    16, conv 4, expand 2), layer 1 attention (4 heads, 2 KV heads or
+    ``kv_heads``, head size 32), a dense MLP (one expert) in each, hidden 128."""
+    params = jamba_model_params(seed=seed, max_positions=max_positions, kv_heads=kv_heads)
+    return _build(Path(out_dir), params)
+
+
 def _build(out_dir: Path, params: dict[str, Any]) -> Path:
     if _is_complete(out_dir, params):
         return out_dir
@@ -365,6 +399,23 @@ def _build_model(out_dir: Path, params: dict[str, Any], token_ids: dict[str, int
             final_logit_softcapping=None,
         )
         model_cls = transformers.Gemma2ForCausalLM
+    elif params.get("architecture") == "JambaForCausalLM":
+        config = transformers.JambaConfig(
+            **common,
+            num_key_value_heads=params["num_key_value_heads"],
+            # Layer 0 Mamba, layer 1 attention; one expert: dense MLPs, no MoE.
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=1,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=params["mamba_d_state"],
+            mamba_d_conv=params["mamba_d_conv"],
+            mamba_expand=params["mamba_expand"],
+            mamba_dt_rank=params["mamba_dt_rank"],
+        )
+        model_cls = transformers.JambaForCausalLM
     else:
         config = transformers.LlamaConfig(
             **common,
@@ -409,9 +460,22 @@ def main(argv: list[str] | None = None) -> int:
         help="a tiny Gemma-2 instead: layers alternate a sliding window of this many "
         "tokens and full attention (vLLM: two KV cache groups)",
     )
+    parser.add_argument(
+        "--jamba",
+        action="store_true",
+        help="a tiny Jamba instead (one Mamba and one attention layer; vLLM: a Mamba "
+        "and a full-attention KV cache group)",
+    )
     args = parser.parse_args(argv)
     try:
-        if args.sliding_window is not None:
+        if args.jamba:
+            path = build_tiny_jamba_model(
+                args.out_dir,
+                seed=args.seed,
+                max_positions=args.max_positions,
+                kv_heads=args.kv_heads,
+            )
+        elif args.sliding_window is not None:
             path = build_tiny_hybrid_model(
                 args.out_dir,
                 layers=args.layers,

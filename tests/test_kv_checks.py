@@ -26,6 +26,8 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
+    HiSparseHotSpec,
     HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -35,6 +37,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -142,6 +145,28 @@ REFUSED: list[tuple[str, Callable[[], KVCacheConfig], tuple[str, ...]]] = [
         ("chunked local attention as its own KV cache group",),
     ),
     (
+        "sliding-window-mla-group",
+        lambda: one_group(
+            SlidingWindowMLASpec(
+                block_size=BLOCK,
+                num_kv_heads=1,
+                head_size=LATENT,
+                dtype=torch.float32,
+                sliding_window=64,
+            )
+        ),
+        ("sliding-window MLA attention as its own KV cache group", "without pushkv"),
+    ),
+    (
+        "hidden-state-cache",
+        lambda: one_group(
+            HiddenStateCacheSpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=LATENT, dtype=torch.float32
+            )
+        ),
+        ("hidden-state cache (extract_hidden_states)", "turn hidden-state extraction off"),
+    ),
+    (
         "mla-deepseek-v4",
         lambda: one_group(mla(model_version="deepseek_v4")),
         ("MLA KV cache of model version deepseek_v4", "plain MLA latents"),
@@ -170,6 +195,11 @@ REFUSED: list[tuple[str, Callable[[], KVCacheConfig], tuple[str, ...]]] = [
         "hisparse",
         lambda: one_group(HiSparseResidentSpec(block_size=BLOCK, page_size=8192)),
         ("HiSparse host-backed KV cache", "turn HiSparse off"),
+    ),
+    (
+        "hisparse-hot",
+        lambda: one_group(HiSparseHotSpec(block_size=BLOCK, page_size=8192, blocks_per_request=4)),
+        ("HiSparse hot cache", "turn HiSparse off"),
     ),
     (
         "encoder-only",
@@ -297,6 +327,17 @@ def test_parallelism_pushkv_cannot_pair_is_refused(cfg: VllmConfig, field: str, 
     cfg.kv_transfer_config.kv_role = "kv_consumer"
     with pytest.raises(UnsupportedKVCache, match=flag.replace("(", r"\(").replace(")", r"\)")):
         PushKVConnector(cfg, KVConnectorRole.WORKER, make_kv_cache_config(cfg, NB))
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_role_pushkv_does_not_play_is_refused(cfg: VllmConfig, role: KVConnectorRole) -> None:
+    """vLLM accepts kv_both; pushkv engines are either prefill or decode."""
+    cfg.kv_transfer_config.kv_role = "kv_both"
+    with pytest.raises(ValueError) as exc:
+        PushKVConnector(cfg, role, make_kv_cache_config(cfg, NB))
+    assert str(exc.value) == (
+        "PushKVConnector needs kv_role kv_producer (prefill) or kv_consumer (decode), not 'kv_both'"
+    )
 
 
 def test_pipeline_parallel_prefill_is_accepted(cfg: VllmConfig) -> None:
