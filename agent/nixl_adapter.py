@@ -1,4 +1,5 @@
-"""Typed adapter over NIXL: the only module in pushkv that imports ``nixl``.
+"""Typed adapter over NIXL: with :mod:`agent.nixl_boundary` (the import and the
+translation of what NIXL raises), the only module in pushkv that uses ``nixl``.
 
 Everything NIXL hands back as strings ("DONE"/"PROC"/"ERR"), bytes-or-str names
 and untyped binding exceptions is converted here, once, into
@@ -28,17 +29,18 @@ Wire safety: peer memory layouts are passed in as plain integers
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
 import logging
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Self
 
+from agent.nixl_boundary import STATE_BY_STATUS as _STATE_BY_STATUS
+from agent.nixl_boundary import logged_if_nixl_fails as _logged_if_nixl_fails
+from agent.nixl_boundary import nixl_api as _nixl_api
+from agent.nixl_boundary import text as _text
+from agent.nixl_boundary import translate as _translate
 from agent.nixl_types import (
     BlockResize,
     BlockSlice,
@@ -86,83 +88,6 @@ def quiet_nixl_env(loopback: bool) -> dict[str, str]:
     if loopback:
         env["UCX_NET_DEVICES"] = "lo"
     return env
-
-
-# --------------------------------------------------------------------------- nixl boundary
-
-_REASON_BY_EXC_NAME: Final[Mapping[str, FailureReason]] = {
-    "nixlRemoteDisconnectError": FailureReason.PEER_DISCONNECTED,
-    "nixlNotFoundError": FailureReason.PEER_UNKNOWN,
-    "nixlInvalidParamError": FailureReason.INVALID_REQUEST,
-    "nixlBackendError": FailureReason.BACKEND_ERROR,
-    "nixlRepostActiveError": FailureReason.REPOST_ACTIVE,
-    "nixlMismatchError": FailureReason.METADATA_MISMATCH,
-    "nixlCancelledError": FailureReason.CANCELLED,
-    "nixlNotAllowedError": FailureReason.NOT_ALLOWED,
-    "nixlNotSupportedError": FailureReason.NOT_SUPPORTED,
-    "nixlNotPostedError": FailureReason.TRANSFER_ERROR,
-    "nixlUnknownError": FailureReason.UNKNOWN,
-}
-
-_STATE_BY_STATUS: Final[Mapping[str, TransferState]] = {s.value: s for s in TransferState}
-
-_INSTALL_HINT: Final = (
-    "NIXL is not installed; CPU hosts: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
-)
-
-
-@functools.cache
-def _nixl_api() -> Any:
-    """Import and return NIXL's ``_api`` module (meta package first, then a variant)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    last: ImportError | None = None
-    for package in ("nixl", "nixl_cu13", "nixl_cu12"):
-        try:
-            return importlib.import_module(f"{package}._api")
-        except ModuleNotFoundError as exc:
-            if exc.name not in (package, f"{package}._api"):
-                raise
-            last = exc
-        except ImportError as exc:  # e.g. meta package found CUDA but not its variant
-            last = exc
-    raise NixlError(FailureReason.BACKEND_ERROR, _INSTALL_HINT) from last
-
-
-def _is_nixl_exception(exc: BaseException) -> bool:
-    cls = type(exc)
-    return cls.__name__ in _REASON_BY_EXC_NAME or cls.__module__.endswith("._bindings")
-
-
-def _translate(
-    exc: Exception,
-    context: str,
-    overrides: Mapping[FailureReason, FailureReason] | None = None,
-) -> NixlError:
-    """Turn a NIXL binding exception into a :class:`NixlError`; re-raise anything else."""
-    if isinstance(exc, NixlError):
-        return exc
-    if not _is_nixl_exception(exc):
-        raise exc
-    reason = _REASON_BY_EXC_NAME.get(type(exc).__name__, FailureReason.UNKNOWN)
-    if overrides:
-        reason = overrides.get(reason, reason)
-    return NixlError(reason, f"{context}: {type(exc).__name__}: {exc}")
-
-
-@contextlib.contextmanager
-def _logged_if_nixl_fails(what: str) -> Iterator[None]:
-    """Best effort: a NIXL failure inside is logged as "<what> failed"; others propagate."""
-    try:
-        yield
-    except Exception as exc:
-        if not _is_nixl_exception(exc):
-            raise
-        _log.warning("%s failed: %s", what, exc)
-
-
-def _text(name: bytes | str) -> str:
-    """An agent name as NIXL returns it (bytes or str, by binding version)."""
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 @dataclass(frozen=True, slots=True)

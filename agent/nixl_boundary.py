@@ -1,0 +1,105 @@
+"""The NIXL boundary: importing NIXL and translating what it raises and returns.
+
+:mod:`agent.nixl_adapter` is the only user.  ``nixl`` is imported lazily, on
+the first endpoint (``nixl_api``); before that import ``NIXL_LOG_LEVEL``
+defaults to ``WARN`` (NIXL otherwise prints INFO lines to *stdout*).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Final
+
+from agent.nixl_types import FailureReason, NixlError, TransferState
+
+__all__ = [
+    "INSTALL_HINT",
+    "REASON_BY_EXC_NAME",
+    "STATE_BY_STATUS",
+    "is_nixl_exception",
+    "logged_if_nixl_fails",
+    "nixl_api",
+    "text",
+    "translate",
+]
+
+_log = logging.getLogger("agent.nixl_adapter")
+
+REASON_BY_EXC_NAME: Final[Mapping[str, FailureReason]] = {
+    "nixlRemoteDisconnectError": FailureReason.PEER_DISCONNECTED,
+    "nixlNotFoundError": FailureReason.PEER_UNKNOWN,
+    "nixlInvalidParamError": FailureReason.INVALID_REQUEST,
+    "nixlBackendError": FailureReason.BACKEND_ERROR,
+    "nixlRepostActiveError": FailureReason.REPOST_ACTIVE,
+    "nixlMismatchError": FailureReason.METADATA_MISMATCH,
+    "nixlCancelledError": FailureReason.CANCELLED,
+    "nixlNotAllowedError": FailureReason.NOT_ALLOWED,
+    "nixlNotSupportedError": FailureReason.NOT_SUPPORTED,
+    "nixlNotPostedError": FailureReason.TRANSFER_ERROR,
+    "nixlUnknownError": FailureReason.UNKNOWN,
+}
+
+STATE_BY_STATUS: Final[Mapping[str, TransferState]] = {s.value: s for s in TransferState}
+
+INSTALL_HINT: Final = (
+    "NIXL is not installed; CPU hosts: pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+)
+
+
+@functools.cache
+def nixl_api() -> Any:
+    """Import and return NIXL's ``_api`` module (meta package first, then a variant)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    last: ImportError | None = None
+    for package in ("nixl", "nixl_cu13", "nixl_cu12"):
+        try:
+            return importlib.import_module(f"{package}._api")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (package, f"{package}._api"):
+                raise
+            last = exc
+        except ImportError as exc:  # e.g. meta package found CUDA but not its variant
+            last = exc
+    raise NixlError(FailureReason.BACKEND_ERROR, INSTALL_HINT) from last
+
+
+def is_nixl_exception(exc: BaseException) -> bool:
+    cls = type(exc)
+    return cls.__name__ in REASON_BY_EXC_NAME or cls.__module__.endswith("._bindings")
+
+
+def translate(
+    exc: Exception,
+    context: str,
+    overrides: Mapping[FailureReason, FailureReason] | None = None,
+) -> NixlError:
+    """Turn a NIXL binding exception into a :class:`NixlError`; re-raise anything else."""
+    if isinstance(exc, NixlError):
+        return exc
+    if not is_nixl_exception(exc):
+        raise exc
+    reason = REASON_BY_EXC_NAME.get(type(exc).__name__, FailureReason.UNKNOWN)
+    if overrides:
+        reason = overrides.get(reason, reason)
+    return NixlError(reason, f"{context}: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def logged_if_nixl_fails(what: str) -> Iterator[None]:
+    """Best effort: a NIXL failure inside is logged as "<what> failed"; others propagate."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_nixl_exception(exc):
+            raise
+        _log.warning("%s failed: %s", what, exc)
+
+
+def text(name: bytes | str) -> str:
+    """An agent name as NIXL returns it (bytes or str, by binding version)."""
+    return name.decode() if isinstance(name, bytes) else str(name)
