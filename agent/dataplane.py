@@ -26,11 +26,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
 
 from agent.armed import Armed, filled
+from agent.arrivals import Arrivals
 from agent.events import EventKind, HostEvent
+from agent.lru import Lru
 from agent.messages import (
     AbortMsg,
     ArrivalMsg,
@@ -53,25 +54,17 @@ from agent.messages import (
     WriteReportMsg,
 )
 from agent.nixl_adapter import NixlEndpoint
-from agent.nixl_types import (
-    BlockSlice,
-    FailureReason,
-    NixlError,
-    PeerKey,
-    TransferState,
-    WriteHandle,
-)
+from agent.nixl_types import NixlError, PeerKey, WriteHandle
 from agent.notif import WriteNotif
+from agent.posting import Poster
+from agent.progressive import Progressive, progressive_ok
 
 log = logging.getLogger("pushkv.agent")
 
 FAST_POLL_S = 0.0005  # while WRITEs or expected arrivals are pending
 IDLE_POLL_MAX_S = 0.05  # backoff ceiling when idle
-REMEMBER = 50_000  # finished orders / transfers remembered for duplicates
-EXPECT_TTL_S = 600.0
 
 
-V = TypeVar("V")
 _Outcome = tuple[str, ReportStatus, str]  # transfer_id, status, detail
 
 
@@ -79,34 +72,10 @@ _Outcome = tuple[str, ReportStatus, str]  # transfer_id, status, detail
 class _InFlight:
     order: OrderMsg
     handles: list[WriteHandle]
-
-
-@dataclass(slots=True)
-class _Arrivals:
-    since: float
-    expected: int = 0
-    ranks: set[int] = field(default_factory=set)
-    fail_at: float = 0.0  # set after a coordinator restart
-
-
-class _Lru(Generic[V]):
-    """Bounded memory of keys (optionally with a value)."""
-
-    def __init__(self, limit: int = REMEMBER) -> None:
-        self._d: OrderedDict[str, V | None] = OrderedDict()
-        self._limit = limit
-
-    def add(self, key: str, value: V | None = None) -> None:
-        self._d[key] = value
-        self._d.move_to_end(key)
-        while len(self._d) > self._limit:
-            self._d.popitem(last=False)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._d
-
-    def get(self, key: str) -> V | None:
-        return self._d.get(key)
+    # Notifications to send once every handle is DONE (progressive push: the
+    # last chunk went before the earlier ones were done).
+    notify: tuple[tuple[PeerKey, bytes], ...] = ()
+    replaced: int = 0  # posts released before these (a preempted chunked prefill)
 
 
 class DataPlane:
@@ -134,6 +103,7 @@ class DataPlane:
         self._event = emit_event
         self._lease_ok = lease_ok
         self._ep: NixlEndpoint | None = None
+        self._posts: Poster | None = None  # the endpoint's WRITEs and peers (NIXL thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -142,19 +112,18 @@ class DataPlane:
         # prefill state
         self._queued: OrderedDict[str, OrderMsg] = OrderedDict()
         self._inflight: dict[str, _InFlight] = {}
-        self._finished: _Lru[_Outcome] = _Lru()  # order_id -> outcome
-        self._freed: _Lru[None] = _Lru()  # transfer ids whose BLOCKS_FREE was emitted
+        self._finished: Lru[_Outcome] = Lru()  # order_id -> outcome
+        self._freed: Lru[None] = Lru()  # transfer ids whose BLOCKS_FREE was emitted
         self._held: set[str] = set()  # transfers whose blocks the host holds for us
         self._armed = Armed(tokens_per_block)  # armed orders and early fires
+        # Progressive push: armed orders with chunks posted (agent/progressive.py).
+        self._partial = Progressive(tokens_per_block, self._finish, self._posted)
         self.orders_fired = 0  # armed orders filled by their fire and queued
         # decode state
-        self._arrivals: dict[str, _Arrivals] = {}
-        self._told: _Lru[None] = _Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
-        self._peers: dict[tuple[str, int], PeerKey] = {}
+        self._arrivals = Arrivals()
         # When the coordinator was lost: the moment to resolve transfers locally.
         self._give_up_at = 0.0
         self._idle = FAST_POLL_S
-        self.writes_posted = 0
         # The leader term the link follows (TermMsg); 0 without --etcd.
         self._term = 0
         self.orders_refused = 0
@@ -183,6 +152,7 @@ class DataPlane:
         try:
             self._ep = self._factory()
             self._metadata = self._ep.metadata()
+            self._posts = Poster(self._ep)
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -234,14 +204,18 @@ class DataPlane:
             self._handle(item)
         if self._give_up_at and time.monotonic() >= self._give_up_at:
             self._give_up()
+        if self._partial and not self._paused:
+            self._partial.post(self._poster(), self._guard)
         self._post_queued()
+        if self._partial:
+            self._partial.poll(self._poster())
         self._poll_inflight()
         if not self._prefill:
             self._read_notifs()
         return True
 
     def _delay(self) -> float:
-        if self._inflight or self._arrivals or (self._queued and not self._paused):
+        if self._inflight or self._arrivals or self._partial or (self._queued and not self._paused):
             self._idle = FAST_POLL_S
         else:
             self._idle = min(self._idle * 2, IDLE_POLL_MAX_S)
@@ -254,20 +228,15 @@ class DataPlane:
         elif isinstance(msg, CancelMsg):
             self._on_cancel(msg)
         elif isinstance(msg, PeerMsg):
-            self._on_peer(msg)
+            self._poster().add_peer(msg)
         elif isinstance(msg, FencedMsg):
-            key = self._peers.get((msg.engine_id, msg.rank))
-            if key is not None and key.incarnation == msg.incarnation:
-                del self._peers[(msg.engine_id, msg.rank)]
-                assert self._ep is not None
-                self._ep.remove_peer(key)
+            self._poster().fence(msg)
         elif isinstance(msg, NoticeMsg):
             self._on_notice(msg)
         elif isinstance(msg, ExpectMsg):
             now = time.monotonic()
             for tid in msg.transfer_ids:
-                if tid not in self._told:
-                    self._arrivals.setdefault(tid, _Arrivals(now))
+                self._arrivals.expect(tid, now)
         elif isinstance(msg, HoldMsg):
             self._held.update(t for t in msg.transfer_ids if t not in self._freed)
         elif isinstance(msg, PauseMsg):
@@ -286,22 +255,18 @@ class DataPlane:
         elif isinstance(msg, TermMsg):
             self._term = msg.term
         elif isinstance(msg, FireMsg):
-            order = self._armed.fire(msg)
-            if order is not None:
-                self._queue_fired(order, msg)
+            self._on_fire(msg)
         elif isinstance(msg, AbortMsg):
             for tid in msg.transfer_ids:
                 self._on_abort(tid)
 
-    def _on_peer(self, msg: PeerMsg) -> None:
-        assert self._ep is not None
-        key = PeerKey(msg.agent_name, msg.incarnation)
-        try:
-            self._ep.add_peer(key, msg.metadata, msg.regions, memory=msg.memory)
-        except NixlError as exc:
-            log.warning("cannot load peer %s/%s: %s", msg.engine_id, msg.rank, exc)
-            return
-        self._peers[(msg.engine_id, msg.rank)] = key
+    def _poster(self) -> Poster:
+        assert self._posts is not None  # set before the loop starts
+        return self._posts
+
+    @property
+    def writes_posted(self) -> int:
+        return self._posts.writes_posted if self._posts is not None else 0
 
     def _refuse(self, order: OrderMsg) -> None:
         """An order of an older leader term: reported, otherwise ignored."""
@@ -319,6 +284,8 @@ class DataPlane:
         oid = order.order_id
         if oid in self._queued or oid in self._inflight or self._armed.holds(oid):
             return  # replayed after a reconnect
+        if self._partial.holds(oid):
+            return
         done = self._finished.get(oid)
         if done is not None:
             self._report(WriteReportMsg(oid, *done))
@@ -332,11 +299,28 @@ class DataPlane:
             return
         if order.armed:
             fire = self._armed.arm(order)
-            if fire is not None:  # the request's prompt was computed first
-                self._queue_fired(order, fire)
+            if fire is not None:  # the request's prompt (or a chunk) was computed first
+                self._start(order, fire)
             return
         self._armed.forget_fire(order.transfer_id)
         self._queued[oid] = order
+
+    def _on_fire(self, fire: FireMsg) -> None:
+        if self._partial.fire(fire):  # a later chunk, or the final fire, of a partial order
+            return
+        order = self._armed.fire(fire)
+        if order is not None:
+            self._start(order, fire)
+
+    def _start(self, order: OrderMsg, fire: FireMsg) -> None:
+        """An armed order's first fire: the whole request, or its first chunk."""
+        if fire.final:
+            self._queue_fired(order, fire)
+        elif progressive_ok(order):
+            self.orders_fired += 1
+            self._partial.start(order, fire)
+        else:  # several KV groups or block sizes: written whole at the final fire
+            self._armed.arm(order)
 
     def _queue_fired(self, order: OrderMsg, fire: FireMsg) -> None:
         """An armed order met its fire: queued with its source blocks filled."""
@@ -351,6 +335,8 @@ class DataPlane:
         """The held transfer's request was aborted after it fired: nothing more
         is posted for it, and its blocks are freed once no WRITE is in flight."""
         why = "prefill request aborted"
+        if self._partial.stop(tid, ReportStatus.DROPPED, f"{why} mid-prefill"):
+            return  # freed once its posted chunks settled
         order = self._armed.drop(tid)
         if order is not None:
             self._finish(order, ReportStatus.DROPPED, f"{why} before its order fired")
@@ -377,6 +363,8 @@ class DataPlane:
             return
         if msg.order_id in self._inflight:
             return  # already posted: its outcome is reported when it completes
+        if self._partial.stop_order(msg.order_id, "cancelled"):
+            return  # reported once its posted chunks settled
         done = self._finished.get(msg.order_id)
         if done is not None:
             self._report(WriteReportMsg(msg.order_id, *done))
@@ -394,6 +382,8 @@ class DataPlane:
             armed = self._armed.drop(tid)
             if armed is not None:
                 self._finish(armed, ReportStatus.DROPPED, "transfer ended before it fired")
+            if self._partial.stop(tid, ReportStatus.DROPPED, "transfer ended mid-prefill"):
+                return  # freed once its posted chunks settled
             for oid, order in list(self._queued.items()):
                 if order.transfer_id == tid:
                     del self._queued[oid]
@@ -401,7 +391,7 @@ class DataPlane:
             if not any(f.order.transfer_id == tid for f in self._inflight.values()):
                 self._free(tid, msg.detail or ("complete" if msg.complete else "ended"))
             return
-        if tid in self._told:
+        if self._arrivals.told(tid):
             return
         if msg.complete:
             self._tell(EventKind.KV_READY, tid, msg.detail)
@@ -423,12 +413,11 @@ class DataPlane:
         for order in dropped:
             self._finish(order, ReportStatus.DROPPED, "coordinator restarted before posting")
         busy = {f.order.transfer_id for f in self._inflight.values()}
+        busy |= self._partial.stop_all("coordinator restarted mid-prefill")
         for tid in list(self._held - busy):
             self._free(tid, "coordinator restarted; transfer abandoned")
         if not self._prefill:
-            deadline = time.monotonic() + lease_s
-            for a in self._arrivals.values():
-                a.fail_at = deadline
+            self._arrivals.fail_all_at(time.monotonic() + lease_s)
 
     def _give_up(self) -> None:
         """The coordinator has been gone for give_up_s: longer than its write
@@ -442,6 +431,7 @@ class DataPlane:
         for order in dropped:
             self._finish(order, ReportStatus.DROPPED, "coordinator unreachable; not posting")
         busy = {f.order.transfer_id for f in self._inflight.values()}
+        busy |= self._partial.stop_all("coordinator unreachable mid-prefill")
         for tid in list(self._held - busy):
             self._free(tid, "coordinator unreachable; transfer abandoned")
         for tid in list(self._arrivals):
@@ -451,96 +441,80 @@ class DataPlane:
     def _post_queued(self) -> None:
         if self._paused or not self._queued:
             return
-        assert self._ep is not None
-        now_unix = time.time()
         while self._queued:
             _, order = self._queued.popitem(last=False)
             if order.term < self._term:  # queued before a newer leader welcomed us
                 self._refuse(order)
                 continue
-            if not self._lease_ok():
-                self._finish(order, ReportStatus.DROPPED, "agent lease lapsed; not posting")
+            why = self._guard(order)
+            if why:
+                self._finish(order, ReportStatus.DROPPED, why)
                 continue
-            if order.deadline_unix and now_unix > order.deadline_unix:
-                self._finish(order, ReportStatus.DROPPED, "order deadline passed before posting")
-                continue
-            handles: list[WriteHandle] = []
             try:
-                for tgt in order.targets:
-                    peer = self._peers.get((tgt.decode_engine_id, tgt.decode_rank))
-                    if peer is None or peer.incarnation != tgt.decode_incarnation:
-                        raise NixlError(
-                            FailureReason.PEER_UNKNOWN,
-                            f"decode peer {tgt.decode_engine_id}/{tgt.decode_rank}"
-                            f"@{tgt.decode_incarnation} is unknown or fenced",
-                        )
-                    notif = WriteNotif(order.transfer_id, order.prefill_rank, tgt.expected_writers)
-                    cut = BlockSlice(tgt.slice_offset, tgt.slice_len) if tgt.slice_len else None
-                    handles.append(
-                        self._ep.post_write(
-                            peer,
-                            tgt.src,
-                            tgt.dst,
-                            notif.encode(),
-                            block_slice=cut,
-                            resize=tgt.resize,
-                            dst_regions=tgt.dst_regions,
-                        )
-                    )
-                    self.writes_posted += 1
+                handles = self._poster().post(order, [(t, t.src, t.dst) for t in order.targets])
             except NixlError as exc:
-                for h in handles:
-                    self._release(h)
                 self._finish(order, ReportStatus.FAILED, str(exc))
                 continue
-            self._report(WriteReportMsg(order.order_id, order.transfer_id, ReportStatus.POSTED))
-            self._inflight[order.order_id] = _InFlight(order, handles)
+            self._posted(order, handles)
+
+    def _guard(self, order: OrderMsg) -> str:
+        """Why nothing of `order` may be posted now (the coordinator then
+        treats it as resolved), or ""."""
+        if order.term < self._term:
+            return f"refused: order of term {order.term}, older than term {self._term}"
+        if not self._lease_ok():
+            return "agent lease lapsed; not posting"
+        if order.deadline_unix and time.time() > order.deadline_unix:
+            return "order deadline passed before posting"
+        return ""
+
+    def _posted(
+        self,
+        order: OrderMsg,
+        handles: list[WriteHandle],
+        notify: tuple[tuple[PeerKey, bytes], ...] = (),
+        replaced: int = 0,
+    ) -> None:
+        self._report(WriteReportMsg(order.order_id, order.transfer_id, ReportStatus.POSTED))
+        self._inflight[order.order_id] = _InFlight(order, handles, notify, replaced)
 
     def _poll_inflight(self) -> None:
-        assert self._ep is not None
+        posts = self._poster()
         for oid, f in list(self._inflight.items()):
-            failure = ""
-            pending = False
-            for h in f.handles:
-                try:
-                    state = self._ep.poll(h)
-                except NixlError as exc:
-                    failure = str(exc)
-                    break
-                if state is TransferState.FAILED:
-                    failure = f"WRITE failed ({h.failure.value if h.failure else 'error'})"
-                    break
-                if state is TransferState.IN_PROGRESS:
-                    pending = True
+            pending, failure = posts.settle(f.handles)
             if pending and not failure:
                 continue
+            if not failure and f.notify:
+                try:
+                    posts.send_notifs(f.notify)  # after every chunk is DONE
+                except NixlError as exc:
+                    failure = str(exc)
             del self._inflight[oid]
-            nbytes = sum(h.nbytes for h in f.handles)
-            descs = sum(h.num_descriptors for h in f.handles)
-            for h in f.handles:
-                self._release(h)
+            nbytes, descs, n = posts.release(f.handles)
+            n += f.replaced
             if failure:
-                self._finish(f.order, ReportStatus.FAILED, failure, nbytes, descs)
+                self._finish(f.order, ReportStatus.FAILED, failure, nbytes, descs, n)
             else:
-                self._finish(f.order, ReportStatus.DONE, "", nbytes, descs)
-
-    def _release(self, h: WriteHandle) -> None:
-        assert self._ep is not None
-        try:
-            self._ep.release(h)
-        except NixlError as exc:
-            log.warning("release of WRITE handle failed: %s", exc)
+                self._finish(f.order, ReportStatus.DONE, "", nbytes, descs, n)
 
     def _finish(
-        self, order: OrderMsg, status: ReportStatus, detail: str, nbytes: int = 0, descs: int = 0
+        self,
+        order: OrderMsg,
+        status: ReportStatus,
+        detail: str,
+        nbytes: int = 0,
+        descs: int = 0,
+        posts: int = 0,
     ) -> None:
         self._finished.add(order.order_id, (order.transfer_id, status, detail))
         self._report(
-            WriteReportMsg(order.order_id, order.transfer_id, status, detail, nbytes, descs)
+            WriteReportMsg(order.order_id, order.transfer_id, status, detail, nbytes, descs, posts)
         )
         tid = order.transfer_id
-        busy = any(o.transfer_id == tid for o in self._queued.values()) or any(
-            f.order.transfer_id == tid for f in self._inflight.values()
+        busy = (
+            tid in self._partial
+            or any(o.transfer_id == tid for o in self._queued.values())
+            or any(f.order.transfer_id == tid for f in self._inflight.values())
         )
         if not busy:
             self._free(tid, f"{status.value}: {detail}" if detail else status.value)
@@ -564,28 +538,19 @@ class DataPlane:
             if n is None:
                 log.warning("ignoring malformed notification from %s", sender)
                 continue
-            if n.transfer_id in self._told:
+            counted = self._arrivals.count(n)
+            if counted is None:
                 continue
-            a = self._arrivals.setdefault(n.transfer_id, _Arrivals(time.monotonic()))
-            a.expected = n.expected_writers
-            if n.prefill_rank in a.ranks:
-                continue
-            a.ranks.add(n.prefill_rank)
+            tid, rank, event = counted
             # Each writer's arrival is reported as it lands, so that status
             # names the ranks still outstanding while the others wait.
-            self._report(ArrivalMsg(n.transfer_id, (n.prefill_rank,)))
-            if len(a.ranks) >= a.expected:
-                del self._arrivals[n.transfer_id]
-                self._tell(EventKind.KV_READY, n.transfer_id, "")
+            self._report(ArrivalMsg(tid, (rank,)))
+            if event is not None:
+                self._event(HostEvent(event, tid, ""))
         if self._arrivals:
-            now = time.monotonic()
-            cutoff = now - EXPECT_TTL_S
-            for tid in [t for t, a in self._arrivals.items() if a.since < cutoff]:
-                del self._arrivals[tid]
-            for tid in [t for t, a in self._arrivals.items() if a.fail_at and now >= a.fail_at]:
+            for tid in self._arrivals.due(time.monotonic()):
                 self._tell(EventKind.KV_FAILED, tid, "coordinator restarted mid-transfer")
 
     def _tell(self, kind: EventKind, tid: str, detail: str) -> None:
-        self._told.add(tid)
-        self._arrivals.pop(tid, None)
+        self._arrivals.tell(tid)
         self._event(HostEvent(kind, tid, detail))

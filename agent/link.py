@@ -175,6 +175,7 @@ def report_to_pb(r: Outbound) -> pb.AgentMessage:
             detail=r.detail,
             bytes=r.nbytes,
             descriptors=r.descriptors,
+            posts=r.posts,
         )
     )
 

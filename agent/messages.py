@@ -51,6 +51,14 @@ class FireMsg:
     transfer_id: str
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
+    # Progressive push (chunked prefill): a chunk's fire, final=False, names
+    # the blocks so far and the tokens computed so far; their whole blocks may
+    # be written now, without a notification (agent/progressive.py).
+    computed_tokens: int = 0
+    final: bool = True
+    # The request was preempted after a chunk's fire (vLLM freed and recomputed
+    # its blocks): the final fire rewrites every block once earlier chunks settled.
+    restart: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +186,7 @@ class WriteReportMsg:
     detail: str = ""
     nbytes: int = 0
     descriptors: int = 0
+    posts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

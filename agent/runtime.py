@@ -201,13 +201,14 @@ class Agent:
         """Prefill: these transfers' blocks are held until a BLOCKS_FREE event."""
         self._dataplane.from_host(HoldMsg(tuple(transfer_ids)))
 
-    def fire(self, fires: Sequence[tuple[str, tuple[tuple[int, ...], ...], int]]) -> None:
-        """Prefill: these transfers' prompts are computed, (transfer id, per KV
-        group the blocks held of the prompt, prompt tokens) each: fire their
-        armed orders (each posts once; an order still to come posts on arrival)."""
+    def fire(self, fires: Sequence[FireMsg]) -> None:
+        """Prefill: these transfers' prompts (or, with final=False, a chunk of
+        them) are computed: fire their armed orders (each posts once; an order
+        still to come posts on arrival; a chunk's whole blocks are written at
+        once, agent/progressive.py)."""
         put = self._dataplane.inbox.put
-        for tid, blocks, num_tokens in fires:
-            put(FireMsg(tid, blocks, num_tokens))
+        for f in fires:
+            put(f)
 
     def abort(self, transfer_ids: Sequence[str]) -> None:
         """Prefill: these held transfers' requests were aborted after they fired."""

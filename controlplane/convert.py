@@ -250,6 +250,7 @@ def transfer_to_pb(t: Transfer, *, deadline_wall: float) -> pb.TransferStatus:
                 state=RANK_TO_PB[o.state],
                 arrived=r in arrived,
                 detail=o.detail,
+                posts=o.posts,
             )
             for r, o in sorted(t.orders.items())
         ],

@@ -171,6 +171,7 @@ class Rendezvous:
         detail: str = "",
         nbytes: int = 0,
         descriptors: int = 0,
+        posts: int = 0,
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
         rec = order_by_id(t, order_id) if t else None
@@ -195,6 +196,7 @@ class Rendezvous:
         was_open = t.write_may_land
         rec.state = _RANK_OF_REPORT[status]
         rec.detail, rec.bytes, rec.descriptors = detail, nbytes, descriptors
+        rec.posts = posts
         self._open_orders.close(rec)
         t.mark(_WRITE_STAGE[rec.state], wall, rank)
         if t.state in _MOVING:

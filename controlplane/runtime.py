@@ -350,7 +350,15 @@ class Runtime:
                 return
             self.apply(
                 self.core.write_report(
-                    key, inc, w.order_id, w.transfer_id, status, w.detail, w.bytes, w.descriptors
+                    key,
+                    inc,
+                    w.order_id,
+                    w.transfer_id,
+                    status,
+                    w.detail,
+                    w.bytes,
+                    w.descriptors,
+                    w.posts,
                 )
             )
         elif kind == "arrival":

@@ -31,6 +31,7 @@ class OrderRecord:
     detail: str
     bytes: int
     descriptors: int
+    posts: int
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class OrderRecord:
     ) -> None:
         self.order, self.agent, self.state = order, agent, state
         self.detail, self.bytes, self.descriptors = detail, bytes, descriptors
+        self.posts = 0
 
 
 @dataclass(slots=True, init=False)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from agent.events import EventKind, HostEvent
+from agent.messages import FireMsg
 from wire.pairing import SPAN_UNITS, format_span_units
 from wire.tp_map import TOTAL_KV_HEADS, rank_heads
 
@@ -245,8 +246,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 agent.expect(args[0])
             elif cmd == "hold":
                 agent.hold(args[0])
-            elif cmd == "fire":  # [(transfer id, blocks per KV group, prompt tokens)]
-                agent.fire(args[0])
+            elif cmd == "fire":  # [FireMsg fields: transfer id, blocks per group, tokens, ...]
+                agent.fire([FireMsg(*f) for f in args[0]])
             elif cmd == "abort":  # transfer ids whose request was aborted after firing
                 agent.abort(args[0])
             elif cmd == "fired":  # armed orders fired here

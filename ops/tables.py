@@ -221,7 +221,9 @@ def transfer_detail(t: pb.TransferStatus) -> str:
     ]
     if t.ranks:
         stages = timeline.per_rank(timeline.events_of(t))
-        ordered = timeline.first(timeline.events_of(t), "ordered")
+        ev = timeline.events_of(t)
+        # An armed order's times count from its arming (docs/architecture.md).
+        ordered = timeline.first(ev, "ordered") or timeline.first(ev, "armed")
 
         def since_order(rank: int, stage: str) -> str:
             at = stages.get(rank, {}).get(stage)
@@ -235,6 +237,7 @@ def transfer_detail(t: pb.TransferStatus) -> str:
                     "ORDER",
                     "STATE",
                     "ARRIVED",
+                    "POSTS",
                     "POSTED_MS",
                     "DONE_MS",
                     "ARRIVED_MS",
@@ -246,6 +249,7 @@ def transfer_detail(t: pb.TransferStatus) -> str:
                         r.order_id,
                         _rank_state(r.state),
                         "yes" if r.arrived else "no",
+                        str(r.posts) if r.posts else "-",
                         since_order(r.prefill_rank, "write_posted"),
                         since_order(r.prefill_rank, "write_done"),
                         since_order(r.prefill_rank, "arrived"),

@@ -164,3 +164,14 @@ def test_worker_schedstat_reads_tp_ranks_too() -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_a_step_budget_reaches_every_engine_and_is_checked() -> None:
+    cfg, _ = _parse(["--quick", "--step-tokens", "512"])
+    assert cfg.step_tokens == 512
+    opts = deployment._options(cfg, "nocache", {})
+    assert opts["extra_args"][-2:] == ("--max-num-batched-tokens", "512")
+    whole, _ = _parse(["--quick"])
+    assert "--max-num-batched-tokens" not in deployment._options(whole, "nocache", {})["extra_args"]
+    with pytest.raises(SystemExit):
+        _parse(["--quick", "--step-tokens", "64"])  # under a 128-token block

@@ -181,13 +181,16 @@ async def engine(
     # The connector's on_transfer_failure sets vLLM's kv_load_failure_policy;
     # these tests name the policy they exercise ("fail" unless told).
     policy = config.pop("kv_load_failure_policy", "fail")
+    extra = {"coordinator": coord.address, "on_transfer_failure": policy}
+    if "progressive_push" in config:
+        extra["progressive_push"] = config.pop("progressive_push")
     cfg = make_vllm_config(
         model_dir,
         connector_module="vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role=role,
         engine_id=engine_id,
-        kv_connector_extra_config={"coordinator": coord.address, "on_transfer_failure": policy},
+        kv_connector_extra_config=extra,
         block_size=BLOCK,
         **config,
     )
@@ -728,11 +731,21 @@ async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
         assert [c.kind for c in eng.spy.calls] == ["prefill_done"]
 
 
+@pytest.mark.parametrize("progressive", [False, True], ids=["whole", "progressive"])
 async def test_aborted_prefill_leg_cancels_and_frees_at_once(
-    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, progressive: bool
 ) -> None:
+    """Aborted mid-prefill: with no chunk fired vLLM frees the blocks at once;
+    after a chunk's fire (progressive push) a WRITE may be reading them, so
+    they stay held until the worker's agent frees them (`abort`)."""
     # 32 tokens per step: a 40-token prompt is still mid-prefill after one step.
-    async with engine(coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32) as eng:
+    async with engine(
+        coord,
+        tiny_model_dir,
+        "kv_producer",
+        max_num_batched_tokens=32,
+        progressive_push=str(progressive),
+    ) as eng:
         free0 = num_free_blocks(eng.scheduler)
         tid = new_tid()
         req = make_request(
@@ -743,23 +756,30 @@ async def test_aborted_prefill_leg_cancels_and_frees_at_once(
             kv_transfer_params=prefill_params(tid),
         )
         eng.scheduler.add_request(req)
-        step(eng.scheduler)
+        sched_out, _ = step(eng.scheduler)
         assert _status(req) == RequestStatus.RUNNING
         assert req.num_computed_tokens == 32
+        assert [f.final for f in _meta(sched_out).fire] == ([False] if progressive else [])
 
         eng.scheduler.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
         status, blocks, result = eng.spy.finished["p2"]
         assert status == RequestStatus.FINISHED_ABORTED
         assert len(blocks) == 2
-        assert result == (False, None)
-        assert "p2" not in eng.scheduler.requests
-        assert num_free_blocks(eng.scheduler) == free0
-
         t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
         assert "prefill request ended without KV" in t.detail
         assert [c.kind for c in eng.spy.calls] == ["cancel"]
         sched_out, _ = step(eng.scheduler)
-        assert _meta(sched_out).send == []
+        if not progressive:
+            assert result == (False, None)
+            assert "p2" not in eng.scheduler.requests
+            assert num_free_blocks(eng.scheduler) == free0
+            assert _meta(sched_out).send == []
+            return
+        assert result == (True, {"transfer_id": tid})
+        assert _meta(sched_out).send == [("p2", tid)] and _meta(sched_out).abort == [tid]
+        assert num_free_blocks(eng.scheduler) == free0 - 2
+        step(eng.scheduler, connector_output=kv_output(finished_sending={"p2"}))
+        assert num_free_blocks(eng.scheduler) == free0
 
 
 async def test_prefill_fires_in_the_step_that_computes_its_last_prompt_token(
@@ -767,8 +787,10 @@ async def test_prefill_fires_in_the_step_that_computes_its_last_prompt_token(
 ) -> None:
     """Chunked prefill (32 tokens a step): the fire comes with the step whose
     forward computes token 40, naming every block of the prompt; the request's
-    end then fires nothing again."""
-    async with engine(coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32) as eng:
+    end then fires nothing again. (Progressive push off: no chunk fires.)"""
+    async with engine(
+        coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32, progressive_push="false"
+    ) as eng:
         tid = new_tid()
         req = make_request(
             "pf",
@@ -791,35 +813,81 @@ async def test_prefill_fires_in_the_step_that_computes_its_last_prompt_token(
         assert _meta(sched_out).send == [("pf", tid)] and _meta(sched_out).fire == []
 
 
-async def test_prefill_aborted_after_it_fired_keeps_its_blocks_for_the_agent(
+async def test_chunked_prefill_fires_each_chunks_whole_blocks_then_the_final(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
 ) -> None:
-    """The fired order may have posted a WRITE from the blocks: vLLM keeps them
-    until the worker's agent frees them (`abort`), and the transfer is cancelled."""
-    async with engine(coord, tiny_model_dir, "kv_producer") as eng:
-        free0 = num_free_blocks(eng.scheduler)
+    """Progressive push: 100 tokens in chunks of 32 with 16-token blocks: each
+    step's fire names the tokens computed so far (2, 4, 6 whole blocks), and
+    the step that computes token 100 fires the final."""
+    async with engine(coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32) as eng:
         tid = new_tid()
         req = make_request(
-            "pa",
+            "pc",
+            prompt_tokens(100),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        seen = []
+        for _ in range(4):
+            sched_out, _ = step(eng.scheduler)
+            [f] = _meta(sched_out).fire
+            seen.append((f.final, f.computed_tokens, len(f.blocks[0])))
+            assert f.transfer_id == tid and f.num_tokens == 100
+        assert seen == [(False, 32, 2), (False, 64, 4), (False, 96, 6), (True, 0, 7)]
+        assert eng.spy.finished["pc"][2] == (True, {"transfer_id": tid})
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).fire == []  # fired already: no late fire
+
+
+async def test_progressive_push_off_fires_once(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    async with engine(
+        coord, tiny_model_dir, "kv_producer", max_num_batched_tokens=32, progressive_push="false"
+    ) as eng:
+        tid = new_tid()
+        req = make_request(
+            "pn",
+            prompt_tokens(70),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        fires = []
+        for _ in range(3):
+            sched_out, _ = step(eng.scheduler)
+            fires += _meta(sched_out).fire
+        assert [(f.final, len(f.blocks[0])) for f in fires] == [(True, 5)]
+
+
+async def test_a_leg_that_goes_on_decoding_fires_when_it_finishes(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """max_tokens > 1: vLLM may preempt the request (and free its blocks)
+    after its prompt, so it fires only from request_finished, once vLLM keeps
+    the blocks for the transfer."""
+    async with engine(coord, tiny_model_dir, "kv_producer") as eng:
+        tid = new_tid()
+        req = make_request(
+            "pd",
             prompt_tokens(33),
             eng.config,
-            max_tokens=8,
+            max_tokens=2,
             kv_transfer_params=prefill_params(tid),
         )
         eng.scheduler.add_request(req)
         sched_out, _ = step(eng.scheduler)
-        [fire] = _meta(sched_out).fire
-        assert fire.transfer_id == tid
-        eng.scheduler.finish_requests("pa", RequestStatus.FINISHED_ABORTED)
-        assert eng.spy.finished["pa"][2] == (True, {"transfer_id": tid})
-        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
-        assert "prefill request ended without KV" in t.detail
+        assert _meta(sched_out).fire == [] and _status(req) == RequestStatus.RUNNING
+        step(eng.scheduler)  # its second token: finished
+        assert eng.spy.finished["pd"][2] == (True, {"transfer_id": tid})
         sched_out, _ = step(eng.scheduler)
-        meta = _meta(sched_out)
-        assert meta.send == [("pa", tid)] and meta.abort == [tid] and meta.fire == []
-        assert num_free_blocks(eng.scheduler) == free0 - 3  # held for the agent
-        step(eng.scheduler, connector_output=kv_output(finished_sending={"pa"}))
-        assert num_free_blocks(eng.scheduler) == free0
+        [fire] = _meta(sched_out).fire
+        assert fire.final and fire.num_tokens == 33
+        assert list(fire.blocks[0]) == eng.spy.finished["pd"][1]
+        assert _meta(sched_out).send == [("pd", tid)]
 
 
 @pytest.mark.parametrize("why", ["cancelled_first", "engine_not_registered"])

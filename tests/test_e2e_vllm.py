@@ -40,6 +40,7 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total"
 # into exactly this many blocks arrives corrupted. Only the negative control
 # sends a prompt that long; every other prompt here stays below it.
 CORRUPT_BLOCKS = 24
+CHUNK = 128  # the prefill engine's step budget (tokens): 4 blocks
 
 
 def n_blocks(prompt: list[int]) -> int:
@@ -58,8 +59,16 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
     coord = CoordinatorProcess("--log-level", "WARNING").start()
+    # A step budget of CHUNK tokens: longer prompts are prefilled in chunks,
+    # each chunk's whole blocks pushed as its forward ends (progressive push).
     prefill = pushkv_server(
-        tiny_model_dir, "prefill", "prefill-0", coord.address, cpu_core=0, block_size=BLOCK
+        tiny_model_dir,
+        "prefill",
+        "prefill-0",
+        coord.address,
+        cpu_core=0,
+        block_size=BLOCK,
+        extra_args=("--max-num-batched-tokens", str(CHUNK)),
     )
     decode = pushkv_server(
         tiny_model_dir,
@@ -168,6 +177,9 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
     # itself (no "ordered" step at the coordinator).
     fired = [t for t in listed if "armed" in [e.stage for e in t.timeline]]
     assert fired, "no transfer was armed"
+    # Prompts longer than a step's budget were pushed chunk by chunk.
+    chunked = [t for t in fired if t.num_tokens > CHUNK and t.ranks[0].posts > 1]
+    assert chunked, [(t.num_tokens, t.ranks[0].posts) for t in fired]
     for t in fired:
         stages = [e.stage for e in t.timeline]
         assert "ordered" not in stages and stages.index("decode_registered") < stages.index("armed")

@@ -24,6 +24,11 @@ class FireSpec(NamedTuple):
     # at the prompt's last block).
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
+    # Progressive push: a chunk's fire (final False) and the prompt tokens
+    # computed through this step; a final fire after a preemption (restart).
+    computed_tokens: int = 0
+    final: bool = True
+    restart: bool = False
 
 
 @dataclass

@@ -49,13 +49,17 @@ _EMPTY_IDLE = PushKVMetadata(idle=True)
 
 class _Leg:
     """A prefill leg being computed: its transfer, prompt length and blocks so
-    far (per KV group, from the scheduler's outputs)."""
+    far (per KV group, from the scheduler's outputs), the whole prompt blocks
+    a chunk's fire named (progressive push), and whether it was preempted
+    after one (its blocks freed and recomputed: the final fire rewrites all)."""
 
-    __slots__ = ("blocks", "num_tokens", "transfer_id")
+    __slots__ = ("blocks", "chunked", "num_tokens", "restart", "transfer_id")
 
     def __init__(self, transfer_id: str, num_tokens: int) -> None:
         self.transfer_id, self.num_tokens = transfer_id, num_tokens
         self.blocks: list[list[int]] = []
+        self.chunked = 0
+        self.restart = False
 
 
 class PushSchedulerHalf:
@@ -73,6 +77,7 @@ class PushSchedulerHalf:
         # Per sliding-window group: (window, tokens of a prompt of n tokens that
         # vLLM keeps besides n - window + 1: its extra_retained_tokens).
         self.windows = windows
+        self.progressive = settings.progressive_push
         self.client = CoordinatorClient(
             settings.coordinator,
             timeout_s=settings.rpc_timeout_s,
@@ -107,7 +112,16 @@ class PushSchedulerHalf:
             return 0, False
         if leg_tid(raw, DECODE_LEG, PREFILL_LEG) is None:
             tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
-            if tid is not None and rid not in self._fired:  # watched until it fires
+            # Watched until it fires (again after a preemption: kept). A leg
+            # that goes on decoding after its prompt (max_tokens > 1) may be
+            # preempted with its blocks freed after it fired: it fires from
+            # request_finished instead, when vLLM keeps its blocks for us.
+            if (
+                tid is not None
+                and rid not in self._legs
+                and rid not in self._fired
+                and request.max_tokens == 1
+            ):
                 self._legs[rid] = _Leg(tid, request.num_prompt_tokens)
             return 0, False
         if self.windows and self.window_edge(request.num_prompt_tokens):
@@ -205,8 +219,8 @@ class PushSchedulerHalf:
             leg = legs.get(r.req_id)
             if leg is not None:
                 leg.blocks = [list(g) for g in r.block_ids]
-                if r.num_computed_tokens + scheduled.get(r.req_id, 0) >= leg.num_tokens:
-                    self._fire(r.req_id, leg)
+                leg.restart = leg.restart or leg.chunked > 0  # rescheduled after a preemption
+                self._step(r.req_id, leg, r.num_computed_tokens + scheduled.get(r.req_id, 0))
         cached = getattr(out, "scheduled_cached_reqs", None)
         if cached is None or not legs:
             return
@@ -218,20 +232,32 @@ class PushSchedulerHalf:
             if new is not None:
                 if rid in cached.resumed_req_ids or not leg.blocks:  # preempted: all anew
                     leg.blocks = [list(g) for g in new]
+                    leg.restart = leg.restart or leg.chunked > 0
                 else:
                     for have, more in zip(leg.blocks, new, strict=False):
                         have.extend(more)
-            if cached.num_computed_tokens[i] + scheduled.get(rid, 0) >= leg.num_tokens:
-                self._fire(rid, leg)
+            self._step(rid, leg, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
 
-    def _fire(self, rid: str, leg: _Leg) -> None:
-        del self._legs[rid]
-        self._fired.add(rid)
-        self._meta.fire.append(
-            FireSpec(
-                leg.transfer_id, self._prompt_blocks(leg.blocks, leg.num_tokens), leg.num_tokens
-            )
+    def _step(self, rid: str, leg: _Leg, computed: int) -> None:
+        """This step computes the leg's prompt through token `computed`: the
+        final fire if that is all of it, else (progressive push, one KV group,
+        not preempted after a chunk) a chunk's fire when whole blocks were added."""
+        if computed >= leg.num_tokens:
+            del self._legs[rid]
+            self._fired.add(rid)
+            blocks = self._prompt_blocks(leg.blocks, leg.num_tokens)
+            spec = FireSpec(leg.transfer_id, blocks, leg.num_tokens, restart=leg.restart)
+            self._meta.fire.append(spec)
+            return
+        whole = computed // self.block_size
+        if not self.progressive or leg.restart or len(leg.blocks) != 1 or whole <= leg.chunked:
+            return
+        leg.chunked = whole
+        self._fired.add(rid)  # a chunk's WRITE may be in flight from now on
+        spec = FireSpec(
+            leg.transfer_id, (tuple(leg.blocks[0]),), leg.num_tokens, computed, final=False
         )
+        self._meta.fire.append(spec)
 
     def _prompt_blocks(
         self, groups: list[list[int]] | tuple[list[int], ...], num_tokens: int
@@ -340,9 +366,8 @@ class PushSchedulerHalf:
             return False, None
         tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
         if tid is not None:
-            if self._legs:
-                self._legs.pop(rid, None)
-            fired = rid in self._fired
+            leg = self._legs.pop(rid, None) if self._legs else None
+            fired = rid in self._fired  # a WRITE of its blocks may have been posted
             if fired:
                 self._fired.discard(rid)
             if request.status in compat.FINISHED_NORMALLY and (block_ids or any(more_groups)):
@@ -370,8 +395,10 @@ class PushSchedulerHalf:
                     )
                 )
                 self._meta.send.append((rid, tid))
-                if not fired:  # no step was seen computing its last prompt token
-                    self._meta.fire.append(FireSpec(tid, (first, *more), request.num_prompt_tokens))
+                if leg is not None or not fired:  # no final fire yet: fire now, blocks held
+                    restart = leg is not None and leg.chunked > 0
+                    n = request.num_prompt_tokens
+                    self._meta.fire.append(FireSpec(tid, (first, *more), n, restart=restart))
                 if fault_hooks.DIGEST:
                     self._meta.send_blocks[tid] = first
                 return True, {"transfer_id": tid}

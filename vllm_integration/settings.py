@@ -40,6 +40,11 @@ class ConnectorSettings:
     # Prometheus metrics of the connector: worker rank r serves them on
     # 0.0.0.0:(metrics_port + r). 0 disables.
     metrics_port: int = 0
+    # Prefill: with chunked prefill (prompts longer than the step's token
+    # budget) write each chunk's whole blocks of an armed order as soon as its
+    # forward is done, not all at the end (docs/architecture.md, "Progressive
+    # push"). One KV cache group only; false writes each request whole.
+    progressive_push: bool = True
     # Mutual TLS to the coordinator (PEM paths); the certificate's common name
     # must be "engine:<engine_id>". All three or none.
     tls_ca: str = ""
@@ -65,9 +70,12 @@ class ConnectorSettings:
         for name, raw in extra.items():
             f = known[name]
             try:
-                values[name] = (
-                    type(f.default)(raw) if f.default is not dataclasses.MISSING else str(raw)
-                )
+                if isinstance(f.default, bool):  # bool("false") is True
+                    values[name] = _flag(raw)
+                else:
+                    values[name] = (
+                        type(f.default)(raw) if f.default is not dataclasses.MISSING else str(raw)
+                    )
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: bad value {raw!r}") from None
         out = cls(**values)
@@ -79,3 +87,14 @@ class ConnectorSettings:
         if out.tls.enabled or out.tls_key:
             out.tls.check()
         return out
+
+
+def _flag(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)

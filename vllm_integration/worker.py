@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.events import EventKind, HostEvent
+from agent.messages import FireMsg
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks, kv_checks
@@ -349,7 +350,7 @@ class PushWorkerHalf:
             import torch
 
             torch.cuda.current_stream().synchronize()
-        self.agent.fire([(f.transfer_id, f.blocks, f.num_tokens) for f in meta.fire])
+        self.agent.fire([FireMsg(*f) for f in meta.fire])
 
     def get_finished(
         self, finished_req_ids: set[str], idle: bool

@@ -91,6 +91,10 @@ class BenchConfig:
     # Tensor parallel size of the prefill engine of the disaggregated systems; the
     # decode engine and the single engine are TP1.
     prefill_tp: int = 1
+    # Every engine's step budget (--max-num-batched-tokens): prompts longer
+    # than it are prefilled in chunks (pushkv: progressive push); None: the
+    # harness's, which takes any prompt of the run whole.
+    step_tokens: int | None = None
 
     @property
     def max_model_len(self) -> int:

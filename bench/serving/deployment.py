@@ -116,9 +116,13 @@ def _options(
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
         kvcache_gib=cfg.kvcache_gib,
-        extra_args=(caching,),
+        extra_args=(caching, *_step_budget(cfg)),
         env=env,
     )
+
+
+def _step_budget(cfg: BenchConfig) -> tuple[str, ...]:
+    return ("--max-num-batched-tokens", str(cfg.step_tokens)) if cfg.step_tokens else ()
 
 
 def _nixl_config(cfg: BenchConfig, connector: str, role: str, engine_id: str) -> dict[str, Any]:

@@ -62,6 +62,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--timeout", type=float, help="per-request timeout (s)")
     ap.add_argument("--kv-lease", type=int, help="vLLM NIXL kv_lease_duration (default: vLLM's)")
+    ap.add_argument(
+        "--step-tokens",
+        type=int,
+        help="every engine's --max-num-batched-tokens: longer prompts are prefilled in "
+        "chunks (pushkv pushes each chunk's blocks as it completes); default: whole prompts",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--pushkv-setting",
@@ -110,6 +116,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     a = ap.parse_args(argv)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
         ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
+    least = max(a.max_num_seqs, a.block_size)
+    if a.step_tokens is not None and a.step_tokens < least:
+        # vLLM refuses a step budget under --max-num-seqs; under a block no
+        # step could complete one.
+        ap.error(f"--step-tokens must be at least {least} (--max-num-seqs and --block-size)")
     quick = bool(a.quick)
     rates = (
         tuple(float(x) for x in a.rates.split(","))
@@ -159,6 +170,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         vllm_spin_ms=a.vllm_spin_ms,
         kill_prefill_at_s=a.kill_prefill_at,
         prefill_tp=a.prefill_tp,
+        step_tokens=a.step_tokens,
     )
     return cfg, a
 

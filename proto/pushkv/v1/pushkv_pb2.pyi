@@ -476,6 +476,7 @@ class WriteReport(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    POSTS_FIELD_NUMBER: _builtins.int
     order_id: _builtins.str
     transfer_id: _builtins.str
     status: Global___WriteStatus.ValueType
@@ -483,6 +484,10 @@ class WriteReport(_message.Message):
     """failure text (NIXL reason), empty otherwise"""
     bytes: _builtins.int
     descriptors: _builtins.int
+    posts: _builtins.int
+    """The WRITE posts the order took: one per target, and with progressive push
+    (a chunked prefill) one per chunk and target (0: not reported).
+    """
     def __init__(
         self,
         *,
@@ -492,10 +497,11 @@ class WriteReport(_message.Message):
         detail: _builtins.str = ...,
         bytes: _builtins.int = ...,
         descriptors: _builtins.int = ...,
+        posts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "descriptors", b"descriptors", "detail", b"detail", "order_id", b"order_id", "status", b"status", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "descriptors", b"descriptors", "detail", b"detail", "order_id", b"order_id", "posts", b"posts", "status", b"status", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1236,12 +1242,15 @@ class RankStatus(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     ARRIVED_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    POSTS_FIELD_NUMBER: _builtins.int
     prefill_rank: _builtins.int
     order_id: _builtins.str
     state: Global___RankState.ValueType
     arrived: _builtins.bool
     """the decode side counted this rank's notification"""
     detail: _builtins.str
+    posts: _builtins.int
+    """WriteReport.posts of its final report"""
     def __init__(
         self,
         *,
@@ -1250,10 +1259,11 @@ class RankStatus(_message.Message):
         state: Global___RankState.ValueType = ...,
         arrived: _builtins.bool = ...,
         detail: _builtins.str = ...,
+        posts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrived", b"arrived", "detail", b"detail", "order_id", b"order_id", "prefill_rank", b"prefill_rank", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrived", b"arrived", "detail", b"detail", "order_id", b"order_id", "posts", b"posts", "prefill_rank", b"prefill_rank", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
