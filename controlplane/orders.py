@@ -6,14 +6,16 @@ machine decides when."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from controlplane.domain import (
     AgentKey,
     Blocks,
+    Effect,
     KVLayout,
     Order,
     OrderId,
+    SendOrder,
     TransferId,
     WriteTarget,
 )
@@ -231,6 +233,33 @@ def rank_order(
         num_tokens=decode.num_tokens,
         armed=armed,
     )
+
+
+def issue(
+    t: Transfer,
+    pe: EngineRecord,
+    de: EngineRecord,
+    src: Blocks,
+    deadline_unix: float,
+    armed: bool,
+    ids: Iterator[OrderId],
+    open_orders: OpenOrders,
+) -> list[Effect]:
+    """One order per prefill rank of `pe` (armed: `src` empty), recorded on the
+    transfer (its expected writers) and as open for each rank's incarnation."""
+    assert t.decode is not None
+    effects: list[Effect] = []
+    for rank in range(pe.size):
+        p_agent = pe.ranks[rank]
+        order = rank_order(
+            next(ids), t.transfer_id, t.decode, pe, de, rank, src, deadline_unix, armed
+        )
+        t.orders[rank] = OrderRecord(order, p_agent.key)
+        for tgt in order.targets:
+            t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
+        open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
+        effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
+    return effects
 
 
 def order_by_id(t: Transfer | None, order_id: str) -> OrderRecord | None:

@@ -66,16 +66,16 @@ from controlplane.notices import peer_fenced, transfer_notices
 from controlplane.orders import (
     OpenOrders,
     arm_problem,
+    issue,
     mismatch,
     order_by_id,
-    rank_order,
     record_arrivals,
     resized_source_blocks,
     source_blocks,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
 from controlplane.settings import CoreSettings
-from controlplane.transfer import OrderRecord, Side, Transfer
+from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
@@ -102,8 +102,9 @@ class Rendezvous:
         self._deadlines = Deadlines()
         self._retention = Retention(settings)
         self._open_orders = OpenOrders()
-        self._order_seq = itertools.count(1)
         self.coordinator_id = uuid.uuid4().hex[:12]
+        # Order ids: unique per coordinator process.
+        self._ids = (OrderId(f"{self.coordinator_id}-{n}") for n in itertools.count(1))
 
     # ================================================================ queries
     def get(self, transfer_id: str) -> Transfer:
@@ -435,17 +436,9 @@ class Rendezvous:
         s = self.settings
         self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
-        deadline_unix = wall + s.write_timeout_s
-        effects: list[Effect] = []
-        for rank in range(pe.size):
-            p_agent = pe.ranks[rank]
-            oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
-            order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)
-            t.orders[rank] = OrderRecord(order, p_agent.key)
-            for tgt in order.targets:
-                t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
-            self._open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
-            effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
+        effects = issue(
+            t, pe, de, src, wall + s.write_timeout_s, False, self._ids, self._open_orders
+        )
         t.state = State.ORDERED
         t.mark("ordered", wall)
         return effects
@@ -465,19 +458,8 @@ class Rendezvous:
         now, wall = self._clock.monotonic(), self._clock.wall()
         wait_s = self.settings.rendezvous_timeout_s
         self._deadlines.set(t, wait_s, now)
-        deadline_unix = wall + wait_s
         empty: Blocks = tuple([() for _ in t.decode.blocks])
-        for rank in range(pe.size):
-            p_agent = pe.ranks[rank]
-            oid = OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
-            order = rank_order(
-                oid, t.transfer_id, t.decode, pe, de, rank, empty, deadline_unix, armed=True
-            )
-            t.orders[rank] = OrderRecord(order, p_agent.key)
-            for tgt in order.targets:
-                t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
-            self._open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
-            effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
+        effects += issue(t, pe, de, empty, wall + wait_s, True, self._ids, self._open_orders)
         t.state = State.ARMED
         t.mark("armed", wall)
         return True
