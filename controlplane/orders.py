@@ -6,7 +6,7 @@ machine decides when."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from controlplane.domain import (
     AgentKey,
@@ -242,7 +242,7 @@ def issue(
     src: Blocks,
     deadline_unix: float,
     armed: bool,
-    ids: Iterator[OrderId],
+    next_id: Callable[[], OrderId],
     open_orders: OpenOrders,
 ) -> list[Effect]:
     """One order per prefill rank of `pe` (armed: `src` empty), recorded on the
@@ -252,7 +252,7 @@ def issue(
     for rank in range(pe.size):
         p_agent = pe.ranks[rank]
         order = rank_order(
-            next(ids), t.transfer_id, t.decode, pe, de, rank, src, deadline_unix, armed
+            next_id(), t.transfer_id, t.decode, pe, de, rank, src, deadline_unix, armed
         )
         t.orders[rank] = OrderRecord(order, p_agent.key)
         for tgt in order.targets:

@@ -103,8 +103,7 @@ class Rendezvous:
         self._retention = Retention(settings)
         self._open_orders = OpenOrders()
         self.coordinator_id = uuid.uuid4().hex[:12]
-        # Order ids: unique per coordinator process.
-        self._ids = (OrderId(f"{self.coordinator_id}-{n}") for n in itertools.count(1))
+        self._order_seq = itertools.count(1)
 
     # ================================================================ queries
     def get(self, transfer_id: str) -> Transfer:
@@ -436,12 +435,15 @@ class Rendezvous:
         s = self.settings
         self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
-        effects = issue(
-            t, pe, de, src, wall + s.write_timeout_s, False, self._ids, self._open_orders
-        )
+        until = wall + s.write_timeout_s
+        effects = issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
         t.state = State.ORDERED
         t.mark("ordered", wall)
         return effects
+
+    def _order_id(self) -> OrderId:
+        """Unique per coordinator process."""
+        return OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
 
     def _arm_orders(self, t: Transfer, effects: list[Effect]) -> bool:
         """Decode registered first: arm the orders on the announced prefill
@@ -459,7 +461,7 @@ class Rendezvous:
         wait_s = self.settings.rendezvous_timeout_s
         self._deadlines.set(t, wait_s, now)
         empty: Blocks = tuple([() for _ in t.decode.blocks])
-        effects += issue(t, pe, de, empty, wall + wait_s, True, self._ids, self._open_orders)
+        effects += issue(t, pe, de, empty, wall + wait_s, True, self._order_id, self._open_orders)
         t.state = State.ARMED
         t.mark("armed", wall)
         return True
