@@ -67,6 +67,10 @@ class Result:
         return self.state in TERMINAL
 
     @property
+    def complete(self) -> bool:
+        return self.state == pb.TRANSFER_STATE_COMPLETE
+
+    @property
     def ok(self) -> bool:
         return not self.error
 

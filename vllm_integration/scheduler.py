@@ -318,9 +318,11 @@ class PushSchedulerHalf:
             ):
                 # The transfer was refused or had already ended (e.g. cancelled by
                 # the router): no order will read these blocks and the agent is
-                # never told, so the worker frees them now.
+                # never told, so the worker frees them now. COMPLETE already:
+                # an armed order fired and finished before this report came
+                # (the agent freed the blocks itself; the normal case).
                 why = res.error or f"transfer already ended (state {res.state})"
-                log.warning(
+                (log.debug if res.complete and not res.refused else log.warning)(
                     "transfer %s: prefill blocks of %s freed at once: %s",
                     c.transfer_id,
                     c.request_id,
