@@ -388,6 +388,8 @@ class Rendezvous:
             # and an engine the transfer did not name when it ended (so was not
             # told then) gets the terminal notice now, on every rank.
             if eid in (t.prefill_engine, t.decode_engine):
+                if finished_unix > 0 and t.orders:  # an armed order finished first
+                    t.mark("prefill_finished", finished_unix)  # (the critical path's)
                 return t, []
             return t, transfer_notices(self.registry, t, (eid,))
         self._count_engine(t, eid)
@@ -594,7 +596,3 @@ class Rendezvous:
     def transfer(self, transfer_id: str) -> Transfer | None:
         """The transfer, or None if unknown or forgotten."""
         return self._transfers.get(transfer_id)
-
-
-def blocks_of(groups: Blocks) -> list[list[int]]:
-    return [list(g) for g in groups]

@@ -68,8 +68,10 @@ def test_fired_write_completes_before_prefill_done_is_heard() -> None:
     effects = arrive(rv, o)
     assert t.state is State.COMPLETE and t.reason is Reason.NONE
     assert notices(effects) == []  # both sides know already
-    t2, late = rv.prefill_done("t", P, [[1, 2, 3]], 40)
+    t2, late = rv.prefill_done("t", P, [[1, 2, 3]], 40, finished_unix=1234.5)
     assert t2.state is State.COMPLETE and late == []  # no second order, no notice
+    # When the prefill engine finished it is still recorded (the critical path's).
+    assert ("prefill_finished", 1234.5, -1) in t2.timeline
 
 
 def test_prefill_done_before_the_fire_is_heard_issues_nothing_new() -> None:

@@ -74,6 +74,11 @@ PATH_ARMED: Final = (
     "client_first_byte",
 )
 PATH_VLLM: Final = ("sent", "prefill_response", "decode_first_byte", "client_first_byte")
+# After the prefill (pushkv, armed or not): from the engine finishing the
+# request (request_finished's stamp, just after the WRITE of an armed order
+# fired) to the decode engine's first bytes at the front.
+PATH_POST: Final = ("prefill_finished", "decode_first_byte")
+POST_STAGE: Final = "prefill_finished->decode_first_byte"
 TTFT_STAGE: Final = "sent->client_first_byte"
 # timeline stage -> boundary; per-rank stages take the last rank's
 _FROM_TIMELINE: Final = {
@@ -90,9 +95,9 @@ _FROM_TIMELINE: Final = {
 def paths_of(system: str) -> tuple[tuple[str, ...], ...]:
     """The paths of boundaries observable for a system; () for one with no transfer."""
     if system == "pushkv":
-        return (PATH_PUSHKV, PATH_ARMED, PATH_VLLM)
+        return (PATH_PUSHKV, PATH_ARMED, PATH_POST, PATH_VLLM)
     if system == "pushkv-whole":
-        return (PATH_PUSHKV, PATH_VLLM)
+        return (PATH_PUSHKV, PATH_POST, PATH_VLLM)
     if system.startswith(("pull", "vllm-push")):
         return (PATH_VLLM,)
     return ()
@@ -102,6 +107,8 @@ def stages_of(path: Sequence[str]) -> list[str]:
     """Consecutive stages of the path, then the whole (TTFT)."""
     if len(path) < 2:
         return []
+    if path == PATH_POST:
+        return [POST_STAGE]
     return [f"{a}->{b}" for a, b in itertools.pairwise(path)] + [TTFT_STAGE]
 
 
@@ -132,6 +139,8 @@ def breakdown(marks: Sequence[Mapping[str, float]], path: Sequence[str]) -> dict
     of its ends; a stage no request has is left out."""
     samples: dict[str, list[float]] = {s: [] for s in stages_of(path)}
     pairs = [*itertools.pairwise(path), (path[0], path[-1])] if len(path) > 1 else []
+    if path == PATH_POST:
+        pairs = [(path[0], path[1])]
     for m in marks:
         for (a, b), stage in zip(pairs, samples, strict=True):
             if a in m and b in m:
