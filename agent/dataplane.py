@@ -215,7 +215,8 @@ class DataPlane:
         return True
 
     def _delay(self) -> float:
-        if self._inflight or self._arrivals or self._partial or (self._queued and not self._paused):
+        busy = self._inflight or self._arrivals or self._partial.pending
+        if busy or (self._queued and not self._paused):
             self._idle = FAST_POLL_S
         else:
             self._idle = min(self._idle * 2, IDLE_POLL_MAX_S)
