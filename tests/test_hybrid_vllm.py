@@ -219,7 +219,12 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
             # The sliding-window group: only the window's blocks, from the same
             # token positions on the prefill side (a tail of its prompt blocks).
             assert groups == sorted([full, window_blocks(n)]), (n, groups)
-            assert len(t.prefill_blocks) == 2
+            # Both groups on the prefill side too, unless an armed order
+            # completed the transfer before the prefill's report came (the
+            # prefill agent then took its blocks from its own request).
+            stages = [e.stage for e in t.timeline]
+            armed_first = "armed" in stages and "prefill_done" not in stages
+            assert len(t.prefill_blocks) == 2 or (armed_first and not t.prefill_blocks), why
             expected_blocks.append(full + window_blocks(n))
         else:
             assert groups == [full], (n, groups)

@@ -133,6 +133,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
 ANSWER_S = 150.0
 IN_FLIGHT = (
     pb.TRANSFER_STATE_REGISTERED,
+    pb.TRANSFER_STATE_ARMED,
     pb.TRANSFER_STATE_ORDERED,
     pb.TRANSFER_STATE_WRITING,
 )
