@@ -16,8 +16,11 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 
 class CoordinatorProcess:
-    def __init__(self, *flags: str, port: int = 0, log_path: str | None = None) -> None:
+    def __init__(
+        self, *flags: str, port: int = 0, log_path: str | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self._flags = flags
+        self.host = host
         self._dir = Path(tempfile.mkdtemp(prefix="pushkv-coord-"))
         self._port_file = self._dir / "port"
         self._log_path = Path(log_path) if log_path else self._dir / "coordinator.log"
@@ -26,7 +29,7 @@ class CoordinatorProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         self._port_file.unlink(missing_ok=True)
@@ -36,7 +39,7 @@ class CoordinatorProcess:
             "cli.main",
             "coordinator",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--port-file",

@@ -83,12 +83,16 @@ class VllmServer:
     kvcache_gib: int = 1
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # Run inside this network namespace (``ip netns exec``; harness.netlink),
+    # serving on ``host``, an address of the namespace the caller reaches.
+    netns: str = ""
+    host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> VllmServer:
         if not self.port:
@@ -102,7 +106,7 @@ class VllmServer:
             "--served-model-name",
             "tiny",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--max-model-len",
@@ -149,6 +153,8 @@ class VllmServer:
         with open(self.log_path, "wb") as log:
             if self.pin_process and self.cpu_core is not None:
                 cmd = ["taskset", "-c", str(self.cpu_core), *cmd]  # children inherit it
+            if self.netns:
+                cmd = ["ip", "netns", "exec", self.netns, *cmd]  # exec: the pid stays
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
@@ -239,6 +245,8 @@ class ServerOptions(TypedDict, total=False):
     kvcache_gib: int
     extra_args: tuple[str, ...]
     env: dict[str, str]
+    netns: str
+    host: str
 
 
 def pushkv_server(
@@ -258,7 +266,8 @@ def pushkv_server(
     connector's ``kv_connector_extra_config``."""
     port = free_port()
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-    config = pushkv_config(kv_role, engine_id, coordinator, f"http://127.0.0.1:{port}")
+    host = options.get("host", "127.0.0.1")
+    config = pushkv_config(kv_role, engine_id, coordinator, f"http://{host}:{port}")
     config["kv_connector_extra_config"].update(extra_config or {})
     return VllmServer(
         model_dir,
@@ -359,14 +368,19 @@ class PushkvCluster:
         names: tuple[str, str] | None = None,
         extra_config: Mapping[str, Any] | None = None,
         prefill_tp: int = 1,
+        sides: tuple[ServerOptions, ServerOptions] = ({}, {}),
         **options: Unpack[ServerOptions],
     ) -> PushkvCluster:
         """Engines ``prefill-0`` and ``decode-0``, named ``names`` (default: their ids);
         the prefill engine with ``prefill_tp`` ranks, the decode engine with ``options``'
-        TP size (default 1)."""
+        TP size (default 1). ``sides``: the prefill's and the decode's own options
+        on top of ``options`` (e.g. each its network namespace)."""
         p_name, d_name = names or (None, None)
-        p_options: ServerOptions = {**options}
+        p_options: ServerOptions = {**options, **sides[0]}
         p_options["tp_size"] = prefill_tp
+        d_options: ServerOptions = {**options, **sides[1]}
+        for mine, side in ((p_options, sides[0]), (d_options, sides[1])):
+            mine["env"] = {**options.get("env", {}), **side.get("env", {})}
         prefill = pushkv_server(
             model_dir,
             "prefill",
@@ -385,7 +399,7 @@ class PushkvCluster:
             cpu_core=1,
             name=d_name,
             extra_config=extra_config,
-            **options,
+            **d_options,
         )
         return cls(prefill, decode, RouterProcess(coordinator))
 

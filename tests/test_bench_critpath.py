@@ -11,6 +11,7 @@ import pytest
 from bench.serving.config import BenchConfig
 from bench.serving.critpath import (
     PATH_ARMED,
+    PATH_LEFT,
     PATH_POST,
     PATH_PUSHKV,
     PATH_VLLM,
@@ -71,9 +72,10 @@ def pushkv_timeline(i: int, write_ms: float, ranks: int = 1) -> list[Event]:
 
 def test_paths_and_stage_names() -> None:
     # Its own (whole-request, and armed), and the front's view.
-    assert paths_of("pushkv") == (PATH_PUSHKV, PATH_ARMED, PATH_POST, PATH_VLLM)
-    assert paths_of("pushkv-whole") == (PATH_PUSHKV, PATH_POST, PATH_VLLM)
+    assert paths_of("pushkv") == (PATH_PUSHKV, PATH_ARMED, PATH_POST, PATH_LEFT, PATH_VLLM)
+    assert paths_of("pushkv-whole") == (PATH_PUSHKV, PATH_POST, PATH_LEFT, PATH_VLLM)
     assert stages_of(PATH_POST) == ["prefill_finished->decode_first_byte"]
+    assert stages_of(PATH_LEFT) == ["prefill_finished->write_done"]
     assert paths_of("pull") == paths_of("vllm-push") == paths_of("pull-noprog") == (PATH_VLLM,)
     assert paths_of("single") == ()
     assert stages_of(PATH_VLLM) == [
@@ -140,11 +142,18 @@ def test_pushkv_breakdown_exact_p50_p99_per_stage() -> None:
     assert list(got) == [
         *stages_of(PATH_PUSHKV),
         "prefill_finished->decode_first_byte",
+        "prefill_finished->write_done",
         "sent->prefill_response",
         "prefill_response->decode_first_byte",
     ]
     # prefill finished at +10 ms, decode's first bytes at 39 + w
     assert got["prefill_finished->decode_first_byte"]["p50"] == approx(32.0)
+    # ... and the last DONE at 12 + w: the copy left after it, 2 + w
+    assert got["prefill_finished->write_done"] == {
+        "p50": approx(5.0),
+        "p99": approx(98.16),
+        "n": 5.0,
+    }
     constant = {
         "sent->prefill_finished": 10.0,
         "prefill_finished->prefill_done": 1.0,

@@ -107,7 +107,8 @@ def test_pushkv_tp2_gets_the_longer_coordinator_lease(
         pass
 
     class FakeCoordinator:
-        def __init__(self, *args: str) -> None:
+        def __init__(self, *args: str, host: str) -> None:
+            assert host == "127.0.0.1"  # the loopback placement
             flags.append(args)
 
         def start(self) -> None:

@@ -95,6 +95,11 @@ class BenchConfig:
     # than it are prefilled in chunks (pushkv: progressive push); None: the
     # harness's, which takes any prompt of the run whole.
     step_tokens: int | None = None
+    # --link: the emulated two-node link's rate (bit/s) for the link phase
+    # (bench/serving/linked.py); None: no link, the usual run.
+    link_rate_bit: int | None = None
+    # --link: the loopback phase's rate (pushkv against the single engine).
+    low_rate: float = 0.5
 
     @property
     def max_model_len(self) -> int:

@@ -79,7 +79,14 @@ PATH_VLLM: Final = ("sent", "prefill_response", "decode_first_byte", "client_fir
 # fired) to the decode engine's first bytes at the front.
 PATH_POST: Final = ("prefill_finished", "decode_first_byte")
 POST_STAGE: Final = "prefill_finished->decode_first_byte"
+# The copy still to do when the prefill ends: from request_finished's stamp to
+# the coordinator hearing the last rank's DONE (negative: the WRITE was done
+# before; an upper bound on the copy itself, which ends before its report).
+PATH_LEFT: Final = ("prefill_finished", "write_done")
+LEFT_STAGE: Final = "prefill_finished->write_done"
 TTFT_STAGE: Final = "sent->client_first_byte"
+# Two boundaries measured as one span, not as a path to the first token.
+SPANS: Final = (PATH_POST, PATH_LEFT)
 # timeline stage -> boundary; per-rank stages take the last rank's
 _FROM_TIMELINE: Final = {
     "prefill_finished": "prefill_finished",
@@ -95,20 +102,20 @@ _FROM_TIMELINE: Final = {
 def paths_of(system: str) -> tuple[tuple[str, ...], ...]:
     """The paths of boundaries observable for a system; () for one with no transfer."""
     if system == "pushkv":
-        return (PATH_PUSHKV, PATH_ARMED, PATH_POST, PATH_VLLM)
+        return (PATH_PUSHKV, PATH_ARMED, PATH_POST, PATH_LEFT, PATH_VLLM)
     if system == "pushkv-whole":
-        return (PATH_PUSHKV, PATH_POST, PATH_VLLM)
+        return (PATH_PUSHKV, PATH_POST, PATH_LEFT, PATH_VLLM)
     if system.startswith(("pull", "vllm-push")):
         return (PATH_VLLM,)
     return ()
 
 
 def stages_of(path: Sequence[str]) -> list[str]:
-    """Consecutive stages of the path, then the whole (TTFT)."""
+    """Consecutive stages of the path, then the whole (TTFT); a span's one stage."""
     if len(path) < 2:
         return []
-    if path == PATH_POST:
-        return [POST_STAGE]
+    if path in SPANS:
+        return [f"{path[0]}->{path[1]}"]
     return [f"{a}->{b}" for a, b in itertools.pairwise(path)] + [TTFT_STAGE]
 
 
@@ -139,7 +146,7 @@ def breakdown(marks: Sequence[Mapping[str, float]], path: Sequence[str]) -> dict
     of its ends; a stage no request has is left out."""
     samples: dict[str, list[float]] = {s: [] for s in stages_of(path)}
     pairs = [*itertools.pairwise(path), (path[0], path[-1])] if len(path) > 1 else []
-    if path == PATH_POST:
+    if path in SPANS:
         pairs = [(path[0], path[1])]
     for m in marks:
         for (a, b), stage in zip(pairs, samples, strict=True):

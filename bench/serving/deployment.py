@@ -23,8 +23,10 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Final, Protocol
 
 from agent.nixl_adapter import DEFAULT_UCX_PARAMS
@@ -44,6 +46,36 @@ from harness.vllm_server import PushkvCluster, ServerOptions, VllmServer, free_p
 # UCX") when they load NIXL; pushkv's agent does not. UCX_NET_DEVICES and the
 # log levels come from VllmServer, the same for all.
 UCX_ENV: Final = {"UCX_RCACHE_MAX_UNRELEASED": "1024"}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one engine runs: its network namespace ("" the host's), the address
+    its API server listens on (the host reaches it there), its address on the
+    KV link (vLLM's NIXL side channel) and the environment that puts UCX on it."""
+
+    netns: str = ""
+    host: str = "127.0.0.1"
+    kv_addr: str = "127.0.0.1"
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def options(self) -> ServerOptions:
+        return {"netns": self.netns, "host": self.host, "env": dict(self.env)}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a system runs: the prefill engine (and the single engine), the decode
+    engine, and the address the coordinator listens on (both engines reach it).
+    The default, :data:`LOOPBACK`, is everything on the host."""
+
+    prefill: Place = Place()
+    decode: Place = Place()
+    coordinator_host: str = "127.0.0.1"
+    name: str = "loopback"
+
+
+LOOPBACK: Final = Placement()
 
 
 class _Stoppable(Protocol):
@@ -106,8 +138,9 @@ def server_env(cfg: BenchConfig, system: str, workdir: Path) -> dict[str, str]:
 
 
 def _options(
-    cfg: BenchConfig, scenario: str, env: dict[str, str], tp_size: int = 1
+    cfg: BenchConfig, scenario: str, env: dict[str, str], tp_size: int = 1, place: Place = Place()
 ) -> ServerOptions:
+    """Every system's server settings; ``place``: where this server runs."""
     caching = "--enable-prefix-caching" if scenario == "prefixhit" else "--no-enable-prefix-caching"
     return ServerOptions(
         pin_process=cfg.pin == "engines",
@@ -117,7 +150,9 @@ def _options(
         max_num_seqs=cfg.max_num_seqs,
         kvcache_gib=cfg.kvcache_gib,
         extra_args=(caching, *_step_budget(cfg)),
-        env=env,
+        env={**env, **place.env},
+        netns=place.netns,
+        host=place.host,
     )
 
 
@@ -137,26 +172,29 @@ def _nixl_config(cfg: BenchConfig, connector: str, role: str, engine_id: str) ->
     return conf
 
 
-def deploy(cfg: BenchConfig, system: str, scenario: str) -> Deployment:
+def deploy(
+    cfg: BenchConfig, system: str, scenario: str, placement: Placement = LOOPBACK
+) -> Deployment:
     """Start one system's processes and wait until they serve (bounded)."""
     dep = Deployment(system, scenario)
     try:
         dep.workdir = Path(tempfile.mkdtemp(prefix="bench-shim-"))
         env = server_env(cfg, system, dep.workdir)
         if system == "single":
-            _deploy_single(cfg, dep, env)
+            _deploy_single(cfg, dep, env, placement.prefill)
         elif system in ("pushkv", "pushkv-whole"):
-            _deploy_pushkv(cfg, dep, env, armed=system == "pushkv")
+            _deploy_pushkv(cfg, dep, env, placement, armed=system == "pushkv")
         else:
-            _deploy_vllm_nixl(cfg, dep, env)
+            _deploy_vllm_nixl(cfg, dep, env, placement)
         return dep
     except BaseException:
         dep.stop()
         raise
 
 
-def _deploy_single(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> None:
-    s = VllmServer(cfg.model_dir, "single", cpu_core=0, **_options(cfg, dep.scenario, env))
+def _deploy_single(cfg: BenchConfig, dep: Deployment, env: dict[str, str], place: Place) -> None:
+    options = _options(cfg, dep.scenario, env, place=place)
+    s = VllmServer(cfg.model_dir, "single", cpu_core=0, **options)
     dep.servers.append(s)
     s.start()
     s.wait_ready(cfg.startup_timeout_s)
@@ -164,11 +202,18 @@ def _deploy_single(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> No
 
 
 def _deploy_pushkv(
-    cfg: BenchConfig, dep: Deployment, env: dict[str, str], *, armed: bool = True
+    cfg: BenchConfig,
+    dep: Deployment,
+    env: dict[str, str],
+    placement: Placement = LOOPBACK,
+    *,
+    armed: bool = True,
 ) -> None:
     flags = TP2_COORDINATOR_FLAGS if cfg.prefill_tp > 1 else ()
     arm = ("--arm-orders", "true" if armed else "false")
-    coord = CoordinatorProcess(*flags, *arm, "--log-level", "WARNING")
+    coord = CoordinatorProcess(
+        *flags, *arm, "--log-level", "WARNING", host=placement.coordinator_host
+    )
     dep.helpers.append(coord)
     coord.start()
     cluster = PushkvCluster.around(
@@ -177,6 +222,7 @@ def _deploy_pushkv(
         names=("prefill", "decode"),
         extra_config=dict(cfg.pushkv_extra),
         prefill_tp=cfg.prefill_tp,
+        sides=(placement.prefill.options(), placement.decode.options()),
         **_options(cfg, dep.scenario, env),
     )
     dep.servers += [cluster.prefill, cluster.decode]
@@ -187,18 +233,20 @@ def _deploy_pushkv(
     dep.coordinator = coord.address
 
 
-def _deploy_vllm_nixl(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) -> None:
+def _deploy_vllm_nixl(
+    cfg: BenchConfig, dep: Deployment, env: dict[str, str], placement: Placement = LOOPBACK
+) -> None:
     """vLLM's NIXL connectors (pull or push), and this benchmark's proxy for them."""
     pull = dep.system.startswith("pull")
     connector = "NixlConnector" if pull else "NixlPushConnector"
     side_p, side_d = free_port(), free_port()
     servers = []
-    for name, core, tp, role, engine_id, side in (
-        ("prefill", 0, cfg.prefill_tp, "kv_producer", PREFILL_ENGINE_ID, side_p),
-        ("decode", 1, 1, "kv_consumer", DECODE_ENGINE_ID, side_d),
+    for name, core, tp, role, engine_id, side, place in (
+        ("prefill", 0, cfg.prefill_tp, "kv_producer", PREFILL_ENGINE_ID, side_p, placement.prefill),
+        ("decode", 1, 1, "kv_consumer", DECODE_ENGINE_ID, side_d, placement.decode),
     ):
         side_channel = {
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": place.kv_addr,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
         }
         servers.append(
@@ -207,7 +255,7 @@ def _deploy_vllm_nixl(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) ->
                 name,
                 cpu_core=core,
                 kv_transfer_config=_nixl_config(cfg, connector, role, engine_id),
-                **_options(cfg, dep.scenario, {**env, **side_channel}, tp_size=tp),
+                **_options(cfg, dep.scenario, {**env, **side_channel}, tp_size=tp, place=place),
             )
         )
     p, d = servers
@@ -236,6 +284,8 @@ def _deploy_vllm_nixl(cfg: BenchConfig, dep: Deployment, env: dict[str, str]) ->
             PREFILL_ENGINE_ID,
             "--prefill-side-port",
             str(side_p),
+            "--prefill-side-host",
+            placement.prefill.kv_addr,
         ],
         f"http://127.0.0.1:{port}/health",
     )

@@ -24,10 +24,24 @@ from bench.serving.config import (
     BenchConfig,
     topology,
 )
+from bench.serving.linked import (
+    LINK_STEP_TOKENS,
+    check_args,
+    linked_report,
+    run_linked,
+)
+from bench.serving.linked import (
+    final_line as linked_final_line,
+)
 from bench.serving.measure import run_system
 from bench.serving.proxy import proxy_main
 from bench.serving.report import final_line, highest_common_rate, plot, report
 from bench.serving.results import SystemRun
+from harness.netlink import LinkUnavailable, format_rate, parse_rate
+
+DEFAULT_LINK = "1gbit"
+# --quick --link: requests per rate at least (the run must fit in 15 minutes).
+LINK_QUICK_REQUESTS = 16
 
 
 def _setting(ap: argparse.ArgumentParser, kv: str) -> tuple[str, str]:
@@ -113,9 +127,31 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         f"(heterogeneous TP). With 2: systems from {HETERO_TP_SYSTEMS} (default all "
         "three; single stays one TP1 engine), and the model's KV heads must divide by 2",
     )
+    ap.add_argument(
+        "--link",
+        nargs="?",
+        const=DEFAULT_LINK,
+        default=None,
+        metavar="RATE",
+        help="also run the systems between two network namespaces joined by an emulated "
+        f"link of RATE (default {DEFAULT_LINK}; needs root): a loopback phase at "
+        "--low-rate (pushkv vs one engine), then pull (progress thread off), vLLM push, "
+        "pushkv whole-request and pushkv armed+progressive over the link; every engine "
+        f"gets --step-tokens (default {LINK_STEP_TOKENS} here). The final line holds issue "
+        "19's five ratios (docs/benchmarks.md)",
+    )
+    ap.add_argument(
+        "--low-rate",
+        type=float,
+        default=0.5,
+        help="--link: the loopback phase's rate (req/s); default 0.5",
+    )
     a = ap.parse_args(argv)
+    link_bit = _link_rate(ap, a)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
         ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
+    if link_bit is not None and a.step_tokens is None:
+        a.step_tokens = LINK_STEP_TOKENS
     least = max(a.max_num_seqs, a.block_size)
     if a.step_tokens is not None and a.step_tokens < least:
         # vLLM refuses a step budget under --max-num-seqs; under a block no
@@ -125,7 +161,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     rates = (
         tuple(float(x) for x in a.rates.split(","))
         if a.rates
-        else ((1.0, 2.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))
+        else _default_rates(quick, link=link_bit is not None)
     )
     default_systems = SYSTEMS if a.prefill_tp == 1 else HETERO_TP_SYSTEMS
     systems = tuple(a.systems.split(",")) if a.systems else default_systems
@@ -156,7 +192,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         output_len=a.output_len,
         rates=rates,
         duration_s=a.duration if a.duration is not None else (15.0 if quick else 20.0),
-        min_requests=a.min_requests if a.min_requests is not None else 30,
+        min_requests=a.min_requests
+        if a.min_requests is not None
+        else (LINK_QUICK_REQUESTS if quick and link_bit is not None else 30),
         timeout_s=a.timeout if a.timeout is not None else (60.0 if quick else 120.0),
         max_num_seqs=a.max_num_seqs,
         seed=a.seed,
@@ -171,8 +209,36 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         kill_prefill_at_s=a.kill_prefill_at,
         prefill_tp=a.prefill_tp,
         step_tokens=a.step_tokens,
+        link_rate_bit=link_bit,
+        low_rate=a.low_rate,
     )
     return cfg, a
+
+
+def _default_rates(quick: bool, *, link: bool) -> tuple[float, ...]:
+    if link:  # the link phase's; the loopback phase runs --low-rate
+        return (0.5, 1.0) if quick else (0.5, 1.0, 1.5, 2.0)
+    return (1.0, 2.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def _link_rate(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int | None:
+    """--link's rate in bit/s (None without --link); refuses what --link cannot take."""
+    if a.link is None:
+        return None
+    why = check_args(
+        a.systems,
+        scenarios=a.scenarios,
+        kill_prefill_at=a.kill_prefill_at is not None,
+        prefill_tp=a.prefill_tp != 1,
+    )
+    if why:
+        ap.error(why)
+    if a.low_rate <= 0:
+        ap.error("--low-rate must be positive")
+    try:
+        return parse_rate(a.link)
+    except ValueError as exc:
+        ap.error(f"--link: {exc}")
 
 
 def _check_prefill_tp(
@@ -221,9 +287,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; "
         f"model {cfg.model_dir}: Llama {cfg.layers} layers, hidden {cfg.hidden}, fp32, block "
         f"{cfg.block_size}; prompts {cfg.min_prompt}-{cfg.max_prompt} tokens, "
-        f"{cfg.output_len} output tokens; rates {cfg.rates}; systems {cfg.systems}; "
-        f"scenarios {cfg.scenarios}"
+        f"{cfg.output_len} output tokens; "
+        + (
+            f"rates {cfg.rates}; systems {cfg.systems}; scenarios {cfg.scenarios}"
+            if cfg.link_rate_bit is None
+            else f"--link {format_rate(cfg.link_rate_bit)}: two phases (below); "
+            f"step budget {cfg.step_tokens} tokens for every engine"
+        )
     )
+    if cfg.link_rate_bit is not None:
+        return _main_linked(cfg, a, t0)
     all_runs: dict[str, dict[str, SystemRun]] = {}
     for scenario in cfg.scenarios:
         all_runs[scenario] = {}
@@ -257,6 +330,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if highest_common_rate(primary, cfg.rates) is None:
         primary_name += "; no rate was sustained by all compared systems: lowest rate used"
     say(f"wall time {time.monotonic() - t0:.0f} s; ratios taken at {best} req/s ({primary_name})")
+    say(last)
+    return 0
+
+
+def _main_linked(cfg: BenchConfig, a: argparse.Namespace, t0: float) -> int:
+    """--link: both phases, their report, the goals' final line (no plot)."""
+    try:
+        res = run_linked(cfg)
+    except LinkUnavailable as exc:
+        say(f"--link: the emulated link cannot be set up here: {exc}")
+        return 2
+    for line in linked_report(cfg, res):
+        say(line)
+    last = linked_final_line(res)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        dump = {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "link": format_rate(cfg.link_rate_bit or 0),
+            "wall_s": round(time.monotonic() - t0, 1),
+            "link_comparison_rate": res.link_rate,
+            "final_line": last,
+            "loopback": {sy: asdict(r) for sy, r in res.loop.items()},
+            "linked": {sy: asdict(r) for sy, r in res.link.items()},
+        }
+        path = a.out / "bench_serving.json"
+        path.write_text(json.dumps(dump, indent=1, default=str))
+        say(f"raw figures: {path}")
+    say(f"wall time {time.monotonic() - t0:.0f} s")
     say(last)
     return 0
 

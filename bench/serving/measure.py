@@ -15,7 +15,7 @@ import time
 from bench.output import say
 from bench.serving import critpath
 from bench.serving.config import LABELS, BenchConfig
-from bench.serving.deployment import Deployment, deploy
+from bench.serving.deployment import LOOPBACK, Deployment, Placement, deploy
 from bench.serving.fault import PrefillKiller, fault_lines, fault_summary, router_fallbacks
 from bench.serving.processes import (
     cpu_ticks,
@@ -36,12 +36,12 @@ from bench.serving.workload import (
 )
 
 
-def _start(cfg: BenchConfig, run: SystemRun) -> Deployment | None:
+def _start(cfg: BenchConfig, run: SystemRun, placement: Placement) -> Deployment | None:
     """Deploy, twice at most: ports come from free_port(), another process may take one first."""
     tag = f"[{run.scenario}] {run.system}"
     for attempt in (1, 2):
         try:
-            dep = deploy(cfg, run.system, run.scenario)
+            dep = deploy(cfg, run.system, run.scenario, placement)
         except (RuntimeError, TimeoutError, OSError) as exc:
             lines = str(exc).splitlines() or [""]
             cause = [ln for ln in lines[1:] if "Error" in ln or "error:" in ln][-1:]
@@ -59,11 +59,14 @@ def _worker_cores(affinity: dict[str, str]) -> str:
     return " ".join(v for k, v in sorted(affinity.items()) if k.startswith("VLLM::Worker")) or "?"
 
 
-def run_system(cfg: BenchConfig, system: str, scenario: str) -> SystemRun:
+def run_system(
+    cfg: BenchConfig, system: str, scenario: str, placement: Placement = LOOPBACK
+) -> SystemRun:
     run = SystemRun(system, scenario)
     t0 = time.monotonic()
-    say(f"[{scenario}] {system}: starting ({LABELS[system]}) ...")
-    dep = _start(cfg, run)
+    where = "" if placement is LOOPBACK else f", on the {placement.name}"
+    say(f"[{scenario}] {system}: starting ({LABELS[system]}{where}) ...")
+    dep = _start(cfg, run, placement)
     if dep is None:
         return run
     try:

@@ -33,9 +33,16 @@ class Proxy:
     """
 
     def __init__(
-        self, mode: str, prefill: str, decode: str, prefill_engine_id: str, side_port: int
+        self,
+        mode: str,
+        prefill: str,
+        decode: str,
+        prefill_engine_id: str,
+        side_port: int,
+        side_host: str = "127.0.0.1",
     ) -> None:
         self.mode = mode
+        self.side_host = side_host
         self.prefill = prefill.rstrip("/")
         self.decode = decode.rstrip("/")
         self.prefill_engine_id = prefill_engine_id
@@ -133,7 +140,7 @@ class Proxy:
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "remote_engine_id": self.prefill_engine_id,
-                "remote_host": "127.0.0.1",
+                "remote_host": self.side_host,
                 "remote_port": self.side_port,
                 "tp_size": 1,
                 "pp_size": 1,
@@ -176,8 +183,15 @@ def proxy_main(argv: Sequence[str]) -> int:
     ap.add_argument("--decode", required=True)
     ap.add_argument("--prefill-engine-id", default=PREFILL_ENGINE_ID)
     ap.add_argument("--prefill-side-port", type=int, default=0)
+    ap.add_argument(
+        "--prefill-side-host",
+        default="127.0.0.1",
+        help="the prefill's NIXL side channel address as the decode engine reaches it",
+    )
     a = ap.parse_args(argv)
-    proxy = Proxy(a.mode, a.prefill, a.decode, a.prefill_engine_id, a.prefill_side_port)
+    proxy = Proxy(
+        a.mode, a.prefill, a.decode, a.prefill_engine_id, a.prefill_side_port, a.prefill_side_host
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve_proxy(proxy, a.port))

@@ -34,9 +34,11 @@ def _tpot_ratio(a: float, b: float) -> float:
     return math.nan if b < TPOT_UNSEEN_MS else _ratio(a, b)
 
 
-def highest_common_rate(runs: dict[str, SystemRun], rates: Sequence[float]) -> float | None:
+def highest_common_rate(
+    runs: dict[str, SystemRun], rates: Sequence[float], compared: Sequence[str] = COMPARED
+) -> float | None:
     """Highest rate sustained by every compared system that ran (failed systems excluded)."""
-    alive = [runs[s] for s in COMPARED if s in runs and not runs[s].error and runs[s].rates]
+    alive = [runs[s] for s in compared if s in runs and not runs[s].error and runs[s].rates]
     if not alive:
         return None
     best = None
@@ -55,7 +57,11 @@ def _metric(run: SystemRun | None, rate: float, key: str, q: str) -> float:
     return float(getattr(r, key)[q])
 
 
-def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[str]:
+def report(
+    cfg: BenchConfig,
+    all_runs: dict[str, dict[str, SystemRun]],
+    compared: Sequence[str] = COMPARED,
+) -> list[str]:
     lines: list[str] = []
     for scenario, runs in all_runs.items():
         lines.append("")
@@ -67,9 +73,9 @@ def report(cfg: BenchConfig, all_runs: dict[str, dict[str, SystemRun]]) -> list[
         lines += _ratios_table(cfg, runs)
         lines += _critpath_tables(scenario, runs)
         lines += _stages_table(scenario, runs.get("pushkv"))
-        best = highest_common_rate(runs, cfg.rates)
+        best = highest_common_rate(runs, cfg.rates, compared)
         lines.append(
-            f"highest rate sustained by all of {', '.join(s for s in COMPARED if s in runs)}: "
+            f"highest rate sustained by all of {', '.join(s for s in compared if s in runs)}: "
             + (f"{best:g} req/s" if best is not None else "none")
         )
         ref = single_floor(cfg, runs)
