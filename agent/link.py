@@ -165,7 +165,11 @@ def peer_from_pb(p: pb.PeerInfo) -> PeerMsg:
 def report_to_pb(r: Outbound) -> pb.AgentMessage:
     if isinstance(r, ArrivalMsg):
         return pb.AgentMessage(
-            arrival=pb.ArrivalReport(transfer_id=r.transfer_id, prefill_ranks=r.prefill_ranks)
+            arrival=pb.ArrivalReport(
+                transfer_id=r.transfer_id,
+                prefill_ranks=r.prefill_ranks,
+                at_unix_us=int(r.at_unix * 1e6),
+            )
         )
     return pb.AgentMessage(
         write=pb.WriteReport(
@@ -176,6 +180,7 @@ def report_to_pb(r: Outbound) -> pb.AgentMessage:
             bytes=r.nbytes,
             descriptors=r.descriptors,
             posts=r.posts,
+            at_unix_us=int(r.at_unix * 1e6),
         )
     )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 
@@ -187,12 +188,16 @@ class WriteReportMsg:
     nbytes: int = 0
     descriptors: int = 0
     posts: int = 0
+    # When this status was seen (the agent's wall clock): the report's
+    # at_unix_us. Not part of a report's identity.
+    at_unix: float = field(default_factory=time.time, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ArrivalMsg:
     transfer_id: str
     prefill_ranks: tuple[int, ...]
+    at_unix: float = field(default_factory=time.time, compare=False)
 
 
 Outbound = WriteReportMsg | ArrivalMsg

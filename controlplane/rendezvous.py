@@ -172,6 +172,7 @@ class Rendezvous:
         nbytes: int = 0,
         descriptors: int = 0,
         posts: int = 0,
+        at_unix: float = 0.0,
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
         rec = order_by_id(t, order_id) if t else None
@@ -181,7 +182,7 @@ class Rendezvous:
             raise PermissionDenied(f"order {order_id} was not issued to {key}@{incarnation}")
         if rec.state.resolved:
             return []  # duplicate report
-        wall = self._clock.wall()
+        wall = t.when(at_unix, self._clock.wall())
         effects: list[Effect] = [TransferChanged(t.transfer_id)]
         rank = rec.order.prefill_rank
         if status is WriteStatus.POSTED:
@@ -213,7 +214,12 @@ class Rendezvous:
         return effects
 
     def arrival_report(
-        self, key: AgentKey, incarnation: str, transfer_id: str, prefill_ranks: Sequence[int]
+        self,
+        key: AgentKey,
+        incarnation: str,
+        transfer_id: str,
+        prefill_ranks: Sequence[int],
+        at_unix: float = 0.0,
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
         if t is None or t.decode is None:
@@ -223,7 +229,7 @@ class Rendezvous:
         new = record_arrivals(t, key.rank, prefill_ranks)
         if not new:
             return []
-        wall = self._clock.wall()
+        wall = t.when(at_unix, self._clock.wall())
         for p in new:
             t.mark("arrived", wall, p)
         effects: list[Effect] = [TransferChanged(t.transfer_id)]

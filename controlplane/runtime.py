@@ -359,11 +359,16 @@ class Runtime:
                     w.bytes,
                     w.descriptors,
                     w.posts,
+                    w.at_unix_us / 1e6,
                 )
             )
         elif kind == "arrival":
             a = msg.arrival
-            self.apply(self.core.arrival_report(key, inc, a.transfer_id, list(a.prefill_ranks)))
+            self.apply(
+                self.core.arrival_report(
+                    key, inc, a.transfer_id, list(a.prefill_ranks), a.at_unix_us / 1e6
+                )
+            )
         elif kind == "hello":
             log.warning("duplicate_hello", agent=str(key))
 

@@ -157,6 +157,17 @@ class Transfer:
                 return False
         return True
 
+    def when(self, reported: float, heard: float) -> float:
+        """The time to record for an agent's report: the agent's own stamp of
+        the event (0: none sent), bounded by the transfer's first event and by
+        `heard`, when the report arrived. On one host every clock is the same
+        and the bounds never bite; across hosts they keep a skewed clock from
+        putting an event before its transfer began or after it was heard."""
+        if reported <= 0:
+            return heard
+        start = self.timeline[0][1] if self.timeline else heard
+        return min(max(reported, start), heard)
+
     def mark(self, stage: str, wall: float, rank: int = -1) -> None:
         self.timeline.append((stage, wall, rank))
         self.updated_wall = wall

@@ -14,6 +14,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import KVHost
+from tests.support.waits import wait_until
 from tests.test_agent_e2e import (
     CANARY,
     NB,
@@ -139,6 +140,10 @@ def test_abort_after_the_fire_drops_an_unposted_write_and_frees_the_blocks(
     register(req, "a4", [1, 2], 20)
     p.call("hold", ["a4"])
     p.call("fire", [("a4", ((5, 6),), 20)])
+    # The armed order may reach the agent after the fire: abort once the two
+    # met and the WRITE is queued (an abort before the order came is
+    # test_an_order_that_comes_after_the_abort_writes_nothing).
+    wait_until(lambda: p.call("fired") == 1, "the fired order queued")
     p.call("abort", ["a4"])
     assert p.wait_event("a4").kind is EventKind.BLOCKS_FREE
     p.call("pause", False)
@@ -146,6 +151,26 @@ def test_abort_after_the_fire_drops_an_unposted_write_and_frees_the_blocks(
     assert t.state == pb.TRANSFER_STATE_FAILED and "aborted" in t.detail
     assert d.wait_event("a4").kind is EventKind.KV_FAILED
     assert p.call("writes_posted") == 0
+    assert d.call("check_canary", list(range(NB)), CANARY) == []
+
+
+def test_an_order_that_comes_after_the_abort_writes_nothing(
+    coord: CoordinatorProcess, pair: tuple[KVHost, KVHost]
+) -> None:
+    req, status = stubs(coord)
+    p, d = pair
+    d.call("canary", CANARY)
+    d.call("expect", ["a5"])
+    p.call("hold", ["a5"])
+    p.call("fire", [("a5", ((5, 6),), 20)])  # remembered: no order yet
+    p.call("abort", ["a5"])
+    assert p.wait_event("a5").kind is EventKind.BLOCKS_FREE  # nothing in flight
+    begin(req, "a5")
+    register(req, "a5", [1, 2], 20)  # the armed order finds the blocks freed
+    t = wait_state(status, "a5", pb.TRANSFER_STATE_FAILED)
+    assert "blocks of this transfer were released" in t.detail
+    assert d.wait_event("a5").kind is EventKind.KV_FAILED
+    assert p.call("fired") == 0 and p.call("writes_posted") == 0
     assert d.call("check_canary", list(range(NB)), CANARY) == []
 
 

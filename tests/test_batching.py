@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,8 +17,8 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.link import CoordinatorLink
-from agent.messages import ArrivalMsg, Inbound, OrderMsg, PeerMsg
+from agent.link import CoordinatorLink, report_to_pb
+from agent.messages import ArrivalMsg, Inbound, OrderMsg, PeerMsg, ReportStatus, WriteReportMsg
 from controlplane.domain import AgentKey
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.servicers import MAX_SUBMIT_CALLS
@@ -338,3 +339,18 @@ async def test_an_outbox_batch_keeps_orders_and_messages_in_order() -> None:
     lone.send(order("t3"))
     msg, ended = lone.take(lone.outbox.get_nowait())
     assert not ended and msg.WhichOneof("kind") == "order" and msg.order.transfer_id == "t3"
+
+
+def test_reports_carry_the_agents_stamp_of_the_event() -> None:
+    before = time.time()
+    done = WriteReportMsg("o1", "t1", ReportStatus.DONE)
+    arrival = ArrivalMsg("t1", (0, 1))
+    after = time.time()
+    # Stamped when made (the NIXL thread makes a report as it sees the event) ...
+    assert before <= done.at_unix <= after and before <= arrival.at_unix <= after
+    # ... not part of what the report says.
+    assert done == WriteReportMsg("o1", "t1", ReportStatus.DONE, at_unix=1.0)
+    # On the wire in µs.
+    w = report_to_pb(WriteReportMsg("o1", "t1", ReportStatus.POSTED, at_unix=12.5))
+    a = report_to_pb(ArrivalMsg("t1", (0,), at_unix=7.25))
+    assert (w.write.at_unix_us, a.arrival.at_unix_us) == (12_500_000, 7_250_000)

@@ -43,7 +43,13 @@ def test_link_quick_sets_the_phases_and_a_step_budget() -> None:
     loop, link = phase_configs(cfg)
     assert (loop.systems, loop.rates) == (LOOP_SYSTEMS, (0.5,))
     assert (link.systems, link.rates) == (LINK_SYSTEMS, (0.5, 1.0))
-    assert LINK_SYSTEMS == ("pull-noprog", "vllm-push", "pushkv-whole", "pushkv")
+    assert LINK_SYSTEMS == (
+        "pull-noprog",
+        "vllm-push",
+        "vllm-push-noprog",
+        "pushkv-whole",
+        "pushkv",
+    )
     cfg, _ = _parse(["--link", "500mbit", "--step-tokens", "256", "--low-rate", "0.25"])
     assert (cfg.link_rate_bit, cfg.step_tokens, cfg.low_rate) == (5 * 10**8, 256, 0.25)
     assert _parse(["--quick"])[0].link_rate_bit is None  # no --link: the usual run
@@ -101,22 +107,35 @@ def test_summarize_takes_each_goal_from_its_phase_and_rate() -> None:
     }
     link = {
         "pull-noprog": _run("pull-noprog", _rate(0.5, 1000.0), _rate(1.0, 2000.0)),
-        "vllm-push": _run("vllm-push", _rate(0.5, 800.0), _rate(1.0, 1600.0)),
+        # vLLM push as shipped is faster at 0.5 req/s, but only its control
+        # sustains 1 req/s
+        "vllm-push": _run("vllm-push", _rate(0.5, 800.0), _rate(1.0, 900.0, sustained=False)),
+        "vllm-push-noprog": _run("vllm-push-noprog", _rate(0.5, 900.0), _rate(1.0, 1600.0)),
         "pushkv-whole": _run("pushkv-whole", _rate(0.5, 600.0), _rate(1.0, 500.0)),
         # 1 req/s is not sustained by pushkv: the ratios are taken at 0.5
         "pushkv": _run("pushkv", _rate(0.5, 400.0), _rate(1.0, 100.0, sustained=False)),
     }
     res = summarize(_cfg(), loop, link)
-    assert res.link_rate == 0.5
+    assert (res.link_rate, res.link_rate_sustained, res.push_baseline) == (0.5, True, "vllm-push")
     assert (res.post_p50_ms, res.decode_step_ms, res.copy_left_ms) == (30.0, 15.0, 5.0)
     assert final_line(res) == (
         "post_prefill_p50_ratio_vs_limit=1.500 ttft_p50_ratio_vs_single=1.100 "
         "link_ttft_p50_ratio_vs_pull=0.400 link_ttft_p50_ratio_vs_vllm_push=0.500 "
         "link_ttft_p50_ratio_vs_whole_request=0.667"
     )
-    # Every system sustains 1 req/s: the ratios move there.
+    # pushkv sustains 1 req/s too: the ratios move there, against the push
+    # variant that sustained it.
     link["pushkv"].rates[1] = _rate(1.0, 100.0)
-    assert summarize(_cfg(), loop, link).ratios["link_ttft_p50_ratio_vs_pull"] == 0.05
+    res = summarize(_cfg(), loop, link)
+    assert (res.link_rate, res.push_baseline) == (1.0, "vllm-push-noprog")
+    assert res.ratios["link_ttft_p50_ratio_vs_pull"] == 0.05
+    assert res.ratios["link_ttft_p50_ratio_vs_vllm_push"] == 100.0 / 1600.0
+    # Nobody sustains anything: the lowest rate, said so.
+    for run in link.values():
+        for r in run.rates:
+            r.sustained = False
+    res = summarize(_cfg(), loop, link)
+    assert (res.link_rate, res.link_rate_sustained, res.push_baseline) == (0.5, False, "vllm-push")
 
 
 def test_a_write_done_before_the_prefill_finished_leaves_no_copy() -> None:

@@ -107,6 +107,36 @@ def test_second_arrival_issues_exactly_one_order(decode_first: bool) -> None:
     assert notices(effects) == []
 
 
+def test_timeline_takes_the_agents_stamps_bounded_by_start_and_arrival() -> None:
+    rv, clock = core()
+    rv.register_decode("t", D, [[5]], 16)
+    begun = clock.wall()
+    clock.advance(1.0)
+    t, effects = rv.prefill_done("t", P, [[1]], 16)
+    [o] = orders(effects)
+    clock.advance(1.0)
+    heard = clock.wall()
+    oid = o.order.order_id
+    # POSTED stamped 0.25 s before it was heard: recorded then.
+    rv.write_report(o.to, "i1", oid, "t", WriteStatus.POSTED, at_unix=heard - 0.25)
+    # DONE stamped by a clock ahead of the coordinator's: not after it was heard.
+    rv.write_report(o.to, "i1", oid, "t", WriteStatus.DONE, at_unix=heard + 5.0)
+    # An arrival stamped by a clock far behind: not before the transfer began.
+    rv.arrival_report(AgentKey(D, 0), "i1", "t", [0], at_unix=begun - 60.0)
+    stamps = {stage: at for stage, at, _ in t.timeline}
+    assert stamps["write_posted"] == heard - 0.25
+    assert stamps["write_done"] == heard
+    assert stamps["arrived"] == begun == t.timeline[0][1]
+    assert t.state is State.COMPLETE
+    # No stamp sent (an older agent): the time it was heard.
+    rv.register_decode("u", D, [[6]], 16)
+    _, effects = rv.prefill_done("u", P, [[2]], 16)
+    [o] = orders(effects)
+    clock.advance(0.5)
+    u = rv.write_report(o.to, "i1", o.order.order_id, "u", WriteStatus.POSTED)
+    assert u and rv.get("u").timeline[-1] == ("write_posted", clock.wall(), 0)
+
+
 def test_decode_prefix_hit_writes_only_the_tail() -> None:
     rv, _ = core()
     # 40 tokens = 3 blocks of 16; prefill has a 4th block for the sampled token.

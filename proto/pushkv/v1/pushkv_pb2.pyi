@@ -477,6 +477,7 @@ class WriteReport(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
     POSTS_FIELD_NUMBER: _builtins.int
+    AT_UNIX_US_FIELD_NUMBER: _builtins.int
     order_id: _builtins.str
     transfer_id: _builtins.str
     status: Global___WriteStatus.ValueType
@@ -488,6 +489,12 @@ class WriteReport(_message.Message):
     """The WRITE posts the order took: one per target, and with progressive push
     (a chunked prefill) one per chunk and target (0: not reported).
     """
+    at_unix_us: _builtins.int
+    """When the agent saw this status, by its own clock (unix µs; 0: not sent):
+    POSTED, the post of the order's last WRITE; DONE / FAILED, NIXL's answer.
+    The coordinator's timeline takes it, bounded by the transfer's start and
+    the report's arrival (docs/operations.md, "Timelines").
+    """
     def __init__(
         self,
         *,
@@ -498,10 +505,11 @@ class WriteReport(_message.Message):
         bytes: _builtins.int = ...,
         descriptors: _builtins.int = ...,
         posts: _builtins.int = ...,
+        at_unix_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "descriptors", b"descriptors", "detail", b"detail", "order_id", b"order_id", "posts", b"posts", "status", b"status", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_us", b"at_unix_us", "bytes", b"bytes", "descriptors", b"descriptors", "detail", b"detail", "order_id", b"order_id", "posts", b"posts", "status", b"status", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -517,7 +525,12 @@ class ArrivalReport(_message.Message):
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     PREFILL_RANKS_FIELD_NUMBER: _builtins.int
+    AT_UNIX_US_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
+    at_unix_us: _builtins.int
+    """When the agent counted the last of them and told its worker the KV is
+    ready, by its own clock (unix µs; 0: not sent). As WriteReport.at_unix_us.
+    """
     @_builtins.property
     def prefill_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -525,10 +538,11 @@ class ArrivalReport(_message.Message):
         *,
         transfer_id: _builtins.str = ...,
         prefill_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        at_unix_us: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_ranks", b"prefill_ranks", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_us", b"at_unix_us", "prefill_ranks", b"prefill_ranks", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
