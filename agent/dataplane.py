@@ -214,9 +214,15 @@ class DataPlane:
             self._read_notifs()
         return True
 
-    def _delay(self) -> float:
+    @property
+    def fast_polling(self) -> bool:
+        """Whether this thread polls NIXL every FAST_POLL_S (WRITEs in flight,
+        arrivals expected, WRITEs to post); a snapshot for tests."""
         busy = self._inflight or self._arrivals or self._partial.pending
-        if busy or (self._queued and not self._paused):
+        return bool(busy or (self._queued and not self._paused))
+
+    def _delay(self) -> float:
+        if self.fast_polling:
             self._idle = FAST_POLL_S
         else:
             self._idle = min(self._idle * 2, IDLE_POLL_MAX_S)

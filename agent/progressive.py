@@ -88,7 +88,14 @@ class Progressive:
         self._fires: list[tuple[Partial, FireMsg]] = []  # to post after the step's batch
         # A posted chunk may still be in progress: the NIXL thread polls fast
         # only then, not for the whole prefill (it shares the prefill's core).
-        self.pending = False
+        self._pending = False
+
+    @property
+    def pending(self) -> bool:
+        # Only partials hold chunks in flight: with none left (the final fire
+        # handed its WRITEs on as an ordinary posted order), nothing is, and
+        # no poll would come to clear the flag.
+        return self._pending and bool(self._by_tid)
 
     def __bool__(self) -> bool:
         return bool(self._by_tid)
@@ -152,7 +159,7 @@ class Progressive:
             return
         writes, upto = plan
         settled = fire.final and poster.all_done(p.handles)
-        self.pending = True  # until the next poll says otherwise
+        self._pending = True  # until the next poll says otherwise
         try:
             p.handles += poster.post(p.order, writes, notify=settled)
             notify: tuple[tuple[PeerKey, bytes], ...] = ()
@@ -169,13 +176,13 @@ class Progressive:
     def poll(self, poster: Poster) -> None:
         """Report the stopped partials whose chunks settled; rewrite a
         preempted one whole once nothing of it is in flight."""
-        self.pending = False
+        self._pending = False
         for tid, p in list(self._by_tid.items()):
             pending, failure = poster.settle(p.handles)
             if failure:
                 p.stop(ReportStatus.FAILED, failure)
             if pending:
-                self.pending = True
+                self._pending = True
                 continue
             if p.restart is not None and not p.stopped:
                 fire, p.restart = p.restart, None

@@ -248,6 +248,11 @@ class Agent:
         return self._link.term if self._link is not None else 0
 
     @property
+    def fast_polling(self) -> bool:
+        """Whether the NIXL thread is polling fast (a snapshot, for tests)."""
+        return self._dataplane.fast_polling
+
+    @property
     def orders_fired(self) -> int:
         """Armed orders fired by this rank's own prefill (agent/armed.py)."""
         return self._dataplane.orders_fired

@@ -252,6 +252,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 agent.abort(args[0])
             elif cmd == "fired":  # armed orders fired here
                 reply = agent.orders_fired
+            elif cmd == "fast_polling":  # the NIXL thread polls every 0.5 ms
+                reply = agent.fast_polling
             elif cmd == "pause":
                 agent.pause_posting(args[0])
             elif cmd == "writes_posted":

@@ -127,6 +127,10 @@ def test_chunks_land_before_the_prefill_ends_and_decode_is_told_once(
     t = wait_state(status, "g1", pb.TRANSFER_STATE_COMPLETE)
     assert [(r.state, r.arrived, r.posts) for r in t.ranks] == [(pb.RANK_STATE_DONE, True, 3)]
     assert p.call("writes_posted") == 3 and p.call("fired") == 1
+    # Nothing is in flight any more: the NIXL threads stop polling fast (the
+    # prefill's shares its core with the next forward).
+    wait_until(lambda: not p.call("fast_polling"), "the prefill agent backs off", 10)
+    wait_until(lambda: not d.call("fast_polling"), "the decode agent backs off", 10)
 
 
 @pytest.mark.timeout(120)
