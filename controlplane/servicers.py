@@ -186,6 +186,7 @@ class AgentServicer(pbg.AgentServiceServicer):
         session = self._rt.open_session(
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,
+            held=convert.held_from_pb(first.hello),
         )
         broken: list[PushKVError] = []
 
