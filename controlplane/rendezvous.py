@@ -51,7 +51,6 @@ from controlplane.domain import (
     Reason,
     Role,
     SendCancelOrder,
-    SendOrder,
     State,
     TransferChanged,
     TransferId,
@@ -72,9 +71,8 @@ from controlplane.orders import (
     issue,
     mismatch,
     order_by_id,
+    pair_source_blocks,
     record_arrivals,
-    resized_source_blocks,
-    source_blocks,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
 from controlplane.settings import CoreSettings
@@ -150,7 +148,7 @@ class Rendezvous:
             effects += self._fence(fenced)
         for h in held:  # before the replay: an adopted order withdraws an undelivered one
             effects += self._adopt(reg, h)
-        effects += self._replay_orders(reg.key, reg.incarnation)
+        effects += self._open_orders.replay(reg.key, reg.incarnation, self._transfers)
         return effects
 
     def agent_seen(self, key: AgentKey, incarnation: str) -> bool:
@@ -445,24 +443,18 @@ class Rendezvous:
             return self._finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )
-        if pe.tokens_per_block == de.tokens_per_block:
-            src = source_blocks(t.prefill, t.decode, de.tokens_per_block)
-        else:  # token ranges between blocks of different sizes
-            src = resized_source_blocks(
-                t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block
-            )
+        src = pair_source_blocks(t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block)
         s = self.settings
         self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
         until = wall + s.write_timeout_s
-        if not t.adopting:
-            effects = issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
-            t.state = State.ORDERED
-            t.mark("ordered", wall)
-            return effects
-        effects = issue_adopted(t, pe, de, src, until, self._order_id, self._open_orders)
-        t.state = State.WRITING if any(o.adopted for o in t.orders.values()) else State.ORDERED
         t.mark("ordered", wall)
+        if not t.adopting:
+            t.state = State.ORDERED
+            return issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
+        effects = issue_adopted(t, pe, de, src, until, self._order_id, self._open_orders)
+        posted = any(o.adopted for o in t.orders.values())  # before the failover
+        t.state = State.WRITING if posted else State.ORDERED
         return effects + self._maybe_complete(t)  # adopted ranks may be done already
 
     def _order_id(self) -> OrderId:
@@ -560,20 +552,6 @@ class Rendezvous:
             for t in self._transfers.values()
             if not t.state.terminal and engine in (t.prefill_engine, t.decode_engine)
         ]
-
-    def _replay_orders(self, key: AgentKey, incarnation: str) -> list[Effect]:
-        """On (re)connect: resend open orders; cancel those whose transfer ended."""
-        out: list[Effect] = []
-        for tid, rank in self._open_orders.of(key, incarnation):
-            t = self._transfers[tid]
-            rec = t.orders[rank]
-            if rec.adopted:
-                continue  # the agent told us it holds it
-            if t.state.terminal:
-                out.append(SendCancelOrder(key, incarnation, rec.order.order_id, tid, t.reason))
-            else:
-                out.append(SendOrder(key, incarnation, rec.order))
-        return out
 
     def _fence(self, old: AgentRecord) -> list[Effect]:
         effects: list[Effect] = []
