@@ -6,6 +6,7 @@ from __future__ import annotations
 from controlplane.clock import FakeClock
 from controlplane.domain import (
     AgentKey,
+    Effect,
     EngineId,
     HeldTransfer,
     RankState,
@@ -26,7 +27,9 @@ def leader(tp: int = 1, **kw: object) -> tuple[Rendezvous, FakeClock]:
     return Rendezvous(CoreSettings(**kw), clock), clock  # type: ignore[arg-type]
 
 
-def hello(rv: Rendezvous, engine: EngineId, role: Role, rank: int, tp: int, *held: HeldTransfer):  # type: ignore[no-untyped-def]
+def hello(
+    rv: Rendezvous, engine: EngineId, role: Role, rank: int, tp: int, *held: HeldTransfer
+) -> list[Effect]:
     return rv.agent_hello(reg(engine, role, rank, tp), held)
 
 
@@ -35,7 +38,7 @@ def test_decode_registered_only_completes_once_both_sides_come_back() -> None:
     hello(rv, P, Role.PREFILL, 0, 1)
     hello(rv, D, Role.DECODE, 0, 1, HeldTransfer("t"))
     t = rv.get("t")
-    assert t.state is State.AWAITING and t.adopting and t.decode_engine == D
+    assert (t.state, t.adopting, t.decode_engine) == (State.AWAITING, True, D)
     assert rv.inflight == 1 and rv.inflight_for(D) == 1
     rv.register_decode("t", D, [[5, 6]], 20)  # resubmitted
     _, effects = rv.prefill_done("t", P, [[1, 2]], 20)

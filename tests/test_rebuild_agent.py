@@ -10,9 +10,10 @@ today's rule, and so does a lost leader nobody replaces within give_up_s.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
@@ -31,7 +32,10 @@ from tests.test_term_fencing import (
 pytestmark = pytest.mark.timeout(120)
 
 
-def _started(servicer: ScriptedCoordinator, spec: HostSpec, term: int, cid: str):  # type: ignore[no-untyped-def]
+Stream = tuple[KVHost, "queue.Queue[pb.CoordinatorMessage | None]", "queue.Queue[Any]"]
+
+
+def _started(servicer: ScriptedCoordinator, spec: HostSpec, term: int, cid: str) -> Stream:
     """The host, registered with a scripted coordinator of `term`; its first stream."""
     host = KVHost(spec)
     starting = threading.Thread(target=host.start, daemon=True)  # waits for the welcome
@@ -61,17 +65,10 @@ def _held(hello: pb.AgentHello) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
-@pytest.fixture
-def servicer(
-    scripted: tuple[ScriptedCoordinator, str],
-) -> Iterator[tuple[ScriptedCoordinator, str]]:  # noqa: F811
-    yield scripted
-
-
 def test_a_newer_leader_adopts_what_the_hello_re_sent(
-    servicer: tuple[ScriptedCoordinator, str],
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
 ) -> None:
-    coord, address = servicer
+    coord, address = scripted
     host, out, incoming = _started(coord, HostSpec(address, "P", "prefill", rebuild=True), 7, "l7")
     try:
         host.call("pause", True)  # the order waits in the queue
@@ -103,9 +100,9 @@ def test_a_newer_leader_adopts_what_the_hello_re_sent(
 
 
 def test_term_zero_a_restarted_coordinator_resolves_locally_as_before(
-    servicer: tuple[ScriptedCoordinator, str],
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
 ) -> None:
-    coord, address = servicer
+    coord, address = scripted
     spec = HostSpec(address, "P", "prefill", rebuild=True)
     host, out, _ = _started(coord, spec, 0, "c1")
     try:
@@ -122,9 +119,9 @@ def test_term_zero_a_restarted_coordinator_resolves_locally_as_before(
 
 
 def test_no_leader_within_give_up_s_resolves_locally(
-    servicer: tuple[ScriptedCoordinator, str],
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
 ) -> None:
-    coord, address = servicer
+    coord, address = scripted
     spec = HostSpec(address, "D", "decode", rebuild=True, give_up_s=1.0)
     host, out, _ = _started(coord, spec, 7, "l7")
     try:
