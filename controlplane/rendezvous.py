@@ -605,8 +605,9 @@ class Rendezvous:
         wall = self._clock.wall()
         if not join(t, reg, h, wall + self.settings.write_timeout_s, self._open_orders):
             return []  # the transfer is another engine's: not this agent's to adopt
-        self._count_engine(t, reg.engine_id, limit=False)
-        t.mark("adopted", wall, reg.key.rank)
+        if reg.engine_id not in t.counted:  # the engine's first hello that names it
+            self._count_engine(t, reg.engine_id, limit=False)
+            t.mark("adopted", wall, reg.key.rank)
         if h.counted and not t.adopting:  # ordered here already: these are arrivals
             with contextlib.suppress(InvalidArgument, PermissionDenied):
                 return self.arrival_report(reg.key, reg.incarnation, t.transfer_id, h.counted)
