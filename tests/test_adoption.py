@@ -3,6 +3,10 @@ driven directly with a fake clock (no gRPC), in the style of test_rendezvous.py.
 
 from __future__ import annotations
 
+import grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
 from controlplane.clock import FakeClock
 from controlplane.domain import (
     AgentKey,
@@ -17,7 +21,9 @@ from controlplane.domain import (
     WriteStatus,
 )
 from controlplane.rendezvous import Rendezvous
+from controlplane.server import ServerSettings, start
 from controlplane.settings import CoreSettings
+from tests.support.sim_agent import SimAgent, rendezvous, wait_terminal
 from tests.test_rendezvous import D, P, notices, orders, reg
 
 
@@ -171,3 +177,38 @@ def test_a_begin_retried_to_the_new_leader_agrees_with_the_adopted_engines() -> 
     hello(rv, D, Role.DECODE, 0, 1, HeldTransfer("t"))
     t, _ = rv.begin("t", P, D)
     assert (t.announced_prefill, t.announced_decode) == (P, D) and t.adopting
+
+
+# ---------------------------------------------------------------- over gRPC
+
+
+async def test_over_grpc_an_order_posted_before_the_failover_completes_without_a_new_one() -> None:
+    """The hello's transfers reach the core through the servicer (convert.held_from_pb)."""
+    c = await start(ServerSettings(port=0))
+    c.runtime.term = 9  # the new leader's
+    p = SimAgent(c.address, "p0", "prefill")
+    p.hello.hello.term = 8  # it followed the old leader
+    p.hello.hello.held.add(transfer_id="t", posted_order_ids=["old-1"])
+    d = SimAgent(c.address, "d0", "decode")
+    d.hello.hello.term = 8
+    d.hello.hello.held.add(transfer_id="t")
+    try:
+        await p.start()
+        await d.start()
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            st = pbg.StatusServiceStub(ch)
+            t = await st.GetTransfer(pb.GetTransferRequest(transfer_id="t"))
+            assert t.state == pb.TRANSFER_STATE_AWAITING
+            assert [e.stage for e in t.timeline] == ["adopted", "adopted"]
+            await rendezvous(ch, "t", prefill_engine="p0", decode_engine="d0")  # sides again
+            old = pb.TransferOrder(order_id="old-1", transfer_id="t")
+            await p.report_write(old, pb.WRITE_STATUS_DONE)
+            await d.report_arrival("t", [0])
+            final = (await wait_terminal(ch, ["t"]))["t"]
+            assert final.state == pb.TRANSFER_STATE_COMPLETE
+        await p.heartbeat()  # everything sent to p before the ack has been read
+        assert p.orders_seen == []  # rank 0 was written by the old leader's order
+    finally:
+        await p.close()
+        await d.close()
+        await c.stop(0)
