@@ -438,10 +438,8 @@ class DataPlane:
             self._arrivals.fail_all_at(time.monotonic() + lease_s)
 
     def _on_adopted(self) -> None:
-        """A newer leader of the same cluster welcomed us and adopts our
-        transfers from the hello's snapshot: nothing is resolved here. Armed
-        orders of the old term are refused now, queued ones when they would
-        post (`_post_queued`); held blocks stay held, expectations armed."""
+        """A newer leader adopts our transfers from the hello: nothing is resolved
+        here. Old-term orders are refused (armed: now; queued: at `_post_queued`)."""
         log.warning("a newer leader (term %d) adopts this agent's transfers", self._term)
         for order in self._armed.take_all():
             if order.term < self._term:
