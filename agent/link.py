@@ -314,11 +314,12 @@ class CoordinatorLink:
             delay = min(delay * 2, self._backoff[1])
 
     def _session(self, channel: grpc.Channel) -> None:
-        if self._snapshot is not None:
+        del self._hello.held[:]
+        if self._snapshot is not None and self.term > 0 and not self._term_may_go_back():
+            # Only a newer leader of this cluster adopts them (term 0: a restart).
             items = self._snapshot(SNAPSHOT_WAIT_S)
             if items is None:
                 raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")
-            del self._hello.held[:]
             self._hello.held.extend(
                 pb.HeldTransfer(
                     transfer_id=h.transfer_id,
