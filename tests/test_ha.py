@@ -468,7 +468,8 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(cluster
             for tid in stages:  # adopted from the hellos, waiting for their sides
                 t = st.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
                 assert t.state == pb.TRANSFER_STATE_AWAITING, (tid, t)
-        assert p.call("term")[0] == d.call("term")[0] > old_term
+        # Registered there once the welcome is queued; followed once the link read it.
+        poll(lambda: p.call("term")[0] == d.call("term")[0] > old_term, "the new term followed")
         p.call("pause", False)
         # The old term's order is refused, not posted; nothing was resolved locally.
         poll(lambda: p.call("term")[1] == 1, "the old leader's order refused")
