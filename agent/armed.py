@@ -32,6 +32,10 @@ class Armed:
     def holds(self, order_id: str) -> bool:
         return order_id in self._ids
 
+    def orders(self) -> list[OrderMsg]:
+        """The armed orders held (not fired yet)."""
+        return list(self._orders.values())
+
     def arm(self, order: OrderMsg) -> FireMsg | None:
         """Keep `order` until its fire; returns the fire if it came first."""
         fire = self._fires.pop(order.transfer_id, None)

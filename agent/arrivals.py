@@ -46,6 +46,10 @@ class Arrivals:
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._by_tid))
 
+    def counted(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Each transfer expected and not told yet, with the ranks counted."""
+        return [(tid, tuple(sorted(a.ranks))) for tid, a in self._by_tid.items()]
+
     def told(self, tid: str) -> bool:
         return tid in self._told
 

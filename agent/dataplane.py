@@ -16,6 +16,10 @@ Invariants:
   link has seen in a welcome is refused. A refused order is reported DROPPED
   ("refused: ...") and changes nothing here: no WRITE, no block released (the
   newer leader governs the transfer); a refused cancel is ignored.
+- Failover rebuild (agent/snapshot.py): once a rebuilding agent of a leader
+  term loses its coordinator, nothing more is posted until one welcomes it,
+  so the snapshot its next hello carries names every order posted; a newer
+  leader adopts the transfers instead of this thread resolving them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from agent.messages import (
     AbortMsg,
     ArrivalMsg,
     CancelMsg,
+    CoordinatorAdoptedMsg,
     CoordinatorBackMsg,
     CoordinatorChangedMsg,
     CoordinatorLostMsg,
@@ -50,6 +55,7 @@ from agent.messages import (
     PauseMsg,
     PeerMsg,
     ReportStatus,
+    SnapshotMsg,
     TermMsg,
     WriteReportMsg,
 )
@@ -58,6 +64,7 @@ from agent.nixl_types import NixlError, PeerKey, WriteHandle
 from agent.notif import WriteNotif
 from agent.posting import Poster
 from agent.progressive import Progressive, progressive_ok
+from agent.snapshot import HeldItem, SnapshotBox
 
 log = logging.getLogger("pushkv.agent")
 
@@ -109,6 +116,9 @@ class DataPlane:
         self._start_error: BaseException | None = None
         self._metadata = b""
         self._paused = False
+        # No posting between the loss of a leader and the next welcome (rebuild).
+        self._frozen = False
+        self.snapshots = SnapshotBox()  # published here, read by the link thread
         # prefill state
         self._queued: OrderedDict[str, OrderMsg] = OrderedDict()
         self._inflight: dict[str, _InFlight] = {}
@@ -204,7 +214,7 @@ class DataPlane:
             self._handle(item)
         if self._give_up_at and time.monotonic() >= self._give_up_at:
             self._give_up()
-        if self._partial and not self._paused:
+        if self._partial and not (self._paused or self._frozen):
             self._partial.post(self._poster(), self._guard)
         self._post_queued()
         if self._partial:
@@ -219,7 +229,7 @@ class DataPlane:
         """Whether this thread polls NIXL every FAST_POLL_S (WRITEs in flight,
         arrivals expected, WRITEs to post); a snapshot for tests."""
         busy = self._inflight or self._arrivals or self._partial.pending
-        return bool(busy or (self._queued and not self._paused))
+        return bool(busy or (self._queued and not (self._paused or self._frozen)))
 
     def _delay(self) -> float:
         if self.fast_polling:
@@ -249,16 +259,23 @@ class DataPlane:
         elif isinstance(msg, PauseMsg):
             self._paused = msg.paused
         elif isinstance(msg, CoordinatorChangedMsg):
-            self._give_up_at = 0.0
+            self._give_up_at, self._frozen = 0.0, False
             self._on_coordinator_changed(msg.lease_s)
         elif isinstance(msg, CoordinatorLostMsg):
             log.warning(
-                "coordinator lost: transfers resolve locally in %.0f s unless it returns",
+                "coordinator lost: transfers resolve locally in %.0f s unless it returns%s",
                 msg.give_up_s,
+                " or a newer leader adopts them (posting held)" if msg.hold_posts else "",
             )
             self._give_up_at = time.monotonic() + msg.give_up_s
+            self._frozen = msg.hold_posts
         elif isinstance(msg, CoordinatorBackMsg):
-            self._give_up_at = 0.0
+            self._give_up_at, self._frozen = 0.0, False
+        elif isinstance(msg, CoordinatorAdoptedMsg):
+            self._give_up_at, self._frozen = 0.0, False
+            self._on_adopted()
+        elif isinstance(msg, SnapshotMsg):
+            self.snapshots.publish(msg.gen, self._held_items())
         elif isinstance(msg, TermMsg):
             self._term = msg.term
         elif isinstance(msg, FireMsg):
@@ -426,12 +443,40 @@ class DataPlane:
         if not self._prefill:
             self._arrivals.fail_all_at(time.monotonic() + lease_s)
 
+    def _on_adopted(self) -> None:
+        """A newer leader adopts our transfers from the hello: nothing is resolved
+        here. Old-term orders are refused (armed: now; queued: at `_post_queued`)."""
+        log.warning("a newer leader (term %d) adopts this agent's transfers", self._term)
+        for order in self._armed.take_all():
+            if order.term < self._term:
+                self._refuse(order)
+            else:
+                self._armed.arm(order)
+
+    def _held_items(self) -> tuple[HeldItem, ...]:
+        """The live transfers (agent/snapshot.py). Prefill: those whose blocks
+        the host holds or that have orders here, with the orders posted (in
+        flight, or chunks of a partial one) and held unposted. Decode: those
+        expected and not told yet, with the prefill ranks counted."""
+        if not self._prefill:
+            return tuple([HeldItem(tid, counted=ranks) for tid, ranks in self._arrivals.counted()])
+        posted: dict[str, list[str]] = {}
+        unposted: dict[str, list[str]] = {}
+        for order in [*[f.order for f in self._inflight.values()], *self._partial.orders()]:
+            posted.setdefault(order.transfer_id, []).append(order.order_id)
+        for order in [*self._queued.values(), *self._armed.orders()]:
+            unposted.setdefault(order.transfer_id, []).append(order.order_id)
+        tids = sorted(self._held | posted.keys() | unposted.keys())
+        return tuple(
+            [HeldItem(t, tuple(posted.get(t, ())), tuple(unposted.get(t, ()))) for t in tids]
+        )
+
     def _give_up(self) -> None:
         """The coordinator has been gone for give_up_s: longer than its write
         timeout plus a lease, so no prefill agent can post any more (each stops
         when its lease lapses, and every order's deadline has passed). Resolve
         every transfer locally, as the coordinator would have."""
-        self._give_up_at = 0.0
+        self._give_up_at, self._frozen = 0.0, False
         log.warning("coordinator still unreachable: resolving in-flight transfers locally")
         dropped = [*self._queued.values(), *self._armed.take_all()]
         self._queued.clear()
@@ -446,7 +491,7 @@ class DataPlane:
 
     # ------------------------------------------------------------ prefill
     def _post_queued(self) -> None:
-        if self._paused or not self._queued:
+        if self._paused or self._frozen or not self._queued:
             return
         while self._queued:
             _, order = self._queued.popitem(last=False)

@@ -3,6 +3,13 @@
 It registers (hello), heartbeats, forwards reports from the NIXL thread, turns
 coordinator messages into plain commands for the NIXL thread, and reconnects
 with jittered exponential backoff, re-registering with the same incarnation.
+
+A rebuilding agent (`snapshot` given) re-sends its live transfers in every
+hello, and on a welcome from a newer leader of the same cluster (a different
+coordinator id, its previous term > 0 and the welcome's higher) lets that
+leader adopt them (`CoordinatorAdoptedMsg`) instead of resolving them locally
+(`CoordinatorChangedMsg`: term 0, a single coordinator restarted, or the
+terms went back). docs/reliability.md, "Failover rebuild".
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
+    CoordinatorAdoptedMsg,
     CoordinatorBackMsg,
     CoordinatorChangedMsg,
     CoordinatorLostMsg,
@@ -38,6 +46,7 @@ from agent.messages import (
     WriteReportMsg,
 )
 from agent.nixl_types import BlockResize, KVRegion, MemoryKind
+from agent.snapshot import HeldItem
 from wire.codes import PERMANENT
 from wire.leader import LeaderFollower
 
@@ -54,6 +63,10 @@ ARRIVAL_REPLAY_S = 30.0
 MAX_OUT_BATCH = 256
 
 ChannelFactory = Callable[[str], grpc.Channel]
+# The NIXL thread's snapshot of the live transfers, within a deadline (None: late).
+Snapshot = Callable[[float], tuple[HeldItem, ...] | None]
+# How long a hello waits for that snapshot (the NIXL thread steps every <= 50 ms).
+SNAPSHOT_WAIT_S = 5.0
 
 
 class StaleLeaderError(Exception):
@@ -198,8 +211,10 @@ class CoordinatorLink:
         name: str = "pushkv-link",
         batching: bool = True,
         give_up_s: float = 30.0,
+        snapshot: Snapshot | None = None,
     ) -> None:
         self._give_up_s = give_up_s
+        self._snapshot = snapshot  # set: the agent rebuilds on a failover
         self._lost = False  # the stream to a coordinator that welcomed us ended
         self._lost_since = 0.0
         # The newest leader term seen in a welcome (0: none, or no --etcd).
@@ -293,7 +308,8 @@ class CoordinatorLink:
                 if self.registered.is_set() and not self._stop.is_set():
                     self._lost = True
                     self._lost_since = time.monotonic()
-                    self._deliver(CoordinatorLostMsg(self._give_up_s))
+                    hold = self._snapshot is not None and self.term > 0
+                    self._deliver(CoordinatorLostMsg(self._give_up_s, hold))
                 self.registered.clear()
                 self._call = None
                 channel.close()
@@ -303,6 +319,21 @@ class CoordinatorLink:
             delay = min(delay * 2, self._backoff[1])
 
     def _session(self, channel: grpc.Channel) -> None:
+        del self._hello.held[:]
+        if self._snapshot is not None and self.term > 0 and not self._term_may_go_back():
+            # Only a newer leader of this cluster adopts them (term 0: a restart).
+            items = self._snapshot(SNAPSHOT_WAIT_S)
+            if items is None:
+                raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")
+            self._hello.held.extend(
+                pb.HeldTransfer(
+                    transfer_id=h.transfer_id,
+                    posted_order_ids=h.posted,
+                    unposted_order_ids=h.unposted,
+                    counted_prefill_ranks=h.counted,
+                )
+                for h in items
+            )
         stub = pbg.AgentServiceStub(channel)
         done = threading.Event()
         call: Any = stub.AgentStream(self._requests(done))
@@ -383,6 +414,7 @@ class CoordinatorLink:
                     self._on_message(item)
         elif kind == "welcome":
             w = msg.welcome
+            previous = self.term
             if w.term != self.term:
                 if w.term < self.term and not self._term_may_go_back():
                     raise StaleLeaderError(
@@ -399,7 +431,11 @@ class CoordinatorLink:
             self.fatal_error = ""
             self.connects += 1
             if self.coordinator_id and w.coordinator_id != self.coordinator_id:
-                self._deliver(CoordinatorChangedMsg(self._lease_s))
+                if self._snapshot is not None and 0 < previous < w.term:
+                    log.info("leader term %d adopts this agent's transfers", w.term)
+                    self._deliver(CoordinatorAdoptedMsg())  # a failover: the hello had them
+                else:
+                    self._deliver(CoordinatorChangedMsg(self._lease_s))
             elif self._lost:
                 self._deliver(CoordinatorBackMsg())
             self._lost = False

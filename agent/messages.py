@@ -147,6 +147,24 @@ class CoordinatorLostMsg:
     locally: by then no prefill agent can post into them."""
 
     give_up_s: float
+    # A rebuilding agent that follows a leader term (> 0) posts nothing more
+    # until a coordinator welcomes it: its snapshot for a newer leader must
+    # not miss a WRITE posted after it was taken (agent/snapshot.py).
+    hold_posts: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorAdoptedMsg:
+    """A newer leader of the same cluster welcomed the agent (a failover): it
+    adopts the agent's transfers from the hello's snapshot. Orders of the old
+    term held unposted are refused; held blocks and expectations stay."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMsg:
+    """The link asks for a snapshot of the live transfers (agent/snapshot.py)."""
+
+    gen: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +184,8 @@ Inbound = (
     | CoordinatorChangedMsg
     | CoordinatorLostMsg
     | CoordinatorBackMsg
+    | CoordinatorAdoptedMsg
+    | SnapshotMsg
     | TermMsg
     | FireMsg
     | AbortMsg

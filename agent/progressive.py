@@ -106,6 +106,10 @@ class Progressive:
     def holds(self, order_id: str) -> bool:
         return any(p.order.order_id == order_id for p in self._by_tid.values())
 
+    def orders(self) -> list[OrderMsg]:
+        """The partial orders (some of their chunks may be posted)."""
+        return [p.order for p in self._by_tid.values()]
+
     def start(self, order: OrderMsg, fire: FireMsg) -> None:
         p = self._by_tid[order.transfer_id] = Partial(order)
         self._fires.append((p, fire))

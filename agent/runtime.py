@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import threading
 import uuid
 from collections.abc import Sequence
@@ -20,9 +21,10 @@ from pushkv.v1 import pushkv_pb2 as pb
 from agent.dataplane import DataPlane
 from agent.events import HostEvent
 from agent.link import ChannelFactory, CoordinatorLink
-from agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg
+from agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg, SnapshotMsg
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import KVRegion, MemoryKind
+from agent.snapshot import HeldItem
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
 
@@ -69,6 +71,12 @@ class AgentConfig:
     pp_rank: int = 0
     pp_size: int = 1
     region_layers: tuple[int, ...] = ()
+    # Failover rebuild (docs/reliability.md): re-send the live transfers in
+    # every hello, and let a newer leader of the same cluster adopt them
+    # instead of resolving them locally. Off by default until the connector's
+    # scheduler client resubmits its open transfers to a new leader (without
+    # that, an adopted transfer waits for its rendezvous deadline).
+    rebuild_on_failover: bool = False
 
     @property
     def rank(self) -> int:
@@ -96,6 +104,7 @@ class Agent:
                 return tls_channel(address, tls)
 
         self._channel_factory = channel_factory
+        self._snapshot_gen = itertools.count(1)  # next() is one C call: any thread
         self._dataplane = DataPlane(
             self._make_endpoint,
             is_prefill=config.role is AgentRole.PREFILL,
@@ -122,6 +131,13 @@ class Agent:
     def _report(self, msg: object) -> None:
         if self._link is not None:
             self._link.send(msg)  # type: ignore[arg-type]
+
+    def _snapshot(self, timeout: float) -> tuple[HeldItem, ...] | None:
+        """The NIXL thread's snapshot of the live transfers, taken after
+        everything queued to it before (agent/snapshot.py); None if late."""
+        gen = next(self._snapshot_gen)
+        self._dataplane.inbox.put(SnapshotMsg(gen))
+        return self._dataplane.snapshots.wait(gen, timeout)
 
     def _lease_ok(self) -> bool:
         return self._link is not None and self._link.lease_ok()
@@ -174,6 +190,7 @@ class Agent:
             channel_factory=self._channel_factory,
             name=f"pushkv-link-{c.rank}",
             give_up_s=c.give_up_s,
+            snapshot=self._snapshot if c.rebuild_on_failover else None,
         )
         self._link.start()
         if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):
@@ -246,6 +263,11 @@ class Agent:
     def leader_term(self) -> int:
         """The newest leader term seen in a welcome (0: none, or no --etcd)."""
         return self._link.term if self._link is not None else 0
+
+    def live_transfers(self, timeout: float = 5.0) -> tuple[HeldItem, ...] | None:
+        """What a hello would re-send now (agent/snapshot.py); None if the NIXL
+        thread did not answer within `timeout`."""
+        return self._snapshot(timeout)
 
     @property
     def fast_polling(self) -> bool:

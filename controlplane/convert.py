@@ -10,6 +10,7 @@ from controlplane.domain import (
     AgentRegistration,
     Blocks,
     EngineId,
+    HeldTransfer,
     KVLayout,
     KVRegion,
     Notice,
@@ -150,6 +151,19 @@ def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
         pp_rank=ident.pp_rank,
         pp_size=max(1, ident.pp_size),
     )
+
+
+def held_from_pb(hello: pb.AgentHello) -> list[HeldTransfer]:
+    """The live transfers the agent re-sent (AgentHello.held)."""
+    return [
+        HeldTransfer(
+            h.transfer_id,
+            tuple(h.posted_order_ids),
+            tuple(h.unposted_order_ids),
+            tuple(h.counted_prefill_ranks),
+        )
+        for h in hello.held
+    ]
 
 
 def identity_to_pb(reg: AgentRegistration) -> pb.AgentIdentity:

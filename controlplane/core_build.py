@@ -22,6 +22,7 @@ CORE_MODULES = (
     "timeline",
     "admission",
     "orders",
+    "adoption",
     "expiry",
     "notices",
     "rendezvous",

@@ -203,6 +203,16 @@ class Order(NamedTuple):
     armed: bool = False
 
 
+class HeldTransfer(NamedTuple):
+    """One live transfer an agent re-sent in its hello (pushkv.proto,
+    HeldTransfer): a new leader adopts it (controlplane/adoption.py)."""
+
+    transfer_id: str
+    posted: tuple[str, ...] = ()  # prefill: order ids posted (never ordered again)
+    unposted: tuple[str, ...] = ()  # prefill: order ids held unposted (the agent refuses them)
+    counted: tuple[int, ...] = ()  # decode: prefill ranks whose notification it counted
+
+
 @dataclass(frozen=True, slots=True)
 class Notice:
     """A transfer state that the hosts of both engines must act on."""

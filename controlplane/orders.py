@@ -15,6 +15,7 @@ from controlplane.domain import (
     KVLayout,
     Order,
     OrderId,
+    SendCancelOrder,
     SendOrder,
     TransferId,
     WriteTarget,
@@ -77,6 +78,14 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
     return prompt_tails(
         prefill.blocks, [len(d) for d in decode.blocks], decode.num_tokens, tokens_per_block
     )
+
+
+def pair_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> Blocks:
+    """Per KV group, the prefill blocks written into the decode side's:
+    `source_blocks`, or between blocks of different sizes `resized_source_blocks`."""
+    if p_tokens == d_tokens:
+        return source_blocks(prefill, decode, d_tokens)
+    return resized_source_blocks(prefill, decode, p_tokens, d_tokens)
 
 
 def token_window(decode: Side, d_tokens: int) -> tuple[int, int]:
@@ -317,6 +326,23 @@ class OpenOrders:
     def of(self, key: AgentKey, incarnation: str) -> list[tuple[TransferId, int]]:
         """The incarnation's open orders, in (transfer, rank) order."""
         return sorted(self._by_agent.get((key, incarnation), ()))
+
+    def replay(
+        self, key: AgentKey, incarnation: str, transfers: dict[str, Transfer]
+    ) -> list[Effect]:
+        """On (re)connect: resend the incarnation's open orders, cancel those
+        whose transfer ended; adopted ones are the agent's own (it told us)."""
+        out: list[Effect] = []
+        for tid, rank in self.of(key, incarnation):
+            t = transfers[tid]
+            rec = t.orders[rank]
+            if rec.adopted:
+                continue
+            if t.state.terminal:
+                out.append(SendCancelOrder(key, incarnation, rec.order.order_id, tid, t.reason))
+            else:
+                out.append(SendOrder(key, incarnation, rec.order))
+        return out
 
     def pop(self, key: AgentKey, incarnation: str) -> list[tuple[TransferId, int]]:
         """The incarnation's open orders, in (transfer, rank) order, forgotten here."""

@@ -30,12 +30,14 @@ arrivals), expiry.py (deadlines, retention of terminal transfers), notices.py
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 from collections.abc import Iterable, Sequence
 
 from controlplane import validation
 from controlplane.admission import check_hello, differing_field, side_blocks
+from controlplane.adoption import adopt_counted, issue_adopted, join, name_engines
 from controlplane.clock import Clock
 from controlplane.domain import (
     AgentKey,
@@ -43,12 +45,12 @@ from controlplane.domain import (
     Blocks,
     Effect,
     EngineId,
+    HeldTransfer,
     OrderId,
     RankState,
     Reason,
     Role,
     SendCancelOrder,
-    SendOrder,
     State,
     TransferChanged,
     TransferId,
@@ -69,9 +71,8 @@ from controlplane.orders import (
     issue,
     mismatch,
     order_by_id,
+    pair_source_blocks,
     record_arrivals,
-    resized_source_blocks,
-    source_blocks,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
 from controlplane.settings import CoreSettings
@@ -135,14 +136,19 @@ class Rendezvous:
         return self._open_orders.count(key, incarnation)
 
     # ================================================================ agents
-    def agent_hello(self, reg: AgentRegistration) -> list[Effect]:
+    def agent_hello(
+        self, reg: AgentRegistration, held: Sequence[HeldTransfer] = ()
+    ) -> list[Effect]:
+        """`held`: the agent's live transfers (a failover: adopted, adoption.py)."""
         check_hello(reg, self.settings)
         now = self._clock.monotonic()
         fenced = self.registry.hello(reg, now)
         effects: list[Effect] = []
         if fenced is not None:
             effects += self._fence(fenced)
-        effects += self._replay_orders(reg.key, reg.incarnation)
+        for h in held:  # before the replay: an adopted order withdraws an undelivered one
+            effects += self._adopt(reg, h)
+        effects += self._open_orders.replay(reg.key, reg.incarnation, self._transfers)
         return effects
 
     def agent_seen(self, key: AgentKey, incarnation: str) -> bool:
@@ -211,6 +217,9 @@ class Rendezvous:
                 effects += self._maybe_complete(t)
         elif t.state.terminal and was_open and not t.write_may_land:
             effects += self._released(t)
+        elif t.adopting and status is not WriteStatus.DONE:  # an adopted order failed
+            why = f"prefill rank {rank}: {detail or status.value} (an order of an older leader)"
+            effects += self._finish(t, State.FAILED, Reason.WRITE_FAILED, why)
         return effects
 
     def arrival_report(
@@ -222,10 +231,13 @@ class Rendezvous:
         at_unix: float = 0.0,
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
-        if t is None or t.decode is None:
+        if t is None or t.decode_engine is None or (t.decode is None and not t.adopting):
             return []
-        if key.engine_id != t.decode.engine_id or not self.registry.is_current(key, incarnation):
+        if key.engine_id != t.decode_engine or not self.registry.is_current(key, incarnation):
             raise PermissionDenied(f"{key}@{incarnation} is not a decode rank of {transfer_id}")
+        if t.adopting:  # not ordered here yet: counted once it is
+            adopt_counted(t, key.rank, tuple(prefill_ranks))
+            return []
         new = record_arrivals(t, key.rank, prefill_ranks)
         if not new:
             return []
@@ -250,6 +262,8 @@ class Rendezvous:
         if de:
             validation.engine_id(de, field="decode_engine_id", max_len=s.max_id_len)
         t = self._transfers.get(tid)
+        if t is not None and t.adopting:  # the engines its agents named, if they agree
+            name_engines(t, pe, de)
         if t is not None:
             if (t.announced_prefill, t.announced_decode) != (pe, de):
                 raise Conflict(f"transfer {tid} was begun with other engines", field="transfer_id")
@@ -324,10 +338,11 @@ class Rendezvous:
         engines: Sequence[EngineId],
         now: float | None = None,
         wall: float | None = None,
+        limits: bool = True,
     ) -> Transfer:
         """A new transfer; `now` and `wall` are the clocks, if the caller just read them."""
         s = self.settings
-        if self._inflight >= s.max_inflight:
+        if limits and self._inflight >= s.max_inflight:
             raise ResourceExhausted(f"{self._inflight} transfers in flight (max {s.max_inflight})")
         for e in engines:
             if self._inflight_by_engine.get(e, 0) >= s.max_inflight_per_engine:
@@ -344,12 +359,12 @@ class Rendezvous:
         self._deadlines.set(t, s.rendezvous_timeout_s, now)
         return t
 
-    def _count_engine(self, t: Transfer, engine: EngineId) -> None:
+    def _count_engine(self, t: Transfer, engine: EngineId, limit: bool = True) -> None:
         if engine in t.counted or t.state.terminal:
             return
-        limit = self.settings.max_inflight_per_engine
-        if self._inflight_by_engine.get(engine, 0) >= limit:
-            raise ResourceExhausted(f"engine {engine} has {limit} transfers in flight")
+        most = self.settings.max_inflight_per_engine
+        if limit and self._inflight_by_engine.get(engine, 0) >= most:
+            raise ResourceExhausted(f"engine {engine} has {most} transfers in flight")
         self._inflight_by_engine[engine] = self._inflight_by_engine.get(engine, 0) + 1
         t.counted.add(engine)
 
@@ -408,7 +423,7 @@ class Rendezvous:
             if finished_unix > 0:
                 t.mark("prefill_finished", finished_unix)
             t.mark("prefill_done", wall)
-        if t.orders:  # armed at decode's registration: prefill is done now
+        if t.orders and not t.adopting:  # armed at decode's registration: prefill is done now
             effects += self._prefill_after_arming(t, now)
         elif t.decode is not None and t.prefill is not None:
             effects += self._issue_orders(t)
@@ -434,20 +449,19 @@ class Rendezvous:
             return self._finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )
-        if pe.tokens_per_block == de.tokens_per_block:
-            src = source_blocks(t.prefill, t.decode, de.tokens_per_block)
-        else:  # token ranges between blocks of different sizes
-            src = resized_source_blocks(
-                t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block
-            )
+        src = pair_source_blocks(t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block)
         s = self.settings
         self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
         until = wall + s.write_timeout_s
-        effects = issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
-        t.state = State.ORDERED
         t.mark("ordered", wall)
-        return effects
+        if not t.adopting:
+            t.state = State.ORDERED
+            return issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
+        effects = issue_adopted(t, pe, de, src, until, self._order_id, self._open_orders)
+        posted = any(o.adopted for o in t.orders.values())  # before the failover
+        t.state = State.WRITING if posted else State.ORDERED
+        return effects + self._maybe_complete(t)  # adopted ranks may be done already
 
     def _order_id(self) -> OrderId:
         """Unique per coordinator process."""
@@ -458,7 +472,7 @@ class Rendezvous:
         engine's agents (appended to `effects`), if it can take them; False
         leaves the transfer to wait for prefill done as before."""
         assert t.decode is not None
-        if t.announced_prefill is None:
+        if t.announced_prefill is None or t.adopting:  # adopted: prefill may be done
             return False
         pe = self.registry.engine(t.announced_prefill)
         de = self.registry.engine(t.decode.engine_id)
@@ -502,6 +516,7 @@ class Rendezvous:
         """Enter a terminal state: cancel open orders and tell both engines."""
         assert state.terminal and not t.state.terminal
         t.state, t.reason, t.detail = state, reason, detail
+        t.adopting = False
         now = self._clock.monotonic()
         t.terminal_mono = now
         t.mark(_STAGE[state], self._clock.wall())
@@ -544,18 +559,6 @@ class Rendezvous:
             if not t.state.terminal and engine in (t.prefill_engine, t.decode_engine)
         ]
 
-    def _replay_orders(self, key: AgentKey, incarnation: str) -> list[Effect]:
-        """On (re)connect: resend open orders; cancel those whose transfer ended."""
-        out: list[Effect] = []
-        for tid, rank in self._open_orders.of(key, incarnation):
-            t = self._transfers[tid]
-            rec = t.orders[rank]
-            if t.state.terminal:
-                out.append(SendCancelOrder(key, incarnation, rec.order.order_id, tid, t.reason))
-            else:
-                out.append(SendOrder(key, incarnation, rec.order))
-        return out
-
     def _fence(self, old: AgentRecord) -> list[Effect]:
         effects: list[Effect] = []
         for t in self._transfers_of(old.key.engine_id):
@@ -595,6 +598,26 @@ class Rendezvous:
             else:
                 effects += self._finish(t, State.FAILED, Reason.AGENT_LOST, f"rank {rank}: {why}")
         return effects
+
+    def _adopt(self, reg: AgentRegistration, h: HeldTransfer) -> list[Effect]:
+        """One transfer an agent re-sent in its hello (adoption.py)."""
+        t = self._transfers.get(h.transfer_id)
+        if t is None and validation.valid_transfer_id(h.transfer_id, self.settings.max_id_len):
+            # Counted at the old leader: no in-flight limit refuses it here.
+            t = self._create(TransferId(h.transfer_id), State.AWAITING, [], limits=False)
+            t.adopting = True
+        if t is None or t.state.terminal:  # ended here: this engine may not have been told
+            return transfer_notices(self.registry, t, (reg.engine_id,)) if t else []
+        wall = self._clock.wall()
+        if not join(t, reg, h, wall + self.settings.write_timeout_s, self._open_orders):
+            return []  # the transfer is another engine's: not this agent's to adopt
+        if reg.engine_id not in t.counted:  # the engine's first hello that names it
+            self._count_engine(t, reg.engine_id, limit=False)
+            t.mark("adopted", wall, reg.key.rank)
+        if h.counted and not t.adopting:  # ordered here already: these are arrivals
+            with contextlib.suppress(InvalidArgument, PermissionDenied):
+                return self.arrival_report(reg.key, reg.incarnation, t.transfer_id, h.counted)
+        return [TransferChanged(t.transfer_id)]
 
     def has_transfer(self, transfer_id: str) -> bool:
         return transfer_id in self._transfers

@@ -20,6 +20,7 @@ from controlplane.domain import (
     AgentKey,
     AgentRegistration,
     Effect,
+    HeldTransfer,
     Order,
     SendCancelOrder,
     SendNotice,
@@ -269,9 +270,13 @@ class Runtime:
 
     # ---------------------------------------------------------------- agents
     def open_session(
-        self, reg: AgentRegistration, *, accepts_batches: bool = False
+        self,
+        reg: AgentRegistration,
+        *,
+        accepts_batches: bool = False,
+        held: Sequence[HeldTransfer] = (),
     ) -> AgentSession:
-        effects = self.core.agent_hello(reg)
+        effects = self.core.agent_hello(reg, held)
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()

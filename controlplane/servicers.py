@@ -186,6 +186,8 @@ class AgentServicer(pbg.AgentServiceServicer):
         session = self._rt.open_session(
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,
+            # Adopted only from an agent that followed an older leader (a failover).
+            held=convert.held_from_pb(first.hello) if first.hello.term < self._rt.term else (),
         )
         broken: list[PushKVError] = []
 

@@ -32,6 +32,9 @@ class OrderRecord:
     bytes: int
     descriptors: int
     posts: int
+    # Adopted from the agent's hello after a failover: an order of an older
+    # leader the agent posted. Never sent (the agent holds it), never replayed.
+    adopted: bool
 
     def __init__(
         self,
@@ -41,10 +44,12 @@ class OrderRecord:
         detail: str = "",
         bytes: int = 0,
         descriptors: int = 0,
+        adopted: bool = False,
     ) -> None:
         self.order, self.agent, self.state = order, agent, state
         self.detail, self.bytes, self.descriptors = detail, bytes, descriptors
         self.posts = 0
+        self.adopted = adopted
 
 
 @dataclass(slots=True, init=False)
@@ -84,6 +89,11 @@ class Transfer:
     deadline_version: int
     # Engines whose in-flight count includes this transfer.
     counted: set[EngineId]
+    # Adopted from agents' hellos after a failover and not ordered by this
+    # leader yet (controlplane/adoption.py); and, until then, the prefill
+    # ranks each decode rank counted (its hello, its arrival reports).
+    adopting: bool
+    early_arrivals: dict[int, set[int]]
 
     def __init__(
         self,
@@ -105,6 +115,8 @@ class Transfer:
         self.terminal_mono = None
         self.deadline_version = 0
         self.counted = set()
+        self.adopting = False
+        self.early_arrivals = {}
 
     @property
     def prefill_engine(self) -> EngineId | None:

@@ -31,6 +31,11 @@ def transfer_id(value: str, max_len: int) -> TransferId:
     return TransferId(check_id(value, field="transfer_id", max_len=max_len))
 
 
+def valid_transfer_id(value: str, max_len: int) -> bool:
+    """Whether `transfer_id` would accept `value` (an adopted id: skipped if not)."""
+    return 0 < len(value) <= max_len and _ID.match(value) is not None
+
+
 def engine_id(value: str, *, field: str, max_len: int) -> EngineId:
     return EngineId(check_id(value, field=field, max_len=max_len))
 

@@ -72,6 +72,8 @@ class HostSpec:
     pp_rank: int = 0
     pp_size: int = 1
     layers: tuple[int, ...] = ()
+    # Failover rebuild (AgentConfig.rebuild_on_failover).
+    rebuild: bool = False
 
 
 def region_key(spec: HostSpec, region: int) -> int:
@@ -174,6 +176,7 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         api_url=spec.api_url,
         tls=TLSFiles(spec.tls_ca, spec.tls_cert, spec.tls_key),
         give_up_s=spec.give_up_s,
+        rebuild_on_failover=spec.rebuild,
     )
     agent = Agent(cfg)
     try:
@@ -258,6 +261,9 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 agent.pause_posting(args[0])
             elif cmd == "writes_posted":
                 reply = agent.writes_posted
+            elif cmd == "held":  # what a hello re-sends: [(transfer, posted, unposted, counted)]
+                items = agent.live_transfers() or ()
+                reply = [(h.transfer_id, h.posted, h.unposted, h.counted) for h in items]
             elif cmd == "term":  # the newest leader term seen, orders refused for older ones
                 reply = (agent.leader_term, agent.orders_refused)
             conn.send(("reply", reply))

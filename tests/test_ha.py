@@ -416,7 +416,105 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         d.stop()
 
 
+def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(cluster: Cluster) -> None:
+    """Failover rebuild: agents that rebuild re-send their live transfers, the
+    new leader adopts them, and the transfers of every stage complete through
+    it with their bytes verified and one WRITE each."""
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    both = f"{lead.address},{standby.address}"
+    spec = {"num_blocks": NB, "give_up_s": GIVE_UP_S, "rebuild": True}
+    p = KVHost(HostSpec(both, "P", "prefill", **spec))  # type: ignore[arg-type]
+    d = KVHost(HostSpec(both, "D", "decode", **spec))  # type: ignore[arg-type]
+    client = CoordinatorClient(both, timeout_s=2.0)
+    # transfer -> (prefill blocks, decode blocks, seed); 20 tokens: 2 blocks each.
+    stages = {
+        "ha-registered": ([1, 2], [22, 23], 51),  # decode registered only
+        "ha-arrived": ([3, 4], [24, 25], 52),  # both there; prefill reports after the kill
+        "ha-ordered": ([5, 6], [26, 27], 53),  # ordered, the WRITE held unposted
+    }
+    try:
+        p.start()
+        d.start()
+        d.call("canary", CANARY)
+        _wait_ready(lead.address)
+        # Ordered and written before the kill: complete at the agents already.
+        _transfer(client, lead.address, p, d, "ha-written", seed=50)
+        for tid, (src, _, seed) in stages.items():
+            p.fill(src, seed=seed)
+            d.call("expect", [tid])
+        _submit(client, Call("register", "r1", "ha-registered", "D", (22, 23), 20))
+        _submit(client, Call("register", "r2", "ha-arrived", "D", (24, 25), 20))
+        p.call("hold", ["ha-arrived"])
+        p.call("pause", True)
+        _register_and_done(client, p, "ha-ordered", [26, 27], [5, 6])
+
+        def unposted() -> bool:
+            return any(h[0] == "ha-ordered" and h[2] for h in p.call("held"))
+
+        poll(unposted, "the old leader's order held unposted at the prefill agent")
+        held = {h[0]: h for h in p.call("held")}
+        assert set(held) == {"ha-arrived", "ha-ordered"} and not held["ha-ordered"][1]
+        assert {h[0] for h in d.call("held")} == set(stages)  # expected, nothing counted
+        written = p.call("writes_posted")
+        old_term = leadership(lead.address).term  # type: ignore[union-attr]
+
+        killed = time.monotonic()
+        lead.kill()
+        _wait_ready(standby.address)
+        followed = time.monotonic() - killed
+        with grpc.insecure_channel(standby.address) as ch:
+            st = pbg.StatusServiceStub(ch)
+            for tid in stages:  # adopted from the hellos, waiting for their sides
+                t = st.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+                assert t.state == pb.TRANSFER_STATE_AWAITING, (tid, t)
+        # Registered there once the welcome is queued; followed once the link read it.
+        poll(lambda: p.call("term")[0] == d.call("term")[0] > old_term, "the new term followed")
+        p.call("pause", False)
+        # The old term's order is refused, not posted; nothing was resolved locally.
+        poll(lambda: p.call("term")[1] == 1, "the old leader's order refused")
+        assert p.call("writes_posted") == written
+        assert [e for e in p.pending_events() + d.pending_events() if e.transfer_id in stages] == []
+
+        # The scheduler halves' calls to the new leader (resubmissions where the
+        # old leader had answered; the connector does not resubmit yet).
+        p.call("hold", ["ha-registered"])
+        _submit(client, Call("register", "r1b", "ha-registered", "D", (22, 23), 20))
+        _submit(client, Call("prefill_done", "p1", "ha-registered", "P", (1, 2), 20))
+        _submit(client, Call("prefill_done", "p2", "ha-arrived", "P", (3, 4), 20))
+        _submit(client, Call("register", "r2b", "ha-arrived", "D", (24, 25), 20))
+        _submit(client, Call("register", "r3b", "ha-ordered", "D", (26, 27), 20))
+        _submit(client, Call("prefill_done", "p3b", "ha-ordered", "P", (5, 6), 20))
+        for tid, (_, dst, seed) in stages.items():
+            assert d.wait_event(tid, DEADLINE_S).kind is EventKind.KV_READY, tid
+            assert d.check(dst, seed=seed) == [], tid
+            assert p.wait_event(tid, DEADLINE_S).kind is EventKind.BLOCKS_FREE, tid
+            with grpc.insecure_channel(standby.address) as ch:
+                t = wait_state(pbg.StatusServiceStub(ch), tid, pb.TRANSFER_STATE_COMPLETE, 10)
+            assert t.state == pb.TRANSFER_STATE_COMPLETE, (tid, t)
+        completed = time.monotonic() - killed
+        print(
+            f"agents registered with the new leader {followed:.3f} s after the kill -9; "
+            f"the three transfers in flight complete {completed:.3f} s after it"
+        )
+        assert p.call("writes_posted") == written + len(stages)  # one WRITE per transfer
+        assert d.check([20, 21], seed=50) == []  # ha-written: not written again
+        used = {20, 21} | {b for _, dst, _ in stages.values() for b in dst}
+        assert d.call("check_canary", [b for b in range(NB) if b not in used], CANARY) == []
+        assert p.call("held") == d.call("held") == []
+    finally:
+        client.close()
+        p.stop()
+        d.stop()
+
+
 # ---------------------------------------------------------------- helpers
+
+
+def _submit(client: CoordinatorClient, call: Call) -> None:
+    client.submit(call)
+    res = client.wait_result(lambda r: r.call.request_id == call.request_id, DEADLINE_S)
+    assert res is not None and res.ok, res
 
 
 class _Out:

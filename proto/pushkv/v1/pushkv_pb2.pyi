@@ -409,6 +409,7 @@ class AgentHello(_message.Message):
     API_URL_FIELD_NUMBER: _builtins.int
     ACCEPTS_BATCHES_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
@@ -427,6 +428,15 @@ class AgentHello(_message.Message):
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
     def layout(self) -> Global___KVLayout: ...
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldTransfer]:
+        """The agent's live transfers, re-sent on every hello so that a new leader
+        of the same cluster adopts them instead of the agents resolving them
+        locally (docs/reliability.md, "Failover rebuild"). Empty when the agent
+        does not rebuild (AgentConfig.rebuild_on_failover): it then resolves its
+        transfers locally on a new coordinator id, as after a restart.
+        """
+
     def __init__(
         self,
         *,
@@ -438,14 +448,58 @@ class AgentHello(_message.Message):
         api_url: _builtins.str = ...,
         accepts_batches: _builtins.bool = ...,
         term: _builtins.int = ...,
+        held: _abc.Iterable[Global___HeldTransfer] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "held", b"held", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentHello: _TypeAlias = AgentHello  # noqa: Y015
+
+@_typing.final
+class HeldTransfer(_message.Message):
+    """One live transfer in an agent's hello (AgentHello.held)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    POSTED_ORDER_IDS_FIELD_NUMBER: _builtins.int
+    UNPOSTED_ORDER_IDS_FIELD_NUMBER: _builtins.int
+    COUNTED_PREFILL_RANKS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    @_builtins.property
+    def posted_order_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Prefill: the orders of this rank posted (a WRITE in flight, or some of it
+        written): never ordered again; their DONE/FAILED report resolves them.
+        """
+
+    @_builtins.property
+    def unposted_order_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Prefill: the orders held unposted (queued or armed). They are of the old
+        term, so the agent refuses them once a newer leader welcomes it.
+        """
+
+    @_builtins.property
+    def counted_prefill_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Decode: the prefill ranks whose WRITE notification this rank counted."""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        posted_order_ids: _abc.Iterable[_builtins.str] | None = ...,
+        unposted_order_ids: _abc.Iterable[_builtins.str] | None = ...,
+        counted_prefill_ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted_prefill_ranks", b"counted_prefill_ranks", "posted_order_ids", b"posted_order_ids", "transfer_id", b"transfer_id", "unposted_order_ids", b"unposted_order_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldTransfer: _TypeAlias = HeldTransfer  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):

@@ -1,0 +1,48 @@
+"""The agent's live transfers, re-sent in every hello so that a newer leader
+of the same cluster adopts them after a failover (pushkv.proto,
+AgentHello.held; docs/reliability.md, "Failover rebuild").
+
+The NIXL thread owns the state it is built from: it publishes an immutable
+snapshot when asked (`SnapshotMsg`, queued behind everything the link sent it
+before, so behind the loss that stopped its posting); the link thread waits for
+that snapshot, under a deadline, before it says hello.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HeldItem:
+    """One live transfer. Prefill: the orders posted (never ordered again) and
+    held unposted (refused once a newer leader welcomes the agent). Decode:
+    the prefill ranks whose notification this rank counted."""
+
+    transfer_id: str
+    posted: tuple[str, ...] = ()
+    unposted: tuple[str, ...] = ()
+    counted: tuple[int, ...] = ()
+
+
+class SnapshotBox:
+    """Published by the NIXL thread, read by the link thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._gen = 0
+        self._items: tuple[HeldItem, ...] = ()
+
+    def publish(self, gen: int, items: tuple[HeldItem, ...]) -> None:
+        with self._cond:
+            if gen > self._gen:
+                self._gen, self._items = gen, items
+                self._cond.notify_all()
+
+    def wait(self, gen: int, timeout: float) -> tuple[HeldItem, ...] | None:
+        """The snapshot of generation `gen` or later; None if none came in time."""
+        with self._cond:
+            if self._cond.wait_for(lambda: self._gen >= gen, timeout):
+                return self._items
+            return None

@@ -1,0 +1,154 @@
+"""Adopting transfers after a failover: a new leader rebuilds the live state
+from the agents' hellos (pushkv.proto, AgentHello.held). Plain Python, no
+gRPC; the rendezvous state machine (rendezvous.py, `agent_hello`) decides when.
+
+The rules (docs/reliability.md, "Failover rebuild"):
+- An adopted transfer waits as any other does (AWAITING until its sides come
+  back), under the rendezvous deadline, naming the engines whose agents re-sent
+  it: if nobody brings its blocks back, it expires and both engines are told.
+- A rank a prefill hello reports posted is recorded under its old order id
+  (`adopted`: never sent, never replayed); its DONE/FAILED report and the
+  decode's arrivals resolve it. It is never ordered again.
+- A rank a decode rank counted (its notification came) is written: never
+  ordered again either.
+- Every other rank is ordered once, with the new leader's term, when both
+  sides' blocks are known (`issue_adopted`): one WRITE per rank in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from controlplane.domain import (
+    AgentKey,
+    AgentRegistration,
+    Blocks,
+    Effect,
+    EngineId,
+    HeldTransfer,
+    Order,
+    OrderId,
+    RankState,
+    Role,
+    SendOrder,
+)
+from controlplane.orders import OpenOrders, rank_order
+from controlplane.registry import EngineRecord
+from controlplane.transfer import OrderRecord, Transfer
+
+
+def join(
+    t: Transfer,
+    reg: AgentRegistration,
+    h: HeldTransfer,
+    deadline_unix: float,
+    open_orders: OpenOrders,
+) -> bool:
+    """Agent `reg` re-sent `h`, a transfer not ended here: it names the agent's
+    engine (False, nothing changed, if it names another), its posted order is
+    recorded, and a transfer not ordered here yet is adopted (its counted
+    ranks kept for when it is)."""
+    prefill = reg.role is Role.PREFILL
+    named = t.prefill_engine if prefill else t.decode_engine
+    if named is not None and named != reg.engine_id:
+        return False
+    if prefill:
+        t.announced_prefill = t.announced_prefill or reg.engine_id
+    else:
+        t.announced_decode = t.announced_decode or reg.engine_id
+    if not t.orders:
+        t.adopting = True
+    if h.posted:
+        adopt_posted(t, reg.key, reg.incarnation, h.posted[0], deadline_unix, open_orders)
+    if h.counted and t.adopting:
+        adopt_counted(t, reg.key.rank, h.counted)
+    return True
+
+
+def name_engines(t: Transfer, pe: EngineId | None, de: EngineId | None) -> None:
+    """A BeginTransfer for an adopted transfer: the engines it announces,
+    unless its agents named others (then the call conflicts, as usual)."""
+    if t.announced_prefill in (None, pe) and t.announced_decode in (None, de):
+        t.announced_prefill, t.announced_decode = pe, de
+
+
+def adopt_posted(
+    t: Transfer,
+    key: AgentKey,
+    incarnation: str,
+    order_id: str,
+    deadline_unix: float,
+    open_orders: OpenOrders,
+) -> bool:
+    """Record that prefill rank `key.rank` posted order `order_id` of an older
+    leader; False if the transfer already knows a posted or finished order of
+    that rank (nothing changes)."""
+    rank = key.rank
+    rec = t.orders.get(rank)
+    oid = OrderId(order_id)
+    if rec is not None:
+        if rec.order.order_id == oid or rec.adopted or rec.state is not RankState.ORDERED:
+            return False
+        # This leader's own order for the rank, issued before the agent's first
+        # hello here, so never delivered: withdrawn, the posted one stands.
+        open_orders.close(rec)
+        order = rec.order._replace(order_id=oid, prefill_incarnation=incarnation)
+    else:
+        order = Order(oid, t.transfer_id, key.engine_id, rank, incarnation, (), deadline_unix, 0)
+    t.orders[rank] = OrderRecord(order, key, RankState.POSTED, adopted=True)
+    open_orders.add(key, incarnation, t.transfer_id, rank)
+    return True
+
+
+def adopt_counted(t: Transfer, decode_rank: int, prefill_ranks: tuple[int, ...]) -> None:
+    """Prefill ranks decode rank `decode_rank` counted before this leader
+    ordered the transfer: merged into its arrivals once it does."""
+    got = t.early_arrivals.get(decode_rank)
+    if got is None:
+        got = t.early_arrivals[decode_rank] = set()
+    got.update(prefill_ranks)
+
+
+def issue_adopted(
+    t: Transfer,
+    pe: EngineRecord,
+    de: EngineRecord,
+    src: Blocks,
+    deadline_unix: float,
+    next_id: Callable[[], OrderId],
+    open_orders: OpenOrders,
+) -> list[Effect]:
+    """The orders of an adopted transfer whose two sides are now known: the
+    adopted ranks keep their order (now with its targets, for the arrivals);
+    ranks a decode rank counted are DONE, never sent; the others are ordered."""
+    assert t.decode is not None
+    counted: set[int] = set()
+    for ranks in t.early_arrivals.values():
+        counted |= ranks
+    effects: list[Effect] = []
+    for rank in range(pe.size):
+        p_agent = pe.ranks[rank]
+        rec = t.orders.get(rank)
+        oid = rec.order.order_id if rec is not None else next_id()
+        order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)
+        for tgt in order.targets:
+            t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
+        if rec is not None:  # posted before the failover: the agent holds it
+            rec.order = order._replace(prefill_incarnation=rec.order.prefill_incarnation)
+        elif rank in counted:  # written before the failover
+            why = "written before the failover (its notification was counted)"
+            t.orders[rank] = OrderRecord(order, p_agent.key, RankState.DONE, why, adopted=True)
+        else:
+            t.orders[rank] = OrderRecord(order, p_agent.key)
+            open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
+            effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
+    for d, ranks in t.early_arrivals.items():
+        got = ranks & t.expected.get(d, frozenset())
+        if got:
+            seen = t.arrived.get(d)
+            if seen is None:
+                seen = t.arrived[d] = set()
+            seen.update(got)
+    t.early_arrivals = {}
+    t.adopting = False
+    return effects

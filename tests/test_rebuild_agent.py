@@ -1,0 +1,137 @@
+"""The agent's side of the failover rebuild (docs/reliability.md, "Failover rebuild").
+
+A real agent in a KV host process (AgentConfig.rebuild_on_failover) against a
+scripted coordinator (a real gRPC server in this process, tests/test_term_fencing.py):
+it re-sends its live transfers in every hello; on a welcome from a newer leader
+of the same cluster it refuses the old term's unposted orders and keeps its
+blocks for that leader to adopt; term 0 (a single coordinator restarted) keeps
+today's rule, and so does a lost leader nobody replaces within give_up_s.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+
+from agent.events import EventKind
+from harness.kvhost import HostSpec, KVHost
+from tests.test_term_fencing import (
+    WAIT,
+    ScriptedCoordinator,
+    _pb_order,
+    _welcome,
+    _write_report,
+    scripted,  # noqa: F401  (the fixture)
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+Stream = tuple[KVHost, "queue.Queue[pb.CoordinatorMessage | None]", "queue.Queue[Any]"]
+
+
+def _started(servicer: ScriptedCoordinator, spec: HostSpec, term: int, cid: str) -> Stream:
+    """The host, registered with a scripted coordinator of `term`; its first stream."""
+    host = KVHost(spec)
+    starting = threading.Thread(target=host.start, daemon=True)  # waits for the welcome
+    starting.start()
+    hello, out, incoming = servicer.streams.get(timeout=60)
+    assert list(hello.held) == []  # no term followed yet: nothing to re-send
+    out.put(_welcome(term, cid))
+    starting.join(60)
+    assert host.agent_name
+    return host, out, incoming
+
+
+def _live(host: KVHost, tid: str) -> tuple[object, ...]:
+    """The host's snapshot entry for `tid`, once there (the order reaches the
+    NIXL thread through the link, unordered with the host's own calls)."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        found = [h for h in host.call("held") if h[0] == tid]
+        if found:
+            return tuple(found[0])
+    raise AssertionError(f"{tid} not in the snapshot within {WAIT} s")
+
+
+def _held(hello: pb.AgentHello) -> dict[str, tuple[list[str], list[str]]]:
+    return {
+        h.transfer_id: (list(h.posted_order_ids), list(h.unposted_order_ids)) for h in hello.held
+    }
+
+
+def test_a_newer_leader_adopts_what_the_hello_re_sent(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    coord, address = scripted
+    host, out, incoming = _started(coord, HostSpec(address, "P", "prefill", rebuild=True), 7, "l7")
+    try:
+        host.call("pause", True)  # the order waits in the queue
+        host.call("hold", ["t-held"])
+        out.put(_pb_order("q", 7))  # for transfer t-q
+        assert _live(host, "t-q") == ("t-q", (), ("q",), ())
+
+        out.put(None)  # the leader is gone: posting is held from now on
+        hello, out, incoming = coord.streams.get(timeout=WAIT)
+        host.call("pause", False)  # the host resumes; the loss still holds posting
+        assert hello.term == 7
+        assert _held(hello) == {"t-held": ([], []), "t-q": ([], ["q"])}
+        # Still not posted: the next snapshot (taken after the resume) says so.
+        assert ("t-q", (), ("q",), ()) in host.call("held")
+
+        out.put(_welcome(8, "l8"))  # a newer leader of the same cluster
+        r = _write_report(incoming)  # the old term's order: refused, never posted
+        assert (r.order_id, r.status) == ("q", pb.WRITE_STATUS_DROPPED)
+        assert r.detail == "refused: order of term 7, older than term 8"
+        assert host.call("held") == [("t-held", (), (), ())]  # kept for the new leader
+        assert host.call("writes_posted") == 0
+        assert host.pending_events() == []  # nothing resolved locally
+        # The new leader orders it once, with its term: posted (the peer is unknown here).
+        out.put(_pb_order("q2", 8))
+        r = _write_report(incoming)
+        assert (r.order_id, r.status) == ("q2", pb.WRITE_STATUS_FAILED)
+    finally:
+        host.stop()
+
+
+def test_term_zero_a_restarted_coordinator_resolves_locally_as_before(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    coord, address = scripted
+    spec = HostSpec(address, "P", "prefill", rebuild=True)
+    host, out, _ = _started(coord, spec, 0, "c1")
+    try:
+        host.call("hold", ["t-held"])
+        assert host.call("held") == [("t-held", (), (), ())]
+        out.put(None)
+        hello, out, _ = coord.streams.get(timeout=WAIT)
+        assert list(hello.held) == []  # term 0: nobody would adopt them
+        out.put(_welcome(0, "c2"))  # no term: a restart, not a failover
+        e = host.wait_event("t-held", WAIT)
+        assert e.kind is EventKind.BLOCKS_FREE and "coordinator restarted" in e.detail
+    finally:
+        host.stop()
+
+
+def test_no_leader_within_give_up_s_resolves_locally(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    coord, address = scripted
+    spec = HostSpec(address, "D", "decode", rebuild=True, give_up_s=1.0)
+    host, out, _ = _started(coord, spec, 7, "l7")
+    try:
+        host.call("expect", ["t-exp"])
+        assert host.call("held") == [("t-exp", (), (), ())]
+        out.put(None)  # the leader is gone; the streams that follow get no welcome
+        hello, _, _ = coord.streams.get(timeout=WAIT)
+        assert [h.transfer_id for h in hello.held] == ["t-exp"]
+        e = host.wait_event("t-exp", WAIT)
+        assert e.kind is EventKind.KV_FAILED and "unreachable" in e.detail
+        assert host.call("held") == []
+    finally:
+        host.stop()
