@@ -3,88 +3,24 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
-
-CANARY = 0x5A
-NB = 64
-
-
-@pytest.fixture
-def coord() -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(
-        "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING"
-    ).start()
-    yield c
-    c.stop()
-
-
-def stubs(c: CoordinatorProcess) -> tuple[pbg.TransferServiceStub, pbg.StatusServiceStub]:
-    ch = grpc.insecure_channel(c.address)
-    return pbg.TransferServiceStub(ch), pbg.StatusServiceStub(ch)
-
-
-def hosts(c: CoordinatorProcess, tp: int = 1) -> tuple[list[KVHost], list[KVHost]]:
-    p = [KVHost(HostSpec(c.address, "P", "prefill", r, tp, NB)) for r in range(tp)]
-    d = [KVHost(HostSpec(c.address, "D", "decode", r, tp, NB)) for r in range(tp)]
-    for h in (*p, *d):
-        h.start()
-    return p, d
-
-
-def register(req: pbg.TransferServiceStub, tid: str, dst: list[int], n: int) -> pb.TransferStatus:
-    return req.RegisterDecodeBlocks(
-        pb.RegisterDecodeBlocksRequest(
-            transfer_id=tid, decode_engine_id="D", block_ids=[pb.BlockIds(ids=dst)], num_tokens=n
-        ),
-        timeout=10,
-    )
-
-
-def prefill_done(
-    req: pbg.TransferServiceStub, tid: str, src: list[int], n: int
-) -> pb.TransferStatus:
-    return req.ReportPrefillDone(
-        pb.ReportPrefillDoneRequest(
-            transfer_id=tid, prefill_engine_id="P", block_ids=[pb.BlockIds(ids=src)], num_tokens=n
-        ),
-        timeout=10,
-    )
-
-
-def wait_state(
-    status: pbg.StatusServiceStub, tid: str, state: int, timeout: float = 10
-) -> pb.TransferStatus:
-    """Watch the transfer until it reaches `state`; return its last status."""
-    last = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-    if last.state == state:
-        return last
-    events = status.WatchTransfers(pb.WatchTransfersRequest(include_existing=True), timeout=timeout)
-    try:
-        for ev in events:
-            if ev.transfer.transfer_id == tid:
-                last = ev.transfer
-                if last.state == state:
-                    break
-    except grpc.RpcError as exc:
-        assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    finally:
-        events.cancel()
-    return last
-
-
-def stop_all(*groups: list[KVHost]) -> None:
-    for g in groups:
-        for h in g:
-            h.stop()
+from tests.support.kvpair import (
+    CANARY,
+    NB,
+    coord_fixture,  # noqa: F401
+    hosts,
+    prefill_done,
+    register,
+    stop_all,
+    stubs,
+    wait_state,
+)
 
 
 @pytest.mark.parametrize("decode_first", [True, False])

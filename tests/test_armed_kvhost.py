@@ -5,56 +5,29 @@ connector's worker does after the request's last prefill forward)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import KVHost
-from tests.support.waits import wait_until
-from tests.test_agent_e2e import (
+from tests.support.kvpair import (
     CANARY,
     NB,
+    begin,
+    coord_fixture,  # noqa: F401
     hosts,
+    pair_fixture,  # noqa: F401
     prefill_done,
     register,
+    stages,
     stop_all,
     stubs,
     wait_state,
 )
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def coord() -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(
-        "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING"
-    ).start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def pair(coord: CoordinatorProcess) -> Iterator[tuple[KVHost, KVHost]]:
-    (p,), (d,) = hosts(coord)
-    yield p, d
-    stop_all([p], [d])
-
-
-def begin(req: pbg.TransferServiceStub, tid: str) -> None:
-    req.BeginTransfer(
-        pb.BeginTransferRequest(transfer_id=tid, prefill_engine_id="P", decode_engine_id="D"),
-        timeout=10,
-    )
-
-
-def stages(status: pbg.StatusServiceStub, tid: str) -> list[str]:
-    t = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-    return [e.stage for e in t.timeline]
 
 
 @pytest.mark.parametrize("fire_first", [False, True], ids=["order-first", "fire-first"])

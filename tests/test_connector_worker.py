@@ -26,9 +26,9 @@ from agent.events import EventKind
 from agent.nixl_adapter import quiet_nixl_env
 from agent.nixl_types import KVRegion
 from harness.coordinator import CoordinatorProcess
+from tests.support.kvpair import wait_state
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
-from tests.test_agent_e2e import wait_state
 from vllm_integration.compat import KVConnectorRole
 from vllm_integration.connector import PushKVConnector
 from vllm_integration.metadata import PushKVMetadata, RecvSpec

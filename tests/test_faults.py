@@ -18,8 +18,8 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from tests.support.kvpair import wait_state
 from tests.support.netcut import CuttableProxy
-from tests.test_agent_e2e import wait_state
 
 pytestmark = pytest.mark.faults
 

@@ -27,7 +27,7 @@ from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
 from ops.devpki import make_pki
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
-from tests.test_agent_e2e import wait_state
+from tests.support.kvpair import wait_state
 from vllm_integration.client import Call, CoordinatorClient
 from wire.tls import TLSFiles
 

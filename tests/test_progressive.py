@@ -4,8 +4,6 @@ real NIXL between KV hosts in separate processes and a real coordinator."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
@@ -14,9 +12,16 @@ from agent.messages import FireMsg, OrderMsg, Target
 from agent.progressive import chunk_writes, progressive_ok
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import KVHost
+from tests.support.kvpair import (
+    CANARY,
+    begin,
+    coord_fixture,  # noqa: F401
+    pair_fixture,  # noqa: F401
+    register,
+    stubs,
+    wait_state,
+)
 from tests.support.waits import wait_until
-from tests.test_agent_e2e import CANARY, hosts, register, stop_all, stubs, wait_state
-from tests.test_armed_kvhost import begin
 
 TPB = 16
 
@@ -78,22 +83,6 @@ def test_a_chunk_that_does_not_fit_is_refused() -> None:
 
 
 # ---------------------------------------------------------------- real NIXL
-
-
-@pytest.fixture
-def coord() -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(
-        "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--log-level", "WARNING"
-    ).start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def pair(coord: CoordinatorProcess) -> Iterator[tuple[KVHost, KVHost]]:
-    (p,), (d,) = hosts(coord)
-    yield p, d
-    stop_all([p], [d])
 
 
 def fire(p: KVHost, tid: str, held: list[int], n: int, computed: int = 0, **kw: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from agent.messages import FireMsg
 from vllm_integration.compat import KVConnectorMetadata
 
 
@@ -12,23 +13,6 @@ class RecvSpec(NamedTuple):
     request_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
-
-
-class FireSpec(NamedTuple):
-    """Prefill: a request's prompt is computed by this step's forward (or,
-    late, it finished without such a step being seen): its agent fires the
-    transfer's armed order, if it holds one (pushkv.proto, TransferOrder.armed)."""
-
-    transfer_id: str
-    # Per KV group, the blocks the engine holds of the prompt (a tail ending
-    # at the prompt's last block).
-    blocks: tuple[tuple[int, ...], ...]
-    num_tokens: int
-    # Progressive push: a chunk's fire (final False) and the prompt tokens
-    # computed through this step; a final fire after a preemption (restart).
-    computed_tokens: int = 0
-    final: bool = True
-    restart: bool = False
 
 
 @dataclass
@@ -46,8 +30,10 @@ class PushKVMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # refused or had already ended the transfer): free them without waiting for
     # the agent, which is never told about such a transfer.
     free: list[tuple[str, str]] = field(default_factory=list)  # (request id, transfer id)
-    # Prefill: fire these transfers' armed orders once this step's forward is done.
-    fire: list[FireSpec] = field(default_factory=list)
+    # Prefill: requests whose prompt (or a chunk of it) this step's forward
+    # computes: after it, the worker hands each to its agent, which fires the
+    # transfer's armed order if it holds one (pushkv.proto, TransferOrder.armed).
+    fire: list[FireMsg] = field(default_factory=list)
     # Prefill: held transfers whose request was aborted after it fired: the
     # agent drops an order not yet posted and frees the blocks once no WRITE
     # of them is in flight.

@@ -5,7 +5,7 @@ those blocks with the coordinator right after allocation (off the engine
 loop), and cancels the transfer if the request is aborted while waiting.
 
 Prefill: marks the step whose forward computes a request's last prompt token
-(`FireSpec`: the worker fires the transfer's armed order after that forward,
+(`FireMsg`: the worker fires the transfer's armed order after that forward,
 with no coordinator round trip), reports prefill done with the request's
 blocks in request_finished (request_finished_all_groups) and keeps the blocks
 until the worker's agent says they may be freed. A request aborted after it
@@ -33,9 +33,10 @@ import logging
 import time
 from typing import Any
 
+from agent.messages import FireMsg
 from vllm_integration import compat, fault_hooks
 from vllm_integration.client import Call, CoordinatorClient, needs_engine
-from vllm_integration.metadata import FireSpec, PushKVMetadata, RecvSpec
+from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
 from vllm_integration.settings import ConnectorSettings
 
@@ -246,7 +247,7 @@ class PushSchedulerHalf:
             del self._legs[rid]
             self._fired.add(rid)
             blocks = self._prompt_blocks(leg.blocks, leg.num_tokens)
-            spec = FireSpec(leg.transfer_id, blocks, leg.num_tokens, restart=leg.restart)
+            spec = FireMsg(leg.transfer_id, blocks, leg.num_tokens, restart=leg.restart)
             self._meta.fire.append(spec)
             return
         whole = computed // self.block_size
@@ -254,7 +255,7 @@ class PushSchedulerHalf:
             return
         leg.chunked = whole
         self._fired.add(rid)  # a chunk's WRITE may be in flight from now on
-        spec = FireSpec(
+        spec = FireMsg(
             leg.transfer_id, (tuple(leg.blocks[0]),), leg.num_tokens, computed, final=False
         )
         self._meta.fire.append(spec)
@@ -400,7 +401,7 @@ class PushSchedulerHalf:
                 if leg is not None or not fired:  # no final fire yet: fire now, blocks held
                     restart = leg is not None and leg.chunked > 0
                     n = request.num_prompt_tokens
-                    self._meta.fire.append(FireSpec(tid, (first, *more), n, restart=restart))
+                    self._meta.fire.append(FireMsg(tid, (first, *more), n, restart=restart))
                 if fault_hooks.DIGEST:
                     self._meta.send_blocks[tid] = first
                 return True, {"transfer_id": tid}

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.events import EventKind, HostEvent
-from agent.messages import FireMsg
 from agent.nixl_types import KVRegion, MemoryKind
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks, kv_checks
@@ -350,7 +349,7 @@ class PushWorkerHalf:
             import torch
 
             torch.cuda.current_stream().synchronize()
-        self.agent.fire([FireMsg(*f) for f in meta.fire])
+        self.agent.fire(meta.fire)
 
     def get_finished(
         self, finished_req_ids: set[str], idle: bool
