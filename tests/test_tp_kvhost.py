@@ -18,6 +18,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from tests.support.kvpair import stop_all as stop
 
 CANARY = 0x5A
 NB = 64
@@ -66,12 +67,6 @@ def engine(
     for h in hosts:
         h.start()
     return hosts
-
-
-def stop(*engines: list[KVHost]) -> None:
-    for hosts in engines:
-        for h in hosts:
-            h.stop()
 
 
 def transfer_rpcs(c: CoordinatorProcess) -> tuple[pbg.TransferServiceStub, pbg.StatusServiceStub]:
