@@ -25,6 +25,7 @@ decode rank): the same outputs, the same bytes."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import urllib.request
@@ -54,6 +55,10 @@ BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
 COORD_FLAGS = ("--lease-s", "60", "--write-timeout-s", "60", "--log-level", "WARNING")
 EXTRA_CONFIG = {"rpc_timeout_s": 20}
 PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
+# One long prompt for the decode-memory measurement, and enough output tokens
+# that the request is still decoding when decode's metrics are read.
+LONG_PROMPT = serving.varied_prompts(79, (600,))[0]
+LONG_OUTPUT = 400  # 600 + 400 within the harness's max_model_len (1024)
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
 TWO_GROUPS_LINE = f"kv cache group sizes ({BLOCK}, {BLOCK})"
 
@@ -241,4 +246,69 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     print(
         f"\n{'HMA on' if pair.hma else 'HMA off'}: {len(loaded_ts)} transfers written, "
         f"{moved:.0f} bytes ({moved / len(loaded_ts):.0f} per transfer)"
+    )
+
+
+def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> int:
+    """KV blocks the decode engine holds for one request, read from vLLM's own
+    gauges while the request is decoding: after its first streamed token and
+    before its last, with the request running (vllm:num_requests_running 1).
+    used = kv_cache_usage_perc x (num_gpu_blocks - 1), as vLLM's BlockPool
+    computes it (the null block excluded)."""
+    serving.wait_no_blocks_held(pair.prefill, pair.decode)
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": LONG_OUTPUT,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        pair.router.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        tokens = 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                tokens += 1
+                break
+        assert tokens == 1, "the stream ended before its first token"
+        text = pair.decode.metrics()
+        rest = [raw for raw in resp if raw.decode().startswith("data: {")]
+    # Read while decoding: the request was running, and tokens followed.
+    assert metric_value(text, "vllm:num_requests_running") == 1, text[-2000:]
+    assert len(rest) >= 1, "the request had finished when the metrics were read"
+    found = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    assert found is not None, "vllm:cache_config_info names no num_gpu_blocks"
+    total = int(found.group(1)) - 1
+    used = round(metric_value(text, serving.USAGE) * total)
+    serving.wait_no_blocks_held(pair.prefill, pair.decode)
+    return used
+
+
+def test_decode_kv_memory_of_a_long_request(pair: Pair) -> None:
+    """What the hybrid manager saves on decode, measured from vLLM's own KV
+    cache usage: a 600-token prompt loaded through pushkv, read after the
+    first output token. HMA on: one block per 32 tokens in the full-attention
+    group plus the window's blocks in the sliding-window group, each block 2
+    layers; off: one block per 32 tokens, each block all 4 layers."""
+    before = serving.external_tokens(pair.decode.metrics())
+    used = blocks_held_while_decoding(pair, LONG_PROMPT)
+    loaded = serving.external_tokens(pair.decode.metrics()) - before
+    assert loaded == len(LONG_PROMPT), "decode computed the prompt instead of loading it"
+    n = len(LONG_PROMPT) + 1  # the prompt and the first output token
+    full = math.ceil(n / BLOCK)
+    regions = 2 if pair.hma else LAYERS
+    expected = full + window_blocks(n) if pair.hma else full
+    # One block of slack: vLLM may allocate the next token's block a step early.
+    assert expected <= used <= expected + 1, (used, expected)
+    held = used * regions * BLOCK_BYTES
+    label = "HMA on" if pair.hma else "HMA off"
+    print(
+        f"\n{label}, TP {pair.p_tp} -> {pair.d_tp}: decode holds {used} blocks x {regions} "
+        f"layers x {BLOCK_BYTES} B = {held} B for a {len(LONG_PROMPT)}-token prompt"
     )

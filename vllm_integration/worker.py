@@ -219,13 +219,15 @@ class PushWorkerHalf:
     def model_regions(self, regions: int, layers: tuple[int, ...]) -> int:
         """The KV regions of the whole model (the kv_regions compat field, equal
         on a PP 1 decode): with pipeline parallelism this stage's `regions` are
-        its layers' only, so its regions per layer times the model's layers."""
+        its `layers`' only (every layer of the stage, before the hybrid
+        manager's shared regions are merged), so its regions per layer times
+        the model's layers."""
         stage_layers = len(set(layers))
         if self.pp_size <= 1 or not self.total_layers or not stage_layers:
             return regions
-        if regions % stage_layers:
+        if regions * self.total_layers % stage_layers:
             return regions
-        return regions // stage_layers * self.total_layers
+        return regions * self.total_layers // stage_layers
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         if self.mla_head_size:
@@ -238,6 +240,7 @@ class PushWorkerHalf:
             )
         regions = regions_of(kv_caches, self.num_blocks)
         layers = region_layers(kv_caches, self.num_blocks)
+        stage_layers = layers  # every layer of this stage, also those sharing a region
         if self.kv_groups > 1:
             kept = distinct_regions(regions)
             layers = tuple([layers[regions.index(r)] for r in kept])
@@ -250,7 +253,7 @@ class PushWorkerHalf:
         compat = {
             **self.compat,
             "kv_layout": shape,
-            "kv_regions": str(self.model_regions(len(regions), layers)),
+            "kv_regions": str(self.model_regions(len(regions), stage_layers)),
         }
         compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
