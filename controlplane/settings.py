@@ -31,6 +31,11 @@ class CoreSettings:
     # own at the request's last prefill forward, with no round trip here
     # (docs/architecture.md, "Armed orders"). Off: order when both sides are in.
     arm_orders: bool = True
+    # After a failover, how long a new leader answers a resubmitted side
+    # UNAVAILABLE (retried) while no agent of its engine has re-sent the
+    # transfer in a hello; after this, FAILED (docs/reliability.md,
+    # "Scheduler resubmission"). Agents reconnect within about a second.
+    rebuild_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
