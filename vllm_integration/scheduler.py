@@ -97,6 +97,10 @@ class PushSchedulerHalf:
         # and those fired (their armed order may have posted a WRITE).
         self._legs: dict[str, _Leg] = {}
         self._fired: set[str] = set()
+        # Prefill requests reported done whose blocks are held: request id ->
+        # transfer id. Their report stays open at the client (resubmitted after
+        # a failover) until the worker frees the blocks (finished_sending).
+        self._sending: dict[str, str] = {}
 
     # ------------------------------------------------------------ decode
     # The per-request hooks below run on vLLM's engine thread, once or twice
@@ -335,10 +339,19 @@ class PushSchedulerHalf:
 
     def update_connector_output(self, output: Any) -> None:
         # A request stays in _registered until it finishes, so a recompute after
-        # a failed load never registers (or waits) a second time.
+        # a failed load never registers (or waits) a second time. A transfer
+        # loaded (or given up) or whose blocks were freed is settled: the client
+        # resubmits nothing of it after a failover.
         for rid in getattr(output, "finished_recving", None) or ():
-            self._waiting.pop(rid, None)
+            spec = self._waiting.pop(rid, None)
+            if spec is not None:
+                self.client.settle(rid, spec.transfer_id)
             self._uncertain.pop(rid, None)
+        if self._sending:
+            for rid in getattr(output, "finished_sending", None) or ():
+                tid = self._sending.pop(rid, None)
+                if tid is not None:
+                    self.client.settle(rid, tid)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -398,6 +411,7 @@ class PushSchedulerHalf:
                     )
                 )
                 self._meta.send.append((rid, tid))
+                self._sending[rid] = tid
                 if leg is not None or not fired:  # no final fire yet: fire now, blocks held
                     restart = leg is not None and leg.chunked > 0
                     n = request.num_prompt_tokens
