@@ -8,10 +8,13 @@ with the independent engine's answer, none hangs; new requests succeed, and
 a pushed transfer completes through the new leader; no KV block stays held on
 either engine. The failover time is printed, never asserted.
 
-What the in-flight transfers do: the new leader knows nothing of them (its
-state is rebuilt from nothing yet: docs/reliability.md, "What is left"), so the
-agents resolve them locally once no WRITE of the old term can land, and the
-decode engine recomputes them (the answers stay exact).
+What the in-flight transfers do (the connector's rebuild_on_failover, on by
+default: docs/reliability.md, "Failover rebuild" and "Scheduler
+resubmission"): the agents re-send them in their hellos to the new leader,
+which adopts them; the scheduler halves resubmit the sides the old leader
+accepted, and the transfers complete through the new leader where their data
+can still move. The others fail cleanly and decode recomputes them (the
+answers stay exact either way).
 """
 
 from __future__ import annotations
@@ -161,13 +164,13 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     pool = ThreadPoolExecutor(len(BURST))
     futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in BURST]
     pool.shutdown(wait=False)
+
     # In flight: any state short of the end (with armed orders a transfer can
     # go from AWAITING to ARMED, WRITING and COMPLETE between two polls).
-    poll(
-        "a transfer in flight at the leader",
-        lambda: any(t.state not in serving.TERMINAL for t in cluster.transfers(lead)),
-        30,
-    )
+    def in_flight() -> set[str]:
+        return {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
+
+    inflight = poll("a transfer in flight at the leader", in_flight, 30)
     lead.kill()
     killed = time.monotonic()
     new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
@@ -200,7 +203,21 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     poll("a pushed transfer through the new leader", next_pushed)
     pushing_s = time.monotonic() - killed
     serving.wait_no_blocks_held(cluster.prefill, cluster.decode, timeout=DEADLINE_S)
+
+    # Transfers in flight at the kill: adopted by the new leader, and at least
+    # one completed through it (pushed: its WRITE, not a recompute).
+    at_new = {t.transfer_id: t for t in cluster.transfers(new) if t.transfer_id in inflight}
+    adopted = {tid: t for tid, t in at_new.items() if "adopted" in [e.stage for e in t.timeline]}
+    pushed_through = [
+        tid
+        for tid, t in adopted.items()
+        if t.state == pb.TRANSFER_STATE_COMPLETE and t.reason == pb.REASON_UNSPECIFIED
+    ]
+    ends = sorted(pb.TransferState.Name(t.state) for t in at_new.values())
     print(
         f"\nleader kill -9 mid-burst: a standby led after {failover_s:.2f} s, "
-        f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct"
+        f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct; "
+        f"{len(inflight)} transfers in flight at the kill, {len(adopted)} adopted, "
+        f"{len(pushed_through)} complete through the new leader (ends there: {ends})"
     )
+    assert pushed_through, (inflight, {tid: str(t) for tid, t in at_new.items()})

@@ -151,7 +151,10 @@ class CoordinatorClient:
         keep: Callable[[Result], bool] | None = None,
         failover_s: float = FAILOVER_S,
         resubmit_s: float = RESUBMIT_S,
+        resubmit: bool = True,
     ) -> None:
+        """`resubmit`: after a failover, resubmit the open calls (off: the
+        engine's agents do not rebuild, so the new leader would fail them)."""
         # One address, or several coordinator replicas (comma-separated).
         self._follower = LeaderFollower(address)
         self._failover_s = failover_s
@@ -180,6 +183,7 @@ class CoordinatorClient:
         self._resubmit_at: float | None = None  # monotonic: next resubmission
         self._resubmit_until = 0.0
         self._resubmit_s = resubmit_s
+        self._resubmits = resubmit
         self._last_rpc = 0.0
         self.resubmitted = 0  # calls sent again to a new leader (counting retries)
         self.resubmit_accepted = 0
@@ -327,7 +331,7 @@ class CoordinatorClient:
         if term > self._term:
             log.info("coordinator leader term %d (was %d)", term, self._term)
             self._term = term
-        if self._resubmit_at is None and self._open.older_than(self._term):
+        if self._resubmits and self._resubmit_at is None and self._open.older_than(self._term):
             now = time.monotonic()
             self._resubmit_at, self._resubmit_until = now, now + self._resubmit_s
 
@@ -336,7 +340,7 @@ class CoordinatorClient:
         now = time.monotonic()
         if self._resubmit_at is not None:
             return self._resubmit_at - now
-        if self._follower.several and len(self._open):
+        if self._resubmits and self._follower.several and len(self._open):
             return self._last_rpc + PROBE_S - now
         return IDLE_WAKE_S
 

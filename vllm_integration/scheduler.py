@@ -84,6 +84,7 @@ class PushSchedulerHalf:
             timeout_s=settings.rpc_timeout_s,
             tls=settings.tls,
             keep=needs_engine,  # accepted calls never reach the engine thread
+            resubmit=settings.rebuild_on_failover,
         )
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
