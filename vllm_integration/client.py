@@ -272,6 +272,10 @@ class CoordinatorClient:
         batched = True  # until the coordinator says it has no Submit
         try:
             while True:
+                due = self._resubmit_at
+                if due is not None and due <= time.monotonic():
+                    self._maintain()  # before new calls: a busy engine must not starve it
+                    continue
                 if not self._calls:
                     if self._closed:
                         return
