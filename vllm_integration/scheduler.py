@@ -102,6 +102,9 @@ class PushSchedulerHalf:
         # transfer id. Their report stays open at the client (resubmitted after
         # a failover) until the worker frees the blocks (finished_sending).
         self._sending: dict[str, str] = {}
+        # Decode requests whose registration was refused: cancelled at once (so
+        # the prefill side frees its blocks now, not at the deadline), once.
+        self._refused: set[str] = set()
 
     # ------------------------------------------------------------ decode
     # The per-request hooks below run on vLLM's engine thread, once or twice
@@ -319,6 +322,13 @@ class PushSchedulerHalf:
                     "transfer %s for %s cannot proceed: %s", c.transfer_id, c.request_id, why
                 )
                 self._meta.fail.append(self._waiting[c.request_id])
+                if res.refused and c.request_id not in self._refused:
+                    # Nothing recorded for decode, but the prefill side may
+                    # report (or have reported, e.g. to a new leader whose
+                    # agents were still coming back): it frees its blocks now.
+                    self._refused.add(c.request_id)
+                    reason = f"decode registration refused ({why[:300]}); decode computes it"
+                    self.client.submit(Call("cancel", c.request_id, c.transfer_id, reason=reason))
             elif c.kind == "prefill_done" and (
                 res.refused or (res.terminal and not res.write_may_land)
             ):
@@ -376,9 +386,13 @@ class PushSchedulerHalf:
             self._local_hit.pop(rid, None)
         if rid in self._registered:  # a decode leg we registered
             self._registered.discard(rid)
+            refused = False
+            if self._refused and rid in self._refused:  # cancelled at the refusal
+                self._refused.discard(rid)
+                refused = True
             # A recompute after a failed load keeps the request registered, so
             # this is the request's end either way.
-            if rid in self._waiting:
+            if rid in self._waiting and not refused:
                 self._cancel_decode(request, self._waiting[rid].transfer_id)
             return False, None
         tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
