@@ -76,7 +76,7 @@ from controlplane.orders import (
     record_arrivals,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
-from controlplane.resubmission import WHY_FAILED, WHY_WAIT, Verdict, verdict
+from controlplane.resubmission import WHY_FAILED, WHY_NO_AGENTS, WHY_WAIT, Verdict, verdict
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
@@ -406,6 +406,8 @@ class Rendezvous:
         eng = self.registry.engine(engine)
         if eng is None or eng.role is not role:
             eid = validation.engine_id(engine, field=field, max_len=s.max_id_len)
+            if eng is None and self._clock.monotonic() < self._rebuild_until:
+                raise Unavailable(WHY_NO_AGENTS.format(engine=eid), field=field)
             eng = self.registry.require_engine(eid, role, field_name=field)
         eid = eng.engine_id
         side = Side(eid, side_blocks(role, eng, blocks, num_tokens, s), num_tokens)
@@ -626,7 +628,8 @@ class Rendezvous:
         s, now = self.settings, self._clock.monotonic()
         eid = validation.engine_id(engine, field="engine_id", max_len=s.max_id_len)
         t = self._transfers.get(transfer_id)
-        v = verdict(t, eid, now, self._rebuild_until)
+        eng = self.registry.engine(eid)
+        v = verdict(t, eid, eng is not None and eng.ready, now, self._rebuild_until)
         if v is Verdict.ACCEPT:
             return None
         if v is Verdict.WAIT:

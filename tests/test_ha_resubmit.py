@@ -39,7 +39,7 @@ from vllm_integration.client import Call, CoordinatorClient
 
 pytestmark = pytest.mark.faults
 
-WINDOW_S = 2.0  # the replicas' --rebuild-window-s
+WINDOW_S = 10.0  # the replicas' --rebuild-window-s (the default)
 
 
 @pytest.fixture

@@ -182,7 +182,16 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
         assert status == 200, answer
         assert text(answer) == cluster.reference[tuple(q)]
 
-    # New requests: correct at once, and pushed again through the new leader.
+    # New requests: correct at once, and pushed again through the new leader
+    # once both engines' agents are back with it (a slow etcd can make the
+    # election late: the fresh prompts must not all be spent before that).
+    def agents_back() -> bool:
+        with grpc.insecure_channel(new.address) as ch:
+            engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=5)
+        return sum(e.ready for e in engines.engines) == 2
+
+    poll("both engines' agents registered with the new leader", agents_back)
+
     def pushed(q: list[int]) -> bool:
         status, answer = cluster.complete(q)
         assert status == 200, answer

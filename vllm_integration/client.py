@@ -43,10 +43,11 @@ IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this ofte
 # With several coordinator replicas, a call is retried (on the leader a standby
 # names, or the next address) for this long: a failover takes about one etcd TTL.
 FAILOVER_S = 5.0
-# Resubmissions answered UNAVAILABLE (the new leader rebuilding: its
-# --rebuild-window-s, 5 s by default) are retried every RESUBMIT_RETRY_S for
-# this long after the new term was seen; then they fail like an unreachable call.
-RESUBMIT_S = 10.0
+# Resubmissions answered UNAVAILABLE (the new leader waiting for the agents:
+# at most its --rebuild-window-s, 10 s by default) are retried every
+# RESUBMIT_RETRY_S for this long after the new term was seen; then they fail
+# like an unreachable call.
+RESUBMIT_S = 15.0
 RESUBMIT_RETRY_S = 0.2
 # With several replicas and open calls: ask for the leader's term when no RPC
 # was sent for this long.
@@ -416,12 +417,40 @@ class CoordinatorClient:
     def _submit(
         self, stub: pbg.TransferServiceStub, batch: list[Call], resubmitted: bool = False
     ) -> list[Result] | None:
-        """One Submit RPC for the batch; None if the coordinator predates Submit."""
+        """One Submit RPC for the batch; None if the coordinator predates Submit.
+
+        Calls answered UNAVAILABLE one by one (a leader just elected, whose
+        agents are still reconnecting) are sent again within the failover
+        time; a resubmission batch retries on its own schedule (_maintain)."""
+        started = time.monotonic()
+        results = self._submit_rpc(stub, batch, resubmitted, started)
+        if results is None or resubmitted:
+            return results
+        for attempt in itertools.count():
+            again = [i for i, r in enumerate(results) if r.code is grpc.StatusCode.UNAVAILABLE]
+            if not again or time.monotonic() - started > self._failover_s:
+                return results
+            time.sleep(self._follower.delay(attempt, base_s=0.1))  # jittered: no herd
+            retried = self._submit_rpc(self._stub(), [batch[i] for i in again], False, started)
+            if retried is None:
+                return results
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
+        return results  # not reached
+
+    def _submit_rpc(
+        self,
+        stub: pbg.TransferServiceStub,
+        batch: list[Call],
+        resubmitted: bool,
+        started: float,
+    ) -> list[Result] | None:
+        """One Submit RPC, retried on transport trouble (the failover time
+        counted from `started`); None if the coordinator predates Submit."""
         request = pb.SubmitRequest(calls=[_to_proto(c, resubmitted) for c in batch])
         self._last_rpc = time.monotonic()
         code: grpc.StatusCode | None = None
         details = ""
-        started = time.monotonic()
         for attempt in itertools.count():
             try:
                 reply = stub.Submit(request, timeout=self._timeout)
