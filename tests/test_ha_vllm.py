@@ -167,10 +167,13 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
 
     # In flight: any state short of the end (with armed orders a transfer can
     # go from AWAITING to ARMED, WRITING and COMPLETE between two polls).
-    def in_flight() -> set[str]:
-        return {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
+    def in_flight() -> set[str] | None:
+        """The transfers in flight at the leader, once there are several (so
+        that some are at a stage whose data can still move at the kill)."""
+        found = {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
+        return found if len(found) >= 3 else None
 
-    inflight = poll("a transfer in flight at the leader", in_flight, 30)
+    inflight = poll("three transfers in flight at the leader", in_flight, 30)
     lead.kill()
     killed = time.monotonic()
     new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)

@@ -420,18 +420,20 @@ class CoordinatorClient:
         """One Submit RPC for the batch; None if the coordinator predates Submit.
 
         Calls answered UNAVAILABLE one by one (a leader just elected, whose
-        agents are still reconnecting) are sent again within the failover
-        time; a resubmission batch retries on its own schedule (_maintain)."""
-        started = time.monotonic()
-        results = self._submit_rpc(stub, batch, resubmitted, started)
+        agents are still reconnecting) are sent again for up to the failover
+        time after that answer (the time spent finding the leader not
+        counted); a resubmission batch retries on its own schedule (_maintain)."""
+        results = self._submit_rpc(stub, batch, resubmitted, time.monotonic())
         if results is None or resubmitted:
             return results
+        answered = time.monotonic()
         for attempt in itertools.count():
             again = [i for i, r in enumerate(results) if r.code is grpc.StatusCode.UNAVAILABLE]
-            if not again or time.monotonic() - started > self._failover_s:
+            if not again or time.monotonic() - answered > self._failover_s:
                 return results
             time.sleep(self._follower.delay(attempt, base_s=0.1))  # jittered: no herd
-            retried = self._submit_rpc(self._stub(), [batch[i] for i in again], False, started)
+            retry = [batch[i] for i in again]
+            retried = self._submit_rpc(self._stub(), retry, False, time.monotonic())
             if retried is None:
                 return results
             for i, r in zip(again, retried, strict=True):
