@@ -167,13 +167,10 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
 
     # In flight: any state short of the end (with armed orders a transfer can
     # go from AWAITING to ARMED, WRITING and COMPLETE between two polls).
-    def in_flight() -> set[str] | None:
-        """The transfers in flight at the leader, once there are several (so
-        that some are at a stage whose data can still move at the kill)."""
-        found = {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
-        return found if len(found) >= 3 else None
+    def in_flight() -> set[str]:
+        return {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
 
-    inflight = poll("three transfers in flight at the leader", in_flight, 30)
+    inflight = poll("a transfer in flight at the leader", in_flight, 30)
     lead.kill()
     killed = time.monotonic()
     new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
@@ -216,20 +213,24 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     pushing_s = time.monotonic() - killed
     serving.wait_no_blocks_held(cluster.prefill, cluster.decode, timeout=DEADLINE_S)
 
-    # Transfers in flight at the kill: adopted by the new leader, and at least
-    # one completed through it (pushed: its WRITE, not a recompute).
-    at_new = {t.transfer_id: t for t in cluster.transfers(new) if t.transfer_id in inflight}
-    adopted = {tid: t for tid, t in at_new.items() if "adopted" in [e.stage for e in t.timeline]}
+    # Transfers live at the kill (an agent re-sent them: adopted by the new
+    # leader; a superset of those seen in flight just before it), and at least
+    # one completed through the new leader (pushed: its WRITE, not a recompute).
+    adopted = {
+        t.transfer_id: t
+        for t in cluster.transfers(new)
+        if "adopted" in [e.stage for e in t.timeline]
+    }
     pushed_through = [
         tid
         for tid, t in adopted.items()
         if t.state == pb.TRANSFER_STATE_COMPLETE and t.reason == pb.REASON_UNSPECIFIED
     ]
-    ends = sorted(pb.TransferState.Name(t.state) for t in at_new.values())
+    ends = sorted(pb.TransferState.Name(t.state)[15:] for t in adopted.values())
     print(
         f"\nleader kill -9 mid-burst: a standby led after {failover_s:.2f} s, "
         f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct; "
-        f"{len(inflight)} transfers in flight at the kill, {len(adopted)} adopted, "
-        f"{len(pushed_through)} complete through the new leader (ends there: {ends})"
+        f"{len(inflight)} transfers seen in flight just before the kill, {len(adopted)} "
+        f"adopted, {len(pushed_through)} complete through the new leader (ends: {ends})"
     )
-    assert pushed_through, (inflight, {tid: str(t) for tid, t in at_new.items()})
+    assert pushed_through, (inflight, {tid: str(t) for tid, t in adopted.items()})
