@@ -35,20 +35,30 @@ class TransferCalls:
         self._rt = rt
         self._authz = authz
 
-    def register(self, p: Principal, request: pb.RegisterDecodeBlocksRequest) -> Transfer:
+    def register(
+        self, p: Principal, request: pb.RegisterDecodeBlocksRequest, resubmitted: bool = False
+    ) -> Transfer:
+        """`resubmitted`: a Submit call sent again after a failover (resubmission.py)."""
         self._authz.require_engine(p, request.decode_engine_id, field="decode_engine_id")
-        return self._side(
-            self._rt.core.register_decode, request, request.decode_engine_id, "decode_registered"
-        )
+        core = self._rt.core
 
-    def prefill_done(self, p: Principal, request: pb.ReportPrefillDoneRequest) -> Transfer:
+        def report(
+            tid: str, engine: str, blocks: list[tuple[int, ...]], n: int
+        ) -> tuple[Transfer, list[Effect]]:
+            return core.register_decode(tid, engine, blocks, n, resubmitted)
+
+        return self._side(report, request, request.decode_engine_id, "decode_registered")
+
+    def prefill_done(
+        self, p: Principal, request: pb.ReportPrefillDoneRequest, resubmitted: bool = False
+    ) -> Transfer:
         self._authz.require_engine(p, request.prefill_engine_id, field="prefill_engine_id")
         core, finished = self._rt.core, request.finished_unix_us / 1e6
 
         def report(
             tid: str, engine: str, blocks: list[tuple[int, ...]], n: int
         ) -> tuple[Transfer, list[Effect]]:
-            return core.prefill_done(tid, engine, blocks, n, finished)
+            return core.prefill_done(tid, engine, blocks, n, finished, resubmitted)
 
         return self._side(report, request, request.prefill_engine_id, "prefill_done")
 
@@ -93,9 +103,9 @@ class TransferCalls:
                     raise InvalidArgument("empty call: set register, prefill_done or cancel")
                 self._authz.check_method(p, CALL_METHOD[kind])
                 if kind == "register":
-                    t = self.register(p, call.register)
+                    t = self.register(p, call.register, call.resubmitted)
                 elif kind == "prefill_done":
-                    t = self.prefill_done(p, call.prefill_done)
+                    t = self.prefill_done(p, call.prefill_done, call.resubmitted)
                 else:
                     t = self.cancel(p, call.cancel)
             except Exception as exc:  # each call fails alone, with its unary RPC's code

@@ -23,6 +23,7 @@ CORE_MODULES = (
     "admission",
     "orders",
     "adoption",
+    "resubmission",
     "expiry",
     "notices",
     "rendezvous",

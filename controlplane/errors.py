@@ -37,3 +37,8 @@ class PermissionDenied(PushKVError):
 
 class Unauthenticated(PushKVError):
     pass
+
+
+class Unavailable(PushKVError):
+    """Not now, nothing recorded: the same call may succeed shortly (a new
+    leader still rebuilding its state after a failover)."""

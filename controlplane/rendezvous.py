@@ -62,6 +62,7 @@ from controlplane.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unavailable,
 )
 from controlplane.expiry import Deadlines, Retention
 from controlplane.notices import peer_fenced, transfer_notices
@@ -75,6 +76,7 @@ from controlplane.orders import (
     record_arrivals,
 )
 from controlplane.registry import AgentRecord, EngineRecord, Registry
+from controlplane.resubmission import WHY_FAILED, WHY_NO_AGENTS, WHY_WAIT, Verdict, verdict
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
@@ -105,6 +107,14 @@ class Rendezvous:
         self._open_orders = OpenOrders()
         self.coordinator_id = uuid.uuid4().hex[:12]
         self._order_seq = itertools.count(1)
+        # Until then (monotonic), resubmitted sides no agent re-sent are answered
+        # UNAVAILABLE rather than FAILED (resubmission.py); set by lead().
+        self._rebuild_until = 0.0
+
+    def lead(self) -> None:
+        """This replica starts leading a new term: the agents' hellos (adopted
+        transfers) may take up to `rebuild_window_s` to come back."""
+        self._rebuild_until = self._clock.monotonic() + self.settings.rebuild_window_s
 
     # ================================================================ queries
     def get(self, transfer_id: str) -> Transfer:
@@ -274,8 +284,16 @@ class Rendezvous:
         return t, [TransferChanged(tid)]
 
     def register_decode(
-        self, transfer_id: str, engine: str, blocks: Sequence[Sequence[int]], num_tokens: int
+        self,
+        transfer_id: str,
+        engine: str,
+        blocks: Sequence[Sequence[int]],
+        num_tokens: int,
+        resubmitted: bool = False,
     ) -> tuple[Transfer, list[Effect]]:
+        """`resubmitted`: sent again after a failover (resubmission.py)."""
+        if resubmitted and (ended := self._resubmission(transfer_id, engine)) is not None:
+            return ended
         return self._arrive(Role.DECODE, transfer_id, engine, blocks, num_tokens)
 
     def prefill_done(
@@ -285,10 +303,13 @@ class Rendezvous:
         blocks: Sequence[Sequence[int]],
         num_tokens: int,
         finished_unix: float = 0.0,
+        resubmitted: bool = False,
     ) -> tuple[Transfer, list[Effect]]:
         """`finished_unix`: when the engine finished the request, on its own clock
         (0: unknown); recorded as the timeline event "prefill_finished", read by
-        nothing here."""
+        nothing here. `resubmitted`: as for register_decode."""
+        if resubmitted and (ended := self._resubmission(transfer_id, engine)) is not None:
+            return ended
         return self._arrive(Role.PREFILL, transfer_id, engine, blocks, num_tokens, finished_unix)
 
     def cancel(self, transfer_id: str, reason: str) -> tuple[Transfer, list[Effect]]:
@@ -385,6 +406,8 @@ class Rendezvous:
         eng = self.registry.engine(engine)
         if eng is None or eng.role is not role:
             eid = validation.engine_id(engine, field=field, max_len=s.max_id_len)
+            if eng is None and self._clock.monotonic() < self._rebuild_until:
+                raise Unavailable(WHY_NO_AGENTS.format(engine=eid), field=field)
             eng = self.registry.require_engine(eid, role, field_name=field)
         eid = eng.engine_id
         side = Side(eid, side_blocks(role, eng, blocks, num_tokens, s), num_tokens)
@@ -598,6 +621,24 @@ class Rendezvous:
             else:
                 effects += self._finish(t, State.FAILED, Reason.AGENT_LOST, f"rank {rank}: {why}")
         return effects
+
+    def _resubmission(self, transfer_id: str, engine: str) -> tuple[Transfer, list[Effect]] | None:
+        """A resubmitted side: None if accepted (applied as usual), else the
+        transfer ended FAILED; raises Unavailable within the rebuild window."""
+        s, now = self.settings, self._clock.monotonic()
+        eid = validation.engine_id(engine, field="engine_id", max_len=s.max_id_len)
+        t = self._transfers.get(transfer_id)
+        eng = self.registry.engine(eid)
+        v = verdict(t, eid, eng is not None and eng.ready, now, self._rebuild_until)
+        if v is Verdict.ACCEPT:
+            return None
+        if v is Verdict.WAIT:
+            raise Unavailable(WHY_WAIT.format(engine=eid, left=self._rebuild_until - now))
+        if t is None:  # a tombstone: the other side's report learns it ended
+            tid = validation.transfer_id(transfer_id, s.max_id_len)
+            t = self._create(tid, State.AWAITING, [], limits=False)
+            t.mark("begun", t.created_wall)
+        return t, self._finish(t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid))
 
     def _adopt(self, reg: AgentRegistration, h: HeldTransfer) -> list[Effect]:
         """One transfer an agent re-sent in its hello (adoption.py)."""

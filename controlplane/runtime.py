@@ -149,6 +149,13 @@ class Runtime:
         self.term = 0
 
     # ---------------------------------------------------------------- lifecycle
+    def lead(self, term: int) -> None:
+        """This replica was elected for `term`: stamped on everything sent from
+        now on, and the core's rebuild window for resubmissions opens."""
+        if term != self.term:
+            self.term = term
+            self.core.lead()
+
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="ticker")
 

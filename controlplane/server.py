@@ -194,7 +194,7 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
     def on_change(view: View) -> None:
         if view.role is Role.LEADER:
             # Stamped on every welcome, order and cancel from now on (term fencing).
-            coord.runtime.term = view.term
+            coord.runtime.lead(view.term)
         serving = view.role is not Role.STANDBY
         for name in WRITE_SERVICE_NAMES:
             task = loop.create_task(coord.health.set(name, _health(serving)))

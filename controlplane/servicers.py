@@ -72,7 +72,7 @@ class TransferServicer(pbg.TransferServiceServicer):
             raise InvalidArgument(
                 f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})", field="calls"
             )
-        response = pb.SubmitResponse()
+        response = pb.SubmitResponse(term=self._rt.term)
         self._calls.submit(self._authz.principal(context), calls, response)
         return response
 

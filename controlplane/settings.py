@@ -31,6 +31,13 @@ class CoreSettings:
     # own at the request's last prefill forward, with no round trip here
     # (docs/architecture.md, "Armed orders"). Off: order when both sides are in.
     arm_orders: bool = True
+    # After a failover, at most how long a new leader waits for an engine's
+    # agents to come back (their hellos re-send its transfers): meanwhile a
+    # resubmitted side it cannot accept yet, or any side naming an engine with
+    # no agent back, is answered UNAVAILABLE (retried); after it, or once the
+    # engine's agents are all back, FAILED (docs/reliability.md, "Scheduler
+    # resubmission"). Agents reconnect within a few seconds.
+    rebuild_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

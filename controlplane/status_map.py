@@ -23,6 +23,7 @@ _CODES: dict[type[errors.PushKVError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -94,6 +94,9 @@ class Transfer:
     # ranks each decode rank counted (its hello, its arrival reports).
     adopting: bool
     early_arrivals: dict[int, set[int]]
+    # Engines one of whose agents re-sent this transfer in a hello to this
+    # leader: only their resubmitted sides are accepted (resubmission.py).
+    adopted_from: set[EngineId]
 
     def __init__(
         self,
@@ -117,6 +120,7 @@ class Transfer:
         self.counted = set()
         self.adopting = False
         self.early_arrivals = {}
+        self.adopted_from = set()
 
     @property
     def prefill_engine(self) -> EngineId | None:

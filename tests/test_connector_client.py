@@ -11,8 +11,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.servicers import TransferServicer
+from controlplane.settings import CoreSettings
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator
 from tests.support.waits import wait_until
 from vllm_integration import client as client_mod
@@ -169,3 +171,49 @@ def test_an_unreachable_coordinator_fails_every_call_as_unknown_outcome() -> Non
         assert all(r.error.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")) for r in got)
     finally:
         client.close()
+
+
+def test_a_newer_term_resubmits_the_open_calls_flagged() -> None:
+    """The coordinator starts leading a newer term (as a new leader would
+    after a failover; its state is kept here, so the resubmitted transfer is
+    one no agent re-sent): the client resubmits its open call with the flag,
+    UNAVAILABLE within the rebuild window, FAILED after it; a settled call is
+    never resubmitted, a new call is not affected."""
+    with ThreadedCoordinator(CoreSettings(rebuild_window_s=0.5)) as tc:
+        cluster = SimCluster(tc.address, auto_complete=False)
+        tc.run(cluster.start())
+        client = CoordinatorClient(tc.address, timeout_s=5.0)
+        try:
+            client.submit(Call("register", "d1", "rs-open", "d0", (10, 11), 40))
+            client.submit(Call("register", "d2", "rs-settled", "d0", (12, 13), 40))
+            assert client.wait_answered(2, DEADLINE_S)
+            client.settle("d2", "rs-settled")
+            assert client.wait_open(lambda open_: open_ == {"rs-open"}, DEADLINE_S)
+            assert client.term == 0
+
+            async def lead() -> None:
+                assert tc.coordinator is not None
+                tc.coordinator.runtime.lead(5)
+
+            tc.run(lead())
+            client.submit(Call("register", "d3", "rs-new", "d0", (14, 15), 40))
+            res = client.wait_result(
+                lambda r: r.call.transfer_id == "rs-open" and r.terminal, DEADLINE_S
+            )
+            assert res is not None and res.state == pb.TRANSFER_STATE_FAILED, res
+            assert client.term == 5 and client.resubmitted >= 1
+            assert client.resubmit_accepted == client.resubmit_failed == 1
+            assert client.wait_open(lambda open_: open_ == {"rs-new"}, DEADLINE_S)
+            with grpc.insecure_channel(tc.address) as ch:
+                st = pbg.StatusServiceStub(ch)
+
+                def state(tid: str) -> pb.TransferStatus:
+                    return st.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+
+                gone = state("rs-open")
+                assert "no agent of engine d0 re-sent" in gone.detail, gone
+                assert state("rs-settled").state == pb.TRANSFER_STATE_REGISTERED
+                assert state("rs-new").state == pb.TRANSFER_STATE_REGISTERED
+        finally:
+            client.close()
+            tc.run(cluster.close())

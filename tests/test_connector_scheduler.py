@@ -330,9 +330,11 @@ async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
         assert [list(g.ids) for g in t.decode_blocks] == [blocks]
         assert t.num_tokens == 40
         # An accepted registration needs nothing from the engine thread: the
-        # client thread drops its answer instead of queueing it.
+        # client thread drops its answer instead of queueing it. It stays open
+        # (resubmitted after a failover) until the load ends.
         assert eng.client.wait_answered(1, DEADLINE_S)
         assert not eng.client.has_results()
+        assert eng.client.open_transfers() == {tid}
 
         # Accepted: later steps carry nothing new and the request keeps waiting.
         sched_out, _ = step(eng.scheduler)
@@ -342,6 +344,7 @@ async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
 
         # The worker reports the KV in; the request runs its last prompt token.
         step(eng.scheduler, connector_output=kv_output(finished_recving={"d1"}))
+        assert eng.client.wait_open(lambda open_: not open_, DEADLINE_S)  # settled
         sched_out, _ = step(eng.scheduler)
         assert _status(req) == RequestStatus.RUNNING
         assert sched_out.num_scheduled_tokens == {"d1": 1}
@@ -572,12 +575,13 @@ async def test_decode_registration_refused_fails_the_load(
         assert str(out.finish_reason) == "error"
         assert "d4" not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
-        # The failed request also cancels the transfer, so a prefill side that
-        # reports later learns at once that nobody will take its KV.
+        # The failed request also cancels the transfer (once: at the refusal,
+        # or at its end), so a prefill side that reports later learns at once
+        # that nobody will take its KV.
         assert [c.kind for c in eng.spy.calls] == ["register", "cancel"]
         t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
         if why == "engine_not_registered":
-            assert "decode request ended before its KV arrived (FINISHED_ERROR)" in t.detail
+            assert t.detail.startswith("decode registration refused (FAILED_PRECONDITION"), t
         else:
             assert t.detail == "client went away"  # the first cancel wins
 
@@ -713,6 +717,8 @@ async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
         assert t.prefill_engine_id == eng.engine_id
         assert [list(g.ids) for g in t.prefill_blocks] == [blocks]
         assert t.num_tokens == 33
+        # Open at the client (resubmitted after a failover) while the blocks are held.
+        assert eng.client.wait_open(lambda open_: open_ == {tid}, DEADLINE_S)
 
         # The next step tells the worker which blocks it holds for which transfer.
         sched_out, _ = step(eng.scheduler)
@@ -729,6 +735,7 @@ async def test_prefill_reports_done_and_holds_blocks_until_finished_sending(
         assert num_free_blocks(eng.scheduler) == free0
         assert not eng.scheduler.has_requests()
         assert [c.kind for c in eng.spy.calls] == ["prefill_done"]
+        assert eng.client.wait_open(lambda open_: not open_, DEADLINE_S)  # settled
 
 
 @pytest.mark.parametrize("progressive", [False, True], ids=["whole", "progressive"])

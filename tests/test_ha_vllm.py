@@ -8,10 +8,13 @@ with the independent engine's answer, none hangs; new requests succeed, and
 a pushed transfer completes through the new leader; no KV block stays held on
 either engine. The failover time is printed, never asserted.
 
-What the in-flight transfers do: the new leader knows nothing of them (its
-state is rebuilt from nothing yet: docs/reliability.md, "What is left"), so the
-agents resolve them locally once no WRITE of the old term can land, and the
-decode engine recomputes them (the answers stay exact).
+What the in-flight transfers do (the connector's rebuild_on_failover, on by
+default: docs/reliability.md, "Failover rebuild" and "Scheduler
+resubmission"): the agents re-send them in their hellos to the new leader,
+which adopts them; the scheduler halves resubmit the sides the old leader
+accepted, and the transfers complete through the new leader where their data
+can still move. The others fail cleanly and decode recomputes them (the
+answers stay exact either way).
 """
 
 from __future__ import annotations
@@ -161,13 +164,13 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     pool = ThreadPoolExecutor(len(BURST))
     futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in BURST]
     pool.shutdown(wait=False)
+
     # In flight: any state short of the end (with armed orders a transfer can
     # go from AWAITING to ARMED, WRITING and COMPLETE between two polls).
-    poll(
-        "a transfer in flight at the leader",
-        lambda: any(t.state not in serving.TERMINAL for t in cluster.transfers(lead)),
-        30,
-    )
+    def in_flight() -> set[str]:
+        return {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
+
+    inflight = poll("a transfer in flight at the leader", in_flight, 30)
     lead.kill()
     killed = time.monotonic()
     new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
@@ -179,7 +182,16 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
         assert status == 200, answer
         assert text(answer) == cluster.reference[tuple(q)]
 
-    # New requests: correct at once, and pushed again through the new leader.
+    # New requests: correct at once, and pushed again through the new leader
+    # once both engines' agents are back with it (a slow etcd can make the
+    # election late: the fresh prompts must not all be spent before that).
+    def agents_back() -> bool:
+        with grpc.insecure_channel(new.address) as ch:
+            engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=5)
+        return sum(e.ready for e in engines.engines) == 2
+
+    poll("both engines' agents registered with the new leader", agents_back)
+
     def pushed(q: list[int]) -> bool:
         status, answer = cluster.complete(q)
         assert status == 200, answer
@@ -200,7 +212,25 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     poll("a pushed transfer through the new leader", next_pushed)
     pushing_s = time.monotonic() - killed
     serving.wait_no_blocks_held(cluster.prefill, cluster.decode, timeout=DEADLINE_S)
+
+    # Transfers live at the kill (an agent re-sent them: adopted by the new
+    # leader; a superset of those seen in flight just before it), and at least
+    # one completed through the new leader (pushed: its WRITE, not a recompute).
+    adopted = {
+        t.transfer_id: t
+        for t in cluster.transfers(new)
+        if "adopted" in [e.stage for e in t.timeline]
+    }
+    pushed_through = [
+        tid
+        for tid, t in adopted.items()
+        if t.state == pb.TRANSFER_STATE_COMPLETE and t.reason == pb.REASON_UNSPECIFIED
+    ]
+    ends = sorted(pb.TransferState.Name(t.state)[15:] for t in adopted.values())
     print(
         f"\nleader kill -9 mid-burst: a standby led after {failover_s:.2f} s, "
-        f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct"
+        f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct; "
+        f"{len(inflight)} transfers seen in flight just before the kill, {len(adopted)} "
+        f"adopted, {len(pushed_through)} complete through the new leader (ends: {ends})"
     )
+    assert pushed_through, (inflight, {tid: str(t) for tid, t in adopted.items()})

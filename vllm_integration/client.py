@@ -4,6 +4,13 @@ The engine thread only appends calls and drains results; it never waits on
 the network and takes no lock on the common path (deque appends and pops are
 atomic). The client thread sends everything queued since its last RPC as one
 `Submit` batch, so a busy engine costs one RPC per round trip, not per call.
+
+After a failover the client resubmits its open calls to the new leader
+(open_calls.py): every Submit answer carries the leader's term, and when it
+grows, the registrations and prefill reports an older leader accepted whose
+transfers the engine still holds are sent again, flagged `resubmitted`. With
+several replicas and open calls, an idle client asks for the term (an empty
+Submit) every PROBE_S, so a failover is noticed without new requests.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from vllm_integration.open_calls import OpenCalls
 from wire.codes import REFUSALS, RETRYABLE, code_of
 from wire.leader import LeaderFollower
 from wire.states import TERMINAL
@@ -35,10 +43,19 @@ IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this ofte
 # With several coordinator replicas, a call is retried (on the leader a standby
 # names, or the next address) for this long: a failover takes about one etcd TTL.
 FAILOVER_S = 5.0
+# Resubmissions answered UNAVAILABLE (the new leader waiting for the agents:
+# at most its --rebuild-window-s, 10 s by default) are retried every
+# RESUBMIT_RETRY_S for this long after the new term was seen; then they fail
+# like an unreachable call.
+RESUBMIT_S = 15.0
+RESUBMIT_RETRY_S = 0.2
+# With several replicas and open calls: ask for the leader's term when no RPC
+# was sent for this long.
+PROBE_S = 1.0
 
 
 class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
-    kind: str  # "register" | "prefill_done" | "cancel"
+    kind: str  # "register" | "prefill_done" | "cancel" | "settled" (never sent)
     request_id: str
     transfer_id: str
     engine_id: str = ""
@@ -61,6 +78,7 @@ class Result:
     # The call was answered with an error that means nothing was recorded (as
     # opposed to a transport failure, after which the outcome is unknown).
     refused: bool = False
+    code: grpc.StatusCode | None = None  # the error's status code, if known
 
     @property
     def terminal(self) -> bool:
@@ -86,7 +104,7 @@ def needs_engine(res: Result) -> bool:
 
 def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result:
     text = f"{getattr(code, 'name', code)}: {details}"
-    return Result(c, 0, text, refused=code in REFUSALS)
+    return Result(c, 0, text, refused=code in REFUSALS, code=code)
 
 
 def _groups(c: Call) -> list[pb.BlockIds]:
@@ -96,7 +114,7 @@ def _groups(c: Call) -> list[pb.BlockIds]:
     return [first, *(pb.BlockIds(ids=g) for g in c.more_groups)]
 
 
-def _to_proto(c: Call) -> pb.TransferCall:
+def _to_proto(c: Call, resubmitted: bool = False) -> pb.TransferCall:
     if c.kind == "register":
         return pb.TransferCall(
             register=pb.RegisterDecodeBlocksRequest(
@@ -104,7 +122,8 @@ def _to_proto(c: Call) -> pb.TransferCall:
                 decode_engine_id=c.engine_id,
                 block_ids=_groups(c),
                 num_tokens=c.num_tokens,
-            )
+            ),
+            resubmitted=resubmitted,
         )
     if c.kind == "prefill_done":
         return pb.TransferCall(
@@ -114,7 +133,8 @@ def _to_proto(c: Call) -> pb.TransferCall:
                 block_ids=_groups(c),
                 num_tokens=c.num_tokens,
                 finished_unix_us=int(c.finished_unix * 1e6),
-            )
+            ),
+            resubmitted=resubmitted,
         )
     return pb.TransferCall(
         cancel=pb.CancelRequest(transfer_id=c.transfer_id, reason=c.reason[:1000])
@@ -131,7 +151,11 @@ class CoordinatorClient:
         tls: TLSFiles | None = None,
         keep: Callable[[Result], bool] | None = None,
         failover_s: float = FAILOVER_S,
+        resubmit_s: float = RESUBMIT_S,
+        resubmit: bool = True,
     ) -> None:
+        """`resubmit`: after a failover, resubmit the open calls (off: the
+        engine's agents do not rebuild, so the new leader would fail them)."""
         # One address, or several coordinator replicas (comma-separated).
         self._follower = LeaderFollower(address)
         self._failover_s = failover_s
@@ -153,15 +177,50 @@ class CoordinatorClient:
         self._done = threading.Condition()  # only for the waits below (tests, tools)
         self._closed = False
         self.batches_sent = 0
+        # Failover resubmission (client thread; _open read by others under _done).
+        self._open = OpenCalls()
+        self._term = 0  # the newest leader term an answer carried
+        self._reply_term = 0  # the last Submit answer's
+        self._resubmit_at: float | None = None  # monotonic: next resubmission
+        self._resubmit_until = 0.0
+        self._resubmit_s = resubmit_s
+        self._resubmits = resubmit
+        self._last_rpc = 0.0
+        self.resubmitted = 0  # calls sent again to a new leader (counting retries)
+        self.resubmit_accepted = 0
+        self.resubmit_failed = 0  # ended there, refused, or given up on
         self._thread = threading.Thread(target=self._run, name="pushkv-coord-client", daemon=True)
         self._thread.start()
 
     def submit(self, call: Call) -> None:
+        self._enqueue(call)
+
+    def _enqueue(self, call: Call) -> None:
         self._calls.append(call)
         # Checked after the append; the thread sets _sleeping before it looks
         # at _calls, so one of the two sees the other.
         if self._sleeping:
             self._wakeups.put(None)
+
+    def settle(self, request_id: str, transfer_id: str) -> None:
+        """The engine is done with this transfer (decode: loaded or given up;
+        prefill: blocks freed): nothing of it is resubmitted after a failover."""
+        self._enqueue(Call("settled", request_id, transfer_id))
+
+    def open_transfers(self) -> set[str]:
+        """Transfers with a call open (resubmitted on a failover). For tests."""
+        with self._done:
+            return self._open.transfer_ids()
+
+    def wait_open(self, match: Callable[[set[str]], bool], timeout: float) -> bool:
+        """Wait until the open transfers match. For tests."""
+        with self._done:
+            return self._done.wait_for(lambda: match(self._open.transfer_ids()), timeout)
+
+    @property
+    def term(self) -> int:
+        """The newest leader term an answer carried (0: none, or no --etcd)."""
+        return self._term
 
     def has_results(self) -> bool:
         return bool(self._results)
@@ -214,31 +273,128 @@ class CoordinatorClient:
         batched = True  # until the coordinator says it has no Submit
         try:
             while True:
+                due = self._resubmit_at
+                if due is not None and due <= time.monotonic():
+                    self._maintain()  # before new calls: a busy engine must not starve it
+                    continue
                 if not self._calls:
                     if self._closed:
                         return
-                    self._sleep(IDLE_WAKE_S)
+                    wait = self._due() if batched else IDLE_WAKE_S
+                    if wait <= 0:
+                        self._maintain()
+                    else:
+                        self._sleep(min(wait, IDLE_WAKE_S))
                     continue
                 batch: list[Call] = []
+                settled: list[Call] = []
                 while self._calls and len(batch) < MAX_BATCH:
-                    batch.append(self._calls.popleft())
-                stub = self._stub()
-                if batched:
-                    results = self._submit(stub, batch)
-                    if results is None:
-                        batched = False
-                        log.warning("coordinator has no Submit RPC; sending calls one by one")
-                if not batched:
-                    results = [self._unary(stub, c) for c in batch]
+                    c = self._calls.popleft()
+                    (settled if c.kind == "settled" else batch).append(c)
+                results: list[Result] | None = []
+                if batch:
+                    stub = self._stub()
+                    if batched:
+                        results = self._submit(stub, batch)
+                        if results is None:
+                            batched = False
+                            log.warning("coordinator has no Submit RPC; sending calls one by one")
+                    if not batched:
+                        results = [self._unary(stub, c) for c in batch]
                 assert results is not None
                 keep = self.keep
                 with self._done:
+                    if batched:
+                        self._track(results, settled)
                     self.answered += len(results)
                     self._results.extend(results if keep is None else filter(keep, results))
                     self._done.notify_all()
+                if batched and batch:
+                    self._check_term()
         finally:
             for channel in self._channels.values():
                 channel.close()
+
+    # ------------------------------------------------------------ failover
+    def _track(self, results: list[Result], settled: list[Call]) -> None:
+        """Open calls after a batch's answers (under _done), then its settles."""
+        for r in results:
+            c = r.call
+            if c.kind == "cancel":
+                self._open.close(c.transfer_id)
+            elif r.ok:
+                self._open.accepted(c, self._reply_term, r.terminal)
+        for c in settled:
+            self._open.close(c.transfer_id)
+
+    def _check_term(self) -> None:
+        """After an answer: a newer leader term schedules the resubmission of
+        the calls older leaders accepted."""
+        term = self._reply_term
+        if term == self._term:
+            return
+        if term > self._term:
+            log.info("coordinator leader term %d (was %d)", term, self._term)
+            self._term = term
+        if self._resubmits and self._resubmit_at is None and self._open.older_than(self._term):
+            now = time.monotonic()
+            self._resubmit_at, self._resubmit_until = now, now + self._resubmit_s
+
+    def _due(self) -> float:
+        """Seconds until the idle client thread has failover work to do."""
+        now = time.monotonic()
+        if self._resubmit_at is not None:
+            return self._resubmit_at - now
+        if self._resubmits and self._follower.several and len(self._open):
+            return self._last_rpc + PROBE_S - now
+        return IDLE_WAKE_S
+
+    def _maintain(self) -> None:
+        """Resubmit what is due, or probe the leader's term (an empty Submit)."""
+        if self._resubmit_at is None:
+            self._submit(self._stub(), [])
+            self._check_term()
+            return
+        with self._done:
+            calls = self._open.older_than(self._term)[:MAX_BATCH]
+        if not calls:
+            self._resubmit_at = None
+            return
+        log.warning(
+            "resubmitting %d open calls to the coordinator leader of term %d",
+            len(calls),
+            self._term,
+        )
+        self.resubmitted += len(calls)
+        results = self._submit(self._stub(), calls, resubmitted=True) or []
+        now = time.monotonic()
+        give_up = now >= self._resubmit_until
+        out: list[Result] = []
+        with self._done:
+            for r in results:
+                c = r.call
+                if r.ok:
+                    self.resubmit_accepted += 1
+                    self._open.accepted(c, self._reply_term, r.terminal)
+                    if r.terminal:  # ended (FAILED: it may have ended before)
+                        self.resubmit_failed += 1
+                        out.append(r)
+                elif r.code in RETRYABLE and not give_up:
+                    continue  # the new leader is rebuilding: again shortly
+                else:
+                    # Never "refused": the engine must not reuse or free the
+                    # blocks on this answer alone (an older order may exist).
+                    self.resubmit_failed += 1
+                    self._open.drop([c])
+                    out.append(Result(c, 0, f"resubmission after a failover: {r.error}"))
+            keep = self.keep
+            self._results.extend(out if keep is None else filter(keep, out))
+            self._done.notify_all()
+            left = bool(self._open.older_than(self._term))
+        self._resubmit_at = None
+        self._check_term()  # the answer may come from a newer leader still
+        if left and self._resubmit_at is None:
+            self._resubmit_at = now + self._follower.delay(0, base_s=RESUBMIT_RETRY_S)
 
     def _sleep(self, timeout: float) -> None:
         """Until submit() or close() wakes this thread, or `timeout` passes."""
@@ -258,12 +414,45 @@ class CoordinatorClient:
             except queue.Empty:
                 return
 
-    def _submit(self, stub: pbg.TransferServiceStub, batch: list[Call]) -> list[Result] | None:
-        """One Submit RPC for the batch; None if the coordinator predates Submit."""
-        request = pb.SubmitRequest(calls=[_to_proto(c) for c in batch])
+    def _submit(
+        self, stub: pbg.TransferServiceStub, batch: list[Call], resubmitted: bool = False
+    ) -> list[Result] | None:
+        """One Submit RPC for the batch; None if the coordinator predates Submit.
+
+        Calls answered UNAVAILABLE one by one (a leader just elected, whose
+        agents are still reconnecting) are sent again for up to the failover
+        time after that answer (the time spent finding the leader not
+        counted); a resubmission batch retries on its own schedule (_maintain)."""
+        results = self._submit_rpc(stub, batch, resubmitted, time.monotonic())
+        if results is None or resubmitted:
+            return results
+        answered = time.monotonic()
+        for attempt in itertools.count():
+            again = [i for i, r in enumerate(results) if r.code is grpc.StatusCode.UNAVAILABLE]
+            if not again or time.monotonic() - answered > self._failover_s:
+                return results
+            time.sleep(self._follower.delay(attempt, base_s=0.1))  # jittered: no herd
+            retry = [batch[i] for i in again]
+            retried = self._submit_rpc(self._stub(), retry, False, time.monotonic())
+            if retried is None:
+                return results
+            for i, r in zip(again, retried, strict=True):
+                results[i] = r
+        return results  # not reached
+
+    def _submit_rpc(
+        self,
+        stub: pbg.TransferServiceStub,
+        batch: list[Call],
+        resubmitted: bool,
+        started: float,
+    ) -> list[Result] | None:
+        """One Submit RPC, retried on transport trouble (the failover time
+        counted from `started`); None if the coordinator predates Submit."""
+        request = pb.SubmitRequest(calls=[_to_proto(c, resubmitted) for c in batch])
+        self._last_rpc = time.monotonic()
         code: grpc.StatusCode | None = None
         details = ""
-        started = time.monotonic()
         for attempt in itertools.count():
             try:
                 reply = stub.Submit(request, timeout=self._timeout)
@@ -293,6 +482,7 @@ class CoordinatorClient:
                 )
                 break
             self.batches_sent += 1
+            self._reply_term = reply.term
             return [
                 Result(c, r.state, write_may_land=r.write_may_land)
                 if r.code == 0

@@ -84,6 +84,7 @@ class PushSchedulerHalf:
             timeout_s=settings.rpc_timeout_s,
             tls=settings.tls,
             keep=needs_engine,  # accepted calls never reach the engine thread
+            resubmit=settings.rebuild_on_failover,
         )
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
@@ -97,6 +98,13 @@ class PushSchedulerHalf:
         # and those fired (their armed order may have posted a WRITE).
         self._legs: dict[str, _Leg] = {}
         self._fired: set[str] = set()
+        # Prefill requests reported done whose blocks are held: request id ->
+        # transfer id. Their report stays open at the client (resubmitted after
+        # a failover) until the worker frees the blocks (finished_sending).
+        self._sending: dict[str, str] = {}
+        # Decode requests whose registration was refused: cancelled at once (so
+        # the prefill side frees its blocks now, not at the deadline), once.
+        self._refused: set[str] = set()
 
     # ------------------------------------------------------------ decode
     # The per-request hooks below run on vLLM's engine thread, once or twice
@@ -314,6 +322,13 @@ class PushSchedulerHalf:
                     "transfer %s for %s cannot proceed: %s", c.transfer_id, c.request_id, why
                 )
                 self._meta.fail.append(self._waiting[c.request_id])
+                if res.refused and c.request_id not in self._refused:
+                    # Nothing recorded for decode, but the prefill side may
+                    # report (or have reported, e.g. to a new leader whose
+                    # agents were still coming back): it frees its blocks now.
+                    self._refused.add(c.request_id)
+                    reason = f"decode registration refused ({why[:300]}); decode computes it"
+                    self.client.submit(Call("cancel", c.request_id, c.transfer_id, reason=reason))
             elif c.kind == "prefill_done" and (
                 res.refused or (res.terminal and not res.write_may_land)
             ):
@@ -335,10 +350,19 @@ class PushSchedulerHalf:
 
     def update_connector_output(self, output: Any) -> None:
         # A request stays in _registered until it finishes, so a recompute after
-        # a failed load never registers (or waits) a second time.
+        # a failed load never registers (or waits) a second time. A transfer
+        # loaded (or given up) or whose blocks were freed is settled: the client
+        # resubmits nothing of it after a failover.
         for rid in getattr(output, "finished_recving", None) or ():
-            self._waiting.pop(rid, None)
+            spec = self._waiting.pop(rid, None)
+            if spec is not None:
+                self.client.settle(rid, spec.transfer_id)
             self._uncertain.pop(rid, None)
+        if self._sending:
+            for rid in getattr(output, "finished_sending", None) or ():
+                tid = self._sending.pop(rid, None)
+                if tid is not None:
+                    self.client.settle(rid, tid)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -362,9 +386,13 @@ class PushSchedulerHalf:
             self._local_hit.pop(rid, None)
         if rid in self._registered:  # a decode leg we registered
             self._registered.discard(rid)
+            refused = False
+            if self._refused and rid in self._refused:  # cancelled at the refusal
+                self._refused.discard(rid)
+                refused = True
             # A recompute after a failed load keeps the request registered, so
             # this is the request's end either way.
-            if rid in self._waiting:
+            if rid in self._waiting and not refused:
                 self._cancel_decode(request, self._waiting[rid].transfer_id)
             return False, None
         tid = leg_tid(raw, PREFILL_LEG, DECODE_LEG)
@@ -398,6 +426,7 @@ class PushSchedulerHalf:
                     )
                 )
                 self._meta.send.append((rid, tid))
+                self._sending[rid] = tid
                 if leg is not None or not fired:  # no final fire yet: fire now, blocks held
                     restart = leg is not None and leg.chunked > 0
                     n = request.num_prompt_tokens

@@ -45,6 +45,13 @@ class ConnectorSettings:
     # forward is done, not all at the end (docs/architecture.md, "Progressive
     # push"). One KV cache group only; false writes each request whole.
     progressive_push: bool = True
+    # With several coordinator replicas: after a failover the agents re-send
+    # their live transfers to the new leader (which adopts them) instead of
+    # resolving them locally, and the scheduler half resubmits the sides the
+    # old leader accepted, so transfers in flight at the failover complete
+    # through the new leader (docs/reliability.md, "Failover rebuild" and
+    # "Scheduler resubmission"). False: they fail (decode recomputes).
+    rebuild_on_failover: bool = True
     # Mutual TLS to the coordinator (PEM paths); the certificate's common name
     # must be "engine:<engine_id>". All three or none.
     tls_ca: str = ""

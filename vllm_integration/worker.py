@@ -273,6 +273,7 @@ class PushWorkerHalf:
             api_url=self.settings.api_url,
             tls=self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
+            rebuild_on_failover=self.settings.rebuild_on_failover,
             kv_groups=self.kv_groups,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,

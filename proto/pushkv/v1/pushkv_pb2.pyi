@@ -1201,6 +1201,16 @@ class TransferCall(_message.Message):
     REGISTER_FIELD_NUMBER: _builtins.int
     PREFILL_DONE_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    RESUBMITTED_FIELD_NUMBER: _builtins.int
+    resubmitted: _builtins.bool
+    """A register or prefill_done the caller already had accepted by an earlier
+    leader, sent again to a new one after a failover (docs/reliability.md,
+    "Scheduler resubmission"). Accepted only for a transfer one of the
+    caller's engine's agents re-sent in its hello (adopted); answered
+    UNAVAILABLE during the new leader's rebuild window while it is not, and
+    FAILED after it (never ordered: it may have ended at the old leader).
+    Ignored on a cancel.
+    """
     @_builtins.property
     def register(self) -> Global___RegisterDecodeBlocksRequest: ...
     @_builtins.property
@@ -1213,10 +1223,11 @@ class TransferCall(_message.Message):
         register: Global___RegisterDecodeBlocksRequest | None = ...,
         prefill_done: Global___ReportPrefillDoneRequest | None = ...,
         cancel: Global___CancelRequest | None = ...,
+        resubmitted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "prefill_done", b"prefill_done", "register", b"register", "resubmitted", b"resubmitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register", "prefill_done", "cancel"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -1284,6 +1295,12 @@ class SubmitResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
+    term: _builtins.int
+    """The answering leader's term (0: no --etcd). A client that sees it grow
+    resubmits its open calls (TransferCall.resubmitted). An empty batch is
+    a valid probe for it.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallResult]:
         """one per call, in order"""
@@ -1292,10 +1309,11 @@ class SubmitResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___CallResult] | None = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

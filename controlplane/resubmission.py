@@ -1,0 +1,68 @@
+"""Resubmitted sides after a failover: which a new leader accepts. Plain
+Python, no gRPC; the rendezvous state machine (rendezvous.py) applies the
+verdict (docs/reliability.md, "Scheduler resubmission").
+
+A connector's scheduler client sends a new leader again each side (decode
+registration, prefill report) an earlier leader accepted and that is still
+open at the engine, flagged `resubmitted`. The rules:
+- Accepted (applied as a fresh report) for a transfer one of the engine's
+  agents re-sent in its hello (adoption.py: the engine is in
+  `Transfer.adopted_from`), or one that already ended here (the answer is
+  its terminal state, as for any late side).
+- Otherwise, while some agent of the engine has not said hello to this
+  leader yet (within the rebuild window after it started leading), its
+  hello may still re-send the transfer: UNAVAILABLE (nothing recorded, the
+  client retries).
+- Otherwise (every agent of the engine is back without it, or the window is
+  over) no agent of the engine holds the transfer: it may have completed at
+  the old leader, and the decode engine may have reused its blocks, so it is
+  never ordered: FAILED, and the transfer ends here, so the other side
+  learns it too.
+- Within the same window any side (resubmitted or new) naming an engine none
+  of whose agents has said hello yet is UNAVAILABLE too (FAILED_PRECONDITION
+  after it, as always): the agents are reconnecting, and the client retries.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from controlplane.domain import EngineId
+from controlplane.transfer import Transfer
+
+WHY_FAILED = (
+    "resubmitted after a failover, but no agent of engine {engine} re-sent the "
+    "transfer to this leader: it may have ended at the previous leader, so it is "
+    "never ordered again"
+)
+WHY_WAIT = (
+    "resubmitted after a failover before the agents of engine {engine} are back: "
+    "this leader waits for their hellos for {left:.1f} s more; retry"
+)
+
+# Any side (resubmitted or new) naming an engine none of whose agents said
+# hello yet, within the rebuild window: they are reconnecting after the
+# failover (after the window: FAILED_PRECONDITION, as on any leader).
+WHY_NO_AGENTS = (
+    "engine {engine} has no registered agents yet: this leader was just elected "
+    "and the agents are reconnecting; retry"
+)
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accept"  # apply the side as usual
+    WAIT = "wait"  # UNAVAILABLE: the rebuild window is open
+    FAIL = "fail"  # the transfer ends FAILED, never ordered
+
+    __hash__ = object.__hash__
+
+
+def verdict(
+    t: Transfer | None, engine: EngineId, engine_back: bool, now: float, rebuild_until: float
+) -> Verdict:
+    """What a resubmitted side of engine `engine` for transfer `t` (None:
+    unknown here) gets at monotonic time `now`; `engine_back`: every agent of
+    the engine has said hello to this leader."""
+    if t is not None and (t.state.terminal or engine in t.adopted_from):
+        return Verdict.ACCEPT
+    return Verdict.WAIT if now < rebuild_until and not engine_back else Verdict.FAIL
