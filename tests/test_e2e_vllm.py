@@ -29,7 +29,7 @@ from harness.vllm_server import (
     metric_value,
     pushkv_server,
 )
-from tests.support.serving import completion, post
+from tests.support.serving import completion, json_request, post
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
@@ -222,11 +222,7 @@ def test_chat_streaming_through_router(cluster: Cluster) -> None:
         "temperature": 0,
         "stream": True,
     }
-    req = urllib.request.Request(
-        cluster.router.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    req = json_request(cluster.router.url + "/v1/chat/completions", body)
     with urllib.request.urlopen(req, timeout=180) as r:
         raw = r.read().decode()
     chunks = [

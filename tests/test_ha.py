@@ -7,6 +7,7 @@ failover time is measured and printed, never asserted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -93,14 +94,21 @@ class Cluster:
         return [r for r in self.replicas if r is not lead and r.proc and r.proc.poll() is None]
 
 
-@pytest.fixture
-def cluster(etcd: EtcdServer) -> Iterator[Cluster]:  # noqa: F811
-    replicas = [CoordinatorProcess("--etcd", etcd.url, *REPLICA).start() for _ in range(2)]
+@contextlib.contextmanager
+def running_replicas(etcd: EtcdServer, *extra: str) -> Iterator[Cluster]:  # noqa: F811
+    """Two replicas on `etcd` with the REPLICA flags (and `extra`), stopped after."""
+    replicas = [CoordinatorProcess("--etcd", etcd.url, *REPLICA, *extra).start() for _ in range(2)]
     try:
         yield Cluster(etcd, replicas)
     finally:
         for r in replicas:
             r.stop()
+
+
+@pytest.fixture
+def cluster(etcd: EtcdServer) -> Iterator[Cluster]:  # noqa: F811
+    with running_replicas(etcd) as c:
+        yield c
 
 
 def begin(address: str, tid: str) -> pb.TransferStatus:

@@ -19,7 +19,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess, leadership
+from harness.coordinator import leadership
 from harness.kvhost import HostSpec, KVHost
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
@@ -28,12 +28,12 @@ from tests.test_ha import (
     DEADLINE_S,
     GIVE_UP_S,
     NB,
-    REPLICA,
     Cluster,
     _register_and_done,
     _submit,
     _wait_ready,
     poll,
+    running_replicas,
 )
 from vllm_integration.client import Call, CoordinatorClient
 
@@ -44,13 +44,8 @@ WINDOW_S = 10.0  # the replicas' --rebuild-window-s (the default)
 
 @pytest.fixture
 def cluster(etcd: EtcdServer) -> Iterator[Cluster]:  # noqa: F811
-    args = [*REPLICA, "--rebuild-window-s", str(WINDOW_S)]
-    replicas = [CoordinatorProcess("--etcd", etcd.url, *args).start() for _ in range(2)]
-    try:
-        yield Cluster(etcd, replicas)
-    finally:
-        for r in replicas:
-            r.stop()
+    with running_replicas(etcd, "--rebuild-window-s", str(WINDOW_S)) as c:
+        yield c
 
 
 def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Cluster) -> None:

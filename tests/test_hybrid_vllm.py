@@ -25,7 +25,6 @@ decode rank): the same outputs, the same bytes."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import urllib.request
@@ -264,11 +263,7 @@ def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> int:
         "ignore_eos": True,
         "stream": True,
     }
-    req = urllib.request.Request(
-        pair.router.url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    req = serving.json_request(pair.router.url + "/v1/completions", body)
     with urllib.request.urlopen(req, timeout=120) as resp:
         tokens = 0
         for raw in resp:

@@ -39,6 +39,13 @@ def post(url: str, body: dict[str, Any], timeout: float = 180) -> dict[str, Any]
         return out
 
 
+def json_request(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    """A JSON POST (for a streamed answer the caller reads itself)."""
+    return urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+
+
 def post_status(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
     """POST JSON; (HTTP status, decoded body) whether or not the status is an error."""
     req = urllib.request.Request(
