@@ -12,6 +12,7 @@ import json
 import random
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from harness.vllm_server import (
 )
 from tests.support.serving import completion, json_request, post
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +42,9 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total"
 # into exactly this many blocks arrives corrupted. Only the negative control
 # sends a prompt that long; every other prompt here stays below it.
 CORRUPT_BLOCKS = 24
-# The prefill engine's step budget (tokens): 2 blocks. Small, so that the tiny
-# model's prefill of a long prompt spans enough steps for decode's registration
-# to arm its order first, as a real model's does (tens of ms per chunk).
+# The prefill engine's step budget (tokens): 2 blocks. Small, so that a long
+# prompt's prefill spans many forwards, each chunk's blocks pushed as its
+# forward ends once the order is armed (progressive push).
 CHUNK = 64
 
 
@@ -175,31 +177,63 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
         assert t.state == pb.TRANSFER_STATE_COMPLETE, t
         assert [(r.state, r.arrived) for r in t.ranks] == [(pb.RANK_STATE_DONE, True)]
         assert list(t.outstanding_ranks) == []
-    # Both legs are dispatched at once, so decode registers while prefill
-    # computes: the order is armed on the prefill agent, which fires it
-    # itself (no "ordered" step at the coordinator).
-    fired = [t for t in listed if "armed" in [e.stage for e in t.timeline]]
-    assert fired, "\n".join(timeline(t) for t in listed)
-    for t in fired:
+    # Both legs leave at once; where decode registered first, the order was
+    # armed on the prefill agent, which fired it itself (no "ordered" step at
+    # the coordinator). Which came first is a race here (two loaded cores);
+    # test_decode_first_is_armed_and_pushed_in_chunks makes it certain.
+    for t in listed:
         stages = [e.stage for e in t.timeline]
-        assert "ordered" not in stages and stages.index("decode_registered") < stages.index("armed")
-    # Prompts longer than a step's budget are pushed chunk by chunk once armed.
-    # Whether decode registers before a given prompt's first chunk ends is a
-    # race on two loaded cores, so the longest prompts go again (bounded) until
-    # one was armed early enough; each round's outputs are still checked.
-    longest = sorted(ps, key=len)[-4:]
-    for _ in range(ROUNDS_FOR_A_CHUNKED_PUSH):
-        if chunked_pushes(fired):
-            break
-        seen = {t.transfer_id for t in transfer_list(cluster)}
-        assert on_router(cluster, longest, 4) == on_reference(cluster, longest, 4)
-        new = [t for t in transfer_list(cluster) if t.transfer_id not in seen]
-        assert all(t.state == pb.TRANSFER_STATE_COMPLETE for t in new), new
-        fired += [t for t in new if "armed" in [e.stage for e in t.timeline]]
-    assert chunked_pushes(fired), "\n".join(timeline(t) for t in listed + fired)
+        if "armed" in stages:
+            assert "ordered" not in stages, timeline(t)
+            assert stages.index("decode_registered") < stages.index("armed"), timeline(t)
 
 
-ROUNDS_FOR_A_CHUNKED_PUSH = 5
+def test_decode_first_is_armed_and_pushed_in_chunks(cluster: Cluster) -> None:
+    """The push design's intended order, made certain instead of raced: the test
+    is the router, sends the decode leg first and the prefill leg only once the
+    coordinator has armed the order on the prefill agent. The agent fires the
+    order itself and pushes the prompt chunk by chunk as prefill's forwards end
+    (600 tokens over a step budget of CHUNK: about ten forwards)."""
+    # A prompt neither engine has seen: a prefix hit would leave nothing to push.
+    rng = random.Random(600)
+    prompt = [rng.randrange(10, 1000) for _ in range(600)]
+    assert len(prompt) > 4 * CHUNK and n_blocks(prompt) < CORRUPT_BLOCKS
+    tid = f"decode-first-{uuid.uuid4().hex}"
+    channel = grpc.insecure_channel(cluster.coord.address)
+    pbg.TransferServiceStub(channel).BeginTransfer(
+        pb.BeginTransferRequest(
+            transfer_id=tid, prefill_engine_id="prefill-0", decode_engine_id="decode-0"
+        ),
+        timeout=10,
+    )
+    status = pbg.StatusServiceStub(channel)
+
+    def stages() -> list[str]:
+        t = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=10)
+        return [e.stage for e in t.timeline]
+
+    # The two legs as the router builds them (vllm_integration/router.py, _legs).
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    decode_leg = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid}}
+    prefill_leg = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+    }
+    with ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(post, cluster.decode.url + "/v1/completions", decode_leg)
+        wait_until(lambda: "armed" in stages(), "the order armed on the prefill agent", 60)
+        post(cluster.prefill.url + "/v1/completions", prefill_leg)
+        text = decoded.result(timeout=180)["choices"][0]["text"]
+    assert text == completion(cluster.reference.url, prompt, 12)
+
+    t = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=10)
+    assert t.state == pb.TRANSFER_STATE_COMPLETE, timeline(t)
+    order = [e.stage for e in t.timeline]
+    assert "ordered" not in order, timeline(t)
+    assert order.index("decode_registered") < order.index("armed"), timeline(t)
+    # Pushed progressively: several WRITEs, not one after the last forward.
+    assert t.num_tokens == len(prompt) and t.ranks[0].posts > 1, timeline(t)
 
 
 def timeline(t: pb.TransferStatus) -> str:
@@ -207,11 +241,6 @@ def timeline(t: pb.TransferStatus) -> str:
     t0 = min((e.unix_us for e in t.timeline), default=0)
     stages = " ".join(f"{e.stage}@{(e.unix_us - t0) / 1000:.0f}" for e in t.timeline)
     return f"{t.num_tokens} tokens, {t.ranks[0].posts if t.ranks else 0} posts: {stages}"
-
-
-def chunked_pushes(fired: list[pb.TransferStatus]) -> list[pb.TransferStatus]:
-    """Armed transfers longer than one step's budget that went out in several WRITEs."""
-    return [t for t in fired if t.num_tokens > CHUNK and t.ranks[0].posts > 1]
 
 
 def test_chat_streaming_through_router(cluster: Cluster) -> None:

@@ -59,6 +59,7 @@ PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 LONG_PROMPT = serving.varied_prompts(79, (600,))[0]
 LONG_OUTPUT = 400  # 600 + 400 within the harness's max_model_len (1024)
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
+GENERATED = "vllm:generation_tokens_total"  # output tokens vLLM generated
 TWO_GROUPS_LINE = f"kv cache group sizes ({BLOCK}, {BLOCK})"
 
 
@@ -248,13 +249,16 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     )
 
 
-def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> int:
-    """KV blocks the decode engine holds for one request, read from vLLM's own
-    gauges while the request is decoding: after its first streamed token and
-    before its last, with the request running (vllm:num_requests_running 1).
-    used = kv_cache_usage_perc x (num_gpu_blocks - 1), as vLLM's BlockPool
-    computes it (the null block excluded)."""
+def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> tuple[int, int]:
+    """(KV blocks, output tokens) of one request on the decode engine, read from
+    vLLM's own metrics in one scrape while the request is decoding: after its
+    first streamed token and before its last, with the request running
+    (vllm:num_requests_running 1). used = kv_cache_usage_perc x (num_gpu_blocks
+    - 1), as vLLM's BlockPool computes it (the null block excluded). Both come
+    from the same engine step's stats; the output count matters because a
+    loaded machine may read them many tokens after the first one."""
     serving.wait_no_blocks_held(pair.prefill, pair.decode)
+    generated_before = metric_value(pair.decode.metrics(), GENERATED)
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -281,8 +285,10 @@ def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> int:
     assert found is not None, "vllm:cache_config_info names no num_gpu_blocks"
     total = int(found.group(1)) - 1
     used = round(metric_value(text, serving.USAGE) * total)
+    generated = round(metric_value(text, GENERATED) - generated_before)
+    assert 1 <= generated < LONG_OUTPUT, generated
     serving.wait_no_blocks_held(pair.prefill, pair.decode)
-    return used
+    return used, generated
 
 
 def test_decode_kv_memory_of_a_long_request(pair: Pair) -> None:
@@ -292,10 +298,10 @@ def test_decode_kv_memory_of_a_long_request(pair: Pair) -> None:
     group plus the window's blocks in the sliding-window group, each block 2
     layers; off: one block per 32 tokens, each block all 4 layers."""
     before = serving.external_tokens(pair.decode.metrics())
-    used = blocks_held_while_decoding(pair, LONG_PROMPT)
+    used, generated = blocks_held_while_decoding(pair, LONG_PROMPT)
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     assert loaded == len(LONG_PROMPT), "decode computed the prompt instead of loading it"
-    n = len(LONG_PROMPT) + 1  # the prompt and the first output token
+    n = len(LONG_PROMPT) + generated  # the prompt and the output so far
     full = math.ceil(n / BLOCK)
     regions = 2 if pair.hma else LAYERS
     expected = full + window_blocks(n) if pair.hma else full
@@ -305,5 +311,6 @@ def test_decode_kv_memory_of_a_long_request(pair: Pair) -> None:
     label = "HMA on" if pair.hma else "HMA off"
     print(
         f"\n{label}, TP {pair.p_tp} -> {pair.d_tp}: decode holds {used} blocks x {regions} "
-        f"layers x {BLOCK_BYTES} B = {held} B for a {len(LONG_PROMPT)}-token prompt"
+        f"layers x {BLOCK_BYTES} B = {held} B for a {len(LONG_PROMPT)}-token prompt "
+        f"and {generated} output tokens"
     )
