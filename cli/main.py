@@ -85,6 +85,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         etcd_lease_s=args.etcd_lease_s,
         etcd_tls=_etcd_tls(args),
+        etcd_user=args.etcd_user,
+        etcd_password_file=args.etcd_password_file,
     )
     return asyncio.run(serve(settings))
 
@@ -226,6 +228,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "(--client-cert-auth)",
     )
     h.add_argument("--etcd-key", default=_env("etcd_key", ""), help="its private key (PEM)")
+    h.add_argument(
+        "--etcd-user",
+        default=_env("etcd_user", ""),
+        help="where etcd's authentication is on: the etcd user this replica acts as "
+        "(it needs read and write on the election key, /pushkv/coordinator/leader)",
+    )
+    h.add_argument(
+        "--etcd-password-file",
+        default=_env("etcd_password_file", ""),
+        help="a file holding that user's password (a mounted secret; one trailing "
+        "newline is ignored)",
+    )
     _add_tls_flags(c)
     _add_core_flags(c)
     handlers["coordinator"] = _cmd_coordinator

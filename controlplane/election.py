@@ -21,7 +21,8 @@ The etcd API is aetcd's (a maintained asyncio etcd v3 client on grpc.aio, see
 docs/reliability.md): its generated stubs, called so that every call carries
 its own deadline, over a grpc.aio channel of our own (`EtcdConn`): aetcd's
 Client dials plain text only, and https:// endpoints need TLS (the CA, and a
-client certificate where etcd demands one). This module is the only one that
+client certificate where etcd demands one), and an etcd user's token on every
+call where etcd's authentication is on. This module is the only one that
 imports aetcd, and only ``controlplane.server`` imports this module, when
 ``--etcd`` is given.
 """
@@ -56,6 +57,36 @@ class LeaseLost(Exception):
     """etcd answered that the replica's lease no longer exists."""
 
 
+class Refused(Exception):
+    """etcd refused this replica's credentials or permissions: retrying cannot
+    help, so the replica stops (EXIT_ETCD_REFUSED) with this reason."""
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """Why etcd refuses this replica for good (bad user or password, or no
+    permission on the election key); None for anything worth retrying."""
+    if not isinstance(exc, rpc.AioRpcError):
+        return None
+    if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+        return f"etcd denies the user permission on the election key: {exc.details()}"
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in str(
+        exc.details()
+    ):
+        return f"etcd refused the user or password: {exc.details()}"
+    return None
+
+
+def _token_expired(exc: BaseException) -> bool:
+    """etcd no longer knows the auth token (it expired, or etcd restarted)."""
+    return isinstance(exc, rpc.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def read_password(path: str) -> str:
+    """The password in `path` (a mounted secret), without its trailing newline."""
+    text = Path(path).read_text()
+    return text[:-1] if text.endswith("\n") else text
+
+
 def credentials(settings: ElectionSettings) -> grpc.ChannelCredentials | None:
     """TLS credentials for https:// endpoints (None for http://)."""
     if not etcd_tls(settings.etcd):
@@ -70,11 +101,14 @@ def credentials(settings: ElectionSettings) -> grpc.ChannelCredentials | None:
 
 @dataclass
 class EtcdConn:
-    """One channel to one etcd member, and the two etcd services the election calls."""
+    """One channel to one etcd member, the etcd services the election calls,
+    and the metadata every call carries (the user's auth token, if any)."""
 
     channel: grpc.aio.Channel
     kvstub: Any
     leasestub: Any
+    authstub: Any
+    metadata: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def open(cls, host: str, port: int, creds: grpc.ChannelCredentials | None) -> EtcdConn:
@@ -82,7 +116,15 @@ class EtcdConn:
         channel = (
             grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)
         )
-        return cls(channel, rpc.KVStub(channel), rpc.LeaseStub(channel))
+        return cls(channel, rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.AuthStub(channel))
+
+    async def authenticate(self, user: str, password: str, deadline_s: float) -> None:
+        """Take a token for `user`: every later call carries it. etcd refuses a
+        bad user or password with INVALID_ARGUMENT (see `_refusal`)."""
+        reply = await self.authstub.Authenticate(
+            rpc.AuthenticateRequest(name=user, password=password), timeout=deadline_s
+        )
+        self.metadata = (("token", reply.token),)
 
     async def close(self) -> None:
         await self.channel.close(None)
@@ -107,6 +149,8 @@ class EtcdElection:
         self._value = settings.advertise.encode()
         self._client: EtcdConn | None = None
         self._creds = credentials(settings)  # read once: a missing file fails at start
+        self._password = read_password(settings.password_file) if settings.user else ""
+        self.refused = ""  # why etcd refused this replica for good (it stops)
         self._lease_id = 0
         self._ttl = float(settings.lease_s)
         self._valid_until = 0.0  # monotonic: our lease is alive in etcd until at least this
@@ -136,6 +180,12 @@ class EtcdElection:
             order_deadline=deadline,
         )
 
+    def _refuse(self, reason: str) -> None:
+        """etcd refused our credentials or permissions: stop, saying why."""
+        self.refused = reason
+        log.error("etcd_refused", endpoint=self._endpoint, reason=reason)
+        self._lose(reason)
+
     def _lose(self, reason: str) -> None:
         """Stop leading, for good (the process ends: see on_lost)."""
         if self._lost:
@@ -159,6 +209,10 @@ class EtcdElection:
                     raise
                 except Exception as exc:
                     if self.lost:
+                        return
+                    refused = _refusal(exc)
+                    if refused is not None:
+                        self._refuse(refused)
                         return
                     log.warning(
                         "etcd_session_failed",
@@ -193,7 +247,9 @@ class EtcdElection:
             if lease_id:
                 with contextlib.suppress(Exception):
                     await client.leasestub.LeaseRevoke(
-                        rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._call_timeout()
+                        rpc.LeaseRevokeRequest(ID=lease_id),
+                        timeout=self._call_timeout(),
+                        metadata=client.metadata,
                     )
                     if led:
                         log.info("leadership_resigned", lease=lease_id)
@@ -217,8 +273,35 @@ class EtcdElection:
         await self._close_client()
         self._next_endpoint += 1
         host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
-        self._client = EtcdConn.open(host, port, self._creds)
+        self._client = await self._connect(host, port)
         log.info("etcd_endpoint_switched", endpoint=self._endpoint, lease=self._lease_id)
+
+    async def _connect(self, host: str, port: int) -> EtcdConn:
+        """A connection to one member, authenticated where a user is set."""
+        conn = EtcdConn.open(host, port, self._creds)
+        if self.settings.user:
+            try:
+                await conn.authenticate(self.settings.user, self._password, 2.0)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+                raise
+        return conn
+
+    async def _renew_token(self) -> bool:
+        """etcd forgot our auth token (its TTL passed, or etcd restarted): take
+        a new one on the open connection. False if that failed too."""
+        if not self.settings.user:
+            return False
+        try:
+            await self._conn.authenticate(self.settings.user, self._password, self._call_timeout())
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            log.warning("etcd_token_renewal_failed", endpoint=self._endpoint, error=_why(exc))
+            return False
+        log.info("etcd_token_renewed", endpoint=self._endpoint)
+        return True
 
     async def _close_client(self) -> None:
         client, self._client = self._client, None
@@ -227,10 +310,12 @@ class EtcdElection:
                 await client.close()
 
     async def _session(self, host: str, port: int) -> None:
-        self._client = EtcdConn.open(host, port, self._creds)
+        self._client = await self._connect(host, port)
         sent = time.monotonic()
         grant = await self._client.leasestub.LeaseGrant(
-            rpc.LeaseGrantRequest(TTL=self.settings.lease_s), timeout=2.0
+            rpc.LeaseGrantRequest(TTL=self.settings.lease_s),
+            timeout=2.0,
+            metadata=self._client.metadata,
         )
         if grant.error:
             raise RuntimeError(f"lease grant refused: {grant.error}")
@@ -253,7 +338,9 @@ class EtcdElection:
         sent = time.monotonic()
         reply = None
         async for r in self._conn.leasestub.LeaseKeepAlive(
-            iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]), timeout=self._call_timeout()
+            iter([rpc.LeaseKeepAliveRequest(ID=self._lease_id)]),
+            timeout=self._call_timeout(),
+            metadata=self._conn.metadata,
         ):
             reply = r
             break
@@ -281,7 +368,9 @@ class EtcdElection:
             ],
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self._key))],
         )
-        reply = await self._conn.kvstub.Txn(txn, timeout=self._call_timeout())
+        reply = await self._conn.kvstub.Txn(
+            txn, timeout=self._call_timeout(), metadata=self._conn.metadata
+        )
         if reply.succeeded:
             self._won(reply.header.revision)
             return
@@ -326,7 +415,9 @@ class EtcdElection:
                     log.info("etcd_keepalive_recovered", endpoint=self._endpoint, failures=failures)
                     failures = 0
                 reply = await self._conn.kvstub.Range(
-                    rpc.RangeRequest(key=self._key), timeout=self._call_timeout()
+                    rpc.RangeRequest(key=self._key),
+                    timeout=self._call_timeout(),
+                    metadata=self._conn.metadata,
                 )
                 kv = reply.kvs[0] if reply.kvs else None
                 if kv is None or kv.lease != self._lease_id or kv.create_revision != term:
@@ -338,6 +429,12 @@ class EtcdElection:
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # transient: retry until the deadline
+                refused = _refusal(exc)
+                if refused is not None:
+                    self._refuse(refused)
+                    return
+                if _token_expired(exc) and await self._renew_token():
+                    continue  # the same lease, within the same deadline
                 failures += 1
                 log.warning("etcd_keepalive_failed", endpoint=self._endpoint, error=_why(exc))
                 if len(self._endpoints) > 1:

@@ -130,6 +130,11 @@ class ElectionSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # etcd user/password authentication (etcd `auth enable`): the user, and a
+    # file holding its password (a mounted secret, never a command-line
+    # argument); both empty where etcd's auth is off.
+    user: str = ""
+    password_file: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_s < 1:
@@ -147,6 +152,8 @@ class ElectionSettings:
             raise ValueError("--etcd-ca/--etcd-cert/--etcd-key need https:// etcd endpoints")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--etcd-cert and --etcd-key go together")
+        if bool(self.user) != bool(self.password_file):
+            raise ValueError("--etcd-user and --etcd-password-file go together")
 
 
 def _urls(text: str) -> list[tuple[str, str, int]]:

@@ -43,6 +43,8 @@ WRITE_SERVICE_NAMES = SERVICE_NAMES[:2]
 # The exit status of a replica that lost the leadership: its supervisor restarts
 # it, as a fresh standby (its in-memory state belongs to the old term).
 EXIT_LEADERSHIP_LOST = 3
+# etcd refused this replica's user, password or permissions (its log says which).
+EXIT_ETCD_REFUSED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,9 @@ class ServerSettings:
     # TLS to etcd (https:// endpoints): its CA, and a client certificate and key
     # where etcd requires one.
     etcd_tls: TLSFiles = field(default_factory=TLSFiles)
+    # etcd authentication: a user and the file holding its password.
+    etcd_user: str = ""
+    etcd_password_file: str = ""
 
 
 @dataclass
@@ -188,6 +193,8 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         tls_ca=settings.etcd_tls.ca,
         tls_cert=settings.etcd_tls.cert,
         tls_key=settings.etcd_tls.key,
+        user=settings.etcd_user,
+        password_file=settings.etcd_password_file,
     )
     loop = asyncio.get_running_loop()
 
@@ -240,6 +247,11 @@ async def serve(settings: ServerSettings) -> int:
         for w in waits:
             w.cancel()
         if coord.lost.is_set():
+            refused = coord.election.refused if coord.election is not None else ""
+            if refused:
+                log.error("coordinator_stopping", reason=refused, exit=EXIT_ETCD_REFUSED)
+                await coord.stop(0)
+                return EXIT_ETCD_REFUSED
             log.error("coordinator_stopping", reason="leadership lost", exit=EXIT_LEADERSHIP_LOST)
             await coord.stop(0)
             return EXIT_LEADERSHIP_LOST

@@ -9,6 +9,7 @@ leases as short as 1 s (its minimum TTL is 1.5 election timeouts).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -35,11 +36,16 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    def __init__(self, name: str = "pushkv-test", tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self, name: str = "pushkv-test", tls: TLSFiles | None = None, auth_token_ttl_s: int = 0
+    ) -> None:
         """With `tls`: clients reach it over https only, with a certificate the
-        CA signed (--client-cert-auth); `tls.cert`/`tls.key` are its own."""
+        CA signed (--client-cert-auth); `tls.cert`/`tls.key` are its own.
+        `auth_token_ttl_s`: how long an auth token lives unused (etcd's
+        --auth-token-ttl; 0 keeps etcd's 300 s)."""
         self.name = name
         self.tls = tls
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.dir = Path(tempfile.mkdtemp(prefix="pushkv-etcd-"))
         self.client_port = _free_port()
         self.peer_port = _free_port()
@@ -80,6 +86,8 @@ class EtcdServer:
             "--log-level=warn",
             "--logger=zap",
         ]
+        if self.auth_token_ttl_s:
+            cmd.append(f"--auth-token-ttl={self.auth_token_ttl_s}")
         if self.tls:
             cmd += [
                 f"--cert-file={self.tls.cert}",
@@ -140,6 +148,36 @@ class EtcdServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def call(self, path: str, body: dict[str, object], token: str = "") -> dict[str, object]:
+        """One call on etcd's JSON gateway (plain http only), e.g. "/v3/auth/enable"."""
+        headers = {"Authorization": token} if token else {}
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(req, timeout=5) as r:
+            doc: dict[str, object] = json.loads(r.read())
+            return doc
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, str, str]]) -> None:
+        """Turn etcd's authentication on, with `root` and `users`: name ->
+        (password, permission READ/WRITE/READWRITE, key prefix it applies to)."""
+        assert not self.tls, "enable_auth uses the plain-http gateway"
+
+        def b64(text: str) -> str:
+            return base64.b64encode(text.encode()).decode()
+
+        def prefix_end(prefix: str) -> str:  # etcd's range end of a key prefix
+            raw = prefix.encode()
+            return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+        self.call("/v3/auth/user/add", {"name": "root", "password": root_password})
+        self.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        for name, (password, perm, prefix) in users.items():
+            self.call("/v3/auth/user/add", {"name": name, "password": password})
+            self.call("/v3/auth/role/add", {"name": name})
+            grant = {"permType": perm, "key": b64(prefix), "range_end": prefix_end(prefix)}
+            self.call("/v3/auth/role/grant", {"name": name, "perm": grant})
+            self.call("/v3/auth/user/grant", {"user": name, "role": name})
+        self.call("/v3/auth/enable", {})
 
     def status(self) -> tuple[int, int]:
         """(this member's id, the raft leader's id), from etcd's JSON gateway."""

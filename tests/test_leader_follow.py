@@ -114,6 +114,8 @@ def test_election_settings_validate() -> None:
         ({"etcd": "http://h:1", "tls_ca": "ca.pem"}, "need https://"),
         ({"etcd": "https://h:1,http://h:2", "tls_ca": "ca.pem"}, "mix http:// and https://"),
         ({"etcd": "https://h:1", "tls_ca": "ca.pem", "tls_cert": "c.pem"}, "go together"),
+        ({"etcd": "http://h:1", "user": "pushkv"}, "--etcd-password-file go together"),
+        ({"etcd": "http://h:1", "password_file": "pw"}, "--etcd-password-file go together"),
     ]:
         with pytest.raises(ValueError, match=why):
             ElectionSettings(advertise="h:1", **bad)

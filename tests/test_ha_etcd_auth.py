@@ -1,0 +1,142 @@
+"""Coordinator replicas on an etcd whose authentication is on (`etcdctl auth
+enable`): real etcd 3.4 and real replica processes (`pushkv coordinator
+--etcd ... --etcd-user U --etcd-password-file F`).
+
+A replica with the right user elects and fails over as without auth; one
+whose password etcd refuses, or whose user may not write the election key,
+stops with EXIT_ETCD_REFUSED and says why, instead of retrying for ever as a
+standby that can never lead; a leader whose token etcd forgot (etcd restarted)
+takes a new one and keeps leading."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+
+from harness.coordinator import CoordinatorProcess, leadership
+from tests.support.etcd import EtcdServer, require_etcd
+from tests.test_ha import REPLICA, poll, running_replicas
+
+pytestmark = pytest.mark.faults
+
+EXIT_ETCD_REFUSED = 4
+ELECTION_PREFIX = "/pushkv/"  # the election key: /pushkv/coordinator/leader
+
+
+# etcd forgets a token unused this long (its --auth-token-ttl; 300 s by default).
+TOKEN_TTL_S = 1
+
+
+@pytest.fixture
+def etcd_auth(tmp_path: Path) -> Iterator[tuple[EtcdServer, dict[str, str]]]:
+    """etcd with auth on, and password files: `pushkv` may read and write under
+    /pushkv/, `reader` may only read there, `wrong` holds a bad password."""
+    require_etcd()
+    server = EtcdServer(auth_token_ttl_s=TOKEN_TTL_S).start()
+    try:
+        server.enable_auth(
+            "root-secret",
+            {
+                "pushkv": ("pushkv-secret", "READWRITE", ELECTION_PREFIX),
+                "reader": ("reader-secret", "READ", ELECTION_PREFIX),
+            },
+        )
+        files = {}
+        for name, text in (
+            ("pushkv", "pushkv-secret\n"),  # as a mounted secret often ends
+            ("reader", "reader-secret"),
+            ("wrong", "not-the-password"),
+        ):
+            files[name] = str(tmp_path / f"{name}.password")
+            Path(files[name]).write_text(text)
+        yield server, files
+    finally:
+        server.stop()
+
+
+def auth(user: str, password_file: str) -> tuple[str, ...]:
+    return ("--etcd-user", user, "--etcd-password-file", password_file)
+
+
+def events(replica: CoordinatorProcess, name: str) -> list[dict[str, str]]:
+    """The replica's log events called `name` (JSON lines)."""
+    docs = [json.loads(line) for line in replica.log_text().splitlines() if line.startswith("{")]
+    return [{k: str(v) for k, v in d.items()} for d in docs if d.get("event") == name]
+
+
+def test_replicas_with_an_etcd_user_elect_and_fail_over(
+    etcd_auth: tuple[EtcdServer, dict[str, str]],
+) -> None:
+    server, files = etcd_auth
+    with running_replicas(server, *auth("pushkv", files["pushkv"])) as c:
+        lead = c.leader()
+        (standby,) = c.standbys()
+        view = leadership(standby.address)
+        assert view is not None and view.leader == lead.address
+        lead.kill()
+        poll(
+            lambda: (
+                (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the standby leads after the leader's kill -9",
+        )
+        assert not events(standby, "etcd_refused")
+
+
+@pytest.mark.parametrize(
+    ("user", "why"),
+    [
+        ("wrong", "etcd refused the user or password"),
+        ("reader", "etcd denies the user permission on the election key"),
+    ],
+)
+def test_a_replica_etcd_refuses_stops_and_says_why(
+    etcd_auth: tuple[EtcdServer, dict[str, str]], user: str, why: str
+) -> None:
+    server, files = etcd_auth
+    name = "pushkv" if user == "wrong" else user  # `wrong`: pushkv's name, a bad password
+    replica = CoordinatorProcess("--etcd", server.url, *auth(name, files[user]), *REPLICA)
+    try:
+        replica.start()
+        assert replica.proc is not None
+        assert replica.proc.wait(30) == EXIT_ETCD_REFUSED, replica.log_text()[-2000:]
+        (refused,) = events(replica, "etcd_refused")
+        assert refused["reason"].startswith(why), refused
+        assert refused["endpoint"] == f"127.0.0.1:{server.client_port}"
+    finally:
+        replica.stop()
+
+
+def test_a_leader_takes_a_new_token_when_etcd_forgot_its_own(
+    etcd_auth: tuple[EtcdServer, dict[str, str]],
+) -> None:
+    """etcd forgets a token unused for TOKEN_TTL_S (its simple tokens), and then
+    answers UNAUTHENTICATED. A leader with a 12 s lease checks its key every
+    3 s, so its token lapses between two checks: it authenticates again on the
+    same lease and keeps leading, with the same term, instead of stepping down.
+    (A standby polls every 0.1 s: its token never lapses.)"""
+    server, files = etcd_auth
+    flags = ("--etcd", server.url, *auth("pushkv", files["pushkv"]), *REPLICA)
+    replica = CoordinatorProcess(*flags, "--etcd-lease-s", "12").start()
+    try:
+        poll(
+            lambda: (
+                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the replica leads",
+        )
+        view = leadership(replica.address)
+        assert view is not None
+        poll(lambda: len(events(replica, "etcd_token_renewed")) >= 2, "two new tokens taken")
+        after = leadership(replica.address)
+        assert after is not None and after.role == pb.LEADER_ROLE_LEADER
+        assert after.term == view.term
+        assert replica.proc is not None and replica.proc.poll() is None
+        assert not events(replica, "leadership_lost")
+        assert not events(replica, "etcd_keepalive_failed")
+    finally:
+        replica.stop()
