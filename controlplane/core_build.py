@@ -26,6 +26,8 @@ CORE_MODULES = (
     "resubmission",
     "expiry",
     "notices",
+    "inflight",
+    "agent_loss",
     "rendezvous",
     "convert",
     "runtime",

@@ -21,11 +21,14 @@ Invariants:
   ended (it was told then). The side is not recorded, so a retried late
   report is told again (hosts act on a transfer's end once).
 
-The state and its transitions live here; the parts they use are plain Python
-modules too: admission.py (checks on a hello or one side's report), orders.py
-(pair compatibility, each rank's order, orders open per agent incarnation,
-arrivals), expiry.py (deadlines, retention of terminal transfers), notices.py
-(the notices and peer fences sent), transfer_filter.py (what find matches).
+The transitions live here; the parts they use are plain Python modules too:
+inflight.py (the transfers held, their in-flight counts, and ending one),
+agent_loss.py (an agent incarnation fenced or lost), admission.py (checks on a
+hello or one side's report), orders.py (pair compatibility, each rank's order,
+orders open per agent incarnation, arrivals), expiry.py (deadlines, retention
+of terminal transfers), notices.py (the notices and peer fences sent),
+adoption.py and resubmission.py (a failover), transfer_filter.py (what find
+matches).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import itertools
 import uuid
 from collections.abc import Iterable, Sequence
 
-from controlplane import validation
+from controlplane import agent_loss, validation
 from controlplane.admission import check_hello, differing_field, side_blocks
 from controlplane.adoption import adopt_counted, issue_adopted, join, name_engines
 from controlplane.clock import Clock
@@ -50,7 +53,6 @@ from controlplane.domain import (
     RankState,
     Reason,
     Role,
-    SendCancelOrder,
     State,
     TransferChanged,
     TransferId,
@@ -61,13 +63,11 @@ from controlplane.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
     Unavailable,
 )
-from controlplane.expiry import Deadlines, Retention
-from controlplane.notices import peer_fenced, transfer_notices
+from controlplane.inflight import InFlight
+from controlplane.notices import transfer_notices
 from controlplane.orders import (
-    OpenOrders,
     arm_problem,
     issue,
     mismatch,
@@ -75,7 +75,7 @@ from controlplane.orders import (
     pair_source_blocks,
     record_arrivals,
 )
-from controlplane.registry import AgentRecord, EngineRecord, Registry
+from controlplane.registry import EngineRecord, Registry
 from controlplane.resubmission import WHY_FAILED, WHY_NO_AGENTS, WHY_WAIT, Verdict, verdict
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side, Transfer
@@ -90,7 +90,6 @@ _RANK_OF_REPORT = {
 }
 # Timeline stage names, without an Enum .value lookup (a Python property) per event.
 _WRITE_STAGE = {r: f"write_{r.value}" for r in RankState}
-_STAGE = {st: st.value for st in State}
 
 
 class Rendezvous:
@@ -98,13 +97,11 @@ class Rendezvous:
         self.settings = settings
         self._clock = clock
         self.registry = Registry(settings.lease_s)
-        # Keyed by plain str: lookups need no TransferId() call (ids in it were validated).
-        self._transfers: dict[str, Transfer] = {}
-        self._inflight = 0
-        self._inflight_by_engine: dict[EngineId, int] = {}
-        self._deadlines = Deadlines()
-        self._retention = Retention(settings)
-        self._open_orders = OpenOrders()
+        self._book = InFlight(settings, clock, self.registry)  # inflight.py
+        # The book's parts, under the names the transitions use.
+        self._transfers = self._book.transfers
+        self._deadlines = self._book.deadlines
+        self._open_orders = self._book.open_orders
         self.coordinator_id = uuid.uuid4().hex[:12]
         self._order_seq = itertools.count(1)
         # Until then (monotonic), resubmitted sides no agent re-sent are answered
@@ -136,11 +133,11 @@ class Rendezvous:
         return sorted(self.registry.engines(), key=lambda e: e.engine_id)
 
     def inflight_for(self, engine_id: EngineId) -> int:
-        return self._inflight_by_engine.get(engine_id, 0)
+        return self._book.by_engine.get(engine_id, 0)
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self._book.count
 
     def open_orders_of(self, key: AgentKey, incarnation: str) -> int:
         return self._open_orders.count(key, incarnation)
@@ -155,7 +152,7 @@ class Rendezvous:
         fenced = self.registry.hello(reg, now)
         effects: list[Effect] = []
         if fenced is not None:
-            effects += self._fence(fenced)
+            effects += agent_loss.fenced(self._book, fenced)
         for h in held:  # before the replay: an adopted order withdraws an undelivered one
             effects += self._adopt(reg, h)
         effects += self._open_orders.replay(reg.key, reg.incarnation, self._transfers)
@@ -170,9 +167,9 @@ class Rendezvous:
         if not self.settings.fail_on_disconnect:
             return []
         effects: list[Effect] = []
-        for t in self._transfers_of(key.engine_id):
+        for t in self._book.of_engine(key.engine_id):
             if t.state in _MOVING:
-                effects += self._finish(
+                effects += self._book.finish(
                     t, State.FAILED, Reason.AGENT_LOST, f"agent {key} disconnected"
                 )
         return effects
@@ -219,17 +216,17 @@ class Rendezvous:
         if t.state in _MOVING:
             if status is WriteStatus.FAILED:
                 why = f"prefill rank {rank}: {detail or 'WRITE failed'}"
-                effects += self._finish(t, State.FAILED, Reason.WRITE_FAILED, why)
+                effects += self._book.finish(t, State.FAILED, Reason.WRITE_FAILED, why)
             elif status is WriteStatus.DROPPED:
                 why = f"prefill rank {rank} dropped the order: {detail or 'no reason given'}"
-                effects += self._finish(t, State.FAILED, Reason.WRITE_FAILED, why)
+                effects += self._book.finish(t, State.FAILED, Reason.WRITE_FAILED, why)
             else:
                 effects += self._maybe_complete(t)
         elif t.state.terminal and was_open and not t.write_may_land:
-            effects += self._released(t)
+            effects += self._book.released(t)
         elif t.adopting and status is not WriteStatus.DONE:  # an adopted order failed
             why = f"prefill rank {rank}: {detail or status.value} (an order of an older leader)"
-            effects += self._finish(t, State.FAILED, Reason.WRITE_FAILED, why)
+            effects += self._book.finish(t, State.FAILED, Reason.WRITE_FAILED, why)
         return effects
 
     def arrival_report(
@@ -278,7 +275,7 @@ class Rendezvous:
             if (t.announced_prefill, t.announced_decode) != (pe, de):
                 raise Conflict(f"transfer {tid} was begun with other engines", field="transfer_id")
             return t, []
-        t = self._create(tid, State.AWAITING, [e for e in (pe, de) if e])
+        t = self._book.create(tid, State.AWAITING, [e for e in (pe, de) if e])
         t.announced_prefill, t.announced_decode = pe, de
         t.mark("begun", t.created_wall)
         return t, [TransferChanged(tid)]
@@ -321,11 +318,11 @@ class Rendezvous:
         detail = reason or "cancelled"
         if t is None:
             # A tombstone: a side that arrives later learns at once that it is cancelled.
-            t = self._create(tid, State.AWAITING, [])
+            t = self._book.create(tid, State.AWAITING, [])
             t.mark("begun", t.created_wall)
         if t.state.terminal:
             return t, []
-        return t, self._finish(t, State.CANCELLED, Reason.CANCELLED, detail)
+        return t, self._book.finish(t, State.CANCELLED, Reason.CANCELLED, detail)
 
     # ================================================================ time
     def tick(self) -> list[Effect]:
@@ -333,14 +330,16 @@ class Rendezvous:
         effects: list[Effect] = []
         lost, gone = self.registry.expire(now)
         for rec in lost:
-            effects += self._agent_lost(rec)
+            effects += agent_loss.lost(self._book, rec)
         for key, inc in gone:
-            effects += self._resolve_agent_orders(key, inc, "replaced incarnation's lease over")
+            effects += agent_loss.resolve_orders(
+                self._book, key, inc, "replaced incarnation's lease over"
+            )
         for t in self._deadlines.due(now, self._transfers):
-            effects += self._finish(
+            effects += self._book.finish(
                 t, State.EXPIRED, Reason.DEADLINE, f"deadline passed in state {t.state.value}"
             )
-        self._retention.sweep(self._transfers, now)
+        self._book.retention.sweep(self._transfers, now)
         return effects
 
     def next_wakeup(self) -> float | None:
@@ -352,43 +351,6 @@ class Rendezvous:
         return min(candidates, default=None)
 
     # ================================================================ internals
-    def _create(
-        self,
-        tid: TransferId,
-        state: State,
-        engines: Sequence[EngineId],
-        now: float | None = None,
-        wall: float | None = None,
-        limits: bool = True,
-    ) -> Transfer:
-        """A new transfer; `now` and `wall` are the clocks, if the caller just read them."""
-        s = self.settings
-        if limits and self._inflight >= s.max_inflight:
-            raise ResourceExhausted(f"{self._inflight} transfers in flight (max {s.max_inflight})")
-        for e in engines:
-            if self._inflight_by_engine.get(e, 0) >= s.max_inflight_per_engine:
-                raise ResourceExhausted(
-                    f"engine {e} has {s.max_inflight_per_engine} transfers in flight"
-                )
-        if now is None or wall is None:
-            now, wall = self._clock.monotonic(), self._clock.wall()
-        t = Transfer(tid, state, now, wall, now, wall)
-        self._transfers[tid] = t
-        self._inflight += 1
-        for e in engines:
-            self._count_engine(t, e)
-        self._deadlines.set(t, s.rendezvous_timeout_s, now)
-        return t
-
-    def _count_engine(self, t: Transfer, engine: EngineId, limit: bool = True) -> None:
-        if engine in t.counted or t.state.terminal:
-            return
-        most = self.settings.max_inflight_per_engine
-        if limit and self._inflight_by_engine.get(engine, 0) >= most:
-            raise ResourceExhausted(f"engine {engine} has {most} transfers in flight")
-        self._inflight_by_engine[engine] = self._inflight_by_engine.get(engine, 0) + 1
-        t.counted.add(engine)
-
     def _arrive(
         self,
         role: Role,
@@ -414,7 +376,7 @@ class Rendezvous:
         now, wall = self._clock.monotonic(), self._clock.wall()
         created = t is None
         if t is None:
-            t = self._create(tid, State.AWAITING, [eid], now, wall)
+            t = self._book.create(tid, State.AWAITING, [eid], now, wall)
         else:
             announced = t.announced_decode if role is Role.DECODE else t.announced_prefill
             if announced and announced != eid:
@@ -436,7 +398,7 @@ class Rendezvous:
                     t.mark("prefill_finished", finished_unix)  # (the critical path's)
                 return t, []
             return t, transfer_notices(self.registry, t, (eid,))
-        self._count_engine(t, eid)
+        self._book.count_engine(t, eid)
         effects: list[Effect] = [TransferChanged(tid)]
         if role is Role.DECODE:
             t.decode = side
@@ -454,7 +416,7 @@ class Rendezvous:
             pass
         else:
             t.state = State.REGISTERED if role is Role.DECODE else State.PREFILL_DONE
-            if not created:  # _create set this very deadline
+            if not created:  # create() set this very deadline
                 self._deadlines.set(t, s.rendezvous_timeout_s, now)
         return t, effects
 
@@ -464,12 +426,14 @@ class Rendezvous:
         de = self.registry.engine(t.decode.engine_id)
         if pe is None or de is None or not pe.ready or not de.ready:
             missing = t.prefill.engine_id if pe is None or not pe.ready else t.decode.engine_id
-            return self._finish(t, State.FAILED, Reason.AGENT_LOST, f"engine {missing} not ready")
+            return self._book.finish(
+                t, State.FAILED, Reason.AGENT_LOST, f"engine {missing} not ready"
+            )
         problem = mismatch(t, pe, de)
         if problem:
-            return self._finish(t, State.FAILED, Reason.MISMATCH, problem)
+            return self._book.finish(t, State.FAILED, Reason.MISMATCH, problem)
         if not any(t.decode.blocks):  # every group empty
-            return self._finish(
+            return self._book.finish(
                 t, State.COMPLETE, Reason.NOTHING_TO_WRITE, "decode side had every block cached"
             )
         src = pair_source_blocks(t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block)
@@ -518,10 +482,10 @@ class Rendezvous:
         pe = self.registry.engine(t.prefill_engine) if t.prefill_engine else None
         de = self.registry.engine(t.decode_engine) if t.decode_engine else None
         if pe is None or de is None:
-            return self._finish(t, State.FAILED, Reason.AGENT_LOST, "engine not registered")
+            return self._book.finish(t, State.FAILED, Reason.AGENT_LOST, "engine not registered")
         problem = mismatch(t, pe, de)
         if problem:
-            return self._finish(t, State.FAILED, Reason.MISMATCH, problem)
+            return self._book.finish(t, State.FAILED, Reason.MISMATCH, problem)
         if t.state is State.ARMED:
             t.state = State.ORDERED
             self._deadlines.set(t, self.settings.write_timeout_s, now)
@@ -532,95 +496,8 @@ class Rendezvous:
             if o.state is not RankState.DONE:
                 return []
         if t.all_arrived():
-            return self._finish(t, State.COMPLETE, Reason.NONE, "")
+            return self._book.finish(t, State.COMPLETE, Reason.NONE, "")
         return []
-
-    def _finish(self, t: Transfer, state: State, reason: Reason, detail: str) -> list[Effect]:
-        """Enter a terminal state: cancel open orders and tell both engines."""
-        assert state.terminal and not t.state.terminal
-        t.state, t.reason, t.detail = state, reason, detail
-        t.adopting = False
-        now = self._clock.monotonic()
-        t.terminal_mono = now
-        t.mark(_STAGE[state], self._clock.wall())
-        self._inflight -= 1
-        for e in t.counted:
-            left = self._inflight_by_engine.get(e, 0) - 1
-            if left > 0:
-                self._inflight_by_engine[e] = left
-            else:
-                self._inflight_by_engine.pop(e, None)
-        self._retention.add(t.transfer_id)
-        effects: list[Effect] = [TransferChanged(t.transfer_id)]
-        for rec in t.orders.values():
-            if rec.state.resolved:
-                continue
-            key = rec.agent
-            inc = rec.order.prefill_incarnation
-            if self.registry.may_still_act(key, inc, now):
-                effects.append(SendCancelOrder(key, inc, rec.order.order_id, t.transfer_id, reason))
-            else:
-                rec.state, rec.detail = RankState.FAILED, "agent gone before it reported"
-                self._open_orders.close(rec)
-        if state is not State.COMPLETE or reason is not Reason.NONE:
-            effects += self._notify(t)  # a clean COMPLETE is known to every rank already
-        return effects
-
-    def _released(self, t: Transfer) -> list[Effect]:
-        t.mark("released", self._clock.wall())
-        return [TransferChanged(t.transfer_id), *self._notify(t)]
-
-    def _notify(self, t: Transfer) -> list[Effect]:
-        """The transfer's state, to every rank of the engines it names."""
-        engines = {x for x in (t.prefill_engine, t.decode_engine) if x}
-        return transfer_notices(self.registry, t, engines)
-
-    def _transfers_of(self, engine: EngineId) -> list[Transfer]:
-        return [
-            t
-            for t in self._transfers.values()
-            if not t.state.terminal and engine in (t.prefill_engine, t.decode_engine)
-        ]
-
-    def _fence(self, old: AgentRecord) -> list[Effect]:
-        effects: list[Effect] = []
-        for t in self._transfers_of(old.key.engine_id):
-            effects += self._finish(
-                t,
-                State.FAILED,
-                Reason.AGENT_FENCED,
-                f"agent {old.key} restarted (incarnation {old.incarnation} fenced)",
-            )
-        effects += peer_fenced(self.registry, old.key, old.incarnation, tell_same_key=False)
-        return effects
-
-    def _agent_lost(self, rec: AgentRecord) -> list[Effect]:
-        effects: list[Effect] = []
-        for t in self._transfers_of(rec.key.engine_id):
-            effects += self._finish(
-                t, State.FAILED, Reason.AGENT_LOST, f"agent {rec.key} lease expired"
-            )
-        effects += self._resolve_agent_orders(rec.key, rec.incarnation, "agent lease expired")
-        effects += peer_fenced(self.registry, rec.key, rec.incarnation, tell_same_key=True)
-        return effects
-
-    def _resolve_agent_orders(self, key: AgentKey, incarnation: str, why: str) -> list[Effect]:
-        effects: list[Effect] = []
-        for tid, rank in self._open_orders.pop(key, incarnation):
-            t = self._transfers.get(tid)
-            if t is None:
-                continue
-            rec = t.orders[rank]
-            if rec.state.resolved:
-                continue
-            was_open = t.write_may_land
-            rec.state, rec.detail = RankState.FAILED, why
-            if t.state.terminal:
-                if was_open and not t.write_may_land:
-                    effects += self._released(t)
-            else:
-                effects += self._finish(t, State.FAILED, Reason.AGENT_LOST, f"rank {rank}: {why}")
-        return effects
 
     def _resubmission(self, transfer_id: str, engine: str) -> tuple[Transfer, list[Effect]] | None:
         """A resubmitted side: None if accepted (applied as usual), else the
@@ -636,16 +513,18 @@ class Rendezvous:
             raise Unavailable(WHY_WAIT.format(engine=eid, left=self._rebuild_until - now))
         if t is None:  # a tombstone: the other side's report learns it ended
             tid = validation.transfer_id(transfer_id, s.max_id_len)
-            t = self._create(tid, State.AWAITING, [], limits=False)
+            t = self._book.create(tid, State.AWAITING, [], limits=False)
             t.mark("begun", t.created_wall)
-        return t, self._finish(t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid))
+        return t, self._book.finish(
+            t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid)
+        )
 
     def _adopt(self, reg: AgentRegistration, h: HeldTransfer) -> list[Effect]:
         """One transfer an agent re-sent in its hello (adoption.py)."""
         t = self._transfers.get(h.transfer_id)
         if t is None and validation.valid_transfer_id(h.transfer_id, self.settings.max_id_len):
             # Counted at the old leader: no in-flight limit refuses it here.
-            t = self._create(TransferId(h.transfer_id), State.AWAITING, [], limits=False)
+            t = self._book.create(TransferId(h.transfer_id), State.AWAITING, [], limits=False)
             t.adopting = True
         if t is None or t.state.terminal:  # ended here: this engine may not have been told
             return transfer_notices(self.registry, t, (reg.engine_id,)) if t else []
@@ -653,7 +532,7 @@ class Rendezvous:
         if not join(t, reg, h, wall + self.settings.write_timeout_s, self._open_orders):
             return []  # the transfer is another engine's: not this agent's to adopt
         if reg.engine_id not in t.counted:  # the engine's first hello that names it
-            self._count_engine(t, reg.engine_id, limit=False)
+            self._book.count_engine(t, reg.engine_id, limit=False)
             t.mark("adopted", wall, reg.key.rank)
         if h.counted and not t.adopting:  # ordered here already: these are arrivals
             with contextlib.suppress(InvalidArgument, PermissionDenied):

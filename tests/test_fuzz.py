@@ -308,7 +308,7 @@ def check_accounting(server: ThreadedCoordinator) -> None:
         for t in live:
             for e in t.counted:
                 per_engine[e] = per_engine.get(e, 0) + 1
-        return core.inflight, len(live), dict(core._inflight_by_engine), per_engine
+        return core.inflight, len(live), dict(core._book.by_engine), per_engine
 
     inflight, live, by_engine, counted = server.run(snapshot())
     assert inflight == live
