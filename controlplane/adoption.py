@@ -13,11 +13,17 @@ The rules (docs/reliability.md, "Failover rebuild"):
   ordered again either.
 - Every other rank is ordered once, with the new leader's term, when both
   sides' blocks are known (`issue_adopted`): one WRITE per rank in all.
+- A decode rank's replayed arrival may come before any hello names its
+  transfer (TP > 1: the decode rank was told and holds nothing; the rank it
+  counted freed its blocks). Within the rebuild window it is kept
+  (`UnclaimedArrivals`) and counted when the transfer is ordered, if it came
+  from a rank of the transfer's decode engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from controlplane.domain import (
     AgentKey,
@@ -153,3 +159,37 @@ def issue_adopted(
     t.early_arrivals = {}
     t.adopting = False
     return effects
+
+
+# Replayed arrivals kept for transfers no hello named yet (bounded: the oldest go).
+MAX_UNCLAIMED = 100_000
+
+
+class UnclaimedArrivals:
+    """Arrivals a new leader got before it knew their transfer, by transfer id;
+    only within the rebuild window (the owner clears them after it)."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[str, list[tuple[AgentKey, tuple[int, ...]]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, transfer_id: str, key: AgentKey, prefill_ranks: Sequence[int]) -> None:
+        got = self._kept.get(transfer_id)
+        if got is None:
+            got = self._kept[transfer_id] = []
+            while len(self._kept) > MAX_UNCLAIMED:
+                self._kept.popitem(last=False)
+        got.append((key, tuple(prefill_ranks)))
+
+    def claim(self, t: Transfer) -> None:
+        """Count the arrivals kept for adopted transfer `t` that came from
+        ranks of its decode engine (others' are dropped)."""
+        got = self._kept.pop(t.transfer_id, None)
+        for key, ranks in got or ():
+            if key.engine_id == t.decode_engine:
+                adopt_counted(t, key.rank, ranks)
+
+    def clear(self) -> None:
+        self._kept.clear()

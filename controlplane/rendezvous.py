@@ -40,7 +40,13 @@ from collections.abc import Iterable, Sequence
 
 from controlplane import agent_loss, validation
 from controlplane.admission import check_hello, differing_field, side_blocks
-from controlplane.adoption import adopt_counted, issue_adopted, join, name_engines
+from controlplane.adoption import (
+    UnclaimedArrivals,
+    adopt_counted,
+    issue_adopted,
+    join,
+    name_engines,
+)
 from controlplane.clock import Clock
 from controlplane.domain import (
     AgentKey,
@@ -107,6 +113,8 @@ class Rendezvous:
         # Until then (monotonic), resubmitted sides no agent re-sent are answered
         # UNAVAILABLE rather than FAILED (resubmission.py); set by lead().
         self._rebuild_until = 0.0
+        # Arrivals replayed before a hello named their transfer (adoption.py).
+        self._unclaimed = UnclaimedArrivals()
 
     def lead(self) -> None:
         """This replica starts leading a new term: the agents' hellos (adopted
@@ -239,6 +247,12 @@ class Rendezvous:
     ) -> list[Effect]:
         t = self._transfers.get(transfer_id)
         if t is None or t.decode_engine is None or (t.decode is None and not t.adopting):
+            if (
+                (t is None or t.adopting)
+                and self._clock.monotonic() < self._rebuild_until
+                and self.registry.is_current(key, incarnation)
+            ):  # a failover's replay ahead of the hello that names the transfer
+                self._unclaimed.keep(transfer_id, key, prefill_ranks)
             return []
         if key.engine_id != t.decode_engine or not self.registry.is_current(key, incarnation):
             raise PermissionDenied(f"{key}@{incarnation} is not a decode rank of {transfer_id}")
@@ -340,6 +354,8 @@ class Rendezvous:
                 t, State.EXPIRED, Reason.DEADLINE, f"deadline passed in state {t.state.value}"
             )
         self._book.retention.sweep(self._transfers, now)
+        if self._unclaimed and now >= self._rebuild_until:
+            self._unclaimed.clear()
         return effects
 
     def next_wakeup(self) -> float | None:
@@ -445,6 +461,7 @@ class Rendezvous:
         if not t.adopting:
             t.state = State.ORDERED
             return issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
+        self._unclaimed.claim(t)
         effects = issue_adopted(t, pe, de, src, until, self._order_id, self._open_orders)
         posted = any(o.adopted for o in t.orders.values())  # before the failover
         t.state = State.WRITING if posted else State.ORDERED

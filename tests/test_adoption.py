@@ -23,6 +23,7 @@ from controlplane.domain import (
 from controlplane.rendezvous import Rendezvous
 from controlplane.server import ServerSettings, start
 from controlplane.settings import CoreSettings
+from controlplane.transfer import Transfer
 from tests.support.sim_agent import SimAgent, rendezvous, wait_terminal
 from tests.test_rendezvous import D, P, notices, orders, reg
 
@@ -113,6 +114,56 @@ def test_a_rank_decode_counted_is_written_and_never_ordered() -> None:
     rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE)
     rv.arrival_report(AgentKey(D, 1), "i1", "t", [1])
     assert t.state is State.COMPLETE
+
+
+def replayed_before_any_hello(rv: Rendezvous, arrival_from: AgentKey) -> Transfer:
+    """TP 2: prefill rank 0 wrote, freed its blocks and re-sends nothing; decode
+    rank 0 was told, holds nothing and only replays its arrival, which reaches
+    the new leader before any hello names the transfer. Then the ranks that
+    still hold it say hello, and both sides come back."""
+    hello(rv, P, Role.PREFILL, 0, 2)
+    hello(rv, D, Role.DECODE, 0, 2)
+    hello(rv, "other", Role.DECODE, 0, 2)
+    rv.arrival_report(arrival_from, "i1", "t", [0])
+    hello(rv, P, Role.PREFILL, 1, 2, HeldTransfer("t"))
+    hello(rv, D, Role.DECODE, 1, 2, HeldTransfer("t"))
+    rv.register_decode("t", D, [[5, 6]], 20)
+    t, effects = rv.prefill_done("t", P, [[1, 2]], 20)
+    for o in orders(effects):
+        rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE)
+    rv.arrival_report(AgentKey(D, 1), "i1", "t", [1])
+    return t
+
+
+def test_tp2_an_arrival_replayed_before_any_hello_names_the_transfer_is_counted() -> None:
+    """Kept within the rebuild window and counted when the transfer is ordered:
+    rank 0 is not ordered again (its blocks are gone) and the transfer
+    completes with one WRITE per rank in all."""
+    rv, _ = leader()
+    rv.lead()
+    t = replayed_before_any_hello(rv, AgentKey(D, 0))
+    assert t.orders[0].state is RankState.DONE and t.orders[0].adopted
+    assert [r for r, o in t.orders.items() if not o.adopted] == [1]  # ordered here: rank 1
+    assert t.state is State.COMPLETE, t.detail
+
+
+def test_an_early_arrival_counts_only_from_the_decode_engine_and_within_the_window() -> None:
+    # Another engine's rank names the transfer: never counted, rank 0 ordered.
+    rv, _ = leader()
+    rv.lead()
+    t = replayed_before_any_hello(rv, AgentKey(EngineId("other"), 0))
+    assert not t.orders[0].adopted and t.state is not State.COMPLETE
+    # After the rebuild window the leader keeps nothing: as without a failover.
+    rv, clock = leader()
+    rv.lead()
+    clock.advance(rv.settings.rebuild_window_s)
+    rv.tick()
+    t = replayed_before_any_hello(rv, AgentKey(D, 0))
+    assert not t.orders[0].adopted
+    # A coordinator that did not take over (no lead()) keeps nothing either.
+    rv, _ = leader()
+    t = replayed_before_any_hello(rv, AgentKey(D, 0))
+    assert not t.orders[0].adopted
 
 
 def test_nobody_brings_the_blocks_back_it_expires_and_both_engines_are_told() -> None:
