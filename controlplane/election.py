@@ -118,13 +118,24 @@ class EtcdConn:
         )
         return cls(channel, rpc.KVStub(channel), rpc.LeaseStub(channel), rpc.AuthStub(channel))
 
-    async def authenticate(self, user: str, password: str, deadline_s: float) -> None:
-        """Take a token for `user`: every later call carries it. etcd refuses a
-        bad user or password with INVALID_ARGUMENT (see `_refusal`)."""
-        reply = await self.authstub.Authenticate(
-            rpc.AuthenticateRequest(name=user, password=password), timeout=deadline_s
-        )
+    async def authenticate(self, user: str, password: str, deadline_s: float) -> bool:
+        """Take a token for `user`: every later call carries it; False (no
+        token) where etcd's authentication is off, as etcd's own Go client
+        does. etcd refuses a bad user or password with INVALID_ARGUMENT (see
+        `_refusal`)."""
+        try:
+            reply = await self.authstub.Authenticate(
+                rpc.AuthenticateRequest(name=user, password=password), timeout=deadline_s
+            )
+        except rpc.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in str(
+                exc.details()
+            ):
+                self.metadata = ()
+                return False
+            raise
         self.metadata = (("token", reply.token),)
+        return True
 
     async def close(self) -> None:
         await self.channel.close(None)
@@ -281,7 +292,13 @@ class EtcdElection:
         conn = EtcdConn.open(host, port, self._creds)
         if self.settings.user:
             try:
-                await conn.authenticate(self.settings.user, self._password, 2.0)
+                if not await conn.authenticate(self.settings.user, self._password, 2.0):
+                    log.warning(
+                        "etcd_auth_not_enabled",
+                        endpoint=f"{host}:{port}",
+                        detail=f"--etcd-user {self.settings.user} given, but etcd's "
+                        "authentication is off: calls go without a token",
+                    )
             except BaseException:
                 with contextlib.suppress(Exception):
                     await conn.close()

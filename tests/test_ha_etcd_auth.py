@@ -18,7 +18,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from harness.coordinator import CoordinatorProcess, leadership
-from tests.support.etcd import EtcdServer, require_etcd
+from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.test_ha import REPLICA, poll, running_replicas
 
 pytestmark = pytest.mark.faults
@@ -138,5 +138,28 @@ def test_a_leader_takes_a_new_token_when_etcd_forgot_its_own(
         assert replica.proc is not None and replica.proc.poll() is None
         assert not events(replica, "leadership_lost")
         assert not events(replica, "etcd_keepalive_failed")
+    finally:
+        replica.stop()
+
+
+def test_a_user_given_for_an_etcd_without_auth_leads_and_warns(
+    etcd: EtcdServer,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """etcd's authentication off (as etcd's Go client does): calls go without a
+    token, the replica leads, and its log says the user was not used."""
+    password = tmp_path / "password"
+    password.write_text("unused")
+    replica = CoordinatorProcess("--etcd", etcd.url, *auth("pushkv", str(password)), *REPLICA)
+    try:
+        replica.start()
+        poll(
+            lambda: (
+                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the replica leads",
+        )
+        (warned, *_) = events(replica, "etcd_auth_not_enabled")
+        assert warned["endpoint"] == f"127.0.0.1:{etcd.client_port}"
     finally:
         replica.stop()
