@@ -57,11 +57,6 @@ class LeaseLost(Exception):
     """etcd answered that the replica's lease no longer exists."""
 
 
-class Refused(Exception):
-    """etcd refused this replica's credentials or permissions: retrying cannot
-    help, so the replica stops (EXIT_ETCD_REFUSED) with this reason."""
-
-
 def _refusal(exc: BaseException) -> str | None:
     """Why etcd refuses this replica for good (bad user or password, or no
     permission on the election key); None for anything worth retrying."""
@@ -77,7 +72,7 @@ def _refusal(exc: BaseException) -> str | None:
 
 
 def _token_expired(exc: BaseException) -> bool:
-    """etcd no longer knows the auth token (it expired, or etcd restarted)."""
+    """etcd no longer knows the auth token (unused past its --auth-token-ttl)."""
     return isinstance(exc, rpc.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -109,6 +104,7 @@ class EtcdConn:
     leasestub: Any
     authstub: Any
     metadata: tuple[tuple[str, str], ...] = ()
+    authenticated: bool = False  # a token taken (or etcd's auth found off)
 
     @classmethod
     def open(cls, host: str, port: int, creds: grpc.ChannelCredentials | None) -> EtcdConn:
@@ -131,10 +127,10 @@ class EtcdConn:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in str(
                 exc.details()
             ):
-                self.metadata = ()
+                self.metadata, self.authenticated = (), True
                 return False
             raise
-        self.metadata = (("token", reply.token),)
+        self.metadata, self.authenticated = (("token", reply.token),), True
         return True
 
     async def close(self) -> None:
@@ -284,7 +280,9 @@ class EtcdElection:
         await self._close_client()
         self._next_endpoint += 1
         host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
-        self._client = await self._connect(host, port)
+        # Not authenticated yet: that is a call to a member that may be down
+        # too, made in _lead's loop, where a failure moves on to the next one.
+        self._client = EtcdConn.open(host, port, self._creds)
         log.info("etcd_endpoint_switched", endpoint=self._endpoint, lease=self._lease_id)
 
     async def _connect(self, host: str, port: int) -> EtcdConn:
@@ -426,6 +424,10 @@ class EtcdElection:
         failures = 0
         while not self._lost:
             try:
+                if self.settings.user and not self._conn.authenticated:  # after a switch
+                    await self._conn.authenticate(
+                        self.settings.user, self._password, self._call_timeout()
+                    )
                 await self._keepalive()
                 self._leadership.extend(self._valid_until - self.margin_s)
                 if failures:

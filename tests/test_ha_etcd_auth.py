@@ -11,6 +11,7 @@ takes a new one and keeps leading."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from harness.coordinator import CoordinatorProcess, leadership
+from harness.etcd import EtcdCluster
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.test_ha import REPLICA, poll, running_replicas
 
@@ -161,5 +163,57 @@ def test_a_user_given_for_an_etcd_without_auth_leads_and_warns(
         )
         (warned, *_) = events(replica, "etcd_auth_not_enabled")
         assert warned["endpoint"] == f"127.0.0.1:{etcd.client_port}"
+    finally:
+        replica.stop()
+
+
+@pytest.fixture
+def etcd3_auth() -> Iterator[EtcdCluster]:
+    require_etcd()
+    members = EtcdCluster(3).start()
+    try:
+        members.members[0].enable_auth(
+            "root-secret", {"pushkv": ("pushkv-secret", "READWRITE", ELECTION_PREFIX)}
+        )
+        yield members
+    finally:
+        members.stop()
+
+
+def test_a_leader_renews_through_the_next_member_with_a_new_token(
+    etcd3_auth: EtcdCluster, tmp_path: Path
+) -> None:
+    """Three members with auth on; the replicas dial `first`, then an address
+    where no member answers, then the others. `first` killed: the leader moves
+    on, its token for the dead address fails like any call there, and it takes
+    a token from the next member that answers and keeps its term (a call
+    without one would be refused for good)."""
+    raft = etcd3_auth.raft_leader()
+    first, last = [m for m in etcd3_auth.members if m is not raft]
+    password = tmp_path / "password"
+    password.write_text("pushkv-secret")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{s.getsockname()[1]}"
+    urls = ",".join([first.url, nobody, raft.url, last.url])
+    flags = ("--etcd", urls, *auth("pushkv", str(password)), *REPLICA, "--etcd-lease-s", "4")
+    replica = CoordinatorProcess(*flags).start()
+    try:
+        poll(
+            lambda: (
+                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the replica leads",
+        )
+        view = leadership(replica.address)
+        assert view is not None
+        first.kill()
+        poll(lambda: bool(events(replica, "etcd_keepalive_recovered")), "renewed elsewhere")
+        switched = [e["endpoint"] for e in events(replica, "etcd_endpoint_switched")]
+        assert nobody.removeprefix("http://") in switched, switched
+        after = leadership(replica.address)
+        assert after is not None and after.role == pb.LEADER_ROLE_LEADER
+        assert after.term == view.term
+        assert not events(replica, "etcd_refused") and not events(replica, "leadership_lost")
     finally:
         replica.stop()
