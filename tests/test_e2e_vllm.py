@@ -33,6 +33,7 @@ from harness.vllm_server import (
 from tests.support.serving import completion, json_request, post
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
+from vllm_integration.router import _legs as router_legs
 
 pytestmark = pytest.mark.e2e
 
@@ -212,14 +213,9 @@ def test_decode_first_is_armed_and_pushed_in_chunks(cluster: Cluster) -> None:
         t = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=10)
         return [e.stage for e in t.timeline]
 
-    # The two legs as the router builds them (vllm_integration/router.py, _legs).
+    # The two legs as the router builds them.
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-    decode_leg = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid}}
-    prefill_leg = {
-        **body,
-        "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
-    }
+    prefill_leg, decode_leg = router_legs(body, tid, chat=False)
     with ThreadPoolExecutor(1) as pool:
         decoded = pool.submit(post, cluster.decode.url + "/v1/completions", decode_leg)
         wait_until(lambda: "armed" in stages(), "the order armed on the prefill agent", 60)

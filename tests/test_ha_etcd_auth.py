@@ -21,7 +21,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from harness.coordinator import CoordinatorProcess, leadership
 from harness.etcd import EtcdCluster
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
-from tests.test_ha import REPLICA, poll, running_replicas
+from tests.test_ha import REPLICA, etcd3, poll, running_replicas  # noqa: F401
 
 pytestmark = pytest.mark.faults
 
@@ -64,6 +64,19 @@ def auth(user: str, password_file: str) -> tuple[str, ...]:
     return ("--etcd-user", user, "--etcd-password-file", password_file)
 
 
+def leads(replica: CoordinatorProcess) -> bool:
+    v = leadership(replica.address)
+    return v is not None and v.role == pb.LEADER_ROLE_LEADER
+
+
+def wait_leads(replica: CoordinatorProcess, what: str) -> pb.Leadership:
+    """Poll until `replica` leads; its GetLeadership answer then."""
+    poll(lambda: leads(replica), what)
+    view = leadership(replica.address)
+    assert view is not None
+    return view
+
+
 def events(replica: CoordinatorProcess, name: str) -> list[dict[str, str]]:
     """The replica's log events called `name` (JSON lines)."""
     docs = [json.loads(line) for line in replica.log_text().splitlines() if line.startswith("{")]
@@ -80,12 +93,7 @@ def test_replicas_with_an_etcd_user_elect_and_fail_over(
         view = leadership(standby.address)
         assert view is not None and view.leader == lead.address
         lead.kill()
-        poll(
-            lambda: (
-                (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
-            ),
-            "the standby leads after the leader's kill -9",
-        )
+        wait_leads(standby, "the standby leads after the leader's kill -9")
         assert not events(standby, "etcd_refused")
 
 
@@ -125,18 +133,10 @@ def test_a_leader_takes_a_new_token_when_etcd_forgot_its_own(
     flags = ("--etcd", server.url, *auth("pushkv", files["pushkv"]), *REPLICA)
     replica = CoordinatorProcess(*flags, "--etcd-lease-s", "12").start()
     try:
-        poll(
-            lambda: (
-                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
-            ),
-            "the replica leads",
-        )
-        view = leadership(replica.address)
-        assert view is not None
+        view = wait_leads(replica, "the replica leads")
         poll(lambda: len(events(replica, "etcd_token_renewed")) >= 2, "two new tokens taken")
         after = leadership(replica.address)
-        assert after is not None and after.role == pb.LEADER_ROLE_LEADER
-        assert after.term == view.term
+        assert after is not None and leads(replica) and after.term == view.term
         assert replica.proc is not None and replica.proc.poll() is None
         assert not events(replica, "leadership_lost")
         assert not events(replica, "etcd_keepalive_failed")
@@ -155,41 +155,27 @@ def test_a_user_given_for_an_etcd_without_auth_leads_and_warns(
     replica = CoordinatorProcess("--etcd", etcd.url, *auth("pushkv", str(password)), *REPLICA)
     try:
         replica.start()
-        poll(
-            lambda: (
-                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
-            ),
-            "the replica leads",
-        )
+        wait_leads(replica, "the replica leads")
         (warned, *_) = events(replica, "etcd_auth_not_enabled")
         assert warned["endpoint"] == f"127.0.0.1:{etcd.client_port}"
     finally:
         replica.stop()
 
 
-@pytest.fixture
-def etcd3_auth() -> Iterator[EtcdCluster]:
-    require_etcd()
-    members = EtcdCluster(3).start()
-    try:
-        members.members[0].enable_auth(
-            "root-secret", {"pushkv": ("pushkv-secret", "READWRITE", ELECTION_PREFIX)}
-        )
-        yield members
-    finally:
-        members.stop()
-
-
 def test_a_leader_renews_through_the_next_member_with_a_new_token(
-    etcd3_auth: EtcdCluster, tmp_path: Path
+    etcd3: EtcdCluster,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """Three members with auth on; the replicas dial `first`, then an address
     where no member answers, then the others. `first` killed: the leader moves
     on, its token for the dead address fails like any call there, and it takes
     a token from the next member that answers and keeps its term (a call
     without one would be refused for good)."""
-    raft = etcd3_auth.raft_leader()
-    first, last = [m for m in etcd3_auth.members if m is not raft]
+    etcd3.members[0].enable_auth(
+        "root-secret", {"pushkv": ("pushkv-secret", "READWRITE", ELECTION_PREFIX)}
+    )
+    raft = etcd3.raft_leader()
+    first, last = [m for m in etcd3.members if m is not raft]
     password = tmp_path / "password"
     password.write_text("pushkv-secret")
     with socket.socket() as s:  # a port nothing listens on
@@ -199,21 +185,13 @@ def test_a_leader_renews_through_the_next_member_with_a_new_token(
     flags = ("--etcd", urls, *auth("pushkv", str(password)), *REPLICA, "--etcd-lease-s", "4")
     replica = CoordinatorProcess(*flags).start()
     try:
-        poll(
-            lambda: (
-                (v := leadership(replica.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
-            ),
-            "the replica leads",
-        )
-        view = leadership(replica.address)
-        assert view is not None
+        view = wait_leads(replica, "the replica leads")
         first.kill()
         poll(lambda: bool(events(replica, "etcd_keepalive_recovered")), "renewed elsewhere")
         switched = [e["endpoint"] for e in events(replica, "etcd_endpoint_switched")]
         assert nobody.removeprefix("http://") in switched, switched
         after = leadership(replica.address)
-        assert after is not None and after.role == pb.LEADER_ROLE_LEADER
-        assert after.term == view.term
+        assert after is not None and leads(replica) and after.term == view.term
         assert not events(replica, "etcd_refused") and not events(replica, "leadership_lost")
     finally:
         replica.stop()
