@@ -4,11 +4,17 @@ Python, no NIXL.
 
 Each transfer is told once: KV_READY when every expected writer's
 notification is in, or KV_FAILED when it is resolved otherwise.
+
+Transfers told KV_READY are remembered for READY_KEEP_S (at most MAX_READY):
+the hello re-sends them as `ready` (pushkv.proto, HeldTransfer.ready), so that
+a new leader learns a transfer was written in full before the failover while
+the engine's scheduler may still have its registration open.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -17,6 +23,10 @@ from agent.lru import Lru
 from agent.notif import WriteNotif
 
 EXPECT_TTL_S = 600.0
+# Long enough to outlast a failover (lease TTL + agents following, seconds)
+# and the scheduler settling a load it was told of; bounded in count.
+READY_KEEP_S = 30.0
+MAX_READY = 4096
 
 
 @dataclass(slots=True)
@@ -36,6 +46,8 @@ class Arrivals:
     def __init__(self) -> None:
         self._by_tid: dict[str, _Expected] = {}
         self._told: Lru[None] = Lru()  # transfer ids whose KV_READY/KV_FAILED was emitted
+        # Told KV_READY lately: transfer id -> (monotonic, prefill ranks counted).
+        self._ready: OrderedDict[str, tuple[float, tuple[int, ...]]] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self._by_tid)
@@ -70,7 +82,7 @@ class Arrivals:
             return None
         a.ranks.add(n.prefill_rank)
         if len(a.ranks) >= a.expected:
-            self.tell(tid)
+            self.tell(tid, ready=True)
             return tid, n.prefill_rank, EventKind.KV_READY
         return tid, n.prefill_rank, None
 
@@ -87,7 +99,18 @@ class Arrivals:
             del self._by_tid[tid]
         return [t for t, a in self._by_tid.items() if a.fail_at and now >= a.fail_at]
 
-    def tell(self, tid: str) -> None:
-        """The transfer is told now: count nothing more for it."""
+    def tell(self, tid: str, ready: bool = False) -> None:
+        """The transfer is told now (`ready`: KV_READY): count nothing more for it."""
         self._told.add(tid)
-        self._by_tid.pop(tid, None)
+        a = self._by_tid.pop(tid, None)
+        if ready:
+            self._ready[tid] = (time.monotonic(), tuple(sorted(a.ranks)) if a else ())
+            while len(self._ready) > MAX_READY:
+                self._ready.popitem(last=False)
+
+    def ready(self, now: float) -> list[tuple[str, tuple[int, ...]]]:
+        """Transfers told KV_READY within READY_KEEP_S, with the ranks counted."""
+        cutoff = now - READY_KEEP_S
+        while self._ready and next(iter(self._ready.values()))[0] < cutoff:
+            self._ready.popitem(last=False)
+        return [(tid, ranks) for tid, (_, ranks) in self._ready.items()]

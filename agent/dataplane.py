@@ -457,9 +457,14 @@ class DataPlane:
         """The live transfers (agent/snapshot.py). Prefill: those whose blocks
         the host holds or that have orders here, with the orders posted (in
         flight, or chunks of a partial one) and held unposted. Decode: those
-        expected and not told yet, with the prefill ranks counted."""
+        expected and not told yet, with the prefill ranks counted, and those
+        told KV_READY lately (`ready`)."""
         if not self._prefill:
-            return tuple([HeldItem(tid, counted=ranks) for tid, ranks in self._arrivals.counted()])
+            ready = self._arrivals.ready(time.monotonic())
+            return tuple(
+                [HeldItem(tid, counted=ranks) for tid, ranks in self._arrivals.counted()]
+                + [HeldItem(tid, counted=ranks, ready=True) for tid, ranks in ready]
+            )
         posted: dict[str, list[str]] = {}
         unposted: dict[str, list[str]] = {}
         for order in [*[f.order for f in self._inflight.values()], *self._partial.orders()]:
@@ -604,5 +609,5 @@ class DataPlane:
                 self._tell(EventKind.KV_FAILED, tid, "coordinator restarted mid-transfer")
 
     def _tell(self, kind: EventKind, tid: str, detail: str) -> None:
-        self._arrivals.tell(tid)
+        self._arrivals.tell(tid, ready=kind is EventKind.KV_READY)
         self._event(HostEvent(kind, tid, detail))

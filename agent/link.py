@@ -331,6 +331,7 @@ class CoordinatorLink:
                     posted_order_ids=h.posted,
                     unposted_order_ids=h.unposted,
                     counted_prefill_ranks=h.counted,
+                    ready=h.ready,
                 )
                 for h in items
             )

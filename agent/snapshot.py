@@ -18,12 +18,14 @@ from dataclasses import dataclass
 class HeldItem:
     """One live transfer. Prefill: the orders posted (never ordered again) and
     held unposted (refused once a newer leader welcomes the agent). Decode:
-    the prefill ranks whose notification this rank counted."""
+    the prefill ranks whose notification this rank counted, and `ready` if it
+    counted them all and told its worker KV_READY (lately: agent/arrivals.py)."""
 
     transfer_id: str
     posted: tuple[str, ...] = ()
     unposted: tuple[str, ...] = ()
     counted: tuple[int, ...] = ()
+    ready: bool = False
 
 
 class SnapshotBox:

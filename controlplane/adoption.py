@@ -13,6 +13,12 @@ The rules (docs/reliability.md, "Failover rebuild"):
   ordered again either.
 - Every other rank is ordered once, with the new leader's term, when both
   sides' blocks are known (`issue_adopted`): one WRITE per rank in all.
+- A decode rank that counted every expected writer and told its worker
+  KV_READY re-sends the transfer `ready` for a while after. Once every rank of
+  the decode engine has (`adopt_ready`), the transfer was written in full
+  before the failover: it is COMPLETE here, never ordered, and a side the
+  scheduler resubmits is answered COMPLETE (not FAILED: the load may be
+  finished while the scheduler's registration is still open).
 - A decode rank's replayed arrival may come before any hello names its
   transfer (TP > 1: the decode rank was told and holds nothing; the rank it
   counted freed its blocks). Within the rebuild window it is kept
@@ -114,6 +120,20 @@ def adopt_counted(t: Transfer, decode_rank: int, prefill_ranks: tuple[int, ...])
     if got is None:
         got = t.early_arrivals[decode_rank] = set()
     got.update(prefill_ranks)
+
+
+WHY_WRITTEN = (
+    "written before the failover: every decode rank had counted all its writers "
+    "and told its worker KV_READY"
+)
+
+
+def adopt_ready(t: Transfer, decode_rank: int, decode_size: int) -> bool:
+    """Decode rank `decode_rank` (of an engine of `decode_size` ranks) was told
+    KV_READY for adopted transfer `t` before the failover; True once every rank
+    of the engine was: all of it was written."""
+    t.ready_ranks = t.ready_ranks | {decode_rank}
+    return len(t.ready_ranks) >= decode_size
 
 
 def issue_adopted(

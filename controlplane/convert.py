@@ -161,6 +161,7 @@ def held_from_pb(hello: pb.AgentHello) -> list[HeldTransfer]:
             tuple(h.posted_order_ids),
             tuple(h.unposted_order_ids),
             tuple(h.counted_prefill_ranks),
+            h.ready,
         )
         for h in hello.held
     ]

@@ -211,6 +211,7 @@ class HeldTransfer(NamedTuple):
     posted: tuple[str, ...] = ()  # prefill: order ids posted (never ordered again)
     unposted: tuple[str, ...] = ()  # prefill: order ids held unposted (the agent refuses them)
     counted: tuple[int, ...] = ()  # decode: prefill ranks whose notification it counted
+    ready: bool = False  # decode: it counted them all and told KV_READY (written)
 
 
 @dataclass(frozen=True, slots=True)

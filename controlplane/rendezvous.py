@@ -41,8 +41,10 @@ from collections.abc import Iterable, Sequence
 from controlplane import agent_loss, validation
 from controlplane.admission import check_hello, differing_field, side_blocks
 from controlplane.adoption import (
+    WHY_WRITTEN,
     UnclaimedArrivals,
     adopt_counted,
+    adopt_ready,
     issue_adopted,
     join,
     name_engines,
@@ -82,7 +84,14 @@ from controlplane.orders import (
     record_arrivals,
 )
 from controlplane.registry import EngineRecord, Registry
-from controlplane.resubmission import WHY_FAILED, WHY_NO_AGENTS, WHY_WAIT, Verdict, verdict
+from controlplane.resubmission import (
+    WHY_FAILED,
+    WHY_NO_AGENTS,
+    WHY_WAIT,
+    WHY_WAIT_DECODE,
+    Verdict,
+    verdict,
+)
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
@@ -319,7 +328,7 @@ class Rendezvous:
         """`finished_unix`: when the engine finished the request, on its own clock
         (0: unknown); recorded as the timeline event "prefill_finished", read by
         nothing here. `resubmitted`: as for register_decode."""
-        if resubmitted and (ended := self._resubmission(transfer_id, engine)) is not None:
+        if resubmitted and (ended := self._resubmission(transfer_id, engine, True)) is not None:
             return ended
         return self._arrive(Role.PREFILL, transfer_id, engine, blocks, num_tokens, finished_unix)
 
@@ -516,18 +525,29 @@ class Rendezvous:
             return self._book.finish(t, State.COMPLETE, Reason.NONE, "")
         return []
 
-    def _resubmission(self, transfer_id: str, engine: str) -> tuple[Transfer, list[Effect]] | None:
-        """A resubmitted side: None if accepted (applied as usual), else the
-        transfer ended FAILED; raises Unavailable within the rebuild window."""
+    def _resubmission(
+        self, transfer_id: str, engine: str, prefill: bool = False
+    ) -> tuple[Transfer, list[Effect]] | None:
+        """A resubmitted side (`prefill`: a prefill report): None if accepted
+        (applied as usual), else the transfer ended FAILED; raises Unavailable
+        within the rebuild window."""
         s, now = self.settings, self._clock.monotonic()
         eid = validation.engine_id(engine, field="engine_id", max_len=s.max_id_len)
         t = self._transfers.get(transfer_id)
         eng = self.registry.engine(eid)
-        v = verdict(t, eid, eng is not None and eng.ready, now, self._rebuild_until)
+        decode_back = True
+        if prefill:  # only the decode engine's hellos say whether it was written
+            de = self.registry.engine(t.decode_engine) if t and t.decode_engine else None
+            decode_back = de is not None and de.ready
+        back = eng is not None and eng.ready
+        v = verdict(t, eid, back, now, self._rebuild_until, decode_back)
         if v is Verdict.ACCEPT:
             return None
         if v is Verdict.WAIT:
-            raise Unavailable(WHY_WAIT.format(engine=eid, left=self._rebuild_until - now))
+            left = self._rebuild_until - now
+            if back:
+                raise Unavailable(WHY_WAIT_DECODE.format(left=left))
+            raise Unavailable(WHY_WAIT.format(engine=eid, left=left))
         if t is None:  # a tombstone: the other side's report learns it ended
             tid = validation.transfer_id(transfer_id, s.max_id_len)
             t = self._book.create(tid, State.AWAITING, [], limits=False)
@@ -551,6 +571,11 @@ class Rendezvous:
         if reg.engine_id not in t.counted:  # the engine's first hello that names it
             self._book.count_engine(t, reg.engine_id, limit=False)
             t.mark("adopted", wall, reg.key.rank)
+        if h.ready and t.adopting and reg.role is Role.DECODE:
+            eng = self.registry.engine(reg.engine_id)
+            if eng is not None and adopt_ready(t, reg.key.rank, eng.size):
+                t.mark("written_before_failover", wall)
+                return self._book.finish(t, State.COMPLETE, Reason.NONE, WHY_WRITTEN)
         if h.counted and not t.adopting:  # ordered here already: these are arrivals
             with contextlib.suppress(InvalidArgument, PermissionDenied):
                 return self.arrival_report(reg.key, reg.incarnation, t.transfer_id, h.counted)

@@ -13,6 +13,12 @@ open at the engine, flagged `resubmitted`. The rules:
   leader yet (within the rebuild window after it started leading), its
   hello may still re-send the transfer: UNAVAILABLE (nothing recorded, the
   client retries).
+- A prefill side also waits, within the window, until the transfer's decode
+  engine is known and all its agents are back: only their hellos say whether
+  the transfer was written in full before the failover (HeldTransfer.ready:
+  COMPLETE, adoption.py), and a prefill report does not name the decode
+  engine. Without this, a prefill engine that freed its blocks after its
+  WRITE would fail a transfer that had completed.
 - Otherwise (every agent of the engine is back without it, or the window is
   over) no agent of the engine holds the transfer: it may have completed at
   the old leader, and the decode engine may have reused its blocks, so it is
@@ -39,6 +45,11 @@ WHY_WAIT = (
     "resubmitted after a failover before the agents of engine {engine} are back: "
     "this leader waits for their hellos for {left:.1f} s more; retry"
 )
+WHY_WAIT_DECODE = (
+    "resubmitted after a failover before the agents of the transfer's decode engine "
+    "are back (their hellos say whether it was written before the failover): this "
+    "leader waits for them for {left:.1f} s more; retry"
+)
 
 # Any side (resubmitted or new) naming an engine none of whose agents said
 # hello yet, within the rebuild window: they are reconnecting after the
@@ -58,11 +69,19 @@ class Verdict(enum.Enum):
 
 
 def verdict(
-    t: Transfer | None, engine: EngineId, engine_back: bool, now: float, rebuild_until: float
+    t: Transfer | None,
+    engine: EngineId,
+    engine_back: bool,
+    now: float,
+    rebuild_until: float,
+    decode_back: bool = True,
 ) -> Verdict:
     """What a resubmitted side of engine `engine` for transfer `t` (None:
     unknown here) gets at monotonic time `now`; `engine_back`: every agent of
-    the engine has said hello to this leader."""
+    the engine has said hello to this leader; `decode_back` (a prefill side):
+    the transfer's decode engine is known and every agent of it has too."""
     if t is not None and (t.state.terminal or engine in t.adopted_from):
         return Verdict.ACCEPT
-    return Verdict.WAIT if now < rebuild_until and not engine_back else Verdict.FAIL
+    if now < rebuild_until and not (engine_back and decode_back):
+        return Verdict.WAIT
+    return Verdict.FAIL

@@ -16,6 +16,7 @@ from controlplane.domain import (
 )
 
 _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
+_NO_RANKS: frozenset[int] = frozenset()
 
 
 # The records below write their own __init__ (init=False): a dataclass-made
@@ -97,6 +98,9 @@ class Transfer:
     # Engines one of whose agents re-sent this transfer in a hello to this
     # leader: only their resubmitted sides are accepted (resubmission.py).
     adopted_from: set[EngineId]
+    # Decode ranks whose hello said the transfer was written in full before
+    # the failover (HeldTransfer.ready; all of them: COMPLETE, adoption.py).
+    ready_ranks: frozenset[int]
 
     def __init__(
         self,
@@ -121,6 +125,7 @@ class Transfer:
         self.adopting = False
         self.early_arrivals = {}
         self.adopted_from = set()
+        self.ready_ranks = _NO_RANKS
 
     @property
     def prefill_engine(self) -> EngineId | None:

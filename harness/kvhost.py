@@ -263,7 +263,12 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 reply = agent.writes_posted
             elif cmd == "held":  # what a hello re-sends: [(transfer, posted, unposted, counted)]
                 items = agent.live_transfers() or ()
-                reply = [(h.transfer_id, h.posted, h.unposted, h.counted) for h in items]
+                reply = [
+                    (h.transfer_id, h.posted, h.unposted, h.counted) for h in items if not h.ready
+                ]
+            elif cmd == "ready":  # decode: told KV_READY lately, re-sent as `ready`
+                items = agent.live_transfers() or ()
+                reply = [(h.transfer_id, h.counted) for h in items if h.ready]
             elif cmd == "term":  # the newest leader term seen, orders refused for older ones
                 reply = (agent.leader_term, agent.orders_refused)
             conn.send(("reply", reply))

@@ -116,6 +116,66 @@ def test_a_rank_decode_counted_is_written_and_never_ordered() -> None:
     assert t.state is State.COMPLETE
 
 
+def test_tp2_written_before_the_failover_is_complete_and_its_sides_answered_so() -> None:
+    """Every decode rank was told KV_READY before the kill (its hello says
+    `ready`); prefill wrote, freed its blocks and re-sends nothing. The
+    scheduler clients still had both sides open: they are answered COMPLETE,
+    never FAILED, and nothing is ordered."""
+    rv, _ = leader()
+    rv.lead()
+    hello(rv, P, Role.PREFILL, 0, 2)
+    hello(rv, P, Role.PREFILL, 1, 2)
+    hello(rv, D, Role.DECODE, 0, 2, HeldTransfer("t", counted=(0,), ready=True))
+    t = rv.get("t")
+    assert (t.state, t.adopting) == (State.AWAITING, True)  # one rank is not enough
+    effects = hello(rv, D, Role.DECODE, 1, 2, HeldTransfer("t", counted=(1,), ready=True))
+    assert t.state is State.COMPLETE and t.reason is Reason.NONE, t.detail
+    assert "written before the failover" in t.detail
+    assert orders(effects) == [] and notices(effects) == []  # every rank knows already
+    assert "written_before_failover" in [s for s, _, _ in t.timeline]
+    assert rv.inflight == 0 and rv.inflight_for(D) == 0
+    t2, effects = rv.register_decode("t", D, [[5, 6]], 20, resubmitted=True)
+    assert t2.state is State.COMPLETE and effects == []
+    t2, effects = rv.prefill_done("t", P, [[1, 2]], 20, resubmitted=True)
+    assert t2.state is State.COMPLETE and orders(effects) == []
+
+
+def test_ready_on_some_ranks_only_adopts_them_as_written() -> None:
+    """Control: decode rank 1 still misses a writer (not ready), so the
+    transfer is adopted, not complete; rank 0's writer is counted as written
+    and only rank 1 is ordered."""
+    rv, _ = leader()
+    rv.lead()
+    hello(rv, P, Role.PREFILL, 0, 2)
+    hello(rv, P, Role.PREFILL, 1, 2, HeldTransfer("t"))
+    hello(rv, D, Role.DECODE, 0, 2, HeldTransfer("t", counted=(0,), ready=True))
+    hello(rv, D, Role.DECODE, 1, 2, HeldTransfer("t"))
+    t = rv.get("t")
+    assert (t.state, t.adopting) == (State.AWAITING, True)
+    rv.register_decode("t", D, [[5, 6]], 20, resubmitted=True)
+    t, effects = rv.prefill_done("t", P, [[1, 2]], 20, resubmitted=True)
+    [o] = orders(effects)
+    assert o.to == AgentKey(P, 1) and t.orders[0].state is RankState.DONE
+    rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE)
+    rv.arrival_report(AgentKey(D, 1), "i1", "t", [1])
+    assert t.state is State.COMPLETE and "written before" not in t.detail
+
+
+def test_ready_for_a_transfer_this_leader_ordered_changes_nothing() -> None:
+    """A reconnect to the same leader re-sends `ready` items: a transfer it
+    ordered itself completes by its reports, as without the flag."""
+    rv, _ = leader()
+    hello(rv, P, Role.PREFILL, 0, 1)
+    hello(rv, D, Role.DECODE, 0, 1)
+    rv.register_decode("t", D, [[5, 6]], 20)
+    t, effects = rv.prefill_done("t", P, [[1, 2]], 20)
+    [o] = orders(effects)
+    assert hello(rv, D, Role.DECODE, 0, 1, HeldTransfer("t", counted=(0,), ready=True))
+    assert t.state is State.ORDERED and not t.adopting
+    rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE)
+    assert t.state is State.COMPLETE and "written before" not in t.detail
+
+
 def replayed_before_any_hello(rv: Rendezvous, arrival_from: AgentKey) -> Transfer:
     """TP 2: prefill rank 0 wrote, freed its blocks and re-sends nothing; decode
     rank 0 was told, holds nothing and only replays its arrival, which reaches

@@ -31,6 +31,7 @@ from tests.test_ha import (
     Cluster,
     _register_and_done,
     _submit,
+    _transfer,
     _wait_ready,
     poll,
     running_replicas,
@@ -62,6 +63,10 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         d.call("canary", CANARY)
         _wait_ready(lead.address)
         old_term = leadership(lead.address).term  # type: ignore[union-attr]
+        # rs-written: written in full before the kill (KV_READY at decode), but
+        # neither engine's scheduler settled it yet: both sides stay open.
+        _transfer(client, lead.address, p, d, "rs-written", seed=60)
+        assert d.call("ready") == [("rs-written", (0,))]  # re-sent in the next hello
         # rs-registered: decode registered only (prefill reports after the kill).
         # rs-ordered: both sides in, the WRITE held unposted at the prefill agent.
         p.fill([3, 4], seed=61)
@@ -76,7 +81,7 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         # rs-settled: the engine is done with it; never resubmitted.
         _submit(client, Call("register", "r4", "rs-settled", "D", (28, 29), 20))
         client.settle("r4", "rs-settled")
-        want = {"rs-registered", "rs-ordered", "rs-gone"}
+        want = {"rs-registered", "rs-ordered", "rs-gone", "rs-written"}
         assert client.wait_open(lambda open_: open_ == want, DEADLINE_S)
         assert client.term == old_term
         poll(lambda: any(h[0] == "rs-ordered" and h[2] for h in p.call("held")), "held unposted")
@@ -91,6 +96,16 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
             DEADLINE_S,
         )
         assert gone is not None and gone.terminal and not gone.write_may_land, gone
+        # Its resubmitted sides are answered COMPLETE: every decode rank's hello
+        # said it was written; it is not FAILED and never ordered again.
+        for kind in ("register", "prefill_done"):
+            done = client.wait_result(
+                lambda r, k=kind: (
+                    r.call.transfer_id == "rs-written" and r.call.kind == k and r.terminal
+                ),
+                DEADLINE_S,
+            )
+            assert done is not None and done.state == pb.TRANSFER_STATE_COMPLETE, done
         new_term = client.term
         assert new_term > old_term and client._follower.current == standby.address
         p.call("pause", False)
@@ -108,18 +123,25 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         completed = time.monotonic() - killed
         print(
             f"resubmitted {client.resubmitted} calls ({client.resubmit_accepted} accepted, "
-            f"{client.resubmit_failed} failed); the two transfers in flight complete "
+            f"{client.resubmit_ended} answered with their end, {client.resubmit_failed} "
+            "failed); the two transfers in flight complete "
             f"{completed:.3f} s after the kill -9"
         )
+        # Ended there: rs-gone (FAILED) and both sides of rs-written (COMPLETE).
+        assert (client.resubmit_ended, client.resubmit_failed) == (3, 1)
         assert p.call("writes_posted") == written + 2  # one WRITE each, none for rs-gone
         with grpc.insecure_channel(standby.address) as ch:
             st = pbg.StatusServiceStub(ch)
             g = st.GetTransfer(pb.GetTransferRequest(transfer_id="rs-gone"), timeout=5)
             assert g.state == pb.TRANSFER_STATE_FAILED and "no agent" in g.detail, g
+            w = st.GetTransfer(pb.GetTransferRequest(transfer_id="rs-written"), timeout=5)
+            assert w.state == pb.TRANSFER_STATE_COMPLETE and "written before" in w.detail, w
+            assert "written_before_failover" in [e.stage for e in w.timeline], w
             with pytest.raises(grpc.RpcError) as err:  # never resubmitted
                 st.GetTransfer(pb.GetTransferRequest(transfer_id="rs-settled"), timeout=5)
             assert err.value.code() is grpc.StatusCode.NOT_FOUND
-        used = [22, 23, 24, 25]
+        assert d.check([20, 21], seed=60) == []  # rs-written: intact
+        used = [20, 21, 22, 23, 24, 25]
         assert d.call("check_canary", [b for b in range(NB) if b not in used], CANARY) == []
         assert p.call("held") == d.call("held") == []
         # rs-gone ended; the others remain open until the engine settles them.

@@ -188,7 +188,8 @@ class CoordinatorClient:
         self._last_rpc = 0.0
         self.resubmitted = 0  # calls sent again to a new leader (counting retries)
         self.resubmit_accepted = 0
-        self.resubmit_failed = 0  # ended there, refused, or given up on
+        self.resubmit_ended = 0  # answered with the transfer's end (COMPLETE if written before)
+        self.resubmit_failed = 0  # ended there other than COMPLETE, refused, or given up on
         self._thread = threading.Thread(target=self._run, name="pushkv-coord-client", daemon=True)
         self._thread.start()
 
@@ -376,8 +377,10 @@ class CoordinatorClient:
                 if r.ok:
                     self.resubmit_accepted += 1
                     self._open.accepted(c, self._reply_term, r.terminal)
-                    if r.terminal:  # ended (FAILED: it may have ended before)
-                        self.resubmit_failed += 1
+                    if r.terminal:  # ended: COMPLETE if written before the failover
+                        self.resubmit_ended += 1
+                        if r.state != pb.TRANSFER_STATE_COMPLETE:
+                            self.resubmit_failed += 1
                         out.append(r)
                 elif r.code in RETRYABLE and not give_up:
                     continue  # the new leader is rebuilding: again shortly

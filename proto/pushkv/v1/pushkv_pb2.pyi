@@ -468,7 +468,15 @@ class HeldTransfer(_message.Message):
     POSTED_ORDER_IDS_FIELD_NUMBER: _builtins.int
     UNPOSTED_ORDER_IDS_FIELD_NUMBER: _builtins.int
     COUNTED_PREFILL_RANKS_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
+    ready: _builtins.bool
+    """Decode: this rank counted every expected writer and told its worker
+    KV_READY (re-sent for a while after, agent/arrivals.py READY_KEEP_S).
+    When every rank of the decode engine says so, a new leader records the
+    transfer COMPLETE: it was written before the failover, and a resubmitted
+    side is answered COMPLETE instead of FAILED (docs/reliability.md).
+    """
     @_builtins.property
     def posted_order_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Prefill: the orders of this rank posted (a WRITE in flight, or some of it
@@ -492,10 +500,11 @@ class HeldTransfer(_message.Message):
         posted_order_ids: _abc.Iterable[_builtins.str] | None = ...,
         unposted_order_ids: _abc.Iterable[_builtins.str] | None = ...,
         counted_prefill_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted_prefill_ranks", b"counted_prefill_ranks", "posted_order_ids", b"posted_order_ids", "transfer_id", b"transfer_id", "unposted_order_ids", b"unposted_order_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted_prefill_ranks", b"counted_prefill_ranks", "posted_order_ids", b"posted_order_ids", "ready", b"ready", "transfer_id", b"transfer_id", "unposted_order_ids", b"unposted_order_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1206,10 +1215,12 @@ class TransferCall(_message.Message):
     """A register or prefill_done the caller already had accepted by an earlier
     leader, sent again to a new one after a failover (docs/reliability.md,
     "Scheduler resubmission"). Accepted only for a transfer one of the
-    caller's engine's agents re-sent in its hello (adopted); answered
-    UNAVAILABLE during the new leader's rebuild window while it is not, and
-    FAILED after it (never ordered: it may have ended at the old leader).
-    Ignored on a cancel.
+    caller's engine's agents re-sent in its hello (adopted), or one that
+    ended there (answered with its end: COMPLETE when every decode rank's
+    hello said it was written, HeldTransfer.ready); answered UNAVAILABLE
+    during the new leader's rebuild window while it is not (a prefill side
+    also until the decode engine's agents are back), and FAILED after it
+    (never ordered: it may have ended at the old leader). Ignored on a cancel.
     """
     @_builtins.property
     def register(self) -> Global___RegisterDecodeBlocksRequest: ...
