@@ -64,7 +64,7 @@ from agent.nixl_types import NixlError, PeerKey, WriteHandle
 from agent.notif import WriteNotif
 from agent.posting import Poster
 from agent.progressive import Progressive, progressive_ok
-from agent.snapshot import HeldItem, SnapshotBox
+from agent.snapshot import HeldItem, SnapshotBox, decode_items, prefill_items
 
 log = logging.getLogger("pushkv.agent")
 
@@ -454,27 +454,12 @@ class DataPlane:
                 self._armed.arm(order)
 
     def _held_items(self) -> tuple[HeldItem, ...]:
-        """The live transfers (agent/snapshot.py). Prefill: those whose blocks
-        the host holds or that have orders here, with the orders posted (in
-        flight, or chunks of a partial one) and held unposted. Decode: those
-        expected and not told yet, with the prefill ranks counted, and those
-        told KV_READY lately (`ready`)."""
+        """The live transfers (agent/snapshot.py)."""
         if not self._prefill:
-            ready = self._arrivals.ready(time.monotonic())
-            return tuple(
-                [HeldItem(tid, counted=ranks) for tid, ranks in self._arrivals.counted()]
-                + [HeldItem(tid, counted=ranks, ready=True) for tid, ranks in ready]
-            )
-        posted: dict[str, list[str]] = {}
-        unposted: dict[str, list[str]] = {}
-        for order in [*[f.order for f in self._inflight.values()], *self._partial.orders()]:
-            posted.setdefault(order.transfer_id, []).append(order.order_id)
-        for order in [*self._queued.values(), *self._armed.orders()]:
-            unposted.setdefault(order.transfer_id, []).append(order.order_id)
-        tids = sorted(self._held | posted.keys() | unposted.keys())
-        return tuple(
-            [HeldItem(t, tuple(posted.get(t, ())), tuple(unposted.get(t, ()))) for t in tids]
-        )
+            return decode_items(self._arrivals.counted(), self._arrivals.ready(time.monotonic()))
+        posted = [*[f.order for f in self._inflight.values()], *self._partial.orders()]
+        unposted = [*self._queued.values(), *self._armed.orders()]
+        return prefill_items(self._held, posted, unposted)
 
     def _give_up(self) -> None:
         """The coordinator has been gone for give_up_s: longer than its write

@@ -11,7 +11,10 @@ that snapshot, under a deadline, before it says hello.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from agent.messages import OrderMsg
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +51,32 @@ class SnapshotBox:
             if self._cond.wait_for(lambda: self._gen >= gen, timeout):
                 return self._items
             return None
+
+
+def prefill_items(
+    held: Iterable[str], posted: Sequence[OrderMsg], unposted: Sequence[OrderMsg]
+) -> tuple[HeldItem, ...]:
+    """A prefill agent's live transfers: those whose blocks the host holds
+    (`held`) or that have orders here, with the orders posted (in flight, or
+    chunks of a partial one) and held unposted (queued or armed)."""
+    by_posted: dict[str, list[str]] = {}
+    by_unposted: dict[str, list[str]] = {}
+    for order in posted:
+        by_posted.setdefault(order.transfer_id, []).append(order.order_id)
+    for order in unposted:
+        by_unposted.setdefault(order.transfer_id, []).append(order.order_id)
+    tids = sorted(set(held) | by_posted.keys() | by_unposted.keys())
+    return tuple(
+        [HeldItem(t, tuple(by_posted.get(t, ())), tuple(by_unposted.get(t, ()))) for t in tids]
+    )
+
+
+def decode_items(
+    counted: Iterable[tuple[str, tuple[int, ...]]], ready: Iterable[tuple[str, tuple[int, ...]]]
+) -> tuple[HeldItem, ...]:
+    """A decode agent's: the transfers expected and not told yet, with the
+    prefill ranks counted, and those told KV_READY lately (`ready`)."""
+    return tuple(
+        [HeldItem(tid, counted=ranks) for tid, ranks in counted]
+        + [HeldItem(tid, counted=ranks, ready=True) for tid, ranks in ready]
+    )
