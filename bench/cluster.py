@@ -4,7 +4,8 @@ etcd: heartbeat load, rendezvous/s, order latency at half load, the leader's
 memory, and a ``kill -9`` of the leader (failover, and every agent following
 the new leader).
 
-Processes: one etcd (``harness/etcd.py``), ``--replicas`` coordinators
+Processes: one etcd (``harness/etcd.py``; ``--etcd-members 3``: a
+three-member cluster on loopback, every replica given all three), ``--replicas`` coordinators
 (``pushkv coordinator --etcd``, ``harness/coordinator.py``), ``--hosts`` host
 processes of simulated ranks (`bench.cluster_agents`: one gRPC channel and
 AgentStream per rank, asyncio, following the leader as ``agent/link.py``
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="the replicas' --etcd-lease-s (pushkv coordinator's default; at 1 s a "
         "saturated leader on a small host misses renewals and steps down)",
+    )
+    p.add_argument(
+        "--etcd-members",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="etcd members on loopback (3: a cluster, as in production; the replicas get all)",
     )
     p.add_argument("--start-rate", type=float, default=200.0, help="first offered rate (/s)")
     p.add_argument("--factor", type=float, default=1.5, help="rate growth per step")
@@ -151,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     agents = args.engines * args.tp
     say(
         f"{agents} simulated agents ({args.engines} engines x {args.tp} ranks) in "
-        f"{args.hosts} processes, {args.replicas} coordinator replicas on etcd; leader CPUs "
+        f"{args.hosts} processes, {args.replicas} coordinator replicas on "
+        f"{args.etcd_members}-member etcd; leader CPUs "
         f"{sorted(bench.coord_cpus or []) or 'any'}, everything else "
         f"{sorted(bench.load_cpus or []) or 'any'}"
     )

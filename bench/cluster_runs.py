@@ -32,7 +32,7 @@ from bench.coordinator_server import cpu_seconds, cpu_split, rss_bytes
 from bench.coordinator_step import Step, measure_step
 from bench.coordinator_workload import CORE_SETTINGS
 from harness.coordinator import CoordinatorProcess, leadership
-from harness.etcd import EtcdServer
+from harness.etcd import EtcdCluster, EtcdServer
 
 POLL_S = 0.005  # leadership polls after the kill (as bench/failover.py)
 WAIT_S = 0.05  # other polls of another process's state
@@ -122,7 +122,7 @@ class ClusterBench:
         self.row = row
         self.ctx = mp.get_context("spawn")
         self.coord_cpus, self.load_cpus = cpu_split()
-        self.etcd: EtcdServer | None = None
+        self.etcd: EtcdServer | EtcdCluster | None = None
         self.replicas: list[CoordinatorProcess] = []
         self.procs: list[BaseProcess] = []
         self.hosts: list[Connection] = []
@@ -133,9 +133,15 @@ class ClusterBench:
     # ------------------------------------------------------------ processes
     def start(self) -> None:
         a = self.a
-        self.etcd = EtcdServer("pushkv-bench").start()
-        pin_all_threads(self.etcd.proc.pid if self.etcd.proc else 0, self.load_cpus)
-        flags = ["--etcd", self.etcd.url, "--etcd-lease-s", str(a.lease_s)]
+        if a.etcd_members > 1:
+            cluster = self.etcd = EtcdCluster(a.etcd_members).start()
+            members, url = cluster.members, cluster.urls
+        else:
+            single = self.etcd = EtcdServer("pushkv-bench").start()
+            members, url = [single], single.url
+        for m in members:
+            pin_all_threads(m.proc.pid if m.proc else 0, self.load_cpus)
+        flags = ["--etcd", url, "--etcd-lease-s", str(a.lease_s)]
         flags += ["--log-level", "WARNING", *core_flags()]
         self.replicas = [CoordinatorProcess(*flags).start() for _ in range(a.replicas)]
         self.leader = self.find_leader(self.replicas)

@@ -19,6 +19,7 @@ from bench.cluster_agents import engines
 from bench.cluster_runs import ClusterBench, Failover, Result
 from bench.coordinator_report import row
 from bench.coordinator_step import Step
+from harness.etcd import EtcdCluster
 from tests.support.etcd import require_etcd
 
 FINAL = re.compile(
@@ -85,3 +86,28 @@ def test_small_cluster_follows_a_new_leader_after_kill_9() -> None:
         assert step.completed > 0 and step.failed == 0 and step.drained, text
         assert step.check_failed == 0
     assert FINAL.match(final_line(res)), final_line(res)
+
+
+def test_on_a_three_member_etcd_agents_follow_a_new_leader_after_kill_9() -> None:
+    """`--etcd-members 3`: the replicas get all three members' URLs; the
+    election and the failover run through a real three-member etcd."""
+    require_etcd()
+    args = build_parser().parse_args(
+        [
+            *("--engines", "4", "--tp", "4", "--hosts", "1", "--etcd-members", "3"),
+            *("--lease-s", "4", "--max-steps", "0", "--idle-s", "0.5", "--deadline-s", "60"),
+        ]
+    )
+    bench = ClusterBench(args, row)
+    try:
+        res = bench.run()
+        assert isinstance(bench.etcd, EtcdCluster) and len(bench.etcd.live()) == 3
+        urls = bench.etcd.urls
+        assert all(r.proc and urls in " ".join(r.proc.args) for r in bench.replicas), urls
+    finally:
+        bench.stop()
+    text = "\n".join([*summary(res, args.hosts), final_line(res)])
+    print(text)
+    fo = res.failover
+    assert fo.new and fo.new != fo.old and fo.followed == res.agents == 16, text
+    assert fo.failover_s > 0
