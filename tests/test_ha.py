@@ -41,6 +41,10 @@ DEADLINE_S = 20.0  # generous: a loaded 2-core box; the measured figures are pri
 NB = 32
 CANARY = 0x77
 GIVE_UP_S = 6.0
+# Agents that rebuild: they must still be waiting for a leader when the new
+# one welcomes them (the agents' default is 30 s). With 6 s, one agent on a
+# loaded box was welcomed after its give-up and resolved locally.
+REBUILD_GIVE_UP_S = 20.0
 EXIT_LEADERSHIP_LOST = 3
 
 
@@ -431,7 +435,7 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(cluster
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     both = f"{lead.address},{standby.address}"
-    spec = {"num_blocks": NB, "give_up_s": GIVE_UP_S, "rebuild": True}
+    spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
     p = KVHost(HostSpec(both, "P", "prefill", **spec))  # type: ignore[arg-type]
     d = KVHost(HostSpec(both, "D", "decode", **spec))  # type: ignore[arg-type]
     client = CoordinatorClient(both, timeout_s=2.0)

@@ -26,7 +26,7 @@ from tests.support.kvpair import wait_state
 from tests.test_ha import (
     CANARY,
     DEADLINE_S,
-    GIVE_UP_S,
+    REBUILD_GIVE_UP_S,
     NB,
     Cluster,
     _register_and_done,
@@ -53,7 +53,7 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     both = f"{lead.address},{standby.address}"
-    spec = {"num_blocks": NB, "give_up_s": GIVE_UP_S, "rebuild": True}
+    spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
     p = KVHost(HostSpec(both, "P", "prefill", **spec))  # type: ignore[arg-type]
     d = KVHost(HostSpec(both, "D", "decode", **spec))  # type: ignore[arg-type]
     client = CoordinatorClient(both, timeout_s=2.0)
