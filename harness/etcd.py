@@ -35,6 +35,15 @@ def _free_port() -> int:
         return port
 
 
+# A free port is picked before etcd binds it; another process may take it in
+# between. Such a start is retried on new ports, at most this many times.
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """etcd could not bind a port picked for it: another process took it."""
+
+
 class EtcdServer:
     def __init__(
         self, name: str = "pushkv-test", tls: TLSFiles | None = None, auth_token_ttl_s: int = 0
@@ -51,6 +60,7 @@ class EtcdServer:
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.dir / "etcd.log"
+        self._log_from = 0  # where this launch's log starts
         # name=peer URL of every member; this one alone unless EtcdCluster sets it.
         self.initial_cluster = f"{name}={self.peer_url}"
 
@@ -64,9 +74,22 @@ class EtcdServer:
         return f"http://127.0.0.1:{self.peer_port}"
 
     def start(self, deadline_s: float = 20.0) -> EtcdServer:
-        self.launch()
-        self.wait_healthy(deadline_s)
-        return self
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self.launch()
+                self.wait_healthy(deadline_s)
+                return self
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.new_ports()
+                self.initial_cluster = f"{self.name}={self.peer_url}"
+        raise AssertionError("unreachable")
+
+    def new_ports(self) -> None:
+        """Other free ports and an empty data directory, for a start again."""
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        shutil.rmtree(self.dir / "data", ignore_errors=True)
 
     def launch(self) -> None:
         """Start the process without waiting (cluster members need each other)."""
@@ -95,6 +118,7 @@ class EtcdServer:
                 f"--trusted-ca-file={self.tls.ca}",
                 "--client-cert-auth",
             ]
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -105,7 +129,12 @@ class EtcdServer:
         deadline = time.monotonic() + deadline_s
         while not self.healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
+                with open(self.log_path, "rb") as f:
+                    f.seek(self._log_from)
+                    text = f.read().decode(errors="replace")
+                if "address already in use" in text:
+                    raise PortTaken(f"etcd could not bind its ports: {text[-500:]}")
+                raise RuntimeError(f"etcd exited: {text[-2000:]}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"etcd not healthy within {deadline_s} s")
@@ -202,14 +231,26 @@ class EtcdCluster:
 
     def start(self, deadline_s: float = 30.0) -> EtcdCluster:
         try:
-            for m in self.members:
-                m.launch()
-            for m in self.members:
-                m.wait_healthy(deadline_s)
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    for m in self.members:
+                        m.launch()
+                    for m in self.members:
+                        m.wait_healthy(deadline_s)
+                    return self
+                except PortTaken:
+                    if attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    for m in self.members:  # all again, on new ports
+                        m.kill()
+                        m.new_ports()
+                    cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+                    for m in self.members:
+                        m.initial_cluster = cluster
         except BaseException:
             self.stop()
             raise
-        return self
+        raise AssertionError("unreachable")
 
     def live(self) -> list[EtcdServer]:
         return [m for m in self.members if m.proc is not None and m.proc.poll() is None]

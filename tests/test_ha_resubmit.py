@@ -26,8 +26,8 @@ from tests.support.kvpair import wait_state
 from tests.test_ha import (
     CANARY,
     DEADLINE_S,
-    REBUILD_GIVE_UP_S,
     NB,
+    REBUILD_GIVE_UP_S,
     Cluster,
     _register_and_done,
     _submit,
