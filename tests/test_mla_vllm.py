@@ -70,6 +70,7 @@ from harness.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
 from tests.support.vllm_fixtures import tiny_mla_model_dir_fixture  # noqa: F401
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -307,6 +308,16 @@ def test_every_transfer_completes_and_lands_byte_exact(
     # Byte-exact, whatever the engines then compute: every decode rank's blocks
     # hold what the prefill rank's held (the test hook kv_digest), all but the
     # canary's, whose corruption the digest must see (its negative control).
+    # The prefill worker logs its digest at the start of the step after the
+    # request finished, which may come after the transfer completed (the
+    # WRITE fires at the end of the last forward): waited for, bounded.
+    tids = [t.transfer_id for t in burst.listed]
+    wait_until(
+        lambda: all(tid in kv_digests(pair.prefill.log_path) for tid in tids),
+        "the prefill worker's digest of every transfer in its log",
+        30.0,
+        every_s=0.05,
+    )
     sent, landed = (kv_digests(s.log_path) for s in (pair.prefill, pair.decode))
     for t in burst.listed:
         tid = t.transfer_id
