@@ -175,10 +175,28 @@ def assert_all_correct(c: Cluster, ps: list[list[int]], futures: list[Future[Any
         assert text(answer) == c.expect(p)
 
 
-def in_flight(c: Cluster) -> bool:
-    """Some transfer short of its end: with armed orders a transfer can go from
-    AWAITING to ARMED, WRITING and COMPLETE between two polls."""
-    return any(t.state not in TERMINAL for t in c.transfers())
+LIVE = [s for s in pb.TransferState.values() if s and s not in TERMINAL]
+
+
+def in_flight_burst(c: Cluster, ps: list[list[int]]) -> list[Future[tuple[int, Any]]]:
+    """A burst, returned once the coordinator says one of its transfers is
+    short of its end. Watched, not polled: on an idle box a burst's
+    transfers can begin and complete between two polls (armed orders fire as
+    the prefill ends), so a poll saw none in flight for 30 s. The watch is
+    opened before the burst and replays live transfers, so none is missed."""
+    ch = grpc.insecure_channel(c.coord.address)
+    watch = pbg.StatusServiceStub(ch).WatchTransfers(
+        pb.WatchTransfersRequest(states=LIVE, include_existing=True), timeout=30
+    )
+    try:
+        futures = burst(c, ps)
+        for event in watch:  # ends with DEADLINE_EXCEEDED after 30 s
+            if event.transfer.state not in TERMINAL:
+                return futures
+        raise AssertionError("the coordinator's watch ended before a transfer was in flight")
+    finally:
+        watch.cancel()
+        ch.close()
 
 
 # ---------------------------------------------------------------- abort storm
@@ -235,8 +253,7 @@ def kill_coordinator(c: Cluster) -> None:
 
 
 def test_coordinator_killed_and_restarted(cluster: Cluster) -> None:
-    futures = burst(cluster, RESTART)
-    wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
+    futures = in_flight_burst(cluster, RESTART)
     kill_coordinator(cluster)
     cluster.coord.start()  # same port
     assert_all_correct(cluster, RESTART, futures)
@@ -256,8 +273,7 @@ def test_coordinator_killed_for_good(cluster: Cluster) -> None:
     """In-flight requests and new ones all complete correctly: the in-flight ones
     once no WRITE can land (UNCERTAIN_GRACE_S), the new ones on the decode engine
     alone at once."""
-    futures = burst(cluster, FOR_GOOD)
-    wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
+    futures = in_flight_burst(cluster, FOR_GOOD)
     kill_coordinator(cluster)
     fresh = burst(cluster, FRESH)
     assert_all_correct(cluster, FOR_GOOD, futures)
@@ -285,8 +301,7 @@ def test_coordinator_killed_for_good(cluster: Cluster) -> None:
 
 
 def test_prefill_engine_killed_during_a_burst(cluster: Cluster) -> None:
-    futures = burst(cluster, PREFILL_KILL)
-    wait_until("a transfer in flight", lambda: in_flight(cluster), 30)
+    futures = in_flight_burst(cluster, PREFILL_KILL)
     assert cluster.prefill.proc is not None
     os.killpg(cluster.prefill.proc.pid, signal.SIGKILL)
     assert_all_correct(cluster, PREFILL_KILL, futures)

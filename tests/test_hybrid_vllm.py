@@ -39,6 +39,7 @@ from harness.coordinator import CoordinatorProcess
 from harness.tiny_model import build_tiny_hybrid_model
 from harness.vllm_server import RouterProcess, VllmServer, free_port, metric_value, pushkv_server
 from tests.support import serving
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -276,7 +277,17 @@ def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> tuple[int, int]
                 tokens += 1
                 break
         assert tokens == 1, "the stream ended before its first token"
-        text = pair.decode.metrics()
+        # vLLM publishes its gauges from each step's stats as the API server
+        # takes them in: the first scrape may still show the step before the
+        # request was scheduled. Scraped again until it shows it running.
+        scraped: list[str] = []
+
+        def running() -> bool:
+            scraped[:] = [pair.decode.metrics()]
+            return metric_value(scraped[0], "vllm:num_requests_running") == 1
+
+        wait_until("the decode engine's metrics showing the request running", running, 10.0, 0.02)
+        text = scraped[0]
         rest = [raw for raw in resp if raw.decode().startswith("data: {")]
     # Read while decoding: the request was running, and tokens followed.
     assert metric_value(text, "vllm:num_requests_running") == 1, text[-2000:]
