@@ -286,7 +286,7 @@ def blocks_held_while_decoding(pair: Pair, prompt: list[int]) -> tuple[int, int]
             scraped[:] = [pair.decode.metrics()]
             return metric_value(scraped[0], "vllm:num_requests_running") == 1
 
-        wait_until("the decode engine's metrics showing the request running", running, 10.0, 0.02)
+        wait_until(running, "the decode engine's metrics showing the request running", 10.0, 0.02)
         text = scraped[0]
         rest = [raw for raw in resp if raw.decode().startswith("data: {")]
     # Read while decoding: the request was running, and tokens followed.
