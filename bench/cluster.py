@@ -9,10 +9,12 @@ three-member cluster on loopback, every replica given all three), ``--replicas``
 (``pushkv coordinator --etcd``, ``harness/coordinator.py``), ``--hosts`` host
 processes of simulated ranks (`bench.cluster_agents`: one gRPC channel and
 AgentStream per rank, asyncio, following the leader as ``agent/link.py``
-does). The leader is pinned alone to the first CPU when the host has more than
-one; etcd, the standby and the hosts share the others. On a small box the
-hosts may be what saturates first: the table prints their CPU, and the
-figures are "simulated agents, same host".
+does; ``--relay``: one node relay's NodeStream per engine, its ranks as
+channels, ``relay/upstream.py`` following the leader). The leader is pinned
+alone to the first CPU when the host has more than one; etcd, the standby and
+the hosts share the others. On a small box the hosts may be what saturates
+first: the table prints their CPU, and the figures are "simulated agents, same
+host".
 
 Counting (`bench.coordinator_step`'s rules; what differs): a transfer counts
 when the simulated prefill agents received its order on every rank during the
@@ -78,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-s", type=float, default=5.0, help="heartbeat-load interval")
     p.add_argument("--start-spread-s", type=float, default=1.0, help="ranks start within this")
     p.add_argument("--deadline-s", type=float, default=60.0, help="bound of every wait")
+    p.add_argument(
+        "--relay",
+        action="store_true",
+        help="each engine's ranks reach the coordinators through one node relay "
+        "(relay/upstream.py, in the host process): one NodeStream per engine",
+    )
     return p
 
 
@@ -132,6 +140,11 @@ def summary(res: Result, hosts: int) -> list[str]:
         f"{fo.followed_s:.3f} s (median {fo.follow_p50_s:.3f} s); {fo.hellos} streams "
         f"opened meanwhile, {fo.refused} refused or failed (jittered backoff)"
     )
+    if res.relay:
+        out.append(
+            f"  relay: {res.node_streams} NodeStreams, {res.up_messages} NodeUp messages for "
+            f"{res.agent_writes} agent messages"
+        )
     if res.after is not None:
         a = res.after
         out.append(
@@ -163,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.etcd_members}-member etcd; leader CPUs "
         f"{sorted(bench.coord_cpus or []) or 'any'}, everything else "
         f"{sorted(bench.load_cpus or []) or 'any'}"
+        + ("; each engine's ranks through one node relay (--relay)" if args.relay else "")
     )
     say(header())
     t0 = time.monotonic()

@@ -11,6 +11,16 @@ delay doubling up to its maximum (jittered exponential backoff: a thousand
 ranks losing their leader at once do not dial back in step). It re-registers
 with the same incarnation and heartbeats at the interval its Welcome names.
 
+With ``--relay`` each engine's ranks (a TP-8 engine is one node) reach the
+coordinators through one in-process ``relay.upstream.Upstream`` per engine,
+the node relay's own upstream code: each rank's session is one channel of its
+engine's NodeStream (`RelayCall`) instead of its own gRPC channel and
+AgentStream; only the node-local hop from agent to relay is left out. The
+Upstream follows the leader itself (jittered backoff); a rank whose channel
+ended backs off as after a refused stream and opens another, its hello held
+until the leader accepts the Upstream's next stream (as ``pushkv relay``
+holds it).
+
 The ranks move no bytes. A prefill rank that receives an order reports POSTED
 and DONE on its own stream and the arrival on the target decode rank's stream
 (every target rank lives in this process: each host's transfers pair its own
@@ -31,7 +41,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.coordinator_load import ClientReport
 from bench.coordinator_server import pin
@@ -39,6 +49,9 @@ from bench.coordinator_workload import COMPLETE, RPC_TIMEOUT_S, agent_hello
 from bench.coordinator_workload import decode_request as _decode_request
 from bench.coordinator_workload import prefill_request as _prefill_request
 from wire.leader import LeaderFollower
+
+if TYPE_CHECKING:
+    from relay.upstream import Channel, Upstream
 
 # agent/link.py's CoordinatorLink defaults (tests/test_bench_cluster.py checks them).
 BACKOFF_MIN_S = 0.05
@@ -57,6 +70,7 @@ class HostSpec:
     addresses: str  # the replicas, comma-separated
     start_spread_s: float  # ranks start at random times within this
     seed: int
+    relay: bool = False  # each engine's ranks through one relay Upstream
 
 
 def engines(n: int, hosts: int, prefix: str = "cl") -> list[tuple[list[str], list[str]]]:
@@ -81,14 +95,63 @@ class Stats:
     received: int = 0  # CoordinatorMessages received (likewise)
     heartbeats: int = 0
     acks: int = 0
-    hellos: int = 0  # streams opened (each sends a hello)
-    refused: int = 0  # streams that ended in an error
+    hellos: int = 0  # streams opened (each sends a hello); with --relay, channels
+    refused: int = 0  # streams that ended in an error (--relay: or found no upstream)
+    writes: int = 0  # stream messages the ranks wrote (a hello, a batch: one each)
+    node_streams: int = 0  # --relay: NodeStreams the Upstreams opened
+    up_messages: int = 0  # --relay: NodeUp messages they sent (carrying the writes)
 
 
 def grpc_eof() -> Any:
     import grpc
 
     return grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE's code
+RELAY_HELLO_WAIT_S = 10.0  # relay/server.py RelaySettings.hello_wait_s
+
+
+class ChannelEnded(Exception):
+    """A relay channel ended with an error status (as an AgentStream's AioRpcError)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"status {code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class RelayCall:
+    """A relay channel with the surface of the AgentStream call `Rank._session`
+    uses: write -> Channel.send, read -> the next ChannelDown's message (EOF
+    on a clean end; ChannelEnded on an error end), cancel -> Channel.close_up."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._ch = channel
+        # The NodeStream's coordinator: the upstream's address while it is open.
+        self.address = channel.gen.address
+        self._ended = False
+
+    async def write(self, msg: Any) -> None:
+        if not self._ch.send(msg):
+            raise ChannelEnded(UNAVAILABLE, "relay: the channel is closed")
+
+    async def read(self) -> Any:
+        if self._ended:
+            return grpc_eof()
+        item = await self._ch.down.get()
+        if not item.ended:
+            return item.message
+        self._ended = True
+        if item.code:
+            raise ChannelEnded(item.code, item.detail)
+        return grpc_eof()
+
+    async def code(self) -> int:
+        return 0  # an error end raised in read
+
+    def cancel(self) -> None:
+        self._ch.close_up()
 
 
 class Rank:
@@ -99,6 +162,8 @@ class Rank:
         self.hello = agent_hello(engine, role, batched=True, rank=rank, tp=host.spec.tp)
         self.rng = random.Random(host.rng.random())  # this rank's jitter
         self.follower = LeaderFollower(host.spec.addresses, rng=self.rng)
+        self.upstream: Upstream | None = host.upstreams.get(engine)  # --relay
+        self.peer = ""  # the coordinator the current session reaches
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.welcomed_at = 0.0  # monotonic time of the last Welcome (0: none)
         self.welcomed_by = ""  # the address that sent it
@@ -112,14 +177,20 @@ class Rank:
     async def run(self) -> None:
         """agent/link.py's loop: session, follow, jittered exponential backoff."""
         import grpc
+        from pushkv.v1 import pushkv_pb2_grpc as pbg
 
         rng = self.rng
         await asyncio.sleep(rng.random() * self.host.spec.start_spread_s)
         delay = BACKOFF_MIN_S
         while True:
-            channel: Any = grpc.aio.insecure_channel(self.follower.current)
+            channel: Any = None
             try:
-                await self._session(channel)
+                if self.upstream is not None:
+                    await self._session(await self._open_channel())
+                else:
+                    channel = grpc.aio.insecure_channel(self.follower.current)
+                    self.peer = self.follower.current
+                    await self._session(pbg.AgentServiceStub(channel).AgentStream())
                 delay = BACKOFF_MIN_S
             except grpc.aio.AioRpcError as exc:
                 self.host.stats.refused += 1
@@ -127,21 +198,36 @@ class Rank:
                 # is the address that just failed), else the next.
                 if self.follower.follow(exc):
                     delay = BACKOFF_MIN_S
+            except ChannelEnded:
+                self.host.stats.refused += 1  # the Upstream follows the leader itself
             finally:
                 self.registered = False
-                await channel.close()
+                if channel is not None:
+                    await channel.close()
             await asyncio.sleep(delay * (0.5 + rng.random()))  # jitter spreads reconnects
             delay = min(delay * 2, BACKOFF_MAX_S)
 
-    async def _session(self, channel: Any) -> None:
+    async def _open_channel(self) -> RelayCall:
+        """A channel on the engine's NodeStream, the hello held until the
+        leader accepted one, at most RELAY_HELLO_WAIT_S (as ``pushkv relay``
+        holds the agent's stream, relay/server.py), then refused."""
+        assert self.upstream is not None
+        ch = await self.upstream.wait_channel(RELAY_HELLO_WAIT_S)
+        if ch is None:
+            self.host.stats.hellos += 1  # the agent's stream to the relay, refused
+            raise ChannelEnded(UNAVAILABLE, f"relay: no stream to {self.upstream.address} yet")
+        call = RelayCall(ch)
+        self.peer = call.address
+        return call
+
+    async def _session(self, call: Any) -> None:
+        """One AgentStream (or relay channel, `RelayCall`): hello, then serve it."""
         from pushkv.v1 import pushkv_pb2 as pb
-        from pushkv.v1 import pushkv_pb2_grpc as pbg
 
         stats = self.host.stats
         self.queue = asyncio.Queue()
         queue = self.queue
         eof: Any = grpc_eof()
-        call: Any = pbg.AgentServiceStub(channel).AgentStream()
 
         async def writer() -> None:
             while True:
@@ -149,6 +235,7 @@ class Rank:
                 while len(items) < MAX_OUT_BATCH and not queue.empty():
                     items += queue.get_nowait()  # what is queued behind it, as the link does
                 stats.sent += len(items)
+                stats.writes += 1
                 msg = (
                     items[0]
                     if len(items) == 1
@@ -160,6 +247,7 @@ class Rank:
                     return  # the stream ended: the session's read says how
 
         stats.hellos += 1
+        stats.writes += 1
         await call.write(pb.AgentMessage(hello=self.hello))
         tasks = [asyncio.create_task(writer()), asyncio.create_task(self._heartbeats(queue))]
         try:
@@ -199,7 +287,7 @@ class Rank:
             elif k == "welcome":
                 w = m.welcome
                 self.hb_interval_s = w.heartbeat_interval_ms / 1000 or self.hb_interval_s
-                self.welcomed_at, self.welcomed_by = now, self.follower.current
+                self.welcomed_at, self.welcomed_by = now, self.peer
                 self.follower.reached()
                 self.registered = True
         for rank, msgs in out.items():
@@ -215,6 +303,7 @@ class Host:
     orders: Counter[str] = field(default_factory=Counter)  # tid -> orders received
     ordered: dict[str, float] = field(default_factory=dict)  # tid -> its last order received
     failed: dict[str, tuple[float, int]] = field(default_factory=dict)
+    upstreams: dict[str, Upstream] = field(default_factory=dict)  # --relay: per engine
 
     def on_order(self, rank: Rank, o: Any, now: float, out: dict[Rank, list[Any]]) -> None:
         from pushkv.v1 import pushkv_pb2 as pb
@@ -278,6 +367,15 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
     from pushkv.v1 import pushkv_pb2_grpc as pbg
 
     host = Host(spec, random.Random(spec.seed))
+    stop = asyncio.Event()  # ends the Upstreams
+    up_tasks: list[asyncio.Task[None]] = []
+    if spec.relay:
+        from relay.upstream import Upstream
+
+        for engine in (*spec.prefill, *spec.decode):
+            up = Upstream(spec.addresses)  # the relay's own backoff (relay/upstream.py)
+            host.upstreams[engine] = up
+            up_tasks.append(asyncio.create_task(up.run(stop)))
     for engine in spec.prefill:
         for r in range(spec.tp):
             host.ranks[(engine, r)] = Rank(host, engine, pb.ROLE_PREFILL, r)
@@ -392,6 +490,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         cmd = await asyncio.to_thread(conn.recv)
         if cmd[0] == "stats":  # (ranks registered, counters, welcomed-by addresses)
             regs = Counter(r.welcomed_by for r in host.ranks.values() if r.registered)
+            host.stats.node_streams = sum(u.streams for u in host.upstreams.values())
+            host.stats.up_messages = sum(u.up_messages for u in host.upstreams.values())
             conn.send((sum(regs.values()), host.stats, dict(regs)))
         elif cmd[0] == "followed":  # (address, since): welcome times of the ranks there
             conn.send(host.followed(cmd[1], cmd[2]))
@@ -411,6 +511,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    stop.set()  # each Upstream ends its NodeStream and returns
+    await asyncio.gather(*up_tasks, return_exceptions=True)
     for ch, _ in client.values():
         await ch.close()
     print(f"host {spec.index}: stopped", file=sys.stderr, flush=True)

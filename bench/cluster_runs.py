@@ -82,6 +82,10 @@ class Result:
     after: Step | None = None  # a step against the new leader
     host_cpu: list[float] = field(default_factory=list)  # per step, all hosts, of one core
     msgs: list[tuple[float, float]] = field(default_factory=list)  # per step: to, from leader
+    relay: bool = False  # --relay: each engine's ranks through one NodeStream
+    node_streams: int = 0  # NodeStreams the hosts' Upstreams opened, the whole run
+    up_messages: int = 0  # NodeUp messages they sent, the whole run
+    agent_writes: int = 0  # stream messages the ranks wrote (hellos, reports), the whole run
 
     @property
     def saturation(self) -> Step:
@@ -175,7 +179,9 @@ class ClusterBench:
         addresses = ",".join(r.address for r in self.replicas)
         t0 = time.monotonic()
         for h, (pre, dec) in enumerate(engines(a.engines, a.hosts)):
-            spec = HostSpec(h, tuple(pre), tuple(dec), a.tp, addresses, a.start_spread_s, h + 1)
+            spec = HostSpec(
+                h, tuple(pre), tuple(dec), a.tp, addresses, a.start_spread_s, h + 1, a.relay
+            )
             parent, child = self.ctx.Pipe()
             p = self.ctx.Process(target=host_main, args=(child, spec, self.load_cpus), daemon=True)
             p.start()
@@ -308,7 +314,7 @@ class ClusterBench:
                 s = self.step(f"s{i}x", rate, a.duration, "again")
                 res.steps.append(s)
                 res.host_cpu.append(self.last_host_cpu)
-            res.msgs.append(self.last_msgs)
+                res.msgs.append(self.last_msgs)
             res.saturated = s.saturated
             if s.saturated or rate >= a.max_rate:
                 break
@@ -358,7 +364,7 @@ class ClusterBench:
 
     def run(self) -> Result:
         a = self.a
-        res = Result(agents=a.engines * a.tp)
+        res = Result(agents=a.engines * a.tp, relay=a.relay)
         self.start()
         res.registered_s = self.start_hosts()
         res.idle = self.idle()
@@ -370,4 +376,8 @@ class ClusterBench:
         if a.max_steps > 0 and res.failover.followed >= res.agents:
             rate = res.half.offered if res.half is not None else a.start_rate
             res.after = self.step("after", rate, min(a.duration, 2.0), "new-lead")
+        counts = [s for _, s, _ in self.stats()]
+        res.node_streams = sum(s.node_streams for s in counts)
+        res.up_messages = sum(s.up_messages for s in counts)
+        res.agent_writes = sum(s.writes for s in counts)
         return res

@@ -112,6 +112,23 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    import logging
+
+    from relay.server import RelaySettings, serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    settings = RelaySettings(
+        coordinators=args.coordinator,
+        listen=args.listen,
+        tls=_tls(args),
+        port_file=args.port_file,
+    )
+    return asyncio.run(serve(settings))
+
+
 def _cmd_dev_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -283,6 +300,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(r)
     handlers["router"] = _cmd_router
+
+    y = sub.add_parser(
+        "relay",
+        help="run a node relay: the node's agents dial it, and it carries their streams "
+        "to the leading coordinator on one stream",
+    )
+    y.add_argument(
+        "--coordinator",
+        default=_env("coordinator", "127.0.0.1:50151"),
+        help="coordinator replicas, comma-separated (the relay follows the leader)",
+    )
+    y.add_argument(
+        "--listen",
+        default=_env("relay_listen", "127.0.0.1:50161"),
+        help="where the node's agents dial: HOST:PORT on loopback, or unix:PATH",
+    )
+    y.add_argument("--port-file", default="", help="write the bound port here (with port 0)")
+    y.add_argument("--log-level", default=_env("log_level", "INFO"))
+    _add_tls_flags(y)
+    handlers["relay"] = _cmd_relay
 
     k = sub.add_parser("dev-certs", help="write a throw-away CA and mTLS certificates")
     k.add_argument("out_dir")

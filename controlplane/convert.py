@@ -279,7 +279,12 @@ def transfer_to_pb(t: Transfer, *, deadline_wall: float) -> pb.TransferStatus:
 
 
 def engine_to_pb(
-    eng: EngineRecord, *, inflight: int, open_orders: dict[int, int], wall_offset: float
+    eng: EngineRecord,
+    *,
+    inflight: int,
+    open_orders: dict[int, int],
+    wall_offset: float,
+    relays: dict[int, str] | None = None,
 ) -> pb.EngineStatus:
     def lease(rec: AgentRecord) -> pb.RankLease:
         return pb.RankLease(
@@ -291,6 +296,7 @@ def engine_to_pb(
             lease_expires_unix_us=_us(rec.lease_deadline + wall_offset),
             last_seen_unix_us=_us(rec.last_seen + wall_offset),
             inflight_orders=open_orders.get(rec.key.rank, 0),
+            relay=(relays or {}).get(rec.key.rank, ""),
         )
 
     return pb.EngineStatus(

@@ -78,6 +78,7 @@ class AgentSession:
     known_peers: set[tuple[AgentKey, str]] = field(default_factory=set)
     closed: bool = False
     accepts_batches: bool = False  # AgentHello.accepts_batches
+    via: str = ""  # the node relay carrying this session ("": its own AgentStream)
     # The leader's term, stamped on every order (0: no --etcd).
     term: int = 0
 
@@ -282,12 +283,13 @@ class Runtime:
         *,
         accepts_batches: bool = False,
         held: Sequence[HeldTransfer] = (),
+        via: str = "",
     ) -> AgentSession:
         effects = self.core.agent_hello(reg, held)
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()
-        s = AgentSession(reg, accepts_batches=accepts_batches, term=self.term)
+        s = AgentSession(reg, accepts_batches=accepts_batches, term=self.term, via=via)
         self._sessions[reg.key] = s
         st = self.core.settings
         s.send(
@@ -404,8 +406,18 @@ class Runtime:
                     inflight=self.core.inflight_for(eng.engine_id),
                     open_orders=open_orders,
                     wall_offset=offset,
+                    relays=self._relays(eng.ranks.values()),
                 )
             )
+        return out
+
+    def _relays(self, recs: Any) -> dict[int, str]:
+        """rank -> the relay carrying its live session (ranks with one only)."""
+        out: dict[int, str] = {}
+        for a in recs:
+            s = self._sessions.get(a.key)
+            if s is not None and s.via and s.reg.incarnation == a.incarnation:
+                out[a.key.rank] = s.via
         return out
 
     def watch(self, flt: TransferFilter) -> Watcher:

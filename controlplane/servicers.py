@@ -14,7 +14,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import convert
-from controlplane.auth import Authorizer
+from controlplane.auth import Authorizer, Principal
 from controlplane.calls import TransferCalls
 from controlplane.errors import (
     FailedPrecondition,
@@ -23,7 +23,8 @@ from controlplane.errors import (
     ResourceExhausted,
 )
 from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
-from controlplane.runtime import Runtime, to_message
+from controlplane.node_stream import NodeChannels
+from controlplane.runtime import AgentSession, Runtime, to_message
 from controlplane.transfer_filter import TransferFilter
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -161,13 +162,11 @@ class AgentServicer(pbg.AgentServiceServicer):
             v = self._gate.view
             raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
 
-    async def AgentStream(
-        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
-    ) -> AsyncIterator[pb.CoordinatorMessage]:
-        try:
-            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
-        except (StopAsyncIteration, TimeoutError):
-            raise InvalidArgument("the first message must be hello", field="hello") from None
+    def open_agent(
+        self, first: pb.AgentMessage, principal: Principal, via: str = ""
+    ) -> AgentSession:
+        """The session for an agent stream whose first message is `first`
+        (AgentStream, or one channel of a NodeStream): the hello's checks."""
         if first.WhichOneof("kind") != "hello":
             raise InvalidArgument("the first message must be hello", field="hello")
         if first.hello.protocol_version != PROTOCOL_VERSION:
@@ -177,18 +176,26 @@ class AgentServicer(pbg.AgentServiceServicer):
                 field="hello.protocol_version",
             )
         self._authz.require_engine(
-            self._authz.principal(context),
-            first.hello.identity.engine_id,
-            field="hello.identity.engine_id",
+            principal, first.hello.identity.engine_id, field="hello.identity.engine_id"
         )
         if self._rt.term and first.hello.term > self._rt.term:
             raise StaleTerm(self._rt.term, first.hello.term)  # term fencing
-        session = self._rt.open_session(
+        return self._rt.open_session(
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,
             # Adopted only from an agent that followed an older leader (a failover).
             held=convert.held_from_pb(first.hello) if first.hello.term < self._rt.term else (),
+            via=via,
         )
+
+    async def AgentStream(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            raise InvalidArgument("the first message must be hello", field="hello") from None
+        session = self.open_agent(first, self._authz.principal(context))
         broken: list[PushKVError] = []
 
         async def read() -> None:
@@ -224,3 +231,10 @@ class AgentServicer(pbg.AgentServiceServicer):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             self._rt.close_session(session)
+
+    def NodeStream(
+        self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
+    ) -> AsyncIterator[pb.NodeDown]:
+        principal = self._authz.principal(context)
+        node = NodeChannels(self._rt, self.open_agent, principal, self._fence, context.peer())
+        return node.serve(request_iterator)

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from pushkv.v1 import pushkv_pb2 as pb
@@ -31,21 +32,13 @@ class CoordinatorProcess:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def _argv(self) -> list[str]:
+        host, port = ["--host", self.host], ["--port", str(self.port)]
+        return ["coordinator", *host, *port, "--port-file", str(self._port_file)]
+
     def start(self, timeout: float = 30.0) -> CoordinatorProcess:
         self._port_file.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "cli.main",
-            "coordinator",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--port-file",
-            str(self._port_file),
-            *self._flags,
-        ]
+        cmd = [sys.executable, "-m", "cli.main", *self._argv(), *self._flags]
         with open(self._log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -57,10 +50,10 @@ class CoordinatorProcess:
         deadline = time.monotonic() + timeout
         while not self._port_file.exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited: {self._log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{cmd[3]} exited: {self._log_path.read_text()[-2000:]}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"coordinator did not start within {timeout} s")
+                raise TimeoutError(f"{cmd[3]} did not start within {timeout} s")
             time.sleep(0.02)  # polling a file written by another process
         self.port = int(self._port_file.read_text())
         return self
@@ -88,6 +81,17 @@ class CoordinatorProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RelayProcess(CoordinatorProcess):
+    """`pushkv relay` as a child process: agents dial `address`, it dials `coordinators`."""
+
+    def __init__(self, coordinators: str, *flags: str, **kw: Any) -> None:
+        super().__init__("--coordinator", coordinators, *flags, **kw)
+
+    def _argv(self) -> list[str]:
+        listen = ["--listen", f"{self.host}:{self.port}"]
+        return ["relay", *listen, "--port-file", str(self._port_file)]
 
 
 def leadership(address: str, timeout: float = 2.0) -> pb.Leadership | None:

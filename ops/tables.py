@@ -280,6 +280,7 @@ def engine_leases_table(engines: Sequence[pb.EngineStatus], now_us: int) -> str:
                     str(r.inflight_orders),
                     str(e.inflight_transfers),
                     e.api_url or "-",
+                    r.relay or "-",
                 ]
             )
     return _table(
@@ -295,6 +296,7 @@ def engine_leases_table(engines: Sequence[pb.EngineStatus], now_us: int) -> str:
             "OPEN_ORDERS",
             "INFLIGHT",
             "API_URL",
+            "RELAY",
         ],
         rows,
     )

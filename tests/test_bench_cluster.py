@@ -20,6 +20,7 @@ from bench.cluster_runs import ClusterBench, Failover, Result
 from bench.coordinator_report import row
 from bench.coordinator_step import Step
 from harness.etcd import EtcdCluster
+from relay.server import RelaySettings
 from tests.support.etcd import require_etcd
 
 FINAL = re.compile(
@@ -32,6 +33,8 @@ def test_sim_agents_back_off_as_the_agent_link_does() -> None:
     params = inspect.signature(CoordinatorLink.__init__).parameters
     assert params["backoff_min_s"].default == cluster_agents.BACKOFF_MIN_S
     assert params["backoff_max_s"].default == cluster_agents.BACKOFF_MAX_S
+    # --relay: a rank's hello waits at its engine's Upstream as at `pushkv relay`.
+    assert RelaySettings("x:1").hello_wait_s == cluster_agents.RELAY_HELLO_WAIT_S
 
 
 def test_engines_are_dealt_so_every_host_pairs_its_own() -> None:
@@ -85,6 +88,46 @@ def test_small_cluster_follows_a_new_leader_after_kill_9() -> None:
         assert step is not None
         assert step.completed > 0 and step.failed == 0 and step.drained, text
         assert step.check_failed == 0
+    assert FINAL.match(final_line(res)), final_line(res)
+
+
+@pytest.mark.faults
+def test_small_cluster_through_node_relays_follows_a_new_leader_after_kill_9() -> None:
+    """`--relay`: each engine's ranks are channels of one NodeStream
+    (relay/upstream.py); the Upstream follows the new leader and every rank's
+    channel re-registers through it."""
+    require_etcd()
+    args = build_parser().parse_args(
+        [
+            *("--engines", "8", "--tp", "8", "--hosts", "2", "--relay"),
+            *("--lease-s", "4"),  # as above: no step-down before the kill
+            *("--start-rate", "100", "--max-steps", "1", "--recheck", "0"),
+            *("--duration", "1", "--idle-s", "0.5", "--drain-s", "20", "--deadline-s", "60"),
+        ]
+    )
+    bench = ClusterBench(args, row)
+    try:
+        res = bench.run()
+    finally:
+        bench.stop()
+    text = "\n".join([*summary(res, args.hosts), final_line(res)])
+    print(text)
+    fo = res.failover
+    assert res.agents == 64 and res.relay
+    # Every agent re-registered with the new leader after the kill -9.
+    assert fo.new and fo.new != fo.old
+    assert fo.followed == 64, text
+    assert fo.failover_s > 0 and fo.followed_s >= fo.follow_p50_s > 0
+    # Rendezvous completed against the first leader and against the new one.
+    for step in [*res.steps, res.half, res.after]:
+        assert step is not None
+        assert step.completed > 0 and step.failed == 0 and step.drained, text
+        assert step.check_failed == 0
+    # The ranks' messages went up on the engines' NodeStreams (one per engine,
+    # and at least one more each after the kill), several channels per NodeUp.
+    assert res.node_streams >= 2 * 8, text
+    assert 0 < res.up_messages <= res.agent_writes, text
+    assert any(line.startswith("  relay: ") for line in summary(res, args.hosts)), text
     assert FINAL.match(final_line(res)), final_line(res)
 
 

@@ -91,12 +91,41 @@ def test_schema_check_catches_a_typo() -> None:
         kubernetes_validate.validate(doc, VERSION, strict=True)
 
 
+def _relay(role: str) -> dict[str, Any]:
+    """The engine pod's node relay: a native sidecar (an init container that restarts)."""
+    spec = _named("Deployment", f"pushkv-{role}")["spec"]["template"]["spec"]
+    (c,) = [c for c in spec["initContainers"] if c["name"] == "relay"]
+    return c
+
+
 def test_pushkv_commands_parse() -> None:
     parser, _ = build_parser()
-    for kind, name in (("StatefulSet", "pushkv-coordinator"), ("Deployment", "pushkv-router")):
-        cmd = _container(kind, name)["command"]
+    commands = [
+        _container("StatefulSet", "pushkv-coordinator")["command"],
+        _container("Deployment", "pushkv-router")["command"],
+        *(_relay(role)["command"] for role in ("prefill", "decode")),
+    ]
+    for cmd in commands:
         assert cmd[0] == "pushkv"
-        parser.parse_args(_expand(a, {"POD_NAME": f"{name}-0"}) for a in cmd[1:])
+        parser.parse_args(_expand(a, {"POD_NAME": "pod-0"}) for a in cmd[1:])
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_agents_dial_their_pods_relay_with_the_pods_identity(role: str) -> None:
+    relay = _relay(role)
+    assert relay["restartPolicy"] == "Always"  # a sidecar, up before the engine
+    cmd = relay["command"]
+    assert _flag(cmd, "coordinator").split(",") == _replicas(
+        "pushkv-coordinator", "pushkv-coordinator", 50151
+    )
+    engine = _container("Deployment", f"pushkv-{role}")
+    raw = engine["command"][engine["command"].index("--kv-transfer-config") + 1]
+    extra = json.loads(_expand(raw, {"POD_NAME": "p", "POD_IP": "10.0.0.7"}))
+    assert extra["kv_connector_extra_config"]["agent_coordinator"] == _flag(cmd, "listen")
+    assert _flag(cmd, "listen").startswith("127.0.0.1:")  # the pod's loopback only
+    # The relay speaks for the engine with the engine pod's own certificate.
+    (mount,) = [m["mountPath"] for m in relay["volumeMounts"] if m["name"] == "tls"]
+    assert _flag(cmd, "tls-cert") == f"{mount}/tls.crt"
 
 
 def test_probes_ask_what_each_side_serves() -> None:

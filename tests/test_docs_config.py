@@ -30,7 +30,7 @@ from vllm_integration.settings import ConnectorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
-COMMANDS = ("coordinator", "router", "status")
+COMMANDS = ("coordinator", "router", "relay", "status")
 ENV_PREFIX = "PUSHKV_"
 BLOCKS = ("flags", "extra_config")
 
@@ -53,6 +53,7 @@ NOTES: dict[tuple[str, str], str] = {
     ("router", "port"): "port of the HTTP API",
     ("router", "leg_timeout_s"): "time limit of each leg's whole HTTP request to an engine",
     ("router", "log_level"): "DEBUG, INFO, WARNING or ERROR",
+    ("relay", "log_level"): "DEBUG, INFO, WARNING or ERROR",
 }
 
 

@@ -22,7 +22,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess, leadership
+from harness.coordinator import CoordinatorProcess, RelayProcess, leadership
 from harness.etcd import EtcdCluster
 from harness.kvhost import HostSpec, KVHost
 from ops import status as status_cli
@@ -428,16 +428,22 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         d.stop()
 
 
-def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(cluster: Cluster) -> None:
+@pytest.mark.parametrize("via", ["direct", "relay"])
+def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
+    cluster: Cluster, via: str
+) -> None:
     """Failover rebuild: agents that rebuild re-send their live transfers, the
     new leader adopts them, and the transfers of every stage complete through
-    it with their bytes verified and one WRITE each."""
+    it with their bytes verified and one WRITE each. With `relay`, both agents
+    dial one `pushkv relay` (given both replicas), which follows the leader."""
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     both = f"{lead.address},{standby.address}"
+    relay = RelayProcess(both).start() if via == "relay" else None
+    dial = relay.address if relay else both
     spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
-    p = KVHost(HostSpec(both, "P", "prefill", **spec))  # type: ignore[arg-type]
-    d = KVHost(HostSpec(both, "D", "decode", **spec))  # type: ignore[arg-type]
+    p = KVHost(HostSpec(dial, "P", "prefill", **spec))  # type: ignore[arg-type]
+    d = KVHost(HostSpec(dial, "D", "decode", **spec))  # type: ignore[arg-type]
     client = CoordinatorClient(both, timeout_s=2.0)
     # transfer -> (prefill blocks, decode blocks, seed); 20 tokens: 2 blocks each.
     stages = {
@@ -512,10 +518,15 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(cluster
         used = {20, 21} | {b for _, dst, _ in stages.values() for b in dst}
         assert d.call("check_canary", [b for b in range(NB) if b not in used], CANARY) == []
         assert p.call("held") == d.call("held") == []
+        if relay is not None:  # the agents reached the new leader through the relay
+            opened = _events(standby, "node_channel_opened")
+            assert {(e["engine_id"], e["rank"]) for e in opened} == {("P", "0"), ("D", "0")}
     finally:
         client.close()
         p.stop()
         d.stop()
+        if relay is not None:
+            relay.stop()
 
 
 # ---------------------------------------------------------------- helpers
@@ -539,13 +550,21 @@ class _Out:
         pass
 
 
-def _event(replica: CoordinatorProcess, name: str) -> dict[str, str]:
+def _events(replica: CoordinatorProcess, name: str) -> list[dict[str, str]]:
+    out = []
     for line in replica.log_text().splitlines():
         if line.startswith("{"):
             doc = json.loads(line)
             if doc.get("event") == name:
-                return {k: str(v) for k, v in doc.items()}
-    raise AssertionError(f"no {name} in the log of {replica.address}")
+                out.append({k: str(v) for k, v in doc.items()})
+    return out
+
+
+def _event(replica: CoordinatorProcess, name: str) -> dict[str, str]:
+    found = _events(replica, name)
+    if not found:
+        raise AssertionError(f"no {name} in the log of {replica.address}")
+    return found[0]
 
 
 def _wait_ready(address: str) -> None:

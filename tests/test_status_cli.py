@@ -196,6 +196,7 @@ def test_engines_table_and_json(addr: str, capsys: pytest.CaptureFixture[str]) -
         ("p0", "prefill", "0/1", "yes", "yes"),
     ]
     seen, left = header.index("SEEN_S_AGO"), header.index("LEASE_LEFT_S")
+    assert [r[header.index("RELAY")] for r in table] == ["-", "-"]  # their own streams
     for r in table:
         assert float(r[seen]) >= -1.0  # client clock; same host here
         assert 0 < float(r[left]) <= 5.0

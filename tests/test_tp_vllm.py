@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess, RelayProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
 from tests.support.vllm_fixtures import (  # noqa: F401
@@ -50,16 +50,22 @@ class Cluster:
     decode: VllmServer
     router: RouterProcess
     reference: list[str]  # outputs of an independent TP1 engine with no connector
+    through_relays: bool = False  # each engine's agents dial a node relay
 
 
 @pytest.fixture(
     scope="module",
-    params=["tiny_model_dir", "tiny_model_1kv_dir"],
-    ids=["2-kv-heads", "1-kv-head-replicated"],
+    params=[("tiny_model_dir", False), ("tiny_model_1kv_dir", False), ("tiny_model_dir", True)],
+    ids=["2-kv-heads", "1-kv-head-replicated", "2-kv-heads-through-node-relays"],
 )
 def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    tiny_model_dir: Path = request.getfixturevalue(request.param)
+    """With relays, each engine's two worker agents dial a `pushkv relay` of
+    their own (one per engine, as one per node), which carries them to the
+    coordinator on one NodeStream; the schedulers and the router dial it."""
+    model, through_relays = request.param
+    tiny_model_dir: Path = request.getfixturevalue(model)
     coord = CoordinatorProcess(*COORD_FLAGS).start()
+    relays = [RelayProcess(coord.address).start() for _ in range(2)] if through_relays else []
     prefill, decode = (
         pushkv_server(
             tiny_model_dir,
@@ -70,8 +76,9 @@ def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             tp_size=2,
             block_size=BLOCK,
             max_num_seqs=32,
+            extra_config={"agent_coordinator": relays[i].address} if relays else None,
         )
-        for role in ("prefill", "decode")
+        for i, role in enumerate(("prefill", "decode"))
     )
     reference = VllmServer(tiny_model_dir, "reference-tp1", cpu_core=0, block_size=BLOCK)
     assert reference.kv_transfer_config is None and reference.tp_size == 1
@@ -86,12 +93,14 @@ def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Cluster(coord, prefill, decode, router, expected)
+        yield Cluster(coord, prefill, decode, router, expected, bool(relays))
     finally:
         router.stop()
         reference.stop()
         prefill.stop()
         decode.stop()
+        for r in relays:
+            r.stop()
         coord.stop()
 
 
@@ -101,6 +110,12 @@ def test_engines_register_every_rank(tp2_cluster: Cluster) -> None:
         e = engines[eid]
         assert e.ready and e.tp_size == 2
         assert sorted(r.tp_rank for r in e.ranks) == [0, 1]
+        # Carried by a relay exactly when the engine was told to dial one.
+        assert [bool(r.relay) for r in e.ranks] == [tp2_cluster.through_relays] * 2
+    if tp2_cluster.through_relays:  # one relay per engine: its ranks share its stream
+        relay = {eid: {r.relay for r in engines[eid].ranks} for eid in engines}
+        assert all(len(v) == 1 for v in relay.values())
+        assert relay["prefill-tp2"] != relay["decode-tp2"]
 
 
 def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:

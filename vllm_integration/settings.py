@@ -16,6 +16,11 @@ FAILURE_POLICIES = ("recompute", "fail")
 class ConnectorSettings:
     # host:port of the pushkv coordinator (required).
     coordinator: str
+    # Where this engine's worker agents dial instead of `coordinator`: the
+    # node relay (`pushkv relay`, docs/operations.md), HOST:PORT on loopback or
+    # unix:PATH. Empty: the agents dial `coordinator` themselves. The relay
+    # holds the node's TLS identity; the agents reach it without TLS.
+    agent_coordinator: str = ""
     # This engine's OpenAI API base URL, published to routers via ListEngines.
     api_url: str = ""
     # How long worker start-up waits for the first registration with the coordinator.

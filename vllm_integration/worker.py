@@ -22,6 +22,7 @@ from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.metrics import ConnectorMetrics
 from vllm_integration.settings import ConnectorSettings
 from wire.pairing import SPAN_UNITS
+from wire.tls import TLSFiles
 
 log = logging.getLogger("pushkv.connector")
 
@@ -257,8 +258,9 @@ class PushWorkerHalf:
         }
         compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
+        relay = self.settings.agent_coordinator
         cfg = AgentConfig(
-            coordinator=self.settings.coordinator,
+            coordinator=relay or self.settings.coordinator,
             engine_id=self.engine_id,
             role=AgentRole.PREFILL if self.is_prefill else AgentRole.DECODE,
             tp_rank=self.tp_rank,
@@ -271,7 +273,7 @@ class PushWorkerHalf:
             kv_heads=self.kv_heads,
             head_major=head_major,
             api_url=self.settings.api_url,
-            tls=self.settings.tls,
+            tls=TLSFiles() if relay else self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
             rebuild_on_failover=self.settings.rebuild_on_failover,
             kv_groups=self.kv_groups,
@@ -288,7 +290,7 @@ class PushWorkerHalf:
                 "it keeps retrying in the background",
                 self.engine_id,
                 self.tp_rank,
-                self.settings.coordinator,
+                cfg.coordinator,
                 self.settings.register_timeout_s,
             )
         log.info(

@@ -74,7 +74,10 @@ def channel(address: str, tls: TLSFiles | None = None) -> grpc.Channel:
     return grpc.insecure_channel(address, options=OPTIONS)
 
 
-def aio_channel(address: str, tls: TLSFiles | None = None) -> grpc.aio.Channel:
+def aio_channel(
+    address: str, tls: TLSFiles | None = None, extra: tuple[tuple[str, int], ...] = ()
+) -> grpc.aio.Channel:
+    opts = OPTIONS + extra
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=OPTIONS)
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)

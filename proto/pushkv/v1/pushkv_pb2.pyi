@@ -1080,6 +1080,120 @@ class CoordinatorBatch(_message.Message):
 Global___CoordinatorBatch: _TypeAlias = CoordinatorBatch  # noqa: Y015
 
 @_typing.final
+class ChannelUp(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    channel: _builtins.int
+    """Chosen by the relay, never reused on one NodeStream."""
+    closed: _builtins.bool
+    """The agent's stream ended (no message): the coordinator closes its session."""
+    @_builtins.property
+    def message(self) -> Global___AgentMessage:
+        """The agent's message; the first on a channel must be `hello`."""
+
+    def __init__(
+        self,
+        *,
+        channel: _builtins.int = ...,
+        message: Global___AgentMessage | None = ...,
+        closed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "closed", b"closed", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChannelUp: _TypeAlias = ChannelUp  # noqa: Y015
+
+@_typing.final
+class NodeUp(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChannelUp]:
+        """handled in order"""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___ChannelUp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeUp: _TypeAlias = NodeUp  # noqa: Y015
+
+@_typing.final
+class ChannelDown(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    channel: _builtins.int
+    ended: _builtins.bool
+    """The channel ended: the relay ends that agent's stream with `code` (a gRPC
+    status code; 0 = OK) and `detail`, as AgentStream would have. Messages
+    on a channel after its end are dropped.
+    """
+    code: _builtins.int
+    detail: _builtins.str
+    @_builtins.property
+    def message(self) -> Global___CoordinatorMessage:
+        """unset when `ended`"""
+
+    def __init__(
+        self,
+        *,
+        channel: _builtins.int = ...,
+        message: Global___CoordinatorMessage | None = ...,
+        ended: _builtins.bool = ...,
+        code: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "code", b"code", "detail", b"detail", "ended", b"ended", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChannelDown: _TypeAlias = ChannelDown  # noqa: Y015
+
+@_typing.final
+class NodeDown(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChannelDown]:
+        """In each channel's order. The coordinator's first NodeDown is empty: the
+        stream was accepted by the leader (a standby refuses it instead).
+        """
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___ChannelDown] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeDown: _TypeAlias = NodeDown  # noqa: Y015
+
+@_typing.final
 class BeginTransferRequest(_message.Message):
     """---------------------------------------------------------------- requests"""
 
@@ -1606,6 +1720,7 @@ class RankLease(_message.Message):
     LAST_SEEN_UNIX_US_FIELD_NUMBER: _builtins.int
     INFLIGHT_ORDERS_FIELD_NUMBER: _builtins.int
     PP_RANK_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     incarnation: _builtins.str
     nixl_agent_name: _builtins.str
@@ -1616,6 +1731,10 @@ class RankLease(_message.Message):
     pp_rank: _builtins.int
     """The rank's pipeline-parallel stage; tp_rank above is then the engine's
     rank number, pp_rank * tp_size + the stage's tensor-parallel rank.
+    """
+    relay: _builtins.str
+    """The node relay whose NodeStream carries this rank's stream (its peer
+    address as the coordinator sees it); empty: the agent's own AgentStream.
     """
     def __init__(
         self,
@@ -1628,10 +1747,11 @@ class RankLease(_message.Message):
         last_seen_unix_us: _builtins.int = ...,
         inflight_orders: _builtins.int = ...,
         pp_rank: _builtins.int = ...,
+        relay: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "pp_rank", b"pp_rank", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "pp_rank", b"pp_rank", "relay", b"relay", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,6 +39,11 @@ class AgentServiceStub(object):
                 request_serializer=pushkv_dot_v1_dot_pushkv__pb2.AgentMessage.SerializeToString,
                 response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.NodeStream = channel.stream_stream(
+                '/pushkv.v1.AgentService/NodeStream',
+                request_serializer=pushkv_dot_v1_dot_pushkv__pb2.NodeUp.SerializeToString,
+                response_deserializer=pushkv_dot_v1_dot_pushkv__pb2.NodeDown.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer(object):
@@ -52,6 +57,18 @@ class AgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NodeStream(self, request_iterator, context):
+        """A node relay (`pushkv relay`, docs/operations.md) carries the AgentStreams
+        of one node's agents on this one stream, one channel per agent stream:
+        the same messages, rules and checks as AgentStream, and the caller's
+        identity must be allowed to act for each channel's engine. It saves the
+        coordinator a stream message per rank: what queued up for several
+        channels goes as one NodeUp or NodeDown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +76,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.AgentStream,
                     request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.AgentMessage.FromString,
                     response_serializer=pushkv_dot_v1_dot_pushkv__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'NodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.NodeStream,
+                    request_deserializer=pushkv_dot_v1_dot_pushkv__pb2.NodeUp.FromString,
+                    response_serializer=pushkv_dot_v1_dot_pushkv__pb2.NodeDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +110,33 @@ class AgentService(object):
             '/pushkv.v1.AgentService/AgentStream',
             pushkv_dot_v1_dot_pushkv__pb2.AgentMessage.SerializeToString,
             pushkv_dot_v1_dot_pushkv__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pushkv.v1.AgentService/NodeStream',
+            pushkv_dot_v1_dot_pushkv__pb2.NodeUp.SerializeToString,
+            pushkv_dot_v1_dot_pushkv__pb2.NodeDown.FromString,
             options,
             channel_credentials,
             insecure,

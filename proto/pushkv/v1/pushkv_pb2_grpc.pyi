@@ -40,6 +40,14 @@ class AgentServiceStub:
     """The first message must be `hello`. Orders and notices flow down, reports
     and heartbeats flow up. The lease is renewed by every agent message.
     """
+    NodeStream: _grpc.StreamStreamMultiCallable[_pushkv_pb2.NodeUp, _pushkv_pb2.NodeDown]
+    """A node relay (`pushkv relay`, docs/operations.md) carries the AgentStreams
+    of one node's agents on this one stream, one channel per agent stream:
+    the same messages, rules and checks as AgentStream, and the caller's
+    identity must be allowed to act for each channel's engine. It saves the
+    coordinator a stream message per rank: what queued up for several
+    channels goes as one NodeUp or NodeDown.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -47,6 +55,14 @@ class AgentServiceAsyncStub(AgentServiceStub):
     AgentStream: _aio.StreamStreamMultiCallable[_pushkv_pb2.AgentMessage, _pushkv_pb2.CoordinatorMessage]  # type: ignore[assignment]
     """The first message must be `hello`. Orders and notices flow down, reports
     and heartbeats flow up. The lease is renewed by every agent message.
+    """
+    NodeStream: _aio.StreamStreamMultiCallable[_pushkv_pb2.NodeUp, _pushkv_pb2.NodeDown]  # type: ignore[assignment]
+    """A node relay (`pushkv relay`, docs/operations.md) carries the AgentStreams
+    of one node's agents on this one stream, one channel per agent stream:
+    the same messages, rules and checks as AgentStream, and the caller's
+    identity must be allowed to act for each channel's engine. It saves the
+    coordinator a stream message per rank: what queued up for several
+    channels goes as one NodeUp or NodeDown.
     """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -58,6 +74,20 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_pushkv_pb2.CoordinatorMessage], _abc.AsyncIterator[_pushkv_pb2.CoordinatorMessage]]:
         """The first message must be `hello`. Orders and notices flow down, reports
         and heartbeats flow up. The lease is renewed by every agent message.
+        """
+
+    @_abc_1.abstractmethod
+    def NodeStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_pushkv_pb2.NodeUp],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_pushkv_pb2.NodeDown], _abc.AsyncIterator[_pushkv_pb2.NodeDown]]:
+        """A node relay (`pushkv relay`, docs/operations.md) carries the AgentStreams
+        of one node's agents on this one stream, one channel per agent stream:
+        the same messages, rules and checks as AgentStream, and the caller's
+        identity must be allowed to act for each channel's engine. It saves the
+        coordinator a stream message per rank: what queued up for several
+        channels goes as one NodeUp or NodeDown.
         """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,173 @@
+"""One NodeStream: the agent streams of a node relay's channels (`pushkv relay`).
+
+Each channel is one agent's AgentStream, multiplexed: its first message is the
+hello, checked as AgentStream checks it, and then it is an ordinary session of
+the runtime. The point is the message count: what the sessions queue while the
+stream is busy goes down as one NodeDown, and a relay sends what its agents
+queued as one NodeUp, so a TP-8 rendezvous costs the leader a few stream
+messages instead of one per rank and report.
+
+Ownership: the reader task owns `channels` (it opens and closes sessions); a
+pump task per channel moves that session's outbox into the one `down` queue,
+and the response generator drains `down`. Every session is closed with its
+channel, and all of them when the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import structlog
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane.auth import Principal
+from controlplane.errors import PushKVError, ResourceExhausted
+from controlplane.runtime import AgentSession, Runtime, to_message
+from controlplane.status_map import outcome
+
+log = structlog.get_logger("pushkv.coordinator")
+
+# The most channels open at once on one NodeStream (a node's agent streams).
+MAX_CHANNELS = 1024
+# The most channel messages that go out as one NodeDown.
+MAX_DOWN_ITEMS = 1024
+RPC = "/pushkv.v1.AgentService/NodeStream"
+
+
+@dataclass(eq=False)
+class _Channel:
+    session: AgentSession
+    pump: asyncio.Task[None]
+
+
+class NodeChannels:
+    def __init__(
+        self,
+        rt: Runtime,
+        open_agent: Callable[[pb.AgentMessage, Principal, str], AgentSession],
+        principal: Principal,
+        fence: Callable[[], None],
+        peer: str = "",
+    ) -> None:
+        self._peer = peer  # the relay's address, for the log
+        self._rt = rt
+        self._open_agent = open_agent
+        self._principal = principal
+        self._fence = fence
+        self._channels: dict[int, _Channel] = {}
+        self._ended: set[int] = set()  # channels ended here: their late messages are dropped
+        self._down: asyncio.Queue[pb.ChannelDown | None] = asyncio.Queue()
+
+    # ------------------------------------------------------------ up
+    def _end(self, channel: int, exc: BaseException | None = None) -> None:
+        self._ended.add(channel)
+        item = pb.ChannelDown(channel=channel, ended=True)
+        if exc is not None:
+            code, detail = outcome(exc, RPC)
+            item.code, item.detail = code.value[0], detail
+        self._down.put_nowait(item)
+
+    def _open(self, channel: int, first: pb.AgentMessage) -> None:
+        if len(self._channels) >= MAX_CHANNELS:
+            raise ResourceExhausted(f"a NodeStream carries at most {MAX_CHANNELS} channels")
+        session = self._open_agent(first, self._principal, self._peer or "relay")
+        pump = asyncio.get_running_loop().create_task(
+            self._pump(channel, session), name=f"node-{channel}-{session.key}"
+        )
+        self._channels[channel] = _Channel(session, pump)
+        log.info(
+            "node_channel_opened",
+            engine_id=session.key.engine_id,
+            rank=session.key.rank,
+            channel=channel,
+            peer=self._peer,
+        )
+
+    def _on_item(self, item: pb.ChannelUp) -> None:
+        ch = self._channels.get(item.channel)
+        if item.closed:
+            if ch is not None:
+                ch.session.close()  # its pump ends the channel and the session
+            return
+        if ch is None:
+            if item.channel in self._ended:
+                return
+            try:
+                self._open(item.channel, item.message)
+            except Exception as exc:  # this channel's refusal, as AgentStream's
+                self._end(item.channel, exc)
+            return
+        try:
+            self._rt.on_agent_message(ch.session, item.message)
+        except Exception as exc:  # a bad report must not end the channel
+            log.warning("agent_message_rejected", agent=str(ch.session.key), error=str(exc))
+
+    async def _read(self, requests: AsyncIterator[pb.NodeUp], broken: list[PushKVError]) -> None:
+        try:
+            async for up in requests:
+                for item in up.items:
+                    self._on_item(item)
+        except PushKVError as exc:  # an undecodable message ends the stream with its code
+            broken.append(exc)
+        finally:
+            for ch in self._channels.values():
+                ch.session.close()
+            pumps = [ch.pump for ch in self._channels.values()]
+            if pumps:
+                await asyncio.wait(pumps)
+            self._down.put_nowait(None)
+
+    # ------------------------------------------------------------ down
+    async def _pump(self, channel: int, s: AgentSession) -> None:
+        down = self._down
+        try:
+            msg = await s.outbox.get()
+            if msg is not None:
+                down.put_nowait(pb.ChannelDown(channel=channel, message=to_message(msg)))
+                while (msg := await s.outbox.get()) is not None:
+                    out, ended = s.take(msg)
+                    down.put_nowait(pb.ChannelDown(channel=channel, message=out))
+                    if ended:
+                        break
+        finally:
+            self._channels.pop(channel, None)
+            self._rt.close_session(s)
+            self._end(channel)
+
+    async def serve(self, requests: AsyncIterator[pb.NodeUp]) -> AsyncIterator[pb.NodeDown]:
+        log.info("node_stream_opened", peer=self._peer, principal=str(self._principal))
+        broken: list[PushKVError] = []
+        reader = asyncio.get_running_loop().create_task(self._read(requests, broken))
+        down = self._down
+        try:
+            self._fence()
+            yield pb.NodeDown()  # accepted: the relay opens its agents' channels now
+            while (first := await down.get()) is not None:
+                out = pb.NodeDown()
+                out.items.append(first)
+                last = False
+                # Everything the channels queued meanwhile goes with it (never waits).
+                while len(out.items) < MAX_DOWN_ITEMS and not down.empty():
+                    item = down.get_nowait()
+                    if item is None:
+                        last = True
+                        break
+                    out.items.append(item)
+                self._fence()
+                yield out
+                if last:
+                    break
+            if broken:
+                raise broken[0]
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            for ch in list(self._channels.values()):
+                ch.pump.cancel()
+                self._rt.close_session(ch.session)
+            self._channels.clear()
+            log.info("node_stream_closed", peer=self._peer)

@@ -1,0 +1,196 @@
+"""`pushkv relay`: one per node; the node's agents dial it instead of the coordinator.
+
+It serves AgentStream to the node's agents and carries every such stream as
+one channel of its single NodeStream to the leading coordinator
+(relay/upstream.py). An agent cannot tell: it gets the welcome, orders and
+notices it would get directly, and its stream ends with the status it would
+end with. What changes is the leader's load: a node's ranks share one
+stream, so their reports and orders travel together.
+
+The relay keeps no transfer state. It is a process of its own (not a thread
+of some worker) so that every rank of the node, in whatever process, reaches
+it; it listens on loopback or a Unix socket, and dials the coordinator with
+the node's TLS identity when one is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from relay.upstream import CODES, Channel, Upstream
+from wire.tls import TLSFiles
+
+log = logging.getLogger("pushkv.relay")
+
+HELLO_TIMEOUT_S = 10.0  # as the coordinator's AgentStream
+SERVICE = "pushkv.v1.AgentService"
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    # The coordinator replicas, comma-separated (followed to the leader).
+    coordinators: str | Sequence[str]
+    # Where the node's agents dial: HOST:PORT (loopback) or unix:PATH.
+    listen: str = "127.0.0.1:50161"
+    # TLS to the coordinator: the node's identity (engine:<id>, docs/operations.md).
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    port_file: str = ""
+    max_message_bytes: int = 4 << 20
+    # How long an agent's hello waits for a stream the leader accepted.
+    hello_wait_s: float = 10.0
+
+
+class RelayServicer(pbg.AgentServiceServicer):
+    def __init__(self, upstream: Upstream, hello_wait_s: float) -> None:
+        self._up = upstream
+        self._wait_s = hello_wait_s
+
+    async def AgentStream(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be hello")
+        # Held (the agent's next messages wait in gRPC's flow control) until
+        # the leader accepts the relay's stream: after a failover the agent is
+        # welcomed as soon as the relay reaches the new leader.
+        ch = await self._up.wait_channel(self._wait_s)
+        if ch is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"relay: no coordinator accepted its stream within {self._wait_s:g} s "
+                f"(dialing {self._up.address})",
+            )
+        assert ch is not None
+        ch.send(first)
+        reader = asyncio.get_running_loop().create_task(self._forward(request_iterator, ch))
+        try:
+            while True:
+                item = await ch.down.get()
+                if item.ended:
+                    if item.code:
+                        await context.abort(
+                            CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.detail
+                        )
+                    return
+                yield item.message
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            ch.close_up()
+
+    async def NodeStream(
+        self, request_iterator: AsyncIterator[pb.NodeUp], context: Any
+    ) -> AsyncIterator[pb.NodeDown]:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "a relay carries agents, not relays",
+        )
+        yield pb.NodeDown()  # never reached: abort raises
+
+    @staticmethod
+    async def _forward(requests: AsyncIterator[pb.AgentMessage], ch: Channel) -> None:
+        try:
+            async for msg in requests:
+                if not ch.send(msg):
+                    return
+        finally:
+            ch.close_up()
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)
+
+
+async def _track_health(up: Upstream, hs: HealthServicer, stop: asyncio.Event) -> None:
+    """SERVING while the coordinator answers on the stream (probes and `grpcurl`)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    while not stop.is_set():
+        await hs.set(SERVICE, serving if up.connected.is_set() else not_serving)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+class Relay:
+    """A running relay: its local server, its upstream and their tasks (owned here)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        if settings.tls.enabled or settings.tls.key:
+            settings.tls.check()
+        self.settings = settings
+        self.upstream = Upstream(settings.coordinators, settings.tls)
+        self.port = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Future[None]] = []
+        opts = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ]
+        self._server = grpc.aio.server(options=opts)
+        pbg.add_AgentServiceServicer_to_server(
+            RelayServicer(self.upstream, settings.hello_wait_s), self._server
+        )
+        self._health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+
+    @property
+    def address(self) -> str:
+        listen = self.settings.listen
+        return listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{self.port}"
+
+    async def start(self) -> Relay:
+        self.port = self._server.add_insecure_port(self.settings.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.settings.listen}")
+        await self._server.start()
+        self._tasks = [
+            asyncio.ensure_future(self.upstream.run(self._stop)),
+            asyncio.ensure_future(_track_health(self.upstream, self._health, self._stop)),
+        ]
+        log.info(
+            "relay: listening on %s, coordinators %s",
+            self.address,
+            ",".join(self.upstream.addresses),
+        )
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._server.stop(1.0)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def serve(settings: RelaySettings) -> int:
+    """Run until SIGTERM/SIGINT; the exit status."""
+    relay = await Relay(settings).start()
+    if settings.port_file:
+        _write_port_file(settings.port_file, relay.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await relay.stop()
+    return 0

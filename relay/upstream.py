@@ -1,0 +1,274 @@
+"""The relay's one NodeStream to the leading coordinator, and its channels.
+
+`Upstream.run` owns the stream: it dials the leader (following it as the
+agents' link does, wire/leader.py), sends what the channels queued as one
+NodeUp, and routes each ChannelDown to its channel. When the stream ends,
+every channel of it ends with the stream's status, so each agent's stream
+through the relay ends as a direct stream to that coordinator would, and the
+agent reconnects (to the relay) and says hello again: the relay keeps no
+agent state across streams.
+
+A generation is one NodeStream; a channel belongs to one generation and its
+id is never reused (ids grow across generations), so a late message of an
+old channel can never land in a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from wire.leader import LeaderFollower
+from wire.tls import TLSFiles, aio_channel
+
+log = logging.getLogger("pushkv.relay")
+
+# Bounds: messages queued for the coordinator, and for one agent.
+UP_LIMIT = 100_000
+DOWN_LIMIT = 100_000
+# The most channel messages sent up as one NodeUp.
+MAX_UP_ITEMS = 1024
+# A dead coordinator connection is noticed within about keepalive time+timeout.
+KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+# A relay redials a quarter as late as an agent at most (agent/link.py: 2 s).
+# Relays are one per node, an eighth of the ranks at TP 8, so a failover's
+# redials stay below what the agents' own would be, and the relay finds the
+# new leader within about this long of its election: its agents' hellos wait
+# at the relay for it (Upstream.wait_channel), so they follow just as soon.
+RELAY_BACKOFF_MAX_S = 0.5
+
+
+@dataclass(eq=False)
+class Channel:
+    """One agent stream through the relay."""
+
+    id: int
+    gen: Generation
+    down: asyncio.Queue[pb.ChannelDown] = field(default_factory=lambda: asyncio.Queue(DOWN_LIMIT))
+    closed_up: bool = False
+
+    def send(self, msg: pb.AgentMessage) -> bool:
+        """Queue an agent message for the coordinator; False once it cannot go."""
+        if self.closed_up or not self.gen.live:
+            return False
+        try:
+            self.gen.up.put_nowait(pb.ChannelUp(channel=self.id, message=msg))
+        except asyncio.QueueFull:
+            self.gen.end(self, grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind")
+            return False
+        return True
+
+    def close_up(self) -> None:
+        """The agent's stream ended: tell the coordinator (once)."""
+        if self.closed_up:
+            return
+        self.closed_up = True
+        self.gen.channels.pop(self.id, None)
+        if self.gen.live:
+            with contextlib.suppress(asyncio.QueueFull):
+                self.gen.up.put_nowait(pb.ChannelUp(channel=self.id, closed=True))
+
+
+@dataclass(eq=False)
+class Generation:
+    """One NodeStream and the channels opened on it."""
+
+    address: str
+    live: bool = True
+    answered: bool = False  # the coordinator sent something on it
+    # None ends the request stream (close).
+    up: asyncio.Queue[pb.ChannelUp | None] = field(default_factory=lambda: asyncio.Queue(UP_LIMIT))
+    channels: dict[int, Channel] = field(default_factory=dict)
+
+    def route(self, item: pb.ChannelDown) -> None:
+        ch = self.channels.get(item.channel)
+        if ch is None:
+            return  # the agent's stream already ended
+        if item.ended:
+            del self.channels[item.channel]
+            ch.closed_up = True  # the coordinator closed it: nothing more goes up
+        try:
+            ch.down.put_nowait(item)
+        except asyncio.QueueFull:
+            self.end(ch, grpc.StatusCode.UNAVAILABLE, "relay: the agent is behind")
+
+    def end(self, ch: Channel, code: grpc.StatusCode, detail: str) -> None:
+        """End one channel here, with the status its agent's stream ends with."""
+        self.channels.pop(ch.id, None)
+        if not ch.closed_up and self.live:
+            with contextlib.suppress(asyncio.QueueFull):
+                self.up.put_nowait(pb.ChannelUp(channel=ch.id, closed=True))
+        ch.closed_up = True
+        # The end must reach the agent even behind a full queue: drop what it
+        # has not read (its stream ends anyway).
+        while ch.down.full():
+            ch.down.get_nowait()
+        ch.down.put_nowait(
+            pb.ChannelDown(channel=ch.id, ended=True, code=code.value[0], detail=detail)
+        )
+
+    def close(self, code: grpc.StatusCode, detail: str) -> None:
+        """End every channel, then the request stream (`items` returns)."""
+        self.live = False
+        for ch in list(self.channels.values()):
+            self.end(ch, code, detail)
+        while self.up.full():
+            self.up.get_nowait()
+        self.up.put_nowait(None)
+
+    async def items(self) -> AsyncIterator[pb.NodeUp]:
+        """The request stream: what queued since the last send goes as one NodeUp."""
+        q = self.up
+        while (first := await q.get()) is not None:
+            out = pb.NodeUp()
+            out.items.append(first)
+            last = False
+            while len(out.items) < MAX_UP_ITEMS and not q.empty():
+                item = q.get_nowait()
+                if item is None:
+                    last = True
+                    break
+                out.items.append(item)
+            yield out
+            if last:
+                return
+
+
+class Upstream:
+    def __init__(
+        self,
+        coordinators: str | Sequence[str],
+        tls: TLSFiles | None = None,
+        *,
+        backoff_min_s: float = 0.05,
+        backoff_max_s: float = RELAY_BACKOFF_MAX_S,
+    ) -> None:
+        self._follower = LeaderFollower(coordinators)
+        self._tls = tls
+        self._backoff = (backoff_min_s, backoff_max_s)
+        self._gen: Generation | None = None
+        self._next_id = 1
+        self.streams = 0  # NodeStreams opened (a figure for tests and logs)
+        self.up_messages = 0  # NodeUp messages sent
+        self.connected = asyncio.Event()  # set while a stream is answering
+
+    @property
+    def address(self) -> str:
+        return self._follower.current
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._follower.addresses)
+
+    def open_channel(self) -> Channel | None:
+        """A channel on the current stream; None unless the leader accepted one."""
+        g = self._gen
+        if g is None or not g.live or not g.answered:
+            return None
+        ch = Channel(self._next_id, g)
+        self._next_id += 1
+        g.channels[ch.id] = ch
+        return ch
+
+    async def wait_channel(self, within_s: float) -> Channel | None:
+        """A channel once the leader accepted a stream, waiting up to `within_s`
+        (during a failover an agent's hello waits here, not in its backoff)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while (ch := self.open_channel()) is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.connected.wait(), left)
+            if self.connected.is_set() and self.open_channel() is None:
+                await asyncio.sleep(0.01)  # the stream just ended; its successor sets it again
+        return ch
+
+    async def run(self, stop: asyncio.Event) -> None:
+        attempt = 0
+        while not stop.is_set():
+            address = self._follower.current
+            answered, err = await self._stream(address, stop)
+            if stop.is_set():
+                return
+            if answered:
+                attempt = 0
+                self._follower.reached()
+            # To a named leader: soon (a short jittered delay); else backing off.
+            at_once = self._follower.follow(err)
+            delay = self._follower.delay(0 if at_once else attempt, *self._backoff)
+            attempt += 1
+            log.info(
+                "relay: stream to %s ended (%s); next %s in %.2f s",
+                address,
+                _describe(err),
+                self._follower.current,
+                delay,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+
+    async def _stream(self, address: str, stop: asyncio.Event) -> tuple[bool, BaseException | None]:
+        """One NodeStream, until it ends or `stop`: whether the coordinator
+        answered on it, and the error that ended it (None: it closed)."""
+        gen = Generation(address)
+        channel = aio_channel(address, self._tls, KEEPALIVE)
+        call: Any = pbg.AgentServiceStub(channel).NodeStream(self._count(gen.items()))
+        self.streams += 1
+        self._gen = gen  # channels open at once; a refusal ends them with its status
+        err: BaseException | None = None
+        code, detail = grpc.StatusCode.UNAVAILABLE, f"relay: the stream to {address} ended"
+        stopper = asyncio.ensure_future(stop.wait())
+        reading = asyncio.ensure_future(self._read(call, gen))
+        try:
+            done, _ = await asyncio.wait((stopper, reading), return_when=asyncio.FIRST_COMPLETED)
+            if reading in done:
+                reading.result()  # raises what ended the stream
+        except grpc.aio.AioRpcError as exc:
+            err, code, detail = exc, exc.code(), exc.details() or detail
+        except Exception as exc:  # a bug here must not end the relay
+            log.exception("relay: stream to %s failed", address)
+            err = exc
+        finally:
+            stopper.cancel()
+            reading.cancel()
+            call.cancel()
+            self.connected.clear()
+            gen.close(code, detail)
+            if self._gen is gen:
+                self._gen = None
+            await channel.close(None)
+        return gen.answered, err
+
+    async def _count(self, items: AsyncIterator[pb.NodeUp]) -> AsyncIterator[pb.NodeUp]:
+        async for m in items:
+            self.up_messages += 1
+            yield m
+
+    async def _read(self, call: Any, gen: Generation) -> None:
+        async for down in call:
+            if not gen.answered:
+                gen.answered = True
+                self.connected.set()
+            for item in down.items:
+                gen.route(item)
+
+
+def _describe(err: BaseException | None) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    return "closed" if err is None else repr(err)

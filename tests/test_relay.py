@@ -1,0 +1,258 @@
+"""NodeStream and the node relay (`pushkv relay`): a real coordinator, a real
+relay, simulated agents over real gRPC (tests/support/sim_agent.py)."""
+
+# ruff: noqa: ASYNC109
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane.server import Coordinator, ServerSettings, start
+from controlplane.settings import CoreSettings
+from relay.server import Relay, RelaySettings
+from tests.support.sim_agent import (
+    SimAgent,
+    SimCluster,
+    StreamEnded,
+    hello,
+    rendezvous,
+    wait_terminal,
+)
+
+WAIT = 10.0
+
+
+@pytest.fixture
+async def coord() -> AsyncIterator[Coordinator]:
+    c = await start(ServerSettings(port=0, core=CoreSettings()))
+    yield c
+    await c.stop(0)
+
+
+@pytest.fixture
+async def relay(coord: Coordinator) -> AsyncIterator[Relay]:
+    r = await Relay(RelaySettings(coordinators=coord.address, listen="127.0.0.1:0")).start()
+    yield r
+    await r.stop()
+
+
+class Node:
+    """A NodeStream driven by hand: NodeUp in, ChannelDown items out."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._up: asyncio.Queue[pb.NodeUp | None] = asyncio.Queue()
+        self.call: Any = pbg.AgentServiceStub(channel).NodeStream(self._requests())
+        self.downs = 0  # NodeDown messages received
+
+    async def _requests(self) -> AsyncIterator[pb.NodeUp]:
+        while (m := await self._up.get()) is not None:
+            yield m
+
+    def send(self, *items: pb.ChannelUp) -> None:
+        self._up.put_nowait(pb.NodeUp(items=items))
+
+    def end(self) -> None:
+        self._up.put_nowait(None)
+
+    async def items(self, n: int, timeout: float = WAIT) -> list[pb.ChannelDown]:
+        """The next `n` channel items (from however many NodeDowns)."""
+        got: list[pb.ChannelDown] = []
+
+        async def read() -> None:
+            while len(got) < n:
+                down = await self.call.read()
+                assert down is not grpc.aio.EOF, f"the stream ended after {got}"
+                self.downs += 1
+                got.extend(down.items)
+
+        await asyncio.wait_for(read(), timeout)
+        return got
+
+
+def up(channel: int, msg: pb.AgentMessage | None = None) -> pb.ChannelUp:
+    if msg is None:
+        return pb.ChannelUp(channel=channel, closed=True)
+    return pb.ChannelUp(channel=channel, message=msg)
+
+
+def heartbeat(seq: int) -> pb.AgentMessage:
+    return pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq))
+
+
+async def connected(address: str, engine_id: str) -> dict[int, bool]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest())
+    return {
+        r.tp_rank: r.connected for e in resp.engines if e.engine_id == engine_id for r in e.ranks
+    }
+
+
+async def until(cond: Any, what: str) -> None:
+    """Poll an async condition under a deadline (state read over gRPC)."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not await cond():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {WAIT} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_each_channel_of_a_node_stream_is_an_agent_stream(coord: Coordinator) -> None:
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        node = Node(ch)
+        node.send(up(1, hello("p0", "prefill", 0, 2)), up(2, hello("p0", "prefill", 1, 2)))
+        items = await node.items(2)
+        assert {i.channel for i in items} == {1, 2}
+        assert all(i.message.WhichOneof("kind") == "welcome" for i in items)
+        assert await connected(coord.address, "p0") == {0: True, 1: True}
+
+        # A channel whose first message is no hello ends alone, with AgentStream's
+        # status; a late message on it is dropped, and the others go on.
+        node.send(up(3, heartbeat(1)))
+        (bad,) = await node.items(1)
+        assert (bad.channel, bad.ended) == (3, True)
+        assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "hello" in bad.detail
+        node.send(up(3, heartbeat(2)), up(2, heartbeat(7)))
+        (ack,) = await node.items(1)
+        assert ack.channel == 2 and ack.message.heartbeat_ack.seq == 7
+
+        # Closing a channel closes that agent's session only.
+        node.send(up(1))
+
+        async def rank0_gone() -> bool:
+            return await connected(coord.address, "p0") == {0: False, 1: True}
+
+        await until(rank0_gone, "rank 0 disconnected, rank 1 still connected")
+        (ended,) = await node.items(1)
+        assert (ended.channel, ended.ended, ended.code) == (1, True, 0)
+
+        # Ending the stream closes every session on it.
+        node.end()
+
+        async def all_gone() -> bool:
+            return await connected(coord.address, "p0") == {0: False, 1: False}
+
+        await until(all_gone, "both ranks disconnected")
+        node.call.cancel()
+
+
+async def test_a_hello_refused_on_a_channel_reaches_the_agent_through_the_relay(
+    coord: Coordinator, relay: Relay
+) -> None:
+    good = SimAgent(relay.address, "p0", "prefill")
+    await good.start()
+    bad = SimAgent(relay.address, "p1", "prefill")
+    bad.hello.hello.protocol_version += 1
+    with pytest.raises(StreamEnded):
+        await bad.start(WAIT)
+    assert bad.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "upgrade the older side" in (bad.details or "")
+    await bad.close()
+    # The other agent's channel is untouched.
+    assert await good.heartbeat(timeout=WAIT) is not None
+    await good.close()
+
+
+async def test_rendezvous_complete_through_one_relay_stream(
+    coord: Coordinator, relay: Relay
+) -> None:
+    async with (
+        SimCluster(relay.address, tp_size=4, batching=True) as cluster,
+        grpc.aio.insecure_channel(coord.address) as ch,
+    ):
+        assert {a.welcome.coordinator_id for a in cluster.agents if a.welcome} == {
+            coord.runtime.core.coordinator_id
+        }
+        ids = [f"t{i}" for i in range(20)]
+        await asyncio.gather(*(rendezvous(ch, t) for t in ids))
+        done = await wait_terminal(ch, ids, WAIT)
+        assert {s.state for s in done.values()} == {pb.TRANSFER_STATE_COMPLETE}
+        # Every rank's order reached it, and every decode rank counted its writer.
+        assert all(len(p.orders_seen) == len(ids) for p in cluster.prefill)
+        # The eight agent streams were one NodeStream at the coordinator, and
+        # the status names the relay carrying each rank; an agent that dials
+        # the coordinator itself is listed with none.
+        assert relay.upstream.streams == 1
+        assert await connected(coord.address, "d0") == {r: True for r in range(4)}
+        async with SimAgent(coord.address, "x0", "decode"):
+            resp = await pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest())
+        via = {(e.engine_id, r.tp_rank): r.relay for e in resp.engines for r in e.ranks}
+        assert via.pop(("x0", 0)) == ""
+        assert len(via) == 8 and all(v.startswith("ipv4:127.0.0.1:") for v in via.values()), via
+
+
+async def test_a_restarted_coordinator_ends_the_streams_and_the_relay_dials_it_again(
+    coord: Coordinator, relay: Relay
+) -> None:
+    port = coord.port
+    agent = SimAgent(relay.address, "d0", "decode")
+    await agent.start()
+    await coord.stop(0)
+    assert await agent.expect_end(WAIT) == grpc.StatusCode.UNAVAILABLE
+    again = await start(ServerSettings(port=port, core=CoreSettings()))
+    try:
+        # The agent dials the relay again (as its link would, with backoff)
+        # until the relay's new stream carries its hello.
+        deadline = asyncio.get_running_loop().time() + WAIT
+        while True:
+            retry = SimAgent(relay.address, "d0", "decode", incarnation="i2")
+            try:
+                welcome = await retry.start(timeout=2.0)
+                break
+            except (AssertionError, grpc.aio.AioRpcError, TimeoutError):
+                await retry.close()
+                assert asyncio.get_running_loop().time() < deadline, "no welcome through the relay"
+                await asyncio.sleep(0.1)
+        assert welcome.coordinator_id == again.runtime.core.coordinator_id
+        assert relay.upstream.streams >= 2
+        await retry.close()
+    finally:
+        await again.stop(0)
+
+
+async def test_a_relay_holds_a_hello_until_a_leader_accepts_it_then_refuses() -> None:
+    settings = RelaySettings(coordinators="127.0.0.1:1", listen="127.0.0.1:0", hello_wait_s=0.5)
+    r = await Relay(settings).start()
+    try:
+        agent = SimAgent(r.address, "p0", "prefill")
+        with pytest.raises(StreamEnded):
+            await agent.start(WAIT)
+        assert agent.code == grpc.StatusCode.UNAVAILABLE
+        assert "no coordinator accepted its stream within 0.5 s" in (agent.details or "")
+        await agent.close()
+    finally:
+        await r.stop()
+
+
+async def test_a_hello_held_while_no_coordinator_answers_is_welcomed_once_one_does() -> None:
+    """A relay started before its coordinator: the agent's hello waits at the
+    relay (no refusal, no backoff) and is welcomed once the coordinator is up."""
+    from harness.vllm_server import free_port
+
+    port = free_port()
+    r = await Relay(RelaySettings(coordinators=f"127.0.0.1:{port}", listen="127.0.0.1:0")).start()
+    coord: Coordinator | None = None
+    try:
+        agent = SimAgent(r.address, "d0", "decode")
+        waiting = asyncio.ensure_future(agent.start(WAIT))
+
+        async def refused_once() -> bool:
+            return r.upstream.streams >= 2  # the relay dialed and was refused
+
+        await until(refused_once, "the relay dialed the absent coordinator twice")
+        assert not waiting.done()
+        coord = await start(ServerSettings(port=port, core=CoreSettings()))
+        welcome = await waiting
+        assert welcome.coordinator_id == coord.runtime.core.coordinator_id
+        assert agent.code is None  # the stream the hello was held on: no refusal
+        await agent.close()
+    finally:
+        await r.stop()
+        if coord is not None:
+            await coord.stop(0)
