@@ -27,13 +27,12 @@ from controlplane.auth import Principal
 from controlplane.errors import PushKVError, ResourceExhausted
 from controlplane.runtime import AgentSession, Runtime, to_message
 from controlplane.status_map import outcome
+from wire.batching import Batcher
 
 log = structlog.get_logger("pushkv.coordinator")
 
 # The most channels open at once on one NodeStream (a node's agent streams).
 MAX_CHANNELS = 1024
-# The most channel messages that go out as one NodeDown.
-MAX_DOWN_ITEMS = 1024
 RPC = "/pushkv.v1.AgentService/NodeStream"
 
 
@@ -141,25 +140,14 @@ class NodeChannels:
         log.info("node_stream_opened", peer=self._peer, principal=str(self._principal))
         broken: list[PushKVError] = []
         reader = asyncio.get_running_loop().create_task(self._read(requests, broken))
-        down = self._down
+        batches = Batcher(self._down)
         try:
             self._fence()
             yield pb.NodeDown()  # accepted: the relay opens its agents' channels now
-            while (first := await down.get()) is not None:
-                out = pb.NodeDown()
-                out.items.append(first)
-                last = False
-                # Everything the channels queued meanwhile goes with it (never waits).
-                while len(out.items) < MAX_DOWN_ITEMS and not down.empty():
-                    item = down.get_nowait()
-                    if item is None:
-                        last = True
-                        break
-                    out.items.append(item)
+            # What the channels queued meanwhile goes as one NodeDown (never waits).
+            while (batch := await batches.next()) is not None:
                 self._fence()
-                yield out
-                if last:
-                    break
+                yield pb.NodeDown(items=batch)
             if broken:
                 raise broken[0]
         finally:

@@ -26,6 +26,7 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from wire.batching import Batcher
 from wire.leader import LeaderFollower
 from wire.tls import TLSFiles, aio_channel
 
@@ -34,8 +35,6 @@ log = logging.getLogger("pushkv.relay")
 # Bounds: messages queued for the coordinator, and for one agent.
 UP_LIMIT = 100_000
 DOWN_LIMIT = 100_000
-# The most channel messages sent up as one NodeUp.
-MAX_UP_ITEMS = 1024
 # A dead coordinator connection is noticed within about keepalive time+timeout.
 KEEPALIVE = (
     ("grpc.keepalive_time_ms", 10_000),
@@ -130,21 +129,11 @@ class Generation:
         self.up.put_nowait(None)
 
     async def items(self) -> AsyncIterator[pb.NodeUp]:
-        """The request stream: what queued since the last send goes as one NodeUp."""
-        q = self.up
-        while (first := await q.get()) is not None:
-            out = pb.NodeUp()
-            out.items.append(first)
-            last = False
-            while len(out.items) < MAX_UP_ITEMS and not q.empty():
-                item = q.get_nowait()
-                if item is None:
-                    last = True
-                    break
-                out.items.append(item)
-            yield out
-            if last:
-                return
+        """The request stream: what queued since the last send goes as one
+        NodeUp (bounded: wire/batching.py)."""
+        batches = Batcher(self.up)
+        while (batch := await batches.next()) is not None:
+            yield pb.NodeUp(items=batch)
 
 
 class Upstream:

@@ -25,6 +25,7 @@ from tests.support.sim_agent import (
     rendezvous,
     wait_terminal,
 )
+from wire.batching import Batcher
 
 WAIT = 10.0
 
@@ -252,6 +253,67 @@ async def test_a_hello_held_while_no_coordinator_answers_is_welcomed_once_one_do
         assert welcome.coordinator_id == coord.runtime.core.coordinator_id
         assert agent.code is None  # the stream the hello was held on: no refusal
         await agent.close()
+    finally:
+        await r.stop()
+        if coord is not None:
+            await coord.stop(0)
+
+
+async def test_batches_are_bounded_by_count_and_bytes_and_never_wait() -> None:
+    """wire/batching.py, as both ends of a NodeStream use it: an item that
+    would pass the byte bound starts the next batch; a lone item over it still
+    goes (as it would alone on an AgentStream); None ends the batches."""
+    q: asyncio.Queue[pb.ChannelUp | None] = asyncio.Queue()
+    big = pb.AgentMessage(hello=pb.AgentHello(nixl_metadata=b"x" * 600_000))
+    for i in range(3):
+        q.put_nowait(pb.ChannelUp(channel=i, message=big))
+    q.put_nowait(pb.ChannelUp(channel=9, closed=True))
+    q.put_nowait(None)
+    b = Batcher(q, max_items=4, max_bytes=1 << 20)
+    sizes = []
+    while (batch := await b.next()) is not None:
+        sizes.append([i.channel for i in batch])
+    assert sizes == [[0], [1], [2, 9]]
+    assert await b.next() is None
+
+    q2: asyncio.Queue[pb.ChannelUp | None] = asyncio.Queue()
+    for i in range(5):
+        q2.put_nowait(pb.ChannelUp(channel=i, closed=True))
+    b2 = Batcher(q2, max_items=2)
+    assert [len(await b2.next() or []) for _ in range(3)] == [2, 2, 1]
+    # Nothing queued: next() waits for the first item only.
+    waiting = asyncio.ensure_future(b2.next())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    q2.put_nowait(pb.ChannelUp(channel=7, closed=True))
+    assert [i.channel for i in await asyncio.wait_for(waiting, WAIT) or []] == [7]
+
+
+async def test_hellos_released_together_go_up_within_the_message_limit() -> None:
+    """Eight agents whose hellos carry 900 KB of NIXL metadata each wait at a
+    relay whose coordinator is not up yet; released together, as one NodeUp
+    they would be 7 MB, past gRPC's 4 MiB limit (the stream would fail, and
+    again on every retry). Bounded batches: all eight are welcomed."""
+    from harness.vllm_server import free_port
+
+    port = free_port()
+    r = await Relay(RelaySettings(coordinators=f"127.0.0.1:{port}", listen="127.0.0.1:0")).start()
+    coord: Coordinator | None = None
+    agents = [
+        SimAgent(r.address, "big", "prefill", rank, 8, nixl_metadata=bytes([rank]) * 900_000)
+        for rank in range(8)
+    ]
+    try:
+        starts = [asyncio.ensure_future(a.start(WAIT)) for a in agents]
+
+        async def all_waiting() -> bool:
+            return r.upstream.streams >= 2 and not any(s.done() for s in starts)
+
+        await until(all_waiting, "eight hellos held at the relay")
+        coord = await start(ServerSettings(port=port, core=CoreSettings()))
+        await asyncio.gather(*starts)
+        assert await connected(coord.address, "big") == {rank: True for rank in range(8)}
+        await asyncio.gather(*(a.close() for a in agents))
     finally:
         await r.stop()
         if coord is not None:
