@@ -36,6 +36,21 @@ MAX_CHANNELS = 1024
 RPC = "/pushkv.v1.AgentService/NodeStream"
 
 
+async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessage]:
+    """What to send to an agent, in order, until its session ends: the welcome
+    alone, then what `AgentSession.take` batches (an AgentStream's, or a
+    NodeStream channel's). Here, not in runtime.py: mypyc compiles that."""
+    msg = await s.outbox.get()
+    if msg is None:
+        return
+    yield to_message(msg)  # the welcome, always alone
+    while (msg := await s.outbox.get()) is not None:
+        out, ended = s.take(msg)
+        yield out
+        if ended:
+            return
+
+
 @dataclass(eq=False)
 class _Channel:
     session: AgentSession
@@ -121,16 +136,9 @@ class NodeChannels:
 
     # ------------------------------------------------------------ down
     async def _pump(self, channel: int, s: AgentSession) -> None:
-        down = self._down
         try:
-            msg = await s.outbox.get()
-            if msg is not None:
-                down.put_nowait(pb.ChannelDown(channel=channel, message=to_message(msg)))
-                while (msg := await s.outbox.get()) is not None:
-                    out, ended = s.take(msg)
-                    down.put_nowait(pb.ChannelDown(channel=channel, message=out))
-                    if ended:
-                        break
+            async for out in session_messages(s):
+                self._down.put_nowait(pb.ChannelDown(channel=channel, message=out))
         finally:
             self._channels.pop(channel, None)
             self._rt.close_session(s)

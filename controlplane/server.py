@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,6 +28,7 @@ from controlplane.servicers import AgentServicer, StatusServicer, TransferServic
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
+from wire.port_file import write_port_file
 from wire.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -217,12 +217,6 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
     coord.election_task = loop.create_task(coord.election.run(), name="etcd-election")
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(str(port))
-    tmp.replace(path)  # atomic: readers never see a partial file
-
-
 def tune_gc() -> None:
     """The GC policy of the process that runs the coordinator (see gcpolicy)."""
     gcpolicy.install()
@@ -237,7 +231,7 @@ async def serve(settings: ServerSettings) -> int:
     try:
         coord = await start(settings)
         if settings.port_file:
-            _write_port_file(settings.port_file, coord.port)
+            write_port_file(settings.port_file, coord.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -23,8 +23,8 @@ from controlplane.errors import (
     ResourceExhausted,
 )
 from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
-from controlplane.node_stream import NodeChannels
-from controlplane.runtime import AgentSession, Runtime, to_message
+from controlplane.node_stream import NodeChannels, session_messages
+from controlplane.runtime import AgentSession, Runtime
 from controlplane.transfer_filter import TransferFilter
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -214,16 +214,9 @@ class AgentServicer(pbg.AgentServiceServicer):
 
         reader = asyncio.get_running_loop().create_task(read(), name=f"agent-{session.key}")
         try:
-            msg = await session.outbox.get()
-            if msg is not None:
+            async for out in session_messages(session):
                 self._fence()
-                yield to_message(msg)  # the welcome, always alone
-                while (msg := await session.outbox.get()) is not None:
-                    out, ended = session.take(msg)
-                    self._fence()
-                    yield out
-                    if ended:
-                        break
+                yield out
             if broken:
                 raise broken[0]
         finally:

@@ -21,7 +21,6 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,6 +30,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from relay.upstream import CODES, Channel, Upstream
+from wire.port_file import write_port_file
 from wire.tls import TLSFiles
 
 log = logging.getLogger("pushkv.relay")
@@ -113,12 +113,6 @@ class RelayServicer(pbg.AgentServiceServicer):
             ch.close_up()
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(str(port))
-    tmp.replace(path)
-
-
 async def _track_health(up: Upstream, hs: HealthServicer, stop: asyncio.Event) -> None:
     """SERVING while the coordinator answers on the stream (probes and `grpcurl`)."""
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -184,7 +178,7 @@ async def serve(settings: RelaySettings) -> int:
     """Run until SIGTERM/SIGINT; the exit status."""
     relay = await Relay(settings).start()
     if settings.port_file:
-        _write_port_file(settings.port_file, relay.port)
+        write_port_file(settings.port_file, relay.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
