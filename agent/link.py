@@ -320,8 +320,10 @@ class CoordinatorLink:
 
     def _session(self, channel: grpc.Channel) -> None:
         del self._hello.held[:]
-        if self._snapshot is not None and self.term > 0 and not self._term_may_go_back():
-            # Only a newer leader of this cluster adopts them (term 0: a restart).
+        if self._snapshot is not None and not self._term_may_go_back():
+            # A newer leader of this cluster adopts them; the same leader tells
+            # again those that ended while the stream was lost (a restarted
+            # coordinator, term 0, knows none of them).
             items = self._snapshot(SNAPSHOT_WAIT_S)
             if items is None:
                 raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")

@@ -161,9 +161,13 @@ class Rendezvous:
 
     # ================================================================ agents
     def agent_hello(
-        self, reg: AgentRegistration, held: Sequence[HeldTransfer] = ()
+        self, reg: AgentRegistration, held: Sequence[HeldTransfer] = (), *, adopt: bool = False
     ) -> list[Effect]:
-        """`held`: the agent's live transfers (a failover: adopted, adoption.py)."""
+        """`held`: the agent's live transfers. `adopt` (a failover: the agent
+        followed an older leader): adopted (adoption.py). Otherwise (the same
+        leader, the agent's stream lost and taken back): those that ended here
+        are told again, since a notice queued to a stream that was dying, or
+        meant for the agent while it was away, never reached it."""
         check_hello(reg, self.settings)
         now = self._clock.monotonic()
         fenced = self.registry.hello(reg, now)
@@ -171,7 +175,10 @@ class Rendezvous:
         if fenced is not None:
             effects += agent_loss.fenced(self._book, fenced)
         for h in held:  # before the replay: an adopted order withdraws an undelivered one
-            effects += self._adopt(reg, h)
+            if adopt:
+                effects += self._adopt(reg, h)
+            elif (t := self._transfers.get(h.transfer_id)) is not None and t.state.terminal:
+                effects += transfer_notices(self.registry, t, (reg.engine_id,))
         effects += self._open_orders.replay(reg.key, reg.incarnation, self._transfers)
         return effects
 

@@ -283,9 +283,10 @@ class Runtime:
         *,
         accepts_batches: bool = False,
         held: Sequence[HeldTransfer] = (),
+        adopt: bool = False,
         via: str = "",
     ) -> AgentSession:
-        effects = self.core.agent_hello(reg, held)
+        effects = self.core.agent_hello(reg, held, adopt=adopt)
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()

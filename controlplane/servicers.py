@@ -183,8 +183,9 @@ class AgentServicer(pbg.AgentServiceServicer):
         return self._rt.open_session(
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,
+            held=convert.held_from_pb(first.hello),
             # Adopted only from an agent that followed an older leader (a failover).
-            held=convert.held_from_pb(first.hello) if first.hello.term < self._rt.term else (),
+            adopt=first.hello.term < self._rt.term,
             via=via,
         )
 

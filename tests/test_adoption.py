@@ -37,7 +37,7 @@ def leader(tp: int = 1, **kw: object) -> tuple[Rendezvous, FakeClock]:
 def hello(
     rv: Rendezvous, engine: EngineId, role: Role, rank: int, tp: int, *held: HeldTransfer
 ) -> list[Effect]:
-    return rv.agent_hello(reg(engine, role, rank, tp), held)
+    return rv.agent_hello(reg(engine, role, rank, tp), held, adopt=True)
 
 
 def test_decode_registered_only_completes_once_both_sides_come_back() -> None:

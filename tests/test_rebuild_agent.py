@@ -110,7 +110,9 @@ def test_term_zero_a_restarted_coordinator_resolves_locally_as_before(
         assert host.call("held") == [("t-held", (), (), ())]
         out.put(None)
         hello, out, _ = coord.streams.get(timeout=WAIT)
-        assert list(hello.held) == []  # term 0: nobody would adopt them
+        # Re-sent at term 0 too (the same coordinator tells again what ended);
+        # a restarted one knows none of them, and its welcome says it restarted.
+        assert [h.transfer_id for h in hello.held] == ["t-held"]
         out.put(_welcome(0, "c2"))  # no term: a restart, not a failover
         e = host.wait_event("t-held", WAIT)
         assert e.kind is EventKind.BLOCKS_FREE and "coordinator restarted" in e.detail

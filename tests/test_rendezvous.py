@@ -9,6 +9,7 @@ from controlplane.domain import (
     AgentKey,
     AgentRegistration,
     EngineId,
+    HeldTransfer,
     KVLayout,
     KVRegion,
     RankState,
@@ -363,6 +364,35 @@ def test_disconnect_fails_moving_transfers_at_once() -> None:
     # On reconnect with the same incarnation the agent is told to drop it.
     effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
     assert [e.order_id for e in effects if isinstance(e, SendCancelOrder)] == [o.order.order_id]
+
+
+def test_a_reconnecting_agent_is_told_again_of_what_ended_while_its_stream_was_lost() -> None:
+    """Both ranks' streams lost at once (a node relay died): the notice to the
+    decode rank was queued to its dying stream, and the release went out while
+    it was away. Its hello to the same leader re-sends what it expects; the
+    ended transfer is told again (released: the decode side may fail it), the
+    live one is neither adopted nor told, and an unknown one is ignored."""
+    rv, _ = core()
+    rv.register_decode("t", D, [[1]], 10)
+    rv.register_decode("live", D, [[2]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    effects = rv.agent_disconnected(AgentKey(P, 0), "i1")
+    assert [n.notice.write_may_land for n in notices(effects, AgentKey(D, 0))] == [True]
+    rv.agent_disconnected(AgentKey(D, 0), "i1")
+    rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))  # the cancel is replayed
+    rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DROPPED)
+    assert not rv.get("t").write_may_land
+
+    held = [HeldTransfer("t"), HeldTransfer("live"), HeldTransfer("unknown")]
+    effects = rv.agent_hello(reg(D, Role.DECODE, 0, 1, inc="i1"), held)
+    [told] = notices(effects, AgentKey(D, 0))
+    assert told.notice.transfer_id == "t" and not told.notice.write_may_land
+    assert told.notice.state is State.FAILED
+    assert rv.get("live").state is State.REGISTERED and not rv.get("live").adopting
+    assert not rv.has_transfer("unknown")
+    # Without the held list (an agent that does not rebuild) nothing is told.
+    assert notices(rv.agent_hello(reg(D, Role.DECODE, 0, 1, inc="i1"))) == []
 
 
 def test_bad_input_names_the_field() -> None:

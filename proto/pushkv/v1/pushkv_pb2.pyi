@@ -432,7 +432,8 @@ class AgentHello(_message.Message):
     def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldTransfer]:
         """The agent's live transfers, re-sent on every hello so that a new leader
         of the same cluster adopts them instead of the agents resolving them
-        locally (docs/reliability.md, "Failover rebuild"). Empty when the agent
+        locally, and the same leader, taking the agent back, tells it again of
+        those that ended meanwhile (docs/reliability.md, "Failover rebuild"). Empty when the agent
         does not rebuild (AgentConfig.rebuild_on_failover): it then resolves its
         transfers locally on a new coordinator id, as after a restart.
         """
