@@ -10,7 +10,9 @@ messages instead of one per rank and report.
 Ownership: the reader task owns `channels` (it opens and closes sessions); a
 pump task per channel moves that session's outbox into the one `down` queue,
 and the response generator drains `down`. Every session is closed with its
-channel, and all of them when the stream ends.
+channel (the agent hung up: as a lost AgentStream), and all of them when the
+stream ends (the relay is gone, its agents are not known to be: their
+transfers wait for the agents' lease, runtime.AgentSession.link_lost).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class NodeChannels:
             broken.append(exc)
         finally:
             for ch in self._channels.values():
+                ch.session.link_lost = True  # the relay's stream ended, not the agent's
                 ch.session.close()
             pumps = [ch.pump for ch in self._channels.values()]
             if pumps:
@@ -164,6 +167,7 @@ class NodeChannels:
                 await reader
             for ch in list(self._channels.values()):
                 ch.pump.cancel()
+                ch.session.link_lost = True
                 self._rt.close_session(ch.session)
             self._channels.clear()
             log.info("node_stream_closed", peer=self._peer)

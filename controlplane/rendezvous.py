@@ -185,10 +185,16 @@ class Rendezvous:
     def agent_seen(self, key: AgentKey, incarnation: str) -> bool:
         return self.registry.renew(key, incarnation, self._clock.monotonic())
 
-    def agent_disconnected(self, key: AgentKey, incarnation: str) -> list[Effect]:
+    def agent_disconnected(
+        self, key: AgentKey, incarnation: str, *, link_lost: bool = False
+    ) -> list[Effect]:
+        """The agent's stream closed. `link_lost`: it ended with the node
+        relay's stream, not by the agent; like `fail_on_disconnect` off, its
+        transfers then wait for its lease (registry.py), so a relay that comes
+        back within it loses nothing."""
         if not self.registry.disconnected(key, incarnation):
             return []
-        if not self.settings.fail_on_disconnect:
+        if link_lost or not self.settings.fail_on_disconnect:
             return []
         effects: list[Effect] = []
         for t in self._book.of_engine(key.engine_id):

@@ -79,6 +79,9 @@ class AgentSession:
     closed: bool = False
     accepts_batches: bool = False  # AgentHello.accepts_batches
     via: str = ""  # the node relay carrying this session ("": its own AgentStream)
+    # Ended with its relay's stream, not by the agent: the agent is not known
+    # to be gone, so its transfers wait for its lease (it may come back).
+    link_lost: bool = False
     # The leader's term, stamped on every order (0: no --etcd).
     term: int = 0
 
@@ -324,8 +327,15 @@ class Runtime:
         s.close()
         if self._sessions.get(s.key) is s:
             del self._sessions[s.key]
-            self.apply(self.core.agent_disconnected(s.key, s.reg.incarnation))
-            log.info("agent_disconnected", engine_id=s.key.engine_id, rank=s.key.rank)
+            self.apply(
+                self.core.agent_disconnected(s.key, s.reg.incarnation, link_lost=s.link_lost)
+            )
+            log.info(
+                "agent_disconnected",
+                engine_id=s.key.engine_id,
+                rank=s.key.rank,
+                **({"relay_lost": s.via} if s.link_lost else {}),
+            )
 
     def on_agent_message(self, s: AgentSession, msg: pb.AgentMessage) -> None:
         """One message from an agent's stream. A bad report raises (the caller

@@ -36,6 +36,7 @@ from wire.tls import TLSFiles
 log = logging.getLogger("pushkv.relay")
 
 HELLO_TIMEOUT_S = 10.0  # as the coordinator's AgentStream
+STOP_WAIT_S = 5.0  # for the upstream to end its stream on stop
 SERVICE = "pushkv.v1.AgentService"
 
 
@@ -168,10 +169,16 @@ class Relay:
 
     async def stop(self) -> None:
         self._stop.set()
+        # The upstream first: its stream ends with the channels still open, so
+        # the leader takes the agents as cut off (their transfers wait for the
+        # agents' lease, for a relay that comes back), not as gone, which a
+        # channel closed by an agent's handler would say.
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.stop(1.0)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def serve(settings: RelaySettings) -> int:

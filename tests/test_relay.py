@@ -143,6 +143,45 @@ async def test_each_channel_of_a_node_stream_is_an_agent_stream(coord: Coordinat
         node.call.cancel()
 
 
+async def test_an_agent_hanging_up_fails_at_once_a_relay_cut_off_waits_for_the_lease(
+    coord: Coordinator,
+) -> None:
+    """A channel closed by the relay (its agent hung up) is a lost agent
+    stream: the engine's moving transfer fails at once. A NodeStream that ends
+    with its channels open (the relay died or was cut off) is not taken as
+    the agents' death: their transfer stays ordered, for the agent to take
+    back through a relay that returns, and fails only when the lease expires."""
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        status = pbg.StatusServiceStub(ch)
+        hung = Node(ch)
+        hung.send(up(1, hello("p0", "prefill")), up(2, hello("d0", "decode")))
+        await hung.items(2)  # the welcomes
+        await rendezvous(ch, "t-hung", prefill_engine="p0", decode_engine="d0")
+        hung.send(up(1))  # the prefill agent's stream ended at the relay
+        [t] = (await wait_terminal(ch, ["t-hung"], WAIT)).values()
+        assert t.state == pb.TRANSFER_STATE_FAILED and t.reason == pb.REASON_AGENT_LOST
+        assert "disconnected" in t.detail, t
+
+        cut = Node(ch)
+        cut.send(up(1, hello("p1", "prefill")), up(2, hello("d1", "decode")))
+        await cut.items(2)
+        await rendezvous(ch, "t-cut", prefill_engine="p1", decode_engine="d1")
+        cut.call.cancel()  # the relay's stream ends, both channels open
+
+        async def cut_off() -> bool:
+            return await connected(coord.address, "p1") != {0: True}
+
+        await until(cut_off, "the prefill rank disconnected")
+        # Closing its session is what fails at once: it has run, and the
+        # transfer is still ordered.
+        t = await status.GetTransfer(pb.GetTransferRequest(transfer_id="t-cut"))
+        assert t.state == pb.TRANSFER_STATE_ORDERED, t
+        lease_s = coord.runtime.core.settings.lease_s
+        [t] = (await wait_terminal(ch, ["t-cut"], WAIT + lease_s)).values()
+        assert t.state == pb.TRANSFER_STATE_FAILED and "lease expired" in t.detail, t
+        hung.end()
+
+
 async def test_a_hello_refused_on_a_channel_reaches_the_agent_through_the_relay(
     coord: Coordinator, relay: Relay
 ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -38,7 +39,8 @@ from tests.test_ha import (
 from vllm_integration.client import Call, CoordinatorClient
 
 pytestmark = pytest.mark.faults
-KEEP = ("--fail-on-disconnect", "false", "--lease-s", "6")
+# A lease the relay's restart fits in on a loaded box (the REPLICA flags give 2 s).
+LONG_LEASE = ("--lease-s", "6")
 
 
 def _ranks_connected(address: str) -> dict[str, bool]:
@@ -47,28 +49,42 @@ def _ranks_connected(address: str) -> dict[str, bool]:
     return {e.engine_id: all(r.connected for r in e.ranks) for e in engines.engines}
 
 
-@pytest.fixture(params=["fail-on-disconnect", "keep-within-lease"])
+@dataclass(frozen=True)
+class Case:
+    how: str  # "kill": kill -9; "term": SIGTERM (a clean shutdown)
+    back_within_lease: bool  # restarted at once, or only once the lease expired
+
+
+CASES = {
+    "kill-9-back-within-the-lease": Case("kill", True),
+    "sigterm-back-within-the-lease": Case("term", True),
+    "kill-9-back-after-the-lease": Case("kill", False),
+}
+
+
+@pytest.fixture(params=list(CASES))
 def replicas(
     request: pytest.FixtureRequest,
     etcd: EtcdServer,  # noqa: F811
-) -> Iterator[tuple[Cluster, bool]]:
-    """The default, or `--fail-on-disconnect false` with a lease (6 s) that
-    the relay's restart fits in on a loaded box."""
-    keep = request.param == "keep-within-lease"
-    with running_replicas(etcd, *(KEEP if keep else ())) as c:
-        yield c, keep
+) -> Iterator[tuple[Cluster, Case]]:
+    case = CASES[request.param]
+    with running_replicas(etcd, *(LONG_LEASE if case.back_within_lease else ())) as c:
+        yield c, case
 
 
-def test_a_relay_killed_with_transfers_in_flight(replicas: tuple[Cluster, bool]) -> None:
-    """kill -9 of the relay both agents dial, one transfer moving (its WRITE
-    held unposted) and one waiting for its prefill; the relay restarted on
-    the same port. Its stream's end is each rank's stream lost: by default
-    the leader fails the moving transfer at once (never posted, the decode
-    side told, the prefill blocks freed); with `--fail-on-disconnect false`
-    it keeps it for the lease and it completes once the agents are back
-    through the restarted relay. Either way the waiting transfer and a new
-    one complete with their bytes verified, and nothing is left held."""
-    cluster, keep = replicas
+def test_a_relay_lost_with_transfers_in_flight(replicas: tuple[Cluster, Case]) -> None:
+    """The relay both agents dial is lost (kill -9 or SIGTERM) with one
+    transfer moving (its WRITE held unposted) and one waiting for its
+    prefill, then restarted on the same port. Its stream ended with the
+    channels open: the agents are cut off, not gone, so the leader keeps their
+    transfers for the agents' lease. Back within it, the agents' hellos take
+    them back and the moving transfer completes (its order replayed, posted
+    once). Back after it, the moving transfer has failed when the lease
+    expired, and the hellos are told of it (never posted, the decode side
+    told, the prefill blocks freed). Either way the waiting transfer and a
+    new one complete with their bytes verified, and nothing is left held."""
+    cluster, case = replicas
+    keep = case.back_within_lease
     lead = cluster.leader()
     relay = RelayProcess(cluster.addresses).start()
     spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
@@ -98,18 +114,24 @@ def test_a_relay_killed_with_transfers_in_flight(replicas: tuple[Cluster, bool])
         written = p.call("writes_posted")
 
         killed = time.monotonic()
-        relay.kill()
+        if case.how == "kill":
+            relay.kill()
+        else:
+            relay.stop()
         poll(lambda: not any(_ranks_connected(lead.address).values()), "both ranks disconnected")
-        if not keep:
-            with grpc.insecure_channel(lead.address) as ch:
-                st = pbg.StatusServiceStub(ch)
-                failed = wait_state(st, "rk-ordered", pb.TRANSFER_STATE_FAILED, DEADLINE_S)
-                waiting = st.GetTransfer(
-                    pb.GetTransferRequest(transfer_id="rk-registered"), timeout=5
-                )
-            assert failed.state == pb.TRANSFER_STATE_FAILED, failed
-            assert failed.reason == pb.REASON_AGENT_LOST and "disconnected" in failed.detail
+        with grpc.insecure_channel(lead.address) as ch:
+            st = pbg.StatusServiceStub(ch)
+            # Disconnecting is what would fail it at once: that has run.
+            moving = st.GetTransfer(pb.GetTransferRequest(transfer_id="rk-ordered"), timeout=5)
+            assert moving.state == pb.TRANSFER_STATE_ORDERED, moving
+            waiting = st.GetTransfer(pb.GetTransferRequest(transfer_id="rk-registered"), timeout=5)
             assert waiting.state == pb.TRANSFER_STATE_REGISTERED, waiting
+            if not keep:  # the agents' lease expires first: both engines are lost
+                for tid in ("rk-ordered", "rk-registered"):
+                    failed = wait_state(st, tid, pb.TRANSFER_STATE_FAILED, DEADLINE_S)
+                    assert failed.state == pb.TRANSFER_STATE_FAILED, failed
+                    assert failed.reason == pb.REASON_AGENT_LOST, failed
+                    assert "lease expired" in failed.detail, failed
 
         relay.start()  # on the same port: the agents have been redialing it
         _wait_ready(lead.address)
@@ -119,31 +141,37 @@ def test_a_relay_killed_with_transfers_in_flight(replicas: tuple[Cluster, bool])
             assert d.wait_event("rk-ordered", DEADLINE_S).kind is EventKind.KV_READY
             assert d.check([26, 27], seed=62) == []
             assert p.wait_event("rk-ordered", DEADLINE_S).kind is EventKind.BLOCKS_FREE
-        else:  # the replayed notice and cancel: one outcome each, no WRITE
+        else:  # told again of the end, and the order cancelled: no WRITE
             assert d.wait_event("rk-ordered", DEADLINE_S).kind is EventKind.KV_FAILED
             freed = p.wait_event("rk-ordered", DEADLINE_S)
             assert freed.kind is EventKind.BLOCKS_FREE and "dropped" in freed.detail, freed
         assert p.call("writes_posted") == written + keep
 
-        p.call("hold", ["rk-registered"])
-        _submit(client, Call("prefill_done", "p1", "rk-registered", "P", (1, 2), 20))
-        assert d.wait_event("rk-registered", DEADLINE_S).kind is EventKind.KV_READY
-        assert d.check([22, 23], seed=61) == []
-        assert p.wait_event("rk-registered", DEADLINE_S).kind is EventKind.BLOCKS_FREE
-        with grpc.insecure_channel(lead.address) as ch:
-            for tid in ["rk-registered"] + (["rk-ordered"] if keep else []):
-                done = wait_state(pbg.StatusServiceStub(ch), tid, pb.TRANSFER_STATE_COMPLETE, 10)
-                assert done.state == pb.TRANSFER_STATE_COMPLETE, done
+        if keep:
+            p.call("hold", ["rk-registered"])
+            _submit(client, Call("prefill_done", "p1", "rk-registered", "P", (1, 2), 20))
+            assert d.wait_event("rk-registered", DEADLINE_S).kind is EventKind.KV_READY
+            assert d.check([22, 23], seed=61) == []
+            assert p.wait_event("rk-registered", DEADLINE_S).kind is EventKind.BLOCKS_FREE
+            with grpc.insecure_channel(lead.address) as ch:
+                for tid in ("rk-registered", "rk-ordered"):
+                    done = wait_state(
+                        pbg.StatusServiceStub(ch), tid, pb.TRANSFER_STATE_COMPLETE, DEADLINE_S
+                    )
+                    assert done.state == pb.TRANSFER_STATE_COMPLETE, done
+        else:  # told again: the decode side's registration was lost with it
+            assert d.wait_event("rk-registered", DEADLINE_S).kind is EventKind.KV_FAILED
         completed = time.monotonic() - killed
         print(
             f"agents registered through the restarted relay {followed:.3f} s after its "
-            f"kill -9; the kept transfers complete {completed:.3f} s after it"
+            f"{case.how}; the transfers in flight resolved {completed:.3f} s after it"
         )
 
         _transfer(client, lead.address, p, d, "rk-after", seed=63)
-        assert p.call("writes_posted") == written + keep + 2  # and rk-registered, rk-after
-        # Failed, rk-ordered's 26 and 27 keep the canary: never written.
-        used = [20, 21, 22, 23] + ([26, 27] if keep else [])
+        # Kept: rk-ordered, rk-registered and rk-after; failed: rk-after only,
+        # and blocks 22, 23, 26 and 27 keep the canary (never written).
+        assert p.call("writes_posted") == written + (3 if keep else 1)
+        used = [20, 21] + ([22, 23, 26, 27] if keep else [])
         assert d.call("check_canary", [b for b in range(NB) if b not in used], CANARY) == []
         assert p.call("held") == d.call("held") == []
         # The same leader and term throughout; each rank's channel opened on
