@@ -125,6 +125,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         listen=args.listen,
         tls=_tls(args),
         port_file=args.port_file,
+        max_message_bytes=args.max_message_bytes,
     )
     return asyncio.run(serve(settings))
 
@@ -315,6 +316,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "--listen",
         default=_env("relay_listen", "127.0.0.1:50161"),
         help="where the node's agents dial: HOST:PORT on loopback, or unix:PATH",
+    )
+    y.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=_env("max_message_bytes", 4 << 20),
+        help="the coordinator's --max-message-bytes: the largest message carried",
     )
     y.add_argument("--port-file", default="", help="write the bound port here (with port 0)")
     y.add_argument("--log-level", default=_env("log_level", "INFO"))

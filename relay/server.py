@@ -37,6 +37,9 @@ log = logging.getLogger("pushkv.relay")
 
 HELLO_TIMEOUT_S = 10.0  # as the coordinator's AgentStream
 STOP_WAIT_S = 5.0  # for the upstream to end its stream on stop
+# NodeUp{items: [ChannelUp{channel, message}]} around one agent message: three
+# tags, three lengths and a channel id, well under this.
+ENVELOPE_BYTES = 64
 SERVICE = "pushkv.v1.AgentService"
 
 
@@ -55,9 +58,22 @@ class RelaySettings:
 
 
 class RelayServicer(pbg.AgentServiceServicer):
-    def __init__(self, upstream: Upstream, hello_wait_s: float) -> None:
+    def __init__(self, upstream: Upstream, hello_wait_s: float, max_message_bytes: int) -> None:
         self._up = upstream
         self._wait_s = hello_wait_s
+        # What a NodeUp may carry of one agent message: the coordinator would
+        # end the whole NodeStream (every channel of the node) on a bigger one.
+        self._max_item = max_message_bytes - ENVELOPE_BYTES
+
+    def _too_big(self, msg: pb.AgentMessage) -> str:
+        """Why `msg` cannot go up ("" if it can)."""
+        n = msg.ByteSize()
+        if n <= self._max_item:
+            return ""
+        return (
+            f"relay: an agent message of {n} bytes does not fit the node stream "
+            f"({self._max_item} bytes at most, the coordinator's limit less the envelope)"
+        )
 
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
@@ -77,6 +93,9 @@ class RelayServicer(pbg.AgentServiceServicer):
                 f"(dialing {self._up.address})",
             )
         assert ch is not None
+        if why := self._too_big(first):
+            ch.close_up()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         ch.send(first)
         reader = asyncio.get_running_loop().create_task(self._forward(request_iterator, ch))
         try:
@@ -104,10 +123,12 @@ class RelayServicer(pbg.AgentServiceServicer):
         )
         yield pb.NodeDown()  # never reached: abort raises
 
-    @staticmethod
-    async def _forward(requests: AsyncIterator[pb.AgentMessage], ch: Channel) -> None:
+    async def _forward(self, requests: AsyncIterator[pb.AgentMessage], ch: Channel) -> None:
         try:
             async for msg in requests:
+                if why := self._too_big(msg):  # this agent's stream ends, not the node's
+                    ch.gen.end(ch, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    return
                 if not ch.send(msg):
                     return
         finally:
@@ -131,7 +152,9 @@ class Relay:
         if settings.tls.enabled or settings.tls.key:
             settings.tls.check()
         self.settings = settings
-        self.upstream = Upstream(settings.coordinators, settings.tls)
+        self.upstream = Upstream(
+            settings.coordinators, settings.tls, max_message_bytes=settings.max_message_bytes
+        )
         self.port = 0
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Future[None]] = []
@@ -141,7 +164,8 @@ class Relay:
         ]
         self._server = grpc.aio.server(options=opts)
         pbg.add_AgentServiceServicer_to_server(
-            RelayServicer(self.upstream, settings.hello_wait_s), self._server
+            RelayServicer(self.upstream, settings.hello_wait_s, settings.max_message_bytes),
+            self._server,
         )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -144,9 +144,15 @@ class Upstream:
         *,
         backoff_min_s: float = 0.05,
         backoff_max_s: float = RELAY_BACKOFF_MAX_S,
+        max_message_bytes: int = 4 << 20,
     ) -> None:
         self._follower = LeaderFollower(coordinators)
         self._tls = tls
+        self._options = (
+            *KEEPALIVE,
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        )
         self._backoff = (backoff_min_s, backoff_max_s)
         self._gen: Generation | None = None
         self._next_id = 1
@@ -215,7 +221,7 @@ class Upstream:
         """One NodeStream, until it ends or `stop`: whether the coordinator
         answered on it, and the error that ended it (None: it closed)."""
         gen = Generation(address)
-        channel = aio_channel(address, self._tls, KEEPALIVE)
+        channel = aio_channel(address, self._tls, self._options)
         call: Any = pbg.AgentServiceStub(channel).NodeStream(self._count(gen.items()))
         self.streams += 1
         self._gen = gen  # channels open at once; a refusal ends them with its status

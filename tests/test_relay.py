@@ -298,6 +298,31 @@ async def test_a_hello_held_while_no_coordinator_answers_is_welcomed_once_one_do
             await coord.stop(0)
 
 
+async def test_a_message_too_big_for_the_node_stream_ends_its_channel_only(
+    coord: Coordinator, relay: Relay
+) -> None:
+    """An agent message that fits the relay's limit but not once wrapped in a
+    NodeUp would make the coordinator end the whole NodeStream, and every
+    channel of the node, again at each retry. The relay refuses it on that
+    agent's stream alone (RESOURCE_EXHAUSTED, naming the sizes)."""
+    async with (
+        SimAgent(relay.address, "p0", "prefill") as big,
+        SimAgent(relay.address, "d0", "decode") as other,
+    ):
+        limit = relay.settings.max_message_bytes
+        msg = pb.AgentMessage(write=pb.WriteReport(order_id="o", transfer_id="t"))
+        msg.write.detail = "x" * (limit - msg.ByteSize() - 8)
+        assert limit - 64 < msg.ByteSize() <= limit  # the relay's own server takes it
+        await big.send(msg)
+        await asyncio.wait_for(big.ended.wait(), WAIT)
+        assert big.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (big.code, big.details)
+        assert f"{msg.ByteSize()} bytes" in (big.details or ""), big.details
+        # The node's stream and the other agent's channel live on.
+        assert await other.heartbeat(timeout=WAIT) is not None
+        assert relay.upstream.streams == 1
+        assert await connected(coord.address, "d0") == {0: True}
+
+
 async def test_batches_are_bounded_by_count_and_bytes_and_never_wait() -> None:
     """wire/batching.py, as both ends of a NodeStream use it: an item that
     would pass the byte bound starts the next batch; a lone item over it still
