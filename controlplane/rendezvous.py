@@ -163,11 +163,10 @@ class Rendezvous:
     def agent_hello(
         self, reg: AgentRegistration, held: Sequence[HeldTransfer] = (), *, adopt: bool = False
     ) -> list[Effect]:
-        """`held`: the agent's live transfers. `adopt` (a failover: the agent
-        followed an older leader): adopted (adoption.py). Otherwise (the same
-        leader, the agent's stream lost and taken back): those that ended here
-        are told again, since a notice queued to a stream that was dying, or
-        meant for the agent while it was away, never reached it."""
+        """`held`: the agent's live transfers, adopted on a failover (`adopt`:
+        it followed an older leader; adoption.py). The same leader taking it
+        back tells it again of those that ended here: a notice queued to its
+        dying stream, or sent while it was away, never reached it."""
         check_hello(reg, self.settings)
         now = self._clock.monotonic()
         fenced = self.registry.hello(reg, now)
@@ -188,10 +187,9 @@ class Rendezvous:
     def agent_disconnected(
         self, key: AgentKey, incarnation: str, *, link_lost: bool = False
     ) -> list[Effect]:
-        """The agent's stream closed. `link_lost`: it ended with the node
-        relay's stream, not by the agent; like `fail_on_disconnect` off, its
-        transfers then wait for its lease (registry.py), so a relay that comes
-        back within it loses nothing."""
+        """`link_lost`: the stream ended with its node relay's, not by the
+        agent; its transfers then wait for its lease, as without
+        `fail_on_disconnect`, so a relay back within it loses nothing."""
         if not self.registry.disconnected(key, incarnation):
             return []
         if link_lost or not self.settings.fail_on_disconnect:
