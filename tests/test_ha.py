@@ -8,6 +8,7 @@ failover time is measured and printed, never asserted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -441,9 +442,7 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
     both = f"{lead.address},{standby.address}"
     relay = RelayProcess(both).start() if via == "relay" else None
     dial = relay.address if relay else both
-    spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
-    p = KVHost(HostSpec(dial, "P", "prefill", **spec))  # type: ignore[arg-type]
-    d = KVHost(HostSpec(dial, "D", "decode", **spec))  # type: ignore[arg-type]
+    p, d = rebuilding_hosts(dial)
     client = CoordinatorClient(both, timeout_s=2.0)
     # transfer -> (prefill blocks, decode blocks, seed); 20 tokens: 2 blocks each.
     stages = {
@@ -565,6 +564,13 @@ def _event(replica: CoordinatorProcess, name: str) -> dict[str, str]:
     if not found:
         raise AssertionError(f"no {name} in the log of {replica.address}")
     return found[0]
+
+
+def rebuilding_hosts(dial: str) -> tuple[KVHost, KVHost]:
+    """Prefill P and decode D (not started) whose agents dial `dial` and
+    rebuild on a failover, as the connector's default."""
+    spec = HostSpec(dial, "P", "prefill", num_blocks=NB, give_up_s=REBUILD_GIVE_UP_S, rebuild=True)
+    return KVHost(spec), KVHost(dataclasses.replace(spec, engine_id="D", role="decode"))
 
 
 def _wait_ready(address: str) -> None:

@@ -20,20 +20,19 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import leadership
-from harness.kvhost import HostSpec, KVHost
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
 from tests.test_ha import (
     CANARY,
     DEADLINE_S,
     NB,
-    REBUILD_GIVE_UP_S,
     Cluster,
     _register_and_done,
     _submit,
     _transfer,
     _wait_ready,
     poll,
+    rebuilding_hosts,
     running_replicas,
 )
 from vllm_integration.client import Call, CoordinatorClient
@@ -53,9 +52,7 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     both = f"{lead.address},{standby.address}"
-    spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
-    p = KVHost(HostSpec(both, "P", "prefill", **spec))  # type: ignore[arg-type]
-    d = KVHost(HostSpec(both, "D", "decode", **spec))  # type: ignore[arg-type]
+    p, d = rebuilding_hosts(both)
     client = CoordinatorClient(both, timeout_s=2.0)
     try:
         p.start()

@@ -19,14 +19,12 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
 from harness.coordinator import RelayProcess, leadership
-from harness.kvhost import HostSpec, KVHost
 from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
 from tests.test_ha import (
     CANARY,
     DEADLINE_S,
     NB,
-    REBUILD_GIVE_UP_S,
     Cluster,
     _events,
     _register_and_done,
@@ -34,6 +32,7 @@ from tests.test_ha import (
     _transfer,
     _wait_ready,
     poll,
+    rebuilding_hosts,
     running_replicas,
 )
 from vllm_integration.client import Call, CoordinatorClient
@@ -87,9 +86,7 @@ def test_a_relay_lost_with_transfers_in_flight(replicas: tuple[Cluster, Case]) -
     keep = case.back_within_lease
     lead = cluster.leader()
     relay = RelayProcess(cluster.addresses).start()
-    spec = {"num_blocks": NB, "give_up_s": REBUILD_GIVE_UP_S, "rebuild": True}
-    p = KVHost(HostSpec(relay.address, "P", "prefill", **spec))  # type: ignore[arg-type]
-    d = KVHost(HostSpec(relay.address, "D", "decode", **spec))  # type: ignore[arg-type]
+    p, d = rebuilding_hosts(relay.address)
     client = CoordinatorClient(cluster.addresses, timeout_s=2.0)
     try:
         p.start()
