@@ -21,6 +21,7 @@ CORE_MODULES = (
     "registry",
     "timeline",
     "admission",
+    "order_size",
     "orders",
     "adoption",
     "resubmission",

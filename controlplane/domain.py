@@ -61,6 +61,7 @@ class Reason(enum.Enum):
     MISMATCH = "mismatch"
     NOTHING_TO_WRITE = "nothing_to_write"
     PREFILL_ABORTED = "prefill_aborted"
+    TOO_LARGE = "too_large"
 
     __hash__ = object.__hash__
 

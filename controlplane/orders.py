@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from controlplane import order_size
 from controlplane.domain import (
     AgentKey,
     Blocks,
@@ -253,16 +254,21 @@ def issue(
     armed: bool,
     next_id: Callable[[], OrderId],
     open_orders: OpenOrders,
+    max_bytes: int,
 ) -> list[Effect]:
     """One order per prefill rank of `pe` (armed: `src` empty), recorded on the
-    transfer (its expected writers) and as open for each rank's incarnation."""
-    assert t.decode is not None
+    transfer (its expected writers) and as open for each rank's incarnation.
+    Raises OrderTooLarge, recording nothing, if one would pass `max_bytes`."""
+    decode = t.decode
+    assert decode is not None
+    orders = [
+        rank_order(next_id(), t.transfer_id, decode, pe, de, rank, src, deadline_unix, armed)
+        for rank in range(pe.size)
+    ]
+    order_size.check(orders, max_bytes)
     effects: list[Effect] = []
-    for rank in range(pe.size):
+    for rank, order in enumerate(orders):
         p_agent = pe.ranks[rank]
-        order = rank_order(
-            next_id(), t.transfer_id, t.decode, pe, de, rank, src, deadline_unix, armed
-        )
         t.orders[rank] = OrderRecord(order, p_agent.key)
         for tgt in order.targets:
             t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}

@@ -22,13 +22,10 @@ Invariants:
   report is told again (hosts act on a transfer's end once).
 
 The transitions live here; the parts they use are plain Python modules too:
-inflight.py (the transfers held, their in-flight counts, and ending one),
-agent_loss.py (an agent incarnation fenced or lost), admission.py (checks on a
-hello or one side's report), orders.py (pair compatibility, each rank's order,
-orders open per agent incarnation, arrivals), expiry.py (deadlines, retention
-of terminal transfers), notices.py (the notices and peer fences sent),
-adoption.py and resubmission.py (a failover), transfer_filter.py (what find
-matches).
+inflight.py (transfers held, counted, ended), agent_loss.py, admission.py,
+orders.py and order_size.py (pairing, each rank's order, open orders,
+arrivals), expiry.py, notices.py, adoption.py and resubmission.py (a
+failover), transfer_filter.py.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from controlplane import agent_loss, validation
 from controlplane.admission import check_hello, differing_field, side_blocks
@@ -75,7 +72,9 @@ from controlplane.errors import (
 )
 from controlplane.inflight import InFlight
 from controlplane.notices import transfer_notices
+from controlplane.order_size import MAX_ORDER_BYTES, OrderTooLarge
 from controlplane.orders import (
+    OpenOrders,
     arm_problem,
     issue,
     mismatch,
@@ -108,8 +107,11 @@ _WRITE_STAGE = {r: f"write_{r.value}" for r in RankState}
 
 
 class Rendezvous:
-    def __init__(self, settings: CoreSettings, clock: Clock) -> None:
+    def __init__(
+        self, settings: CoreSettings, clock: Clock, max_order_bytes: int = MAX_ORDER_BYTES
+    ) -> None:
         self.settings = settings
+        self.max_order_bytes = max_order_bytes  # order_size.py
         self._clock = clock
         self.registry = Registry(settings.lease_s)
         self._book = InFlight(settings, clock, self.registry)  # inflight.py
@@ -474,13 +476,19 @@ class Rendezvous:
             )
         src = pair_source_blocks(t.prefill, t.decode, pe.tokens_per_block, de.tokens_per_block)
         s = self.settings
-        self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
         wall = self._clock.wall()
         until = wall + s.write_timeout_s
-        t.mark("ordered", wall)
         if not t.adopting:
+            try:
+                effects = issue(t, pe, de, src, until, False, *self._order_args())
+            except OrderTooLarge as exc:
+                return self._book.finish(t, State.FAILED, Reason.TOO_LARGE, str(exc))
+            self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
+            t.mark("ordered", wall)
             t.state = State.ORDERED
-            return issue(t, pe, de, src, until, False, self._order_id, self._open_orders)
+            return effects
+        self._deadlines.set(t, s.write_timeout_s, self._clock.monotonic())
+        t.mark("ordered", wall)
         self._unclaimed.claim(t)
         effects = issue_adopted(t, pe, de, src, until, self._order_id, self._open_orders)
         posted = any(o.adopted for o in t.orders.values())  # before the failover
@@ -490,6 +498,9 @@ class Rendezvous:
     def _order_id(self) -> OrderId:
         """Unique per coordinator process."""
         return OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
+
+    def _order_args(self) -> tuple[Callable[[], OrderId], OpenOrders, int]:
+        return self._order_id, self._open_orders, self.max_order_bytes
 
     def _arm_orders(self, t: Transfer, effects: list[Effect]) -> bool:
         """Decode registered first: arm the orders on the announced prefill
@@ -505,9 +516,12 @@ class Rendezvous:
         # Posted no later than the moment this transfer stops waiting for prefill.
         now, wall = self._clock.monotonic(), self._clock.wall()
         wait_s = self.settings.rendezvous_timeout_s
-        self._deadlines.set(t, wait_s, now)
         empty: Blocks = tuple([() for _ in t.decode.blocks])
-        effects += issue(t, pe, de, empty, wall + wait_s, True, self._order_id, self._open_orders)
+        try:  # too large: prefill done will fail it (its orders are larger still)
+            effects += issue(t, pe, de, empty, wall + wait_s, True, *self._order_args())
+        except OrderTooLarge:
+            return False
+        self._deadlines.set(t, wait_s, now)
         t.state = State.ARMED
         t.mark("armed", wall)
         return True

@@ -23,6 +23,7 @@ from controlplane.core_build import core_build
 from controlplane.leadership import ElectionSettings, Leadership, Role, View
 from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
+from controlplane.order_size import max_order_bytes
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import CoreSettings
@@ -120,7 +121,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         raise ValueError(
             f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
         )
-    runtime = Runtime(settings.core, clock or SystemClock())
+    limit = max_order_bytes(settings.max_message_bytes)
+    runtime = Runtime(settings.core, clock or SystemClock(), limit)
     metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
     tracer = tracer_from_env(runtime)
     runtime.observers += [o for o in (metrics, tracer) if o is not None]

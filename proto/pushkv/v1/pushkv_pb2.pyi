@@ -118,6 +118,11 @@ class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reason.ValueTy
     """decode had a full prefix hit (COMPLETE)"""
     REASON_PREFILL_ABORTED: _Reason.ValueType  # 8
     """the prefill request ended without KV"""
+    REASON_TOO_LARGE: _Reason.ValueType  # 9
+    """Its orders would pass the message limit (too many block ids for one
+    message: the coordinator's --max-message-bytes, at most gRPC's 4 MiB
+    default that agents receive).
+    """
 
 class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
 
@@ -138,6 +143,11 @@ REASON_NOTHING_TO_WRITE: Reason.ValueType  # 7
 """decode had a full prefix hit (COMPLETE)"""
 REASON_PREFILL_ABORTED: Reason.ValueType  # 8
 """the prefill request ended without KV"""
+REASON_TOO_LARGE: Reason.ValueType  # 9
+"""Its orders would pass the message limit (too many block ids for one
+message: the coordinator's --max-message-bytes, at most gRPC's 4 MiB
+default that agents receive).
+"""
 Global___Reason: _TypeAlias = Reason  # noqa: Y015
 
 class _WriteStatus:
