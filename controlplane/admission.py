@@ -58,6 +58,7 @@ def side_blocks(
         field="block_ids",
         max_groups=s.max_groups,
         max_per_group=s.max_blocks_per_group,
+        max_total=s.max_blocks_per_side,
         num_groups=layout.num_groups,
         num_blocks=layout.num_blocks,
     )

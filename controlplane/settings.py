@@ -24,6 +24,10 @@ class CoreSettings:
     max_id_len: int = 256
     max_groups: int = 16
     max_blocks_per_group: int = 65_536
+    # Block ids of one side in all its KV groups: a transfer's status, which
+    # holds both sides', then fits gRPC's 4 MiB message (2 x 262,144 ids of
+    # at most 5 bytes), and so do its orders between equal TPs (order_size.py).
+    max_blocks_per_side: int = 262_144
     # Fail ordered transfers at once when an involved agent's stream closes.
     fail_on_disconnect: bool = True
     # Arm orders: when decode registers before prefill is done, send the

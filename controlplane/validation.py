@@ -56,11 +56,16 @@ def blocks(
     max_per_group: int,
     num_groups: int | None = None,
     num_blocks: int | None = None,
+    max_total: int | None = None,
 ) -> Blocks:
     if not groups:
         raise InvalidArgument("needs one list of block ids per KV group", field=field)
     if len(groups) > max_groups:
         raise InvalidArgument(f"more than {max_groups} KV groups", field=field)
+    if max_total is not None and (total := sum(len(g) for g in groups)) > max_total:
+        raise InvalidArgument(
+            f"{total} block ids in all, more than {max_total} (--max-blocks-per-side)", field=field
+        )
     if num_groups is not None and len(groups) != num_groups:
         raise InvalidArgument(
             f"has {len(groups)} KV groups; the engine's KV layout has {num_groups}", field=field

@@ -33,6 +33,7 @@ from controlplane.domain import (
     TransferId,
 )
 from controlplane.domain import WriteTarget as Target
+from controlplane.errors import InvalidArgument
 from controlplane.order_size import OrderTooLarge, check, max_order_bytes, order_bytes
 from controlplane.rendezvous import Rendezvous
 from controlplane.runtime import MAX_OUT_BATCH_BYTES, Runtime
@@ -186,6 +187,30 @@ def test_a_backlog_of_large_orders_goes_in_batches_under_the_bound_in_order() ->
     assert got == [x for i in range(12) for x in (f"t{i}", f"n{i}")]
     assert max(sizes) <= MAX_OUT_BATCH_BYTES and len(sizes) >= 5
     assert s.outbox.empty() and s.carry is None
+
+
+def wide_core(groups: int, num_blocks: int) -> Rendezvous:
+    rv = Rendezvous(CoreSettings(), FakeClock())
+    regions = tuple(KVRegion(0x1000 + g * 2**40, 64, num_blocks, group=g) for g in range(groups))
+    for engine, role in ((P, Role.PREFILL), (D, Role.DECODE)):
+        rv.agent_hello(dataclasses.replace(reg(engine, role), layout=KVLayout(16, regions)))
+    return rv
+
+
+def test_a_side_over_the_block_bound_is_refused_and_the_largest_status_fits_4_mib() -> None:
+    base = 2**28  # ids of 5 bytes, the widest
+    rv = wide_core(groups=5, num_blocks=base + 2**16)
+    per = 65_536  # max_blocks_per_group
+    five = [list(range(base, base + per))] * 5
+    with pytest.raises(InvalidArgument, match="327680 block ids in all, more than 262144"):
+        rv.register_decode("t", D, five, per * 16)
+    # The largest side allowed, from both engines: its status fits one message.
+    four = [*five[:4], []]
+    rv.register_decode("t", D, four, per * 16)
+    t, _ = rv.prefill_done("t", P, four, per * 16)
+    assert t.state is State.ORDERED  # equal TP: its orders fit too
+    status = convert.transfer_to_pb(t, deadline_wall=0.0)
+    assert 2 * 262_144 * 5 < status.ByteSize() < 4 << 20
 
 
 # --------------------------------------------------------------- end to end
