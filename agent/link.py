@@ -4,12 +4,15 @@ It registers (hello), heartbeats, forwards reports from the NIXL thread, turns
 coordinator messages into plain commands for the NIXL thread, and reconnects
 with jittered exponential backoff, re-registering with the same incarnation.
 
-A rebuilding agent (`snapshot` given) re-sends its live transfers in every
-hello, and on a welcome from a newer leader of the same cluster (a different
-coordinator id, its previous term > 0 and the welcome's higher) lets that
-leader adopt them (`CoordinatorAdoptedMsg`) instead of resolving them locally
+An agent given a `snapshot` re-sends its live transfers in every hello: the
+same leader, taking it back, tells it again of those that ended while its
+stream was lost. A rebuilding agent (`rebuild`), on a welcome from a newer
+leader of the same cluster (a different coordinator id, its previous term > 0
+and the welcome's higher), lets that leader adopt them
+(`CoordinatorAdoptedMsg`) instead of resolving them locally
 (`CoordinatorChangedMsg`: term 0, a single coordinator restarted, or the
-terms went back). docs/reliability.md, "Failover rebuild".
+terms went back); one that does not marks its list `held_tell_only`, never
+adopted. docs/reliability.md, "Failover rebuild".
 """
 
 from __future__ import annotations
@@ -212,9 +215,13 @@ class CoordinatorLink:
         batching: bool = True,
         give_up_s: float = 30.0,
         snapshot: Snapshot | None = None,
+        rebuild: bool = True,
     ) -> None:
         self._give_up_s = give_up_s
-        self._snapshot = snapshot  # set: the agent rebuilds on a failover
+        self._snapshot = snapshot  # set: hellos re-send the live transfers
+        # And a newer leader adopts them (else they are only told again).
+        self._rebuild = rebuild and snapshot is not None
+        hello.held_tell_only = not self._rebuild
         self._lost = False  # the stream to a coordinator that welcomed us ended
         self._lost_since = 0.0
         # The newest leader term seen in a welcome (0: none, or no --etcd).
@@ -308,7 +315,7 @@ class CoordinatorLink:
                 if self.registered.is_set() and not self._stop.is_set():
                     self._lost = True
                     self._lost_since = time.monotonic()
-                    hold = self._snapshot is not None and self.term > 0
+                    hold = self._rebuild and self.term > 0
                     self._deliver(CoordinatorLostMsg(self._give_up_s, hold))
                 self.registered.clear()
                 self._call = None
@@ -321,9 +328,9 @@ class CoordinatorLink:
     def _session(self, channel: grpc.Channel) -> None:
         del self._hello.held[:]
         if self._snapshot is not None and not self._term_may_go_back():
-            # A newer leader of this cluster adopts them; the same leader tells
-            # again those that ended while the stream was lost (a restarted
-            # coordinator, term 0, knows none of them).
+            # A newer leader of this cluster adopts them (if `rebuild`); the
+            # same leader tells again those that ended while the stream was
+            # lost (a restarted coordinator, term 0, knows none of them).
             items = self._snapshot(SNAPSHOT_WAIT_S)
             if items is None:
                 raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")
@@ -434,7 +441,7 @@ class CoordinatorLink:
             self.fatal_error = ""
             self.connects += 1
             if self.coordinator_id and w.coordinator_id != self.coordinator_id:
-                if self._snapshot is not None and 0 < previous < w.term:
+                if self._rebuild and 0 < previous < w.term:
                     log.info("leader term %d adopts this agent's transfers", w.term)
                     self._deliver(CoordinatorAdoptedMsg())  # a failover: the hello had them
                 else:

@@ -190,7 +190,8 @@ class Agent:
             channel_factory=self._channel_factory,
             name=f"pushkv-link-{c.rank}",
             give_up_s=c.give_up_s,
-            snapshot=self._snapshot if c.rebuild_on_failover else None,
+            snapshot=self._snapshot,
+            rebuild=c.rebuild_on_failover,
         )
         self._link.start()
         if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):

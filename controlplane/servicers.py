@@ -184,8 +184,9 @@ class AgentServicer(pbg.AgentServiceServicer):
             convert.registration_from_pb(first.hello),
             accepts_batches=first.hello.accepts_batches,
             held=convert.held_from_pb(first.hello),
-            # Adopted only from an agent that followed an older leader (a failover).
-            adopt=first.hello.term < self._rt.term,
+            # Adopted only from a rebuilding agent that followed an older
+            # leader (a failover); otherwise what ended is told again.
+            adopt=first.hello.term < self._rt.term and not first.hello.held_tell_only,
             via=via,
         )
 

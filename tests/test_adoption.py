@@ -4,6 +4,7 @@ driven directly with a fake clock (no gRPC), in the style of test_rendezvous.py.
 from __future__ import annotations
 
 import grpc
+import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
@@ -321,5 +322,31 @@ async def test_over_grpc_an_order_posted_before_the_failover_completes_without_a
         assert p.orders_seen == []  # rank 0 was written by the old leader's order
     finally:
         await p.close()
+        await d.close()
+        await c.stop(0)
+
+
+async def test_over_grpc_a_tell_only_hello_is_never_adopted_an_ended_transfer_is_told() -> None:
+    """An agent that does not rebuild (AgentHello.held_tell_only) re-sends its
+    transfers only to be told of those that ended: a newer leader adopts none."""
+    c = await start(ServerSettings(port=0))
+    c.runtime.term = 9
+    d = SimAgent(c.address, "d0", "decode")
+    d.hello.hello.term = 8  # it followed the old leader: adopted, were it rebuilding
+    d.hello.hello.held.add(transfer_id="t-live")
+    d.hello.hello.held.add(transfer_id="t-ended")
+    d.hello.hello.held_tell_only = True
+    try:
+        async with grpc.aio.insecure_channel(c.address) as ch:
+            stub = pbg.TransferServiceStub(ch)  # a tombstone: ended before the hello
+            await stub.Cancel(pb.CancelRequest(transfer_id="t-ended", reason="test"))
+            await d.start()
+            notice = await d.expect("notice", skip=("peer",))
+            assert notice.transfer_id == "t-ended" and not notice.write_may_land
+            st = pbg.StatusServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await st.GetTransfer(pb.GetTransferRequest(transfer_id="t-live"))
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND  # not adopted
+    finally:
         await d.close()
         await c.stop(0)

@@ -79,7 +79,7 @@ def test_a_newer_leader_adopts_what_the_hello_re_sent(
         out.put(None)  # the leader is gone: posting is held from now on
         hello, out, incoming = coord.streams.get(timeout=WAIT)
         host.call("pause", False)  # the host resumes; the loss still holds posting
-        assert hello.term == 7
+        assert hello.term == 7 and not hello.held_tell_only
         assert _held(hello) == {"t-held": ([], []), "t-q": ([], ["q"])}
         # Still not posted: the next snapshot (taken after the resume) says so.
         assert ("t-q", (), ("q",), ()) in host.call("held")
@@ -134,6 +134,43 @@ def test_no_leader_within_give_up_s_resolves_locally(
         assert [h.transfer_id for h in hello.held] == ["t-exp"]
         e = host.wait_event("t-exp", WAIT)
         assert e.kind is EventKind.KV_FAILED and "unreachable" in e.detail
+        assert host.call("held") == []
+    finally:
+        host.stop()
+
+
+def test_without_rebuild_the_hello_re_sends_only_to_be_told_and_a_new_leader_resolves_locally(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    coord, address = scripted
+    host, out, _ = _started(coord, HostSpec(address, "D", "decode", rebuild=False), 7, "l7")
+    try:
+        host.call("expect", ["t-told", "t-new"])
+        out.put(None)  # the stream is lost; the same leader takes the agent back
+        hello, out, _ = coord.streams.get(timeout=WAIT)
+        assert hello.held_tell_only and hello.term == 7
+        assert sorted(h.transfer_id for h in hello.held) == ["t-new", "t-told"]
+        out.put(_welcome(7, "l7"))
+        # What ended while the stream was lost: told again, acted on once.
+        ended = pb.TransferNotice(
+            transfer_id="t-told",
+            state=pb.TRANSFER_STATE_FAILED,
+            reason=pb.REASON_AGENT_LOST,
+            detail="lease expired",
+        )
+        out.put(pb.CoordinatorMessage(notice=ended))
+        e = host.wait_event("t-told", WAIT)
+        assert e.kind is EventKind.KV_FAILED and "lease expired" in e.detail
+        assert [h[0] for h in host.call("held")] == ["t-new"]
+        out.put(None)  # lost again; this time a newer leader answers
+        hello, out, _ = coord.streams.get(timeout=WAIT)
+        assert hello.held_tell_only and [h.transfer_id for h in hello.held] == ["t-new"]
+        # Not adopted: resolved locally, as after a restart (decode: once no
+        # lease of the old leader's can let a WRITE land, this one's 1 s).
+        newer = pb.Welcome(lease_ms=1000, heartbeat_interval_ms=500, coordinator_id="l8", term=8)
+        out.put(pb.CoordinatorMessage(welcome=newer))
+        e = host.wait_event("t-new", WAIT)
+        assert e.kind is EventKind.KV_FAILED
         assert host.call("held") == []
     finally:
         host.stop()

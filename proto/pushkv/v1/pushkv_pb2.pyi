@@ -420,6 +420,7 @@ class AgentHello(_message.Message):
     ACCEPTS_BATCHES_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    HELD_TELL_ONLY_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
@@ -434,6 +435,11 @@ class AgentHello(_message.Message):
     --etcd). A leader of an older term refuses the agent (docs/reliability.md,
     "Term fencing").
     """
+    held_tell_only: _builtins.bool
+    """`held` is only to be told again, never adopted: the agent does not
+    rebuild (AgentConfig.rebuild_on_failover) and resolves its transfers
+    locally on a new coordinator id, as after a restart.
+    """
     @_builtins.property
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
@@ -443,9 +449,7 @@ class AgentHello(_message.Message):
         """The agent's live transfers, re-sent on every hello so that a new leader
         of the same cluster adopts them instead of the agents resolving them
         locally, and the same leader, taking the agent back, tells it again of
-        those that ended meanwhile (docs/reliability.md, "Failover rebuild"). Empty when the agent
-        does not rebuild (AgentConfig.rebuild_on_failover): it then resolves its
-        transfers locally on a new coordinator id, as after a restart.
+        those that ended meanwhile (docs/reliability.md, "Failover rebuild").
         """
 
     def __init__(
@@ -460,10 +464,11 @@ class AgentHello(_message.Message):
         accepts_batches: _builtins.bool = ...,
         term: _builtins.int = ...,
         held: _abc.Iterable[Global___HeldTransfer] | None = ...,
+        held_tell_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "held", b"held", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "held", b"held", "held_tell_only", b"held_tell_only", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
