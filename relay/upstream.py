@@ -48,6 +48,11 @@ CODES = {c.value[0]: c for c in grpc.StatusCode}
 # new leader within about this long of its election: its agents' hellos wait
 # at the relay for it (Upstream.wait_channel), so they follow just as soon.
 RELAY_BACKOFF_MAX_S = 0.5
+# An agent's heartbeat waits here up to this long, or until anything else goes
+# up, so that a node's heartbeats share a NodeUp: idle, each costs the leader a
+# gRPC read and write of its own otherwise. Leases are seconds long (5 s, a
+# heartbeat each 1 s), and an agent's own lease runs from the heartbeat's send.
+HEARTBEAT_HOLD_S = 0.25
 
 
 @dataclass(eq=False)
@@ -60,13 +65,20 @@ class Channel:
     closed_up: bool = False
 
     def send(self, msg: pb.AgentMessage) -> bool:
-        """Queue an agent message for the coordinator; False once it cannot go."""
-        if self.closed_up or not self.gen.live:
+        """Queue an agent message for the coordinator; False once it cannot go.
+        A heartbeat waits for company (HEARTBEAT_HOLD_S)."""
+        g = self.gen
+        if self.closed_up or not g.live:
             return False
+        item = pb.ChannelUp(channel=self.id, message=msg)
+        if msg.WhichOneof("kind") == "heartbeat":
+            g.hold(item)
+            return True
         try:
-            self.gen.up.put_nowait(pb.ChannelUp(channel=self.id, message=msg))
+            g.flush()  # held heartbeats first: each channel's order is kept
+            g.up.put_nowait(item)
         except asyncio.QueueFull:
-            self.gen.end(self, grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind")
+            g.end(self, grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind")
             return False
         return True
 
@@ -91,6 +103,31 @@ class Generation:
     # None ends the request stream (close).
     up: asyncio.Queue[pb.ChannelUp | None] = field(default_factory=lambda: asyncio.Queue(UP_LIMIT))
     channels: dict[int, Channel] = field(default_factory=dict)
+    held: list[pb.ChannelUp] = field(default_factory=list)  # heartbeats waiting
+    _flusher: asyncio.TimerHandle | None = None
+
+    def hold(self, item: pb.ChannelUp) -> None:
+        """A heartbeat: up with the next message, or HEARTBEAT_HOLD_S after the
+        first one held."""
+        self.held.append(item)
+        if self._flusher is None:
+            loop = asyncio.get_running_loop()
+            self._flusher = loop.call_later(HEARTBEAT_HOLD_S, self._flush_held)
+
+    def _flush_held(self) -> None:
+        self._flusher = None
+        if self.live:
+            with contextlib.suppress(asyncio.QueueFull):  # a heartbeat may be lost then
+                self.flush()
+
+    def flush(self) -> None:
+        """Queue the held heartbeats (raises QueueFull as put_nowait)."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        held, self.held = self.held, []
+        for item in held:
+            self.up.put_nowait(item)
 
     def route(self, item: pb.ChannelDown) -> None:
         ch = self.channels.get(item.channel)
@@ -122,6 +159,10 @@ class Generation:
     def close(self, code: grpc.StatusCode, detail: str) -> None:
         """End every channel, then the request stream (`items` returns)."""
         self.live = False
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        self.held.clear()
         for ch in list(self.channels.values()):
             self.end(ch, code, detail)
         while self.up.full():

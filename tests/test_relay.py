@@ -382,3 +382,42 @@ async def test_hellos_released_together_go_up_within_the_message_limit() -> None
         await r.stop()
         if coord is not None:
             await coord.stop(0)
+
+
+async def test_heartbeats_wait_at_the_relay_for_company_and_keep_each_channels_order() -> None:
+    """relay/upstream.py, HEARTBEAT_HOLD_S: a heartbeat waits for the next
+    message going up (held ones first) or for the hold, whichever is first."""
+    from relay.upstream import HEARTBEAT_HOLD_S, Channel, Generation
+
+    g = Generation("coordinator")
+    a, b = Channel(1, g), Channel(2, g)
+    assert a.send(heartbeat(1)) and b.send(heartbeat(1))
+    assert g.up.empty()  # held
+    report = pb.AgentMessage(arrival=pb.ArrivalReport(transfer_id="t", prefill_ranks=[0]))
+    assert a.send(report)
+    got = [g.up.get_nowait() for _ in range(3)]
+    assert [(i.channel, i.message.WhichOneof("kind")) for i in got] == [
+        (1, "heartbeat"),
+        (2, "heartbeat"),
+        (1, "arrival"),
+    ]
+    # Alone, a heartbeat goes once the hold is over (awaited, not slept on).
+    assert b.send(heartbeat(2))
+    assert g.up.empty() and g.held  # until HEARTBEAT_HOLD_S
+    item = await asyncio.wait_for(g.up.get(), WAIT + HEARTBEAT_HOLD_S)
+    assert item is not None and item.message.heartbeat.seq == 2 and not g.held
+    assert b.send(heartbeat(3))
+    g.close(grpc.StatusCode.UNAVAILABLE, "gone")  # a held heartbeat dies with its stream
+    assert g.held == [] and g._flusher is None
+
+
+async def test_a_nodes_idle_heartbeats_share_node_up_messages(
+    coord: Coordinator, relay: Relay
+) -> None:
+    async with SimCluster(relay.address, tp_size=4) as cluster:
+        before = relay.upstream.up_messages
+        for a in cluster.agents:  # one after another, as their timers fire
+            await a.heartbeat(wait_ack=False)
+        acks = [await asyncio.wait_for(a.acks.get(), WAIT) for a in cluster.agents]
+        assert len(acks) == 8  # every one answered, through the hold
+        assert relay.upstream.up_messages - before <= 2  # not one NodeUp each
