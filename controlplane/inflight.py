@@ -48,6 +48,9 @@ class InFlight:
         self.registry = registry
         # Keyed by plain str: lookups need no TransferId() call (ids in it were validated).
         self.transfers: dict[str, Transfer] = {}
+        # The ones not ended (terminal ones stay in `transfers` for retention,
+        # up to max_terminal): what an agent's loss scans, per agent.
+        self.live: dict[str, Transfer] = {}
         self.count = 0
         self.by_engine: dict[EngineId, int] = {}
         self.deadlines = Deadlines()
@@ -76,6 +79,7 @@ class InFlight:
             now, wall = self._clock.monotonic(), self._clock.wall()
         t = Transfer(tid, state, now, wall, now, wall)
         self.transfers[tid] = t
+        self.live[tid] = t
         self.count += 1
         for e in engines:
             self.count_engine(t, e)
@@ -93,11 +97,7 @@ class InFlight:
 
     def of_engine(self, engine: EngineId) -> list[Transfer]:
         """The transfers not ended that name `engine`."""
-        return [
-            t
-            for t in self.transfers.values()
-            if not t.state.terminal and engine in (t.prefill_engine, t.decode_engine)
-        ]
+        return [t for t in self.live.values() if engine in (t.prefill_engine, t.decode_engine)]
 
     def finish(self, t: Transfer, state: State, reason: Reason, detail: str) -> list[Effect]:
         """Enter a terminal state: cancel open orders and tell both engines."""
@@ -108,6 +108,7 @@ class InFlight:
         t.terminal_mono = now
         t.mark(_STAGE[state], self._clock.wall())
         self.count -= 1
+        self.live.pop(t.transfer_id, None)
         for e in t.counted:
             left = self.by_engine.get(e, 0) - 1
             if left > 0:

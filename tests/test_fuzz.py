@@ -300,7 +300,7 @@ def assert_allowed(code: grpc.StatusCode, what: object) -> None:
 def check_accounting(server: ThreadedCoordinator) -> None:
     """The core's in-flight counters agree with its transfers (read on its loop)."""
 
-    async def snapshot() -> tuple[int, int, dict[str, int], dict[str, int]]:
+    async def snapshot() -> tuple[int, int, dict[str, int], dict[str, int], bool]:
         assert server.coordinator is not None
         core = server.coordinator.runtime.core
         live = [t for t in core.transfers() if not t.state.terminal]
@@ -308,11 +308,14 @@ def check_accounting(server: ThreadedCoordinator) -> None:
         for t in live:
             for e in t.counted:
                 per_engine[e] = per_engine.get(e, 0) + 1
-        return core.inflight, len(live), dict(core._book.by_engine), per_engine
+        # The index an agent's loss scans holds exactly the transfers not ended.
+        indexed = core._book.live == {t.transfer_id: t for t in live}
+        return core.inflight, len(live), dict(core._book.by_engine), per_engine, indexed
 
-    inflight, live, by_engine, counted = server.run(snapshot())
+    inflight, live, by_engine, counted, indexed = server.run(snapshot())
     assert inflight == live
     assert by_engine == counted
+    assert indexed
 
 
 # ---------------------------------------------------------------- properties
