@@ -472,7 +472,9 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         """(asked, not COMPLETE per the leader) over a sample counted COMPLETE."""
         counted = sorted(k for k, (_, st) in ends.items() if st == COMPLETE)
         sample = random.Random(len(counted)).sample(counted, min(SPOT_CHECK, len(counted)))
-        status: Any = pbg.StatusServiceStub(client[host.leader()][0])
+        address = host.leader()  # the ranks may follow a leader no offer went to
+        stub(address)
+        status: Any = pbg.StatusServiceStub(client[address][0])
         wrong = 0
         for tid in sample:
             try:
