@@ -309,6 +309,7 @@ class CoordinatorLink:
                     # to the next address with the usual backoff.
                     if self._follower.follow(exc):
                         delay = self._backoff[0]
+                    delay = min(delay, self._follower.retry_cap(delay))
             except Exception:
                 log.exception("coordinator link failed; reconnecting")
             finally:
@@ -323,7 +324,7 @@ class CoordinatorLink:
             if self._stop.is_set():
                 break
             self._stop.wait(delay * (0.5 + random.random()))  # jitter spreads reconnects
-            delay = min(delay * 2, self._backoff[1])
+            delay = min(delay * 2, self._follower.retry_cap(self._backoff[1]))
 
     def _session(self, channel: grpc.Channel) -> None:
         del self._hello.held[:]

@@ -154,6 +154,39 @@ class RelayCall:
         self._ch.close_up()
 
 
+class StreamCall:
+    """An AgentStream whose requests come from an async iterator, as
+    agent/link.py's come from its generator, with the surface `Rank._session`
+    uses (write, read, code, cancel). A `call.write` that finds the call
+    already ended makes grpc.aio report INTERNAL "Internal error from Core"
+    instead of the server's status and the leader a standby names (the
+    coordinator now reads a refused stream's first message first:
+    controlplane/status_map.py)."""
+
+    def __init__(self, open_stream: Any) -> None:
+        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        self._call = open_stream(self._requests())
+
+    async def _requests(self) -> Any:
+        while (msg := await self._out.get()) is not None:
+            yield msg
+
+    async def write(self, msg: Any) -> None:
+        if self._call.done():
+            raise ChannelEnded(UNAVAILABLE, "the stream ended")
+        self._out.put_nowait(msg)
+
+    async def read(self) -> Any:
+        return await self._call.read()
+
+    async def code(self) -> Any:
+        return await self._call.code()
+
+    def cancel(self) -> None:
+        self._out.put_nowait(None)
+        self._call.cancel()
+
+
 class Rank:
     """One simulated agent rank: its stream, its leader following, its reports."""
 
@@ -190,7 +223,7 @@ class Rank:
                 else:
                     channel = grpc.aio.insecure_channel(self.follower.current)
                     self.peer = self.follower.current
-                    await self._session(pbg.AgentServiceStub(channel).AgentStream())
+                    await self._session(StreamCall(pbg.AgentServiceStub(channel).AgentStream))
                 delay = BACKOFF_MIN_S
             except grpc.aio.AioRpcError as exc:
                 self.host.stats.refused += 1
@@ -198,6 +231,7 @@ class Rank:
                 # is the address that just failed), else the next.
                 if self.follower.follow(exc):
                     delay = BACKOFF_MIN_S
+                delay = min(delay, self.follower.retry_cap(delay))
             except ChannelEnded:
                 self.host.stats.refused += 1  # the Upstream follows the leader itself
             finally:
@@ -205,7 +239,7 @@ class Rank:
                 if channel is not None:
                     await channel.close()
             await asyncio.sleep(delay * (0.5 + rng.random()))  # jitter spreads reconnects
-            delay = min(delay * 2, BACKOFF_MAX_S)
+            delay = min(delay * 2, self.follower.retry_cap(BACKOFF_MAX_S))
 
     async def _open_channel(self) -> RelayCall:
         """A channel on the engine's NodeStream, the hello held until the

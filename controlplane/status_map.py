@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,6 +15,13 @@ from controlplane.auth import Authorizer
 from controlplane.leadership import LEADER_METADATA_KEY, Leadership, NotLeader
 
 log = structlog.get_logger("pushkv.coordinator")
+
+# A request stream refused before it was read (a standby's, say) waits this
+# long at most for the client's first message, then refuses: a grpc.aio
+# client whose first send finds the call already ended reports INTERNAL
+# "Internal error from Core" instead of the status and its metadata (the
+# leader a standby names), as a node relay's NodeStream would.
+FIRST_MESSAGE_WAIT_S = 1.0
 
 _CODES: dict[type[errors.PushKVError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -113,6 +121,7 @@ def _wrap_stream(
     request_stream: bool = False,
 ) -> Callable[..., Any]:
     async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        started = False  # the handler began reading the requests
         try:
             authz.check_method(authz.principal(context), rpc)
             gate.check_write(rpc)
@@ -120,14 +129,23 @@ def _wrap_stream(
                 request = _checked(request)
             else:
                 _check(request)
+            started = True
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
+            if request_stream and not started:
+                await _first_message(request)
             await _abort(context, exc, rpc)
 
     return behavior
+
+
+async def _first_message(requests: Any) -> None:
+    """Read (and drop) a refused request stream's first message, bounded."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(anext(aiter(requests)), FIRST_MESSAGE_WAIT_S)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

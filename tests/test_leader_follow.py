@@ -10,7 +10,14 @@ import pytest
 
 from controlplane.leadership import ElectionSettings, Leadership, NotLeader, Role, View, endpoints
 from controlplane.status_map import outcome
-from wire.leader import LEADER_METADATA_KEY, LeaderFollower, addresses, leader_hint
+from wire.leader import (
+    LEADER_METADATA_KEY,
+    STANDBY_RETRY_CAP_S,
+    STANDBY_WAIT_S,
+    LeaderFollower,
+    addresses,
+    leader_hint,
+)
 
 
 class Refusal(Exception):
@@ -43,24 +50,41 @@ def test_a_refusal_naming_the_leader_moves_there_else_round_robin() -> None:
     assert f.follow(Refusal("c:3")) is True and f.current == "c:3"
     assert f.follow(None) is False and f.current == "a:1"  # unreachable: next in turn
     assert f.follow(Refusal("a:1")) is False and f.current == "b:2"  # names itself: move on
-    assert f.follow(Refusal("")) is False and f.current == "c:3"  # no leader yet
+    # No leader yet, just after a failure: an election is under way, stay.
+    assert f.follow(Refusal("")) is False and f.current == "b:2"
     assert f.follow(Refusal("d:4")) is True and f.current == "d:4"  # one not listed
     assert f.addresses == ["a:1", "b:2", "c:3", "d:4"]
 
 
-def test_a_standby_naming_the_leader_that_just_failed_is_no_reason_to_hurry() -> None:
-    """The leader is dead; the standby names it until its lease expires. The
-    follower still goes where it is told, but says "back off" (False) while the
-    named address is the one that just failed, so clients do not bounce between
-    the two at once; once an address answered, a named leader is "at once" again."""
-    f = LeaderFollower("a:1,b:2")
+def test_a_standby_naming_the_leader_that_just_failed_is_where_to_wait() -> None:
+    """The leader is dead; the standby names it until its lease expires, then
+    none while it campaigns. The follower stays on that live standby, its
+    backoff capped short (it may lead any moment), for STANDBY_WAIT_S after
+    the failure; then it tries the named leader again (the failure may have
+    been a blip), never at once. Once an address answered, a named leader is
+    "at once" again."""
+    now = [100.0]
+    f = LeaderFollower("a:1,b:2", clock=lambda: now[0])
+    assert f.retry_cap(2.0) == 2.0
     assert f.follow(None) is False and f.current == "b:2"  # a:1 does not answer
-    assert f.follow(Refusal("a:1")) is False and f.current == "a:1"  # named, but it just failed
-    assert f.follow(None) is False and f.current == "b:2"
+    while now[0] < 100.0 + STANDBY_WAIT_S - 0.5:
+        assert f.follow(Refusal("a:1")) is False and f.current == "b:2"  # stays
+        assert f.retry_cap(2.0) == STANDBY_RETRY_CAP_S
+        assert f.follow(Refusal("")) is False and f.current == "b:2"  # electing: stays
+        now[0] += 0.5
+    assert all(f.delay(n, cap_s=2.0) <= 1.5 * STANDBY_RETRY_CAP_S for n in range(12))
+    now[0] += 0.5  # still named after the wait: back to a:1, with the usual backoff
     assert f.follow(Refusal("a:1")) is False and f.current == "a:1"
-    f.reached()  # a:1 answered (it came back, say)
-    assert f.follow(Refusal("b:2")) is True and f.current == "b:2"
-    assert f.follow(Refusal("a:1")) is True and f.current == "a:1"  # a:1 has not failed since
+    assert f.retry_cap(2.0) == 2.0
+    assert f.follow(None) is False and f.current == "b:2"  # a:1 still does not answer
+    assert f.follow(Refusal("a:1")) is False and f.current == "b:2"  # waits again
+    f.reached()  # b:2 answered: it leads now
+    assert f.retry_cap(2.0) == 2.0
+    assert f.follow(Refusal("a:1")) is True and f.current == "a:1"  # nothing failed since
+    # No failure before (a fresh client): a standby that knows no leader is
+    # left in turn, as before.
+    g = LeaderFollower("a:1,b:2")
+    assert g.follow(Refusal("")) is False and g.current == "b:2"
 
 
 def test_leader_hint_reads_trailing_metadata_only() -> None:
