@@ -70,6 +70,37 @@ ChannelFactory = Callable[[str], grpc.Channel]
 Snapshot = Callable[[float], tuple[HeldItem, ...] | None]
 # How long a hello waits for that snapshot (the NIXL thread steps every <= 50 ms).
 SNAPSHOT_WAIT_S = 5.0
+# A hello's held list stops at about this many bytes: the coordinator
+# receives at most its --max-message-bytes (4 MiB), and a hello over it would
+# be refused at every reconnect. Those left out are not adopted: their
+# resubmissions fail cleanly once the new leader's rebuild window ends.
+HELLO_HELD_BYTES = 1 << 20
+
+
+def held_entries(
+    items: tuple[HeldItem, ...], budget: int = HELLO_HELD_BYTES
+) -> tuple[list[pb.HeldTransfer], int]:
+    """The hello's held list within `budget` bytes, and how many transfers it
+    leaves out. Those whose WRITEs may land (posted) or that a decode rank
+    counted go first: a new leader must know them to never write twice."""
+    ranked = sorted(items, key=lambda h: (not h.posted, not (h.counted or h.ready)))
+    out: list[pb.HeldTransfer] = []
+    size = left = 0
+    for h in ranked:
+        entry = pb.HeldTransfer(
+            transfer_id=h.transfer_id,
+            posted_order_ids=h.posted,
+            unposted_order_ids=h.unposted,
+            counted_prefill_ranks=h.counted,
+            ready=h.ready,
+        )
+        n = entry.ByteSize() + 4  # its tag and length in the hello
+        if size + n > budget:
+            left += 1
+            continue
+        size += n
+        out.append(entry)
+    return out, left
 
 
 class StaleLeaderError(Exception):
@@ -335,16 +366,16 @@ class CoordinatorLink:
             items = self._snapshot(SNAPSHOT_WAIT_S)
             if items is None:
                 raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")
-            self._hello.held.extend(
-                pb.HeldTransfer(
-                    transfer_id=h.transfer_id,
-                    posted_order_ids=h.posted,
-                    unposted_order_ids=h.unposted,
-                    counted_prefill_ranks=h.counted,
-                    ready=h.ready,
+            entries, left = held_entries(items)
+            if left:
+                log.warning(
+                    "%d of %d live transfers left out of the hello (over %d bytes): "
+                    "a new leader does not adopt them",
+                    left,
+                    len(items),
+                    HELLO_HELD_BYTES,
                 )
-                for h in items
-            )
+            self._hello.held.extend(entries)
         stub = pbg.AgentServiceStub(channel)
         done = threading.Event()
         call: Any = stub.AgentStream(self._requests(done))

@@ -17,14 +17,20 @@ so before any standby can create the key. A leader that loses the leadership
 never leads again in this process: ``on_lost`` ends it (its in-memory state
 belongs to the old term), and its supervisor starts a fresh standby.
 
+A leader's lease is renewed twice over: by the loop (with the check that the
+key is still ours), and by a thread of its own (lease_keeper.py), so a loop
+saturated by its streams, whose timers run late, keeps its lease; the thread
+stops renewing once the loop has not run for ``LOOP_STALL_LIMIT_S``, so a
+wedged leader still hands over.
+
 The etcd API is aetcd's (a maintained asyncio etcd v3 client on grpc.aio, see
 docs/reliability.md): its generated stubs, called so that every call carries
 its own deadline, over a grpc.aio channel of our own (`EtcdConn`): aetcd's
 Client dials plain text only, and https:// endpoints need TLS (the CA, and a
 client certificate where etcd demands one), and an etcd user's token on every
-call where etcd's authentication is on. This module is the only one that
-imports aetcd, and only ``controlplane.server`` imports this module, when
-``--etcd`` is given.
+call where etcd's authentication is on. This module and lease_keeper.py (its
+stubs on a synchronous channel) are the only ones that import aetcd, and only
+``controlplane.server`` imports this module, when ``--etcd`` is given.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import structlog
 from aetcd import rpc
 
 from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints, etcd_tls
+from controlplane.lease_keeper import LOOP_STALL_LIMIT_S, LeaseKeeper, LoopPulse
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -163,6 +170,11 @@ class EtcdElection:
         self._valid_until = 0.0  # monotonic: our lease is alive in etcd until at least this
         self._lost = False
         self._watchdog: asyncio.Task[None] | None = None
+        # A leader's lease is also renewed from a thread (lease_keeper.py),
+        # while the loop's pulse is younger than `loop_stall_limit_s`.
+        self._pulse = LoopPulse()
+        self._keeper: LeaseKeeper | None = None
+        self.loop_stall_limit_s = LOOP_STALL_LIMIT_S
         self._update(Role.STANDBY, "", 0)
 
     @property
@@ -198,6 +210,7 @@ class EtcdElection:
         if self._lost:
             return
         self._lost = True
+        self._stop_keeper()
         view = self._leadership.view
         self._update(Role.STANDBY, "", view.term)
         log.error("leadership_lost", term=view.term, reason=reason)
@@ -206,6 +219,7 @@ class EtcdElection:
     # ------------------------------------------------------------ main loop
     async def run(self) -> None:
         backoff = 0.05
+        pulse = asyncio.get_running_loop().create_task(self._pulse.run())
         try:
             while not self._lost:
                 host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
@@ -232,6 +246,8 @@ class EtcdElection:
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 1.0)
         finally:
+            pulse.cancel()
+            self._stop_keeper()
             if self._watchdog is not None:
                 self._watchdog.cancel()
 
@@ -244,6 +260,7 @@ class EtcdElection:
         # cancels its calls: the process would exit 1 instead of 0).
         client, self._client = self._client, None
         lease_id = self._lease_id
+        self._stop_keeper()  # it would renew what is revoked next
         led = self._leadership.view.role is Role.LEADER
         if led:
             self._lost = True  # this process leads no more; on_lost is not called
@@ -361,7 +378,7 @@ class EtcdElection:
             break
         if reply is None or reply.TTL <= 0:
             raise LeaseLost(f"lease {self._lease_id} expired in etcd")
-        self._valid_until = max(self._valid_until, sent + float(reply.TTL))
+        self._renewed(sent + float(reply.TTL))
 
     async def _campaign(self) -> None:
         """One try at the key: lead if it was free, else learn who leads."""
@@ -407,7 +424,46 @@ class EtcdElection:
             return  # too close to our lease's end to order anything: renew first
         self._update(Role.LEADER, self.settings.advertise, term)
         log.info("leadership_won", term=term, lease=self._lease_id, ttl_s=self._ttl)
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_deadline())
+        loop = asyncio.get_running_loop()
+        self._watchdog = loop.create_task(self._watch_deadline())
+        self._start_keeper(loop)
+
+    # ------------------------------------------------------------ the keeper
+    def _start_keeper(self, loop: asyncio.AbstractEventLoop) -> None:
+        lease_id = self._lease_id
+
+        def expired() -> None:  # on the keeper's thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: it ended
+                loop.call_soon_threadsafe(self._lose, f"lease {lease_id} expired in etcd")
+
+        self._stop_keeper()
+        self._keeper = LeaseKeeper(
+            lease_id,
+            self._where,
+            self._creds,
+            self._pulse,
+            interval_s=self._ttl / 4,
+            call_timeout_s=self._call_timeout(),
+            on_renewed=self._renewed,
+            on_expired=expired,
+            stall_limit_s=self.loop_stall_limit_s,
+        )
+        self._keeper.start()
+
+    def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+
+    def _where(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The current endpoint and auth metadata (read by the keeper's thread)."""
+        client = self._client
+        return self._endpoint, client.metadata if client is not None else ()
+
+    def _renewed(self, valid_until: float) -> None:
+        """A keep-alive acknowledged (from either renewer; plain float writes)."""
+        self._valid_until = max(self._valid_until, valid_until)
+        self._leadership.extend(valid_until - self.margin_s)
 
     async def _watch_deadline(self) -> None:
         """Step down when the lease could not be renewed in time."""
@@ -429,7 +485,6 @@ class EtcdElection:
                         self.settings.user, self._password, self._call_timeout()
                     )
                 await self._keepalive()
-                self._leadership.extend(self._valid_until - self.margin_s)
                 if failures:
                     log.info("etcd_keepalive_recovered", endpoint=self._endpoint, failures=failures)
                     failures = 0

@@ -19,6 +19,8 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.events import EventKind
+from agent.link import HELLO_HELD_BYTES, held_entries
+from agent.snapshot import HeldItem
 from harness.kvhost import HostSpec, KVHost
 from tests.test_term_fencing import (
     WAIT,
@@ -174,3 +176,47 @@ def test_without_rebuild_the_hello_re_sends_only_to_be_told_and_a_new_leader_res
         assert host.call("held") == []
     finally:
         host.stop()
+
+
+def test_a_hello_of_more_transfers_than_a_message_holds_is_cut_and_the_agent_registers(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    """20,000 live transfers with 240-character ids: 5 MB of ids, more than
+    the 4 MiB a coordinator receives. Uncut, the hello is refused at every
+    reconnect and the agent never registers again."""
+    coord, address = scripted
+    host, out, _ = _started(coord, HostSpec(address, "P", "prefill", rebuild=True), 7, "l7")
+    ids = [f"t{i:05d}-" + "x" * 234 for i in range(20_000)]
+    try:
+        host.call("hold", ids)
+        deadline = time.monotonic() + WAIT
+        while len(host.call("held")) < len(ids):
+            assert time.monotonic() < deadline, "the host did not hold them all"
+        out.put(None)  # the stream is lost: the next hello re-sends what fits
+        hello, out, _ = coord.streams.get(timeout=WAIT)
+        sent = [h.transfer_id for h in hello.held]
+        assert set(sent) <= set(ids) and len(set(sent)) == len(sent)
+        listed = sum(h.ByteSize() + 4 for h in hello.held)
+        assert HELLO_HELD_BYTES - 300 < listed <= HELLO_HELD_BYTES
+        assert hello.ByteSize() < 4 << 20
+        out.put(_welcome(7, "l7"))  # the same leader takes it back
+        assert host.call("term")[0] == 7
+    finally:
+        host.stop()
+
+
+def test_the_hello_lists_first_what_may_have_been_written() -> None:
+    """Under the bound, posted orders and counted arrivals go first."""
+    plain = [HeldItem(f"h{i}", unposted=(f"u{i}",)) for i in range(50)]
+    posted = HeldItem("p", posted=("o1",))
+    counted = HeldItem("c", counted=(0, 1))
+    ready = HeldItem("r", ready=True)
+    items = (*plain, ready, posted, counted)
+    entries, left = held_entries(items, budget=3 * 24)
+    first = [e.transfer_id for e in entries][:3]
+    assert first[0] == "p" and sorted(first[1:]) == ["c", "r"]
+    assert left == len(items) - len(entries) and left > 0
+    every, none_left = held_entries(items)
+    assert none_left == 0 and sorted(e.transfer_id for e in every) == sorted(
+        h.transfer_id for h in items
+    )
