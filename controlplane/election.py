@@ -171,9 +171,10 @@ class EtcdElection:
         self._lost = False
         self._watchdog: asyncio.Task[None] | None = None
         # A leader's lease is also renewed from a thread (lease_keeper.py),
-        # while the loop's pulse is younger than `loop_stall_limit_s`.
-        self._pulse = LoopPulse()
+        # while the loop's pulse (a task, run while leading) is younger than
+        # `loop_stall_limit_s`.
         self._keeper: LeaseKeeper | None = None
+        self._pulse_task: asyncio.Task[None] | None = None
         self.loop_stall_limit_s = LOOP_STALL_LIMIT_S
         self._update(Role.STANDBY, "", 0)
 
@@ -219,7 +220,6 @@ class EtcdElection:
     # ------------------------------------------------------------ main loop
     async def run(self) -> None:
         backoff = 0.05
-        pulse = asyncio.get_running_loop().create_task(self._pulse.run())
         try:
             while not self._lost:
                 host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
@@ -246,7 +246,6 @@ class EtcdElection:
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 1.0)
         finally:
-            pulse.cancel()
             self._stop_keeper()
             if self._watchdog is not None:
                 self._watchdog.cancel()
@@ -437,11 +436,13 @@ class EtcdElection:
                 loop.call_soon_threadsafe(self._lose, f"lease {lease_id} expired in etcd")
 
         self._stop_keeper()
+        pulse = LoopPulse()
+        self._pulse_task = loop.create_task(pulse.run())
         self._keeper = LeaseKeeper(
             lease_id,
             self._where,
             self._creds,
-            self._pulse,
+            pulse,
             interval_s=self._ttl / 4,
             call_timeout_s=self._call_timeout(),
             on_renewed=self._renewed,
@@ -451,9 +452,13 @@ class EtcdElection:
         self._keeper.start()
 
     def _stop_keeper(self) -> None:
+        """On the loop: the keeper and its pulse end."""
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()
+        task, self._pulse_task = self._pulse_task, None
+        if task is not None:
+            task.cancel()
 
     def _where(self) -> tuple[str, tuple[tuple[str, str], ...]]:
         """The current endpoint and auth metadata (read by the keeper's thread)."""

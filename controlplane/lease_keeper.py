@@ -83,6 +83,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._call: Any = None  # the keep-alive in flight, cancelled by stop()
         self._channel: grpc.Channel | None = None
+        self._stub: Any = None  # the LeaseStub on _channel
         self._target = ""
         self.renewals = 0  # counted for the tests and the log
         self.skipped = 0  # renewals not made: the loop was stalled
@@ -101,10 +102,6 @@ class LeaseKeeper:
         if call is not None:
             with contextlib.suppress(Exception):
                 call.cancel()
-
-    def join(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -131,7 +128,7 @@ class LeaseKeeper:
     def _renew(self) -> bool:
         """One keep-alive; False once etcd says the lease is gone."""
         target, metadata = self._where()
-        stub = rpc.LeaseStub(self._channel_to(target))
+        stub = self._stub_to(target)
         sent = time.monotonic()
         try:
             self._call = call = stub.LeaseKeepAlive(
@@ -154,7 +151,7 @@ class LeaseKeeper:
         self._on_renewed(sent + float(reply.TTL))
         return True
 
-    def _channel_to(self, target: str) -> grpc.Channel:
+    def _stub_to(self, target: str) -> Any:
         if self._channel is None or target != self._target:
             self._close()
             self._target = target
@@ -163,7 +160,8 @@ class LeaseKeeper:
                 if self._creds
                 else grpc.insecure_channel(target)
             )
-        return self._channel
+            self._stub = rpc.LeaseStub(self._channel)
+        return self._stub
 
     def _close(self) -> None:
         channel, self._channel = self._channel, None
