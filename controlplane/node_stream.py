@@ -46,10 +46,7 @@ async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessa
     if msg is None:
         return
     yield to_message(msg)  # the welcome, always alone
-    while True:
-        msg = s.next_item()  # one carried over the last batch's bound goes first
-        if msg is None and (msg := await s.outbox.get()) is None:
-            return
+    while (msg := await s.outbox.get()) is not None:
         out, ended = s.take(msg)
         yield out
         if ended:

@@ -29,7 +29,7 @@ from controlplane.domain import (
     TransferChanged,
 )
 from controlplane.errors import InvalidArgument
-from controlplane.order_size import MAX_ORDER_BYTES, order_bytes
+from controlplane.order_size import MAX_ORDER_BYTES
 from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from controlplane.timeline import TransferObserver
@@ -39,12 +39,8 @@ from controlplane.transfer_filter import TransferFilter
 log = structlog.get_logger("pushkv.coordinator")
 
 OUTBOX_LIMIT = 100_000
-# At most this many queued messages go out as one CoordinatorMessage.batch,
-# and at most about this many bytes (wire/batching.py's bound): a batch passes
-# it only when its one item does, and that item fits the message limit
-# (order_size.py), so replaying a backlog never ends the stream it goes on.
+# At most this many queued messages go out as one CoordinatorMessage.batch.
 MAX_OUT_BATCH = 256
-MAX_OUT_BATCH_BYTES = 1 << 20
 WATCH_QUEUE_LIMIT = 10_000
 
 # An outbox holds orders as domain values: each is filled straight into the
@@ -63,17 +59,15 @@ def to_message(item: Outgoing, term: int = 0) -> pb.CoordinatorMessage:
     return msg
 
 
-def _add(msgs: Any, item: Outgoing, term: int) -> int:
-    """Append `item` to a CoordinatorBatch's messages (an order is filled in
-    place); returns at least its encoded size (an order's from its lengths)."""
+def _add(msgs: Any, item: Outgoing, term: int) -> None:
+    """Append `item` to a CoordinatorBatch's messages (an order is filled in place)."""
     if isinstance(item, pb.CoordinatorMessage):
         msgs.append(item)
-        return int(item.ByteSize()) + 6
-    m = msgs.add().order
-    convert.fill_order(m, item)
-    if term:
-        m.term = term
-    return order_bytes(item, fast=True) + 6
+    else:
+        m = msgs.add().order
+        convert.fill_order(m, item)
+        if term:
+            m.term = term
 
 
 @dataclass(eq=False)
@@ -91,20 +85,11 @@ class AgentSession:
     link_lost: bool = False
     # The leader's term, stamped on every order (0: no --etcd).
     term: int = 0
-    # Taken from the outbox but over the last batch's byte bound: it goes
-    # first in the next message (`next_item`).
-    carry: Outgoing | None = None
-
-    def next_item(self) -> Outgoing | None:
-        """The carried item, if any (then taken), else None: await the outbox."""
-        item, self.carry = self.carry, None
-        return item
 
     def take(self, first: Outgoing) -> tuple[pb.CoordinatorMessage, bool]:
         """What to send now, given the item just taken from the outbox, and
-        whether the session ended. With a batching agent, what is already
-        queued behind `first` goes out with it (never waits for more), up to
-        MAX_OUT_BATCH items and about MAX_OUT_BATCH_BYTES."""
+        whether the session ended. With a batching agent, everything already
+        queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
         term = self.term
         if not self.accepts_batches or q.empty():
@@ -114,20 +99,16 @@ class AgentSession:
             return to_message(first, term), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
-        size = _add(msgs, first, term)
-        n = 1
-        while True:
-            size += _add(msgs, nxt, term)
-            if size > MAX_OUT_BATCH_BYTES:
-                del msgs[-1]  # the next message starts with it
-                self.carry = nxt
-                return out, False
-            n += 1
-            if n >= MAX_OUT_BATCH or q.empty():
-                return out, False
-            nxt = q.get_nowait()
-            if nxt is None:
+        _add(msgs, first, term)
+        _add(msgs, nxt, term)
+        n = 2
+        while n < MAX_OUT_BATCH and not q.empty():
+            item = q.get_nowait()
+            if item is None:
                 return out, True
+            _add(msgs, item, term)
+            n += 1
+        return out, False
 
     @property
     def key(self) -> AgentKey:
@@ -203,7 +184,6 @@ class Runtime:
         if self._ticker:
             self._ticker.cancel()
         for s in list(self._sessions.values()):
-            s.carry = None
             while not s.outbox.empty():
                 s.outbox.get_nowait()
             s.close()

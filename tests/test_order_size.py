@@ -20,7 +20,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import convert
-from controlplane.clock import FakeClock, SystemClock
+from controlplane.clock import FakeClock
 from controlplane.domain import (
     EngineId,
     KVLayout,
@@ -36,10 +36,9 @@ from controlplane.domain import WriteTarget as Target
 from controlplane.errors import InvalidArgument
 from controlplane.order_size import OrderTooLarge, check, max_order_bytes, order_bytes
 from controlplane.rendezvous import Rendezvous
-from controlplane.runtime import MAX_OUT_BATCH_BYTES, Runtime
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.settings import CoreSettings
-from tests.support.sim_agent import TOKENS_PER_BLOCK, SimAgent, blocks, hello, layout
+from tests.support.sim_agent import TOKENS_PER_BLOCK, SimAgent, blocks, layout
 from tests.test_rendezvous import D, P, orders, reg
 
 # --------------------------------------------------------------- the bound
@@ -156,39 +155,6 @@ def test_an_armed_order_over_the_limit_waits_for_prefill_and_fails_then() -> Non
     assert orders(effects) == []
 
 
-def test_a_backlog_of_large_orders_goes_in_batches_under_the_bound_in_order() -> None:
-    rt = Runtime(CoreSettings(), SystemClock())
-    s = rt.open_session(
-        convert.registration_from_pb(hello("p0", "prefill").hello), accepts_batches=True
-    )
-    s.outbox.get_nowait()  # the welcome
-    wide = tuple(range(2**14, 2**14 + 60_000))  # 3-byte ids: about 360 KB an order
-
-    def order(i: int) -> Order:
-        tgt = Target(EngineId("d0"), 0, "i1", (wide,), (wide,), 1)
-        return Order(OrderId(f"o{i}"), TransferId(f"t{i}"), EngineId("p0"), 0, "i1", (tgt,), 0, 16)
-
-    for i in range(12):
-        s.send(order(i))
-        s.send(pb.CoordinatorMessage(notice=pb.TransferNotice(transfer_id=f"n{i}")))
-    s.close()
-    got: list[str] = []
-    sizes: list[int] = []
-    while True:
-        item = s.next_item()
-        if item is None and (item := s.outbox.get_nowait()) is None:
-            break
-        out, ended = s.take(item)
-        sizes.append(out.ByteSize())
-        msgs = out.batch.messages if out.WhichOneof("kind") == "batch" else [out]
-        got += [m.order.transfer_id or m.notice.transfer_id for m in msgs]
-        if ended:
-            break
-    assert got == [x for i in range(12) for x in (f"t{i}", f"n{i}")]
-    assert max(sizes) <= MAX_OUT_BATCH_BYTES and len(sizes) >= 5
-    assert s.outbox.empty() and s.carry is None
-
-
 def wide_core(groups: int, num_blocks: int) -> Rendezvous:
     rv = Rendezvous(CoreSettings(), FakeClock())
     regions = tuple(KVRegion(0x1000 + g * 2**40, 64, num_blocks, group=g) for g in range(groups))
@@ -282,33 +248,6 @@ async def test_a_transfer_whose_order_passes_the_limit_fails_and_the_stream_live
             assert order.transfer_id == "ok"  # the first and only order
             assert not p.ended.is_set() and not d.ended.is_set()
             assert [o.transfer_id for o in p.orders_seen] == ["ok"]
-    finally:
-        await p.close()
-        await d.close()
-
-
-@pytest.fixture
-async def coord() -> AsyncIterator[Coordinator]:
-    c = await start(ServerSettings(port=0, core=CoreSettings()))
-    yield c
-    await c.stop(0)
-
-
-async def test_orders_queued_together_past_4_mib_reach_a_batching_agent(
-    coord: Coordinator,
-) -> None:
-    """Twelve orders of about 360 KB queued at once (one Submit of prefill
-    reports): 4.3 MiB, more than one message may carry."""
-    p, d = await pair(coord.address)
-    tids = [f"t{i}" for i in range(12)]
-    try:
-        async with grpc.aio.insecure_channel(coord.address) as ch:
-            await submit(ch, *(call(t, "decode", wide()) for t in tids))
-            await submit(ch, *(call(t, "prefill", wide(base=2**14 + 3)) for t in tids))
-            got = [(await p.expect("order", timeout=10, skip=("peer",))).transfer_id for _ in tids]
-            assert got == tids
-            assert p.batches_seen >= 5 and not p.ended.is_set()
-            assert coord.runtime._sessions[p.key].carry is None  # type: ignore[index]
     finally:
         await p.close()
         await d.close()
