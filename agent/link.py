@@ -6,10 +6,12 @@ with jittered exponential backoff, re-registering with the same incarnation.
 
 An agent given a `snapshot` re-sends its live transfers in every hello: the
 same leader, taking it back, tells it again of those that ended while its
-stream was lost. A rebuilding agent (`rebuild`), on a welcome from a newer
-leader of the same cluster (a different coordinator id, its previous term > 0
-and the welcome's higher), lets that leader adopt them
-(`CoordinatorAdoptedMsg`) instead of resolving them locally
+stream was lost, after its welcome: posting stays held until a heartbeat sent
+after that welcome is answered, so nothing of a transfer that ended is posted
+in between (`CoordinatorBackMsg` waits for the ack). A rebuilding agent
+(`rebuild`), on a welcome from a newer leader of the same cluster (a different
+coordinator id, its previous term > 0 and the welcome's higher), lets that
+leader adopt them (`CoordinatorAdoptedMsg`) instead of resolving them locally
 (`CoordinatorChangedMsg`: term 0, a single coordinator restarted, or the
 terms went back); one that does not marks its list `held_tell_only`, never
 adopted. docs/reliability.md, "Failover rebuild".
@@ -254,6 +256,13 @@ class CoordinatorLink:
         self._rebuild = rebuild and snapshot is not None
         hello.held_tell_only = not self._rebuild
         self._lost = False  # the stream to a coordinator that welcomed us ended
+        # The same coordinator welcomed us back: what it says of the hello's
+        # held transfers (notices of those that ended meanwhile) follows the
+        # welcome, so posting stays held until a heartbeat sent on this stream
+        # is answered. The coordinator reads a stream in order: that ack comes
+        # after everything the hello called for.
+        self._back_pending = False
+        self._hb_now = threading.Event()  # heartbeat at once (the back barrier)
         self._lost_since = 0.0
         # The newest leader term seen in a welcome (0: none, or no --etcd).
         # Orders and cancels of older terms are refused (agent/dataplane.py).
@@ -344,6 +353,7 @@ class CoordinatorLink:
             except Exception:
                 log.exception("coordinator link failed; reconnecting")
             finally:
+                self._back_pending = False  # the next welcome decides again
                 if self.registered.is_set() and not self._stop.is_set():
                     self._lost = True
                     self._lost_since = time.monotonic()
@@ -423,7 +433,8 @@ class CoordinatorLink:
                     break
                 yield self._coalesce(item)
             now = time.monotonic()
-            if now >= next_hb:
+            if now >= next_hb or self._hb_now.is_set():
+                self._hb_now.clear()
                 seq += 1
                 self._hb_sent[seq] = now
                 if len(self._hb_sent) > 64:
@@ -479,12 +490,16 @@ class CoordinatorLink:
                 else:
                     self._deliver(CoordinatorChangedMsg(self._lease_s))
             elif self._lost:
-                self._deliver(CoordinatorBackMsg())
+                self._back_pending = True  # CoordinatorBackMsg at the next heartbeat ack
+                self._hb_now.set()
             self._lost = False
             self.coordinator_id = w.coordinator_id
             self._follower.reached()
             self.registered.set()
         elif kind == "heartbeat_ack":
+            if self._back_pending:  # every message the welcome-back called for is in
+                self._back_pending = False
+                self._deliver(CoordinatorBackMsg())
             sent = self._hb_sent.pop(msg.heartbeat_ack.seq, None)
             if sent is not None:
                 lease = msg.heartbeat_ack.lease_ms / 1000 or self._lease_s

@@ -508,6 +508,8 @@ class EtcdElection:
             except (asyncio.CancelledError, KeyboardInterrupt):
                 raise
             except Exception as exc:  # transient: retry until the deadline
+                if self.lost:  # resigned meanwhile: resign took the connection
+                    return
                 refused = _refusal(exc)
                 if refused is not None:
                     self._refuse(refused)
