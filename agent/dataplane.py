@@ -9,7 +9,9 @@ Invariants:
 - An order is posted at most once; a cancel that finds it queued drops it, so
   no WRITE is ever posted for it.
 - Nothing is posted once the lease has lapsed or the order's deadline passed:
-  the coordinator then treats the order as resolved.
+  the coordinator then treats the order as resolved. An order held unposted
+  when the lease lapsed is never posted, even once the same coordinator takes
+  the agent back and the lease runs again (`LeaseLapsedMsg`).
 - Each transfer produces at most one BLOCKS_FREE (prefill) and one of
   KV_READY / KV_FAILED (decode).
 - Term fencing: an order or cancel of an older leader term than the newest the
@@ -30,7 +32,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from agent.armed import Armed, filled
 from agent.arrivals import Arrivals
@@ -49,6 +50,7 @@ from agent.messages import (
     FireMsg,
     HoldMsg,
     Inbound,
+    LeaseLapsedMsg,
     NoticeMsg,
     OrderMsg,
     Outbound,
@@ -62,7 +64,7 @@ from agent.messages import (
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import NixlError, PeerKey, WriteHandle
 from agent.notif import WriteNotif
-from agent.posting import Poster
+from agent.posting import InFlight, Poster
 from agent.progressive import Progressive, progressive_ok
 from agent.snapshot import HeldItem, SnapshotBox, decode_items, prefill_items
 
@@ -73,16 +75,6 @@ IDLE_POLL_MAX_S = 0.05  # backoff ceiling when idle
 
 
 _Outcome = tuple[str, ReportStatus, str]  # transfer_id, status, detail
-
-
-@dataclass(slots=True)
-class _InFlight:
-    order: OrderMsg
-    handles: list[WriteHandle]
-    # Notifications to send once every handle is DONE (progressive push: the
-    # last chunk went before the earlier ones were done).
-    notify: tuple[tuple[PeerKey, bytes], ...] = ()
-    replaced: int = 0  # posts released before these (a preempted chunked prefill)
 
 
 class DataPlane:
@@ -121,7 +113,7 @@ class DataPlane:
         self.snapshots = SnapshotBox()  # published here, read by the link thread
         # prefill state
         self._queued: OrderedDict[str, OrderMsg] = OrderedDict()
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._finished: Lru[_Outcome] = Lru()  # order_id -> outcome
         self._freed: Lru[None] = Lru()  # transfer ids whose BLOCKS_FREE was emitted
         self._held: set[str] = set()  # transfers whose blocks the host holds for us
@@ -271,6 +263,8 @@ class DataPlane:
             self._frozen = msg.hold_posts
         elif isinstance(msg, CoordinatorBackMsg):
             self._give_up_at, self._frozen = 0.0, False
+        elif isinstance(msg, LeaseLapsedMsg):
+            self._on_lease_lapsed()
         elif isinstance(msg, CoordinatorAdoptedMsg):
             self._give_up_at, self._frozen = 0.0, False
             self._on_adopted()
@@ -432,16 +426,33 @@ class DataPlane:
         given by the old coordinator outlives now + lease_s.
         """
         log.warning("coordinator changed: resolving in-flight transfers locally")
-        dropped = [*self._queued.values(), *self._armed.take_all()]
-        self._queued.clear()
-        for order in dropped:
-            self._finish(order, ReportStatus.DROPPED, "coordinator restarted before posting")
-        busy = {f.order.transfer_id for f in self._inflight.values()}
-        busy |= self._partial.stop_all("coordinator restarted mid-prefill")
+        busy = self._drop_unposted(
+            "coordinator restarted before posting", "coordinator restarted mid-prefill"
+        )
         for tid in list(self._held - busy):
             self._free(tid, "coordinator restarted; transfer abandoned")
         if not self._prefill:
             self._arrivals.fail_all_at(time.monotonic() + lease_s)
+
+    def _on_lease_lapsed(self) -> None:
+        """Back at the same coordinator after this agent's lease lapsed (it
+        resolved every order it gave us): the orders held unposted are dropped,
+        posted WRITEs finish. Else an order of a transfer that ended there and
+        that the hello did not list (cut at its bound) would be posted."""
+        why = "agent lease lapsed while the coordinator was unreachable"
+        if self._prefill:
+            self._drop_unposted(f"{why}; not posting", f"{why} (mid-prefill)")
+
+    def _drop_unposted(self, why: str, mid: str) -> set[str]:
+        """Every order held unposted (queued or armed: `why`; the rest of a
+        partial one: `mid`) is dropped, reported so, never posted; returns the
+        transfers with WRITEs in flight (their blocks freed once those settle)."""
+        dropped = [*self._queued.values(), *self._armed.take_all()]
+        self._queued.clear()
+        for order in dropped:
+            self._finish(order, ReportStatus.DROPPED, why)
+        busy = {f.order.transfer_id for f in self._inflight.values()}
+        return busy | self._partial.stop_all(mid)
 
     def _on_adopted(self) -> None:
         """A newer leader adopts our transfers from the hello: nothing is resolved
@@ -468,12 +479,9 @@ class DataPlane:
         every transfer locally, as the coordinator would have."""
         self._give_up_at, self._frozen = 0.0, False
         log.warning("coordinator still unreachable: resolving in-flight transfers locally")
-        dropped = [*self._queued.values(), *self._armed.take_all()]
-        self._queued.clear()
-        for order in dropped:
-            self._finish(order, ReportStatus.DROPPED, "coordinator unreachable; not posting")
-        busy = {f.order.transfer_id for f in self._inflight.values()}
-        busy |= self._partial.stop_all("coordinator unreachable mid-prefill")
+        busy = self._drop_unposted(
+            "coordinator unreachable; not posting", "coordinator unreachable mid-prefill"
+        )
         for tid in list(self._held - busy):
             self._free(tid, "coordinator unreachable; transfer abandoned")
         for tid in list(self._arrivals):
@@ -518,26 +526,18 @@ class DataPlane:
         replaced: int = 0,
     ) -> None:
         self._report(WriteReportMsg(order.order_id, order.transfer_id, ReportStatus.POSTED))
-        self._inflight[order.order_id] = _InFlight(order, handles, notify, replaced)
+        self._inflight[order.order_id] = InFlight(order, handles, notify, replaced)
 
     def _poll_inflight(self) -> None:
         posts = self._poster()
         for oid, f in list(self._inflight.items()):
-            pending, failure = posts.settle(f.handles)
-            if pending and not failure:
+            settled = posts.outcome(f)
+            if settled is None:
                 continue
-            if not failure and f.notify:
-                try:
-                    posts.send_notifs(f.notify)  # after every chunk is DONE
-                except NixlError as exc:
-                    failure = str(exc)
             del self._inflight[oid]
-            nbytes, descs, n = posts.release(f.handles)
-            n += f.replaced
-            if failure:
-                self._finish(f.order, ReportStatus.FAILED, failure, nbytes, descs, n)
-            else:
-                self._finish(f.order, ReportStatus.DONE, "", nbytes, descs, n)
+            failure, nbytes, descs, n = settled
+            status = ReportStatus.FAILED if failure else ReportStatus.DONE
+            self._finish(f.order, status, failure, nbytes, descs, n)
 
     def _finish(
         self,

@@ -41,6 +41,7 @@ from agent.messages import (
     CoordinatorLostMsg,
     FencedMsg,
     Inbound,
+    LeaseLapsedMsg,
     NoticeMsg,
     OrderMsg,
     Outbound,
@@ -480,6 +481,7 @@ class CoordinatorLink:
                 self._deliver(TermMsg(w.term))
             self._lease_s = w.lease_ms / 1000 or self._lease_s
             self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s
+            lapsed = 0 < self._lease_until <= time.monotonic()  # the last welcome's lease
             self._lease_until = self._hello_sent + self._lease_s
             self.fatal_error = ""
             self.connects += 1
@@ -490,6 +492,8 @@ class CoordinatorLink:
                 else:
                     self._deliver(CoordinatorChangedMsg(self._lease_s))
             elif self._lost:
+                if lapsed:  # before any order this welcome's lease brings
+                    self._deliver(LeaseLapsedMsg())
                 self._back_pending = True  # CoordinatorBackMsg at the next heartbeat ack
                 self._hb_now.set()
             self._lost = False

@@ -169,7 +169,16 @@ class SnapshotMsg:
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorBackMsg:
-    """The same coordinator took the agent back: it still owns every transfer."""
+    """The same coordinator took the agent back: it still owns every transfer,
+    and what it said of the hello's transfers has been handled."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLapsedMsg:
+    """The same coordinator welcomed the agent back after its lease lapsed:
+    it counts every order it gave the agent before as resolved (agents never
+    post once their lease lapsed), so none held unposted may be posted. Sent
+    at the welcome, before any order of the new lease."""
 
 
 Inbound = (
@@ -184,6 +193,7 @@ Inbound = (
     | CoordinatorChangedMsg
     | CoordinatorLostMsg
     | CoordinatorBackMsg
+    | LeaseLapsedMsg
     | CoordinatorAdoptedMsg
     | SnapshotMsg
     | TermMsg

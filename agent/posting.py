@@ -5,6 +5,7 @@ by the NIXL thread (agent/dataplane.py), the endpoint's one owner."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from agent.messages import FencedMsg, OrderMsg, PeerMsg, Target
 from agent.nixl_adapter import NixlEndpoint
@@ -22,6 +23,18 @@ log = logging.getLogger("pushkv.agent")
 
 # (target, prefill blocks, decode blocks) of one WRITE
 Write = tuple[Target, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class InFlight:
+    """An order's posted WRITEs, until they settle."""
+
+    order: OrderMsg
+    handles: list[WriteHandle]
+    # Notifications to send once every handle is DONE (progressive push: the
+    # last chunk went before the earlier ones were done).
+    notify: tuple[tuple[PeerKey, bytes], ...] = ()
+    replaced: int = 0  # posts released before these (a preempted chunked prefill)
 
 
 class Poster:
@@ -108,6 +121,21 @@ class Poster:
     def send_notifs(self, notify: tuple[tuple[PeerKey, bytes], ...]) -> None:
         for peer, msg in notify:
             self.ep.send_notif(peer, msg)
+
+    def outcome(self, f: InFlight) -> tuple[str, int, int, int] | None:
+        """None while `f`'s WRITEs are pending; else (its failure or "", bytes,
+        descriptors, posts), its handles released and, when all are DONE, its
+        notifications sent (after every chunk is DONE)."""
+        pending, failure = self.settle(f.handles)
+        if pending and not failure:
+            return None
+        if not failure and f.notify:
+            try:
+                self.send_notifs(f.notify)
+            except NixlError as exc:
+                failure = str(exc)
+        nbytes, descs, n = self.release(f.handles)
+        return failure, nbytes, descs, n + f.replaced
 
     def release(self, handles: list[WriteHandle]) -> tuple[int, int, int]:
         """Release the handles; (bytes, descriptors, posts) they moved."""

@@ -281,6 +281,12 @@ class Agent:
         return self._dataplane.orders_fired
 
     @property
+    def lease_held(self) -> bool:
+        """Whether the coordinator acknowledged this agent within its lease
+        (a prefill agent posts nothing otherwise)."""
+        return self._lease_ok()
+
+    @property
     def orders_refused(self) -> int:
         """Orders refused for an older leader term (term fencing)."""
         return self._dataplane.orders_refused

@@ -271,6 +271,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 reply = [(h.transfer_id, h.counted) for h in items if h.ready]
             elif cmd == "term":  # the newest leader term seen, orders refused for older ones
                 reply = (agent.leader_term, agent.orders_refused)
+            elif cmd == "lease_held":  # acknowledged by the coordinator within the lease
+                reply = agent.lease_held
             conn.send(("reply", reply))
     finally:
         agent.close()

@@ -161,6 +161,50 @@ def test_the_same_leader_back_holds_posting_until_its_answer_to_the_hello_is_in(
         host.stop()
 
 
+def test_back_after_its_lease_lapsed_the_agent_posts_nothing_it_held(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+) -> None:
+    """Back at the same leader after this agent's lease lapsed, an order
+    queued while posting was held: the leader resolved that order when the
+    lease ended (the engine was lost) and, here, says nothing of it, as when
+    the hello's list was cut at its bound and left it out. The agent drops
+    it at the welcome, never posts it; an order the leader sends after the
+    welcome is kept, and posted once the leader's answer to the hello is in."""
+    coord, address = scripted
+    host = KVHost(HostSpec(address, "P", "prefill", rebuild=True))
+    starting = threading.Thread(target=host.start, daemon=True)
+    starting.start()
+    try:
+        _, out, incoming = coord.streams.get(timeout=60)
+        # A 1 s lease that no heartbeat ack renews (this script acks none).
+        short = pb.Welcome(lease_ms=1000, heartbeat_interval_ms=60_000, coordinator_id="l7", term=7)
+        out.put(pb.CoordinatorMessage(welcome=short))
+        starting.join(60)
+        host.call("pause", True)  # the order waits in the queue
+        out.put(_pb_order("q", 7))  # for transfer t-q
+        assert _live(host, "t-q") == ("t-q", (), ("q",), ())
+        out.put(None)  # the leader's stream is lost: posting is held
+        _, out, incoming = coord.streams.get(timeout=WAIT)
+        deadline = time.monotonic() + WAIT
+        while host.call("lease_held"):
+            assert time.monotonic() < deadline, "the agent's 1 s lease never lapsed"
+        host.call("pause", False)
+        out.put(_welcome(7, "l7"))  # the same leader takes it back
+        # An order of the new lease, before the leader's answer is in: kept.
+        out.put(_pb_order("q2", 7))
+        r = _write_report(incoming)  # dropped at the welcome, before q2 came
+        assert (r.order_id, r.status) == ("q", pb.WRITE_STATUS_DROPPED), r
+        assert r.detail == "agent lease lapsed while the coordinator was unreachable; not posting"
+        seq, before = _heartbeat_first(incoming)
+        assert "write" not in before, before  # q2 waits for the answer
+        assert host.call("writes_posted") == 0
+        out.put(pb.CoordinatorMessage(heartbeat_ack=pb.HeartbeatAck(seq=seq, lease_ms=60_000)))
+        r = _write_report(incoming)  # posted, then failed: no such peer here
+        assert (r.order_id, r.status) == ("q2", pb.WRITE_STATUS_FAILED), r
+    finally:
+        host.stop()
+
+
 def test_term_zero_a_restarted_coordinator_resolves_locally_as_before(
     scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
 ) -> None:
