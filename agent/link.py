@@ -269,7 +269,8 @@ class CoordinatorLink:
         # Orders and cancels of older terms are refused (agent/dataplane.py).
         self.term = 0
         self.stale_refused = 0  # welcomes refused for an older term
-        self.outbox: queue.Queue[Outbound] = queue.Queue()
+        # None only wakes the request stream (a heartbeat is due at once).
+        self.outbox: queue.Queue[Outbound | None] = queue.Queue()
         # One coordinator address, or several (comma-separated) replicas: the
         # link dials the one leading (wire/leader.py).
         self._follower = LeaderFollower(address)
@@ -449,9 +450,11 @@ class CoordinatorLink:
         items = [first]
         while self._batching and len(items) < MAX_OUT_BATCH:
             try:
-                items.append(self.outbox.get_nowait())
+                item = self.outbox.get_nowait()
             except queue.Empty:
                 break
+            if item is not None:  # a wake-up: the caller checks for a heartbeat next
+                items.append(item)
         now = time.monotonic()
         for item in items:
             if isinstance(item, ArrivalMsg):
@@ -496,6 +499,7 @@ class CoordinatorLink:
                     self._deliver(LeaseLapsedMsg())
                 self._back_pending = True  # CoordinatorBackMsg at the next heartbeat ack
                 self._hb_now.set()
+                self.outbox.put(None)  # the request stream sends it now
             self._lost = False
             self.coordinator_id = w.coordinator_id
             self._follower.reached()

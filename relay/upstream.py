@@ -63,17 +63,22 @@ class Channel:
     gen: Generation
     down: asyncio.Queue[pb.ChannelDown] = field(default_factory=lambda: asyncio.Queue(DOWN_LIMIT))
     closed_up: bool = False
+    # The channel's first heartbeat goes at once: an agent welcomed back by
+    # the same leader resumes posting only at its ack (agent/link.py).
+    beat: bool = False
 
     def send(self, msg: pb.AgentMessage) -> bool:
         """Queue an agent message for the coordinator; False once it cannot go.
-        A heartbeat waits for company (HEARTBEAT_HOLD_S)."""
+        A heartbeat, but the channel's first, waits for company (HEARTBEAT_HOLD_S)."""
         g = self.gen
         if self.closed_up or not g.live:
             return False
         item = pb.ChannelUp(channel=self.id, message=msg)
         if msg.WhichOneof("kind") == "heartbeat":
-            g.hold(item)
-            return True
+            if self.beat:
+                g.hold(item)
+                return True
+            self.beat = True
         try:
             g.flush()  # held heartbeats first: each channel's order is kept
             g.up.put_nowait(item)

@@ -391,6 +391,15 @@ async def test_heartbeats_wait_at_the_relay_for_company_and_keep_each_channels_o
 
     g = Generation("coordinator")
     a, b = Channel(1, g), Channel(2, g)
+    # A channel's first heartbeat goes at once: an agent welcomed back by the
+    # same leader resumes posting at its ack (agent/link.py).
+    assert a.send(heartbeat(0)) and b.send(heartbeat(0)) and not g.held
+    assert [
+        (i.channel, i.message.heartbeat.seq) for i in (g.up.get_nowait(), g.up.get_nowait())
+    ] == [
+        (1, 0),
+        (2, 0),
+    ]
     assert a.send(heartbeat(1)) and b.send(heartbeat(1))
     assert g.up.empty()  # held
     report = pb.AgentMessage(arrival=pb.ArrivalReport(transfer_id="t", prefill_ranks=[0]))
@@ -415,6 +424,9 @@ async def test_a_nodes_idle_heartbeats_share_node_up_messages(
     coord: Coordinator, relay: Relay
 ) -> None:
     async with SimCluster(relay.address, tp_size=4) as cluster:
+        for a in cluster.agents:  # each channel's first heartbeat goes at once
+            await a.heartbeat(wait_ack=False)
+        assert len([await asyncio.wait_for(a.acks.get(), WAIT) for a in cluster.agents]) == 8
         before = relay.upstream.up_messages
         for a in cluster.agents:  # one after another, as their timers fire
             await a.heartbeat(wait_ack=False)
