@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,19 @@ def test_the_digest_sees_equal_blocks_equal_and_one_changed_byte() -> None:
     assert fh.blocks_digest(addrs(dst), BLOCK, [5, 6]) != sent
     assert fh.corrupt_blocks(addrs(dst)[1:], BLOCK, [7]) == BLOCK // 2
     assert fh.blocks_digest(addrs(dst), BLOCK, [5, 7]) != sent  # one region's block flipped
+
+
+def test_hold_fire_waits_while_its_file_exists_and_gives_up_at_its_bound(tmp_path: Path) -> None:
+    assert fh.parse_hooks(f"hold_fire:{tmp_path}/h") == {"hold_fire": f"{tmp_path}/h"}
+    assert fh.hold_fire(None) == 0.0  # disarmed
+    flag = tmp_path / "hold"
+    assert fh.hold_fire(str(flag)) < 1.0  # no file: no hold
+    flag.touch()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(fh.hold_fire, str(flag), 60.0)
+        done, _ = wait([held], timeout=0.3)
+        assert not done  # held while the file is there
+        flag.unlink()
+        assert held.result(timeout=10) >= 0.3
+    flag.touch()
+    assert fh.hold_fire(str(flag), 0.2) >= 0.2 and flag.exists()  # bounded: fires anyway

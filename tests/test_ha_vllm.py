@@ -3,7 +3,10 @@ behind the router (docs/reliability.md, "Replicated coordinators").
 
 A real etcd, two coordinator replicas, a prefill and a decode engine and the
 router, each given both replicas' addresses (they follow the leader). A burst
-of requests is in flight when the leader is killed. Every request must end
+of requests is in flight when the leader is killed: the prefill engine holds
+its finished prefills' armed orders unfired (the test hook hold_fire,
+vllm_integration/fault_hooks.py) from before the burst until a standby leads,
+so the kill finds transfers short of their end whatever the machine's speed. Every request must end
 with the independent engine's answer, none hangs; new requests succeed, and
 a pushed transfer completes through the new leader; no KV block stays held on
 either engine. The failover time is printed, never asserted.
@@ -87,6 +90,7 @@ class Cluster:
     decode: VllmServer
     router: RouterProcess
     reference: dict[tuple[int, ...], str]
+    hold: Path  # while it exists, the prefill engine holds its armed orders
 
     @property
     def addresses(self) -> str:
@@ -113,8 +117,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     require_etcd()
+    hold = tmp_path_factory.mktemp("ha-vllm") / "hold-sends"
     ref = VllmServer(tiny_model_dir, "reference-ha", cpu_core=0).start()
     try:
         ref.wait_ready()
@@ -139,14 +144,16 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
                 addresses,
                 cpu_core=core,
                 extra_config={"uncertain_grace_s": UNCERTAIN_GRACE_S},
+                env={"PUSHKV_TEST_FAULT": f"hold_fire:{hold}"} if role == "prefill" else {},
             ).start()
             for role, core in (("prefill", 0), ("decode", 1))
         ]
         for s in servers:
             s.wait_ready()
         router = RouterProcess(addresses).start()
-        yield Cluster(etcd, replicas, servers[0], servers[1], router, reference)
+        yield Cluster(etcd, replicas, servers[0], servers[1], router, reference, hold)
     finally:
+        hold.unlink(missing_ok=True)
         if router is not None:
             router.stop()
         for s in servers:
@@ -164,20 +171,27 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     assert status == 200 and text(answer) == cluster.reference[tuple(p)]
     assert any(t.state == pb.TRANSFER_STATE_COMPLETE for t in cluster.transfers(lead))
 
-    pool = ThreadPoolExecutor(len(BURST))
-    futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in BURST]
-    pool.shutdown(wait=False)
+    # The burst's armed orders are held unfired until a standby leads: its
+    # transfers are all in flight at the kill (none is reported prefilled).
+    cluster.hold.touch()
+    try:
+        pool = ThreadPoolExecutor(len(BURST))
+        futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in BURST]
+        pool.shutdown(wait=False)
 
-    # In flight: any state short of the end (with armed orders a transfer can
-    # go from AWAITING to ARMED, WRITING and COMPLETE between two polls).
-    def in_flight() -> set[str]:
-        return {t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL}
+        def in_flight() -> set[str]:
+            live = {
+                t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL
+            }
+            return live if len(live) == len(BURST) else set()
 
-    inflight = poll("a transfer in flight at the leader", in_flight, 30)
-    lead.kill()
-    killed = time.monotonic()
-    new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
-    failover_s = time.monotonic() - killed
+        inflight = poll("every transfer of the burst in flight at the leader", in_flight, 30)
+        lead.kill()
+        killed = time.monotonic()
+        new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
+        failover_s = time.monotonic() - killed
+    finally:
+        cluster.hold.unlink(missing_ok=True)
 
     # Every request of the burst ends with the reference's answer; none hangs.
     for q, f in zip(BURST, futures, strict=True):

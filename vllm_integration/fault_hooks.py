@@ -26,6 +26,15 @@ is one call that returns at once. Faults:
     engines then compute from it. Whole blocks only (equal TP, or an MLA
     latent replicated to every decode rank: one line per rank), DRAM only.
 
+``hold_fire:<path>``
+    A stall, not a fault of pushkv's: while a file exists at ``<path>``, a
+    prefill worker whose step completed prompts waits before it fires their
+    armed orders (polling every 50 ms, at most ``HOLD_FIRE_MAX_S``), and the
+    engine's step with it, so the prefills are not reported done either. Their
+    transfers stay short of their end at the coordinator until the test
+    removes the file: a test can act on them (kill the leader) knowing they are
+    in flight, instead of sampling for them.
+
 Several hooks are armed together with commas (``corrupt_kv:blocks=25,kv_digest``).
 
 The negative control in ``tests/test_e2e_vllm.py`` uses ``corrupt_kv`` to prove
@@ -38,6 +47,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -48,7 +58,8 @@ ENV = "PUSHKV_TEST_FAULT"
 log = logging.getLogger("pushkv.fault_hooks")
 
 
-KNOWN = ("corrupt_kv", "kv_digest")
+KNOWN = ("corrupt_kv", "kv_digest", "hold_fire")
+HOLD_FIRE_MAX_S = 120.0
 
 
 def parse_hooks(value: str | None) -> dict[str, str]:
@@ -75,6 +86,7 @@ def parse_corrupt_kv(value: str | None) -> int | None:
 
 _CORRUPT_BLOCKS = parse_corrupt_kv(os.environ.get(ENV))
 DIGEST = "kv_digest" in parse_hooks(os.environ.get(ENV))
+HOLD_FIRE = parse_hooks(os.environ.get(ENV)).get("hold_fire")
 if _CORRUPT_BLOCKS is not None:
     log.warning("%s: every transfer into %d blocks is corrupted on arrival", ENV, _CORRUPT_BLOCKS)
 
@@ -124,6 +136,22 @@ def kv_arrived(agent: Agent | None, transfer_id: str, block_ids: Sequence[int]) 
     """Decode worker: a transfer's KV has landed in ``block_ids`` (not yet reported)."""
     _corrupt(agent, block_ids)
     kv_digest(agent, "decode", transfer_id, block_ids)
+
+
+def hold_fire(path: str | None = HOLD_FIRE, limit_s: float = HOLD_FIRE_MAX_S) -> float:
+    """Prefill worker, before firing armed orders: wait while ``path`` exists
+    (``hold_fire`` armed), at most ``limit_s``; seconds waited."""
+    if not path:
+        return 0.0
+    start = time.monotonic()
+    if os.path.exists(path):
+        log.warning("%s: holding armed orders while %s exists", ENV, path)
+    while os.path.exists(path) and time.monotonic() - start < limit_s:
+        time.sleep(0.05)  # the test's file is the only signal across processes
+    waited = time.monotonic() - start
+    if os.path.exists(path):
+        log.error("%s: %s still there after %.0f s; firing anyway", ENV, path, waited)
+    return waited
 
 
 def _corrupt(agent: Agent | None, block_ids: Sequence[int]) -> None:

@@ -355,6 +355,7 @@ class PushWorkerHalf:
             import torch
 
             torch.cuda.current_stream().synchronize()
+        fault_hooks.hold_fire()  # no-op unless a test arms it
         self.agent.fire(meta.fire)
 
     def get_finished(
