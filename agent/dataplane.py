@@ -51,6 +51,7 @@ from agent.messages import (
     HoldMsg,
     Inbound,
     LeaseLapsedMsg,
+    LeftOutMsg,
     NoticeMsg,
     OrderMsg,
     Outbound,
@@ -265,6 +266,8 @@ class DataPlane:
             self._give_up_at, self._frozen = 0.0, False
         elif isinstance(msg, LeaseLapsedMsg):
             self._on_lease_lapsed()
+        elif isinstance(msg, LeftOutMsg):
+            self._on_left_out(msg.transfer_ids)
         elif isinstance(msg, CoordinatorAdoptedMsg):
             self._give_up_at, self._frozen = 0.0, False
             self._on_adopted()
@@ -443,6 +446,24 @@ class DataPlane:
         if self._prefill:
             self._drop_unposted(f"{why}; not posting", f"{why} (mid-prefill)")
 
+    def _on_left_out(self, transfer_ids: tuple[str, ...]) -> None:
+        """Prefill: transfers the hello left out (over its bound), which the
+        welcoming leader keeps or adopts without knowing what we hold of them:
+        it may never tell of their end, so their unposted orders are dropped
+        and their blocks freed (a later order for one is refused, "blocks
+        released": the transfer fails cleanly). Decode: expectations stay
+        (they end at their deadline)."""
+        if not self._prefill:
+            return
+        left, why = set(transfer_ids), "left out of the hello (over its bound)"
+        queued = [o for o in self._queued.values() if o.transfer_id in left]
+        for order in [*queued, *filter(None, map(self._armed.drop, transfer_ids))]:
+            self._queued.pop(order.order_id, None)
+            self._finish(order, ReportStatus.DROPPED, f"{why}; not posting")
+        for tid in sorted(left & self._held):
+            if not self._busy(tid):
+                self._free(tid, f"{why}; transfer abandoned")
+
     def _drop_unposted(self, why: str, mid: str) -> set[str]:
         """Every order held unposted (queued or armed: `why`; the rest of a
         partial one: `mid`) is dropped, reported so, never posted; returns the
@@ -552,14 +573,16 @@ class DataPlane:
         self._report(
             WriteReportMsg(order.order_id, order.transfer_id, status, detail, nbytes, descs, posts)
         )
-        tid = order.transfer_id
-        busy = (
+        if not self._busy(order.transfer_id):
+            self._free(order.transfer_id, f"{status.value}: {detail}" if detail else status.value)
+
+    def _busy(self, tid: str) -> bool:
+        """Whether an order of `tid` is queued or (partly) posted here."""
+        return (
             tid in self._partial
             or any(o.transfer_id == tid for o in self._queued.values())
             or any(f.order.transfer_id == tid for f in self._inflight.values())
         )
-        if not busy:
-            self._free(tid, f"{status.value}: {detail}" if detail else status.value)
 
     def _free(self, tid: str, detail: str) -> None:
         self._held.discard(tid)

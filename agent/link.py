@@ -42,6 +42,7 @@ from agent.messages import (
     FencedMsg,
     Inbound,
     LeaseLapsedMsg,
+    LeftOutMsg,
     NoticeMsg,
     OrderMsg,
     Outbound,
@@ -82,13 +83,14 @@ HELLO_HELD_BYTES = 1 << 20
 
 def held_entries(
     items: tuple[HeldItem, ...], budget: int = HELLO_HELD_BYTES
-) -> tuple[list[pb.HeldTransfer], int]:
-    """The hello's held list within `budget` bytes, and how many transfers it
+) -> tuple[list[pb.HeldTransfer], list[str]]:
+    """The hello's held list within `budget` bytes, and the transfers it
     leaves out. Those whose WRITEs may land (posted) or that a decode rank
     counted go first: a new leader must know them to never write twice."""
     ranked = sorted(items, key=lambda h: (not h.posted, not (h.counted or h.ready)))
     out: list[pb.HeldTransfer] = []
-    size = left = 0
+    left: list[str] = []
+    size = 0
     for h in ranked:
         entry = pb.HeldTransfer(
             transfer_id=h.transfer_id,
@@ -99,7 +101,7 @@ def held_entries(
         )
         n = entry.ByteSize() + 4  # its tag and length in the hello
         if size + n > budget:
-            left += 1
+            left.append(h.transfer_id)
             continue
         size += n
         out.append(entry)
@@ -263,6 +265,7 @@ class CoordinatorLink:
         # is answered. The coordinator reads a stream in order: that ack comes
         # after everything the hello called for.
         self._back_pending = False
+        self._left_out: tuple[str, ...] = ()  # the last hello's, until its welcome
         self._hb_now = threading.Event()  # heartbeat at once (the back barrier)
         self._lost_since = 0.0
         # The newest leader term seen in a welcome (0: none, or no --etcd).
@@ -371,6 +374,7 @@ class CoordinatorLink:
 
     def _session(self, channel: grpc.Channel) -> None:
         del self._hello.held[:]
+        self._left_out = ()
         if self._snapshot is not None and not self._term_may_go_back():
             # A newer leader of this cluster adopts them (if `rebuild`); the
             # same leader tells again those that ended while the stream was
@@ -379,11 +383,12 @@ class CoordinatorLink:
             if items is None:
                 raise TimeoutError(f"no snapshot of the live transfers in {SNAPSHOT_WAIT_S} s")
             entries, left = held_entries(items)
+            self._left_out = tuple(left)
             if left:
                 log.warning(
                     "%d of %d live transfers left out of the hello (over %d bytes): "
-                    "a new leader does not adopt them",
-                    left,
+                    "resolved locally at the welcome",
+                    len(left),
                     len(items),
                     HELLO_HELD_BYTES,
                 )
@@ -400,6 +405,13 @@ class CoordinatorLink:
             raise
         finally:
             done.set()
+
+    def _deliver_left_out(self) -> None:
+        """At a welcome that keeps or adopts transfers: those the hello left out
+        are unknown to it as held here, so the agent resolves them itself."""
+        if self._left_out:
+            self._deliver(LeftOutMsg(self._left_out))
+            self._left_out = ()
 
     def _term_may_go_back(self) -> bool:
         """Whether an older term may be followed: only once the agent has been
@@ -492,11 +504,13 @@ class CoordinatorLink:
                 if self._rebuild and 0 < previous < w.term:
                     log.info("leader term %d adopts this agent's transfers", w.term)
                     self._deliver(CoordinatorAdoptedMsg())  # a failover: the hello had them
+                    self._deliver_left_out()
                 else:
                     self._deliver(CoordinatorChangedMsg(self._lease_s))
             elif self._lost:
                 if lapsed:  # before any order this welcome's lease brings
                     self._deliver(LeaseLapsedMsg())
+                self._deliver_left_out()
                 self._back_pending = True  # CoordinatorBackMsg at the next heartbeat ack
                 self._hb_now.set()
                 self.outbox.put(None)  # the request stream sends it now

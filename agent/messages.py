@@ -181,6 +181,16 @@ class LeaseLapsedMsg:
     at the welcome, before any order of the new lease."""
 
 
+@dataclass(frozen=True, slots=True)
+class LeftOutMsg:
+    """The hello left these live transfers out (over its bound), and the
+    coordinator that welcomed the agent keeps or adopts transfers: it does not
+    know them as this agent holds them, and may never tell of their end.
+    Sent at the welcome, before any order of the new stream."""
+
+    transfer_ids: tuple[str, ...]
+
+
 Inbound = (
     OrderMsg
     | CancelMsg
@@ -194,6 +204,7 @@ Inbound = (
     | CoordinatorLostMsg
     | CoordinatorBackMsg
     | LeaseLapsedMsg
+    | LeftOutMsg
     | CoordinatorAdoptedMsg
     | SnapshotMsg
     | TermMsg

@@ -309,6 +309,55 @@ def test_a_hello_of_more_transfers_than_a_message_holds_is_cut_and_the_agent_reg
         host.stop()
 
 
+def _order_for(oid: str, tid: str, term: int = 7) -> pb.CoordinatorMessage:
+    msg = _pb_order(oid, term)
+    msg.order.transfer_id = tid
+    return msg
+
+
+@pytest.mark.parametrize("welcome", ["the same leader", "a newer leader adopting"])
+def test_what_a_cut_hello_left_out_is_resolved_at_the_welcome(
+    scripted: tuple[ScriptedCoordinator, str],  # noqa: F811
+    welcome: str,
+) -> None:
+    """The leader that welcomes the agent back (or adopts its transfers) does
+    not know those the hello left out, and may never tell of their end: the
+    agent drops their unposted orders and frees their blocks at the welcome.
+    Without this, their blocks stayed held on the prefill engine for good."""
+    coord, address = scripted
+    host, out, _ = _started(coord, HostSpec(address, "P", "prefill", rebuild=True), 7, "l7")
+    ids = [f"t{i:05d}-" + "x" * 234 for i in range(6_000)]  # about 1.5 MB of ids
+    try:
+        host.call("pause", True)  # the order waits in the queue
+        host.call("hold", ids)
+        out.put(_order_for("o-last", ids[-1]))  # listed last: left out
+        deadline = time.monotonic() + WAIT
+        while (ids[-1], (), ("o-last",), ()) not in map(tuple, host.call("held")):
+            assert time.monotonic() < deadline, "the order is not held unposted"
+        assert len(host.call("held")) == len(ids)
+        out.put(None)  # the stream is lost
+        hello, out, incoming = coord.streams.get(timeout=WAIT)
+        sent = {h.transfer_id for h in hello.held}
+        assert 0 < len(sent) < len(ids) and ids[-1] not in sent and ids[0] in sent
+        term = 7 if welcome == "the same leader" else 8
+        out.put(_welcome(term, f"l{term}"))
+        r = _write_report(incoming)
+        assert r.order_id == "o-last" and r.status == pb.WRITE_STATUS_DROPPED, r
+        assert "left out of the hello" in r.detail
+        e = host.wait_event(ids[-2], WAIT)
+        assert e.kind is EventKind.BLOCKS_FREE and "left out of the hello" in e.detail
+        deadline = time.monotonic() + WAIT
+        while {h[0] for h in host.call("held")} != sent:
+            assert time.monotonic() < deadline, "the listed transfers are not all that is held"
+        # An order for one left out comes later (it was live there): refused.
+        out.put(_order_for("o-late", ids[-3], term))
+        r = _write_report(incoming)
+        assert r.order_id == "o-late" and r.status == pb.WRITE_STATUS_FAILED, r
+        assert "released" in r.detail
+    finally:
+        host.stop()
+
+
 def test_the_hello_lists_first_what_may_have_been_written() -> None:
     """Under the bound, posted orders and counted arrivals go first."""
     plain = [HeldItem(f"h{i}", unposted=(f"u{i}",)) for i in range(50)]
@@ -319,8 +368,9 @@ def test_the_hello_lists_first_what_may_have_been_written() -> None:
     entries, left = held_entries(items, budget=3 * 24)
     first = [e.transfer_id for e in entries][:3]
     assert first[0] == "p" and sorted(first[1:]) == ["c", "r"]
-    assert left == len(items) - len(entries) and left > 0
+    assert len(left) == len(items) - len(entries) and left
+    assert set(left) | {e.transfer_id for e in entries} == {h.transfer_id for h in items}
     every, none_left = held_entries(items)
-    assert none_left == 0 and sorted(e.transfer_id for e in every) == sorted(
+    assert none_left == [] and sorted(e.transfer_id for e in every) == sorted(
         h.transfer_id for h in items
     )
