@@ -87,6 +87,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         etcd_tls=_etcd_tls(args),
         etcd_user=args.etcd_user,
         etcd_password_file=args.etcd_password_file,
+        loop_stall_limit_s=args.loop_stall_limit_s,
     )
     return asyncio.run(serve(settings))
 
@@ -233,6 +234,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         help="TTL of the replica's etcd lease in whole seconds: a dead leader is replaced "
         "about this long after it stopped renewing (etcd may grant more: its minimum is "
         "1.5 election timeouts)",
+    )
+    h.add_argument(
+        "--loop-stall-limit-s",
+        type=float,
+        default=_env("loop_stall_limit_s", 5.0),
+        help="a leader renews its etcd lease from a thread while its event loop has run "
+        "within this many seconds; a loop stalled longer lets the lease expire and a "
+        "standby leads",
     )
     h.add_argument(
         "--etcd-ca",

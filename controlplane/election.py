@@ -20,7 +20,7 @@ belongs to the old term), and its supervisor starts a fresh standby.
 A leader's lease is renewed twice over: by the loop (with the check that the
 key is still ours), and by a thread of its own (lease_keeper.py), so a loop
 saturated by its streams, whose timers run late, keeps its lease; the thread
-stops renewing once the loop has not run for ``LOOP_STALL_LIMIT_S``, so a
+stops renewing once the loop has not run for ``--loop-stall-limit-s``, so a
 wedged leader still hands over.
 
 The etcd API is aetcd's (a maintained asyncio etcd v3 client on grpc.aio, see
@@ -49,7 +49,7 @@ import structlog
 from aetcd import rpc
 
 from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints, etcd_tls
-from controlplane.lease_keeper import LOOP_STALL_LIMIT_S, LeaseKeeper, LoopPulse
+from controlplane.lease_keeper import LeaseKeeper, LoopPulse
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -175,7 +175,7 @@ class EtcdElection:
         # `loop_stall_limit_s`.
         self._keeper: LeaseKeeper | None = None
         self._pulse_task: asyncio.Task[None] | None = None
-        self.loop_stall_limit_s = LOOP_STALL_LIMIT_S
+        self.loop_stall_limit_s = settings.loop_stall_limit_s
         self._update(Role.STANDBY, "", 0)
 
     @property

@@ -135,10 +135,16 @@ class ElectionSettings:
     # argument); both empty where etcd's auth is off.
     user: str = ""
     password_file: str = ""
+    # A leader's lease is renewed from a thread of its own while its event
+    # loop has run within this long (controlplane/lease_keeper.py); a loop
+    # stalled longer lets the lease expire, and a standby leads.
+    loop_stall_limit_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.lease_s < 1:
             raise ValueError(f"lease_s must be >= 1, got {self.lease_s}")
+        if self.loop_stall_limit_s <= 0:
+            raise ValueError(f"loop_stall_limit_s must be > 0, got {self.loop_stall_limit_s}")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
         if not self.advertise or ":" not in self.advertise:

@@ -74,6 +74,8 @@ class ServerSettings:
     # etcd authentication: a user and the file holding its password.
     etcd_user: str = ""
     etcd_password_file: str = ""
+    # A leader whose event loop has not run for this long lets its lease go.
+    loop_stall_limit_s: float = 5.0
 
 
 @dataclass
@@ -197,6 +199,7 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         tls_key=settings.etcd_tls.key,
         user=settings.etcd_user,
         password_file=settings.etcd_password_file,
+        loop_stall_limit_s=settings.loop_stall_limit_s,
     )
     loop = asyncio.get_running_loop()
 

@@ -140,6 +140,7 @@ def test_election_settings_validate() -> None:
         ({"etcd": "https://h:1", "tls_ca": "ca.pem", "tls_cert": "c.pem"}, "go together"),
         ({"etcd": "http://h:1", "user": "pushkv"}, "--etcd-password-file go together"),
         ({"etcd": "http://h:1", "password_file": "pw"}, "--etcd-password-file go together"),
+        ({"etcd": "http://h:1", "loop_stall_limit_s": 0}, "loop_stall_limit_s must be > 0"),
     ]:
         with pytest.raises(ValueError, match=why):
             ElectionSettings(advertise="h:1", **bad)

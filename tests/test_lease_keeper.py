@@ -53,9 +53,10 @@ class Replica:
         self._thread.start()
         self.leadership = Leadership()
         self.lost: list[str] = []
-        settings = ElectionSettings(etcd=url, advertise="127.0.0.1:1", lease_s=1, key=KEY)
+        settings = ElectionSettings(
+            etcd=url, advertise="127.0.0.1:1", lease_s=1, key=KEY, loop_stall_limit_s=stall_limit_s
+        )
         self.election = EtcdElection(settings, self.leadership, self.lost.append)
-        self.election.loop_stall_limit_s = stall_limit_s
         self._run: asyncio.Task[None] = asyncio.run_coroutine_threadsafe(
             self._start(), self.loop
         ).result(DEADLINE_S)
