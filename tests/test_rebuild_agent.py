@@ -37,14 +37,21 @@ pytestmark = pytest.mark.timeout(120)
 Stream = tuple[KVHost, "queue.Queue[pb.CoordinatorMessage | None]", "queue.Queue[Any]"]
 
 
-def _started(servicer: ScriptedCoordinator, spec: HostSpec, term: int, cid: str) -> Stream:
-    """The host, registered with a scripted coordinator of `term`; its first stream."""
+def _started(
+    servicer: ScriptedCoordinator,
+    spec: HostSpec,
+    term: int,
+    cid: str,
+    welcome: pb.CoordinatorMessage | None = None,
+) -> Stream:
+    """The host, registered with a scripted coordinator of `term` (or by
+    `welcome`); its first stream."""
     host = KVHost(spec)
     starting = threading.Thread(target=host.start, daemon=True)  # waits for the welcome
     starting.start()
     hello, out, incoming = servicer.streams.get(timeout=60)
     assert list(hello.held) == []  # no term followed yet: nothing to re-send
-    out.put(_welcome(term, cid))
+    out.put(welcome or _welcome(term, cid))
     starting.join(60)
     assert host.agent_name
     return host, out, incoming
@@ -59,6 +66,17 @@ def _live(host: KVHost, tid: str) -> tuple[object, ...]:
         if found:
             return tuple(found[0])
     raise AssertionError(f"{tid} not in the snapshot within {WAIT} s")
+
+
+def _lease_expired(tid: str) -> pb.CoordinatorMessage:
+    """The leader's notice that `tid` failed when an agent's lease expired."""
+    notice = pb.TransferNotice(
+        transfer_id=tid,
+        state=pb.TRANSFER_STATE_FAILED,
+        reason=pb.REASON_AGENT_LOST,
+        detail="lease expired",
+    )
+    return pb.CoordinatorMessage(notice=notice)
 
 
 def _held(hello: pb.AgentHello) -> dict[str, tuple[list[str], list[str]]]:
@@ -138,13 +156,7 @@ def test_the_same_leader_back_holds_posting_until_its_answer_to_the_hello_is_in(
         out.put(_welcome(7, "l7"))  # the same leader takes it back
         seq, before = _heartbeat_first(incoming)  # sent at once after the welcome
         assert "write" not in before, before  # nothing posted (or reported) yet
-        ended = pb.TransferNotice(
-            transfer_id="t-q",
-            state=pb.TRANSFER_STATE_FAILED,
-            reason=pb.REASON_AGENT_LOST,
-            detail="lease expired",
-        )
-        out.put(pb.CoordinatorMessage(notice=ended))  # what the hello called for
+        out.put(_lease_expired("t-q"))  # what the hello called for
         out.put(pb.CoordinatorMessage(heartbeat_ack=pb.HeartbeatAck(seq=seq, lease_ms=60_000)))
         r = _write_report(incoming)
         assert (r.order_id, r.status) == ("q", pb.WRITE_STATUS_DROPPED), r
@@ -171,15 +183,11 @@ def test_back_after_its_lease_lapsed_the_agent_posts_nothing_it_held(
     it at the welcome, never posts it; an order the leader sends after the
     welcome is kept, and posted once the leader's answer to the hello is in."""
     coord, address = scripted
-    host = KVHost(HostSpec(address, "P", "prefill", rebuild=True))
-    starting = threading.Thread(target=host.start, daemon=True)
-    starting.start()
+    # A 1 s lease that no heartbeat ack renews (this script acks none).
+    short = pb.Welcome(lease_ms=1000, heartbeat_interval_ms=60_000, coordinator_id="l7", term=7)
+    spec = HostSpec(address, "P", "prefill", rebuild=True)
+    host, out, incoming = _started(coord, spec, 7, "l7", pb.CoordinatorMessage(welcome=short))
     try:
-        _, out, incoming = coord.streams.get(timeout=60)
-        # A 1 s lease that no heartbeat ack renews (this script acks none).
-        short = pb.Welcome(lease_ms=1000, heartbeat_interval_ms=60_000, coordinator_id="l7", term=7)
-        out.put(pb.CoordinatorMessage(welcome=short))
-        starting.join(60)
         host.call("pause", True)  # the order waits in the queue
         out.put(_pb_order("q", 7))  # for transfer t-q
         assert _live(host, "t-q") == ("t-q", (), ("q",), ())
@@ -258,13 +266,7 @@ def test_without_rebuild_the_hello_re_sends_only_to_be_told_and_a_new_leader_res
         assert sorted(h.transfer_id for h in hello.held) == ["t-new", "t-told"]
         out.put(_welcome(7, "l7"))
         # What ended while the stream was lost: told again, acted on once.
-        ended = pb.TransferNotice(
-            transfer_id="t-told",
-            state=pb.TRANSFER_STATE_FAILED,
-            reason=pb.REASON_AGENT_LOST,
-            detail="lease expired",
-        )
-        out.put(pb.CoordinatorMessage(notice=ended))
+        out.put(_lease_expired("t-told"))
         e = host.wait_event("t-told", WAIT)
         assert e.kind is EventKind.KV_FAILED and "lease expired" in e.detail
         assert [h[0] for h in host.call("held")] == ["t-new"]
