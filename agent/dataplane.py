@@ -22,6 +22,8 @@ Invariants:
   term loses its coordinator, nothing more is posted until one welcomes it,
   so the snapshot its next hello carries names every order posted; a newer
   leader adopts the transfers instead of this thread resolving them.
+- What it resolves itself when the coordinator is lost, replaced or takes it
+  back: agent/local_resolution.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from agent.armed import Armed, filled
 from agent.arrivals import Arrivals
 from agent.events import EventKind, HostEvent
+from agent.local_resolution import LocalResolution
 from agent.lru import Lru
 from agent.messages import (
     AbortMsg,
@@ -78,7 +81,7 @@ IDLE_POLL_MAX_S = 0.05  # backoff ceiling when idle
 _Outcome = tuple[str, ReportStatus, str]  # transfer_id, status, detail
 
 
-class DataPlane:
+class DataPlane(LocalResolution):
     def __init__(
         self,
         endpoint_factory: Callable[[], NixlEndpoint],
@@ -420,71 +423,6 @@ class DataPlane:
             self._tell(EventKind.KV_FAILED, tid, msg.detail)
         # else: failed but a WRITE may still land; a later notice releases it.
 
-    def _on_coordinator_changed(self, lease_s: float) -> None:
-        """The coordinator restarted and forgot every transfer: resolve ours locally.
-
-        Prefill: queued orders are dropped (never posted); posted WRITEs finish.
-        Decode: transfers still missing ranks fail once no prefill agent can post
-        any more: every agent stops posting when its lease lapses, and no lease
-        given by the old coordinator outlives now + lease_s.
-        """
-        log.warning("coordinator changed: resolving in-flight transfers locally")
-        busy = self._drop_unposted(
-            "coordinator restarted before posting", "coordinator restarted mid-prefill"
-        )
-        for tid in list(self._held - busy):
-            self._free(tid, "coordinator restarted; transfer abandoned")
-        if not self._prefill:
-            self._arrivals.fail_all_at(time.monotonic() + lease_s)
-
-    def _on_lease_lapsed(self) -> None:
-        """Back at the same coordinator after this agent's lease lapsed (it
-        resolved every order it gave us): the orders held unposted are dropped,
-        posted WRITEs finish. Else an order of a transfer that ended there and
-        that the hello did not list (cut at its bound) would be posted."""
-        why = "agent lease lapsed while the coordinator was unreachable"
-        if self._prefill:
-            self._drop_unposted(f"{why}; not posting", f"{why} (mid-prefill)")
-
-    def _on_left_out(self, transfer_ids: tuple[str, ...]) -> None:
-        """Prefill: transfers the hello left out (over its bound), which the
-        welcoming leader keeps or adopts without knowing what we hold of them:
-        it may never tell of their end, so their unposted orders are dropped
-        and their blocks freed (a later order for one is refused, "blocks
-        released": the transfer fails cleanly). Decode: expectations stay
-        (they end at their deadline)."""
-        if not self._prefill:
-            return
-        left, why = set(transfer_ids), "left out of the hello (over its bound)"
-        queued = [o for o in self._queued.values() if o.transfer_id in left]
-        for order in [*queued, *filter(None, map(self._armed.drop, transfer_ids))]:
-            self._queued.pop(order.order_id, None)
-            self._finish(order, ReportStatus.DROPPED, f"{why}; not posting")
-        for tid in sorted(left & self._held):
-            if not self._busy(tid):
-                self._free(tid, f"{why}; transfer abandoned")
-
-    def _drop_unposted(self, why: str, mid: str) -> set[str]:
-        """Every order held unposted (queued or armed: `why`; the rest of a
-        partial one: `mid`) is dropped, reported so, never posted; returns the
-        transfers with WRITEs in flight (their blocks freed once those settle)."""
-        dropped = [*self._queued.values(), *self._armed.take_all()]
-        self._queued.clear()
-        for order in dropped:
-            self._finish(order, ReportStatus.DROPPED, why)
-        busy = {f.order.transfer_id for f in self._inflight.values()}
-        return busy | self._partial.stop_all(mid)
-
-    def _on_adopted(self) -> None:
-        """A newer leader adopts our transfers from the hello: nothing is resolved
-        here. Old-term orders are refused (armed: now; queued: at `_post_queued`)."""
-        log.warning("a newer leader (term %d) adopts this agent's transfers", self._term)
-        for order in self._armed.take_all():
-            if order.term < self._term:
-                self._refuse(order)
-            else:
-                self._armed.arm(order)
-
     def _held_items(self) -> tuple[HeldItem, ...]:
         """The live transfers (agent/snapshot.py)."""
         if not self._prefill:
@@ -492,21 +430,6 @@ class DataPlane:
         posted = [*[f.order for f in self._inflight.values()], *self._partial.orders()]
         unposted = [*self._queued.values(), *self._armed.orders()]
         return prefill_items(self._held, posted, unposted)
-
-    def _give_up(self) -> None:
-        """The coordinator has been gone for give_up_s: longer than its write
-        timeout plus a lease, so no prefill agent can post any more (each stops
-        when its lease lapses, and every order's deadline has passed). Resolve
-        every transfer locally, as the coordinator would have."""
-        self._give_up_at, self._frozen = 0.0, False
-        log.warning("coordinator still unreachable: resolving in-flight transfers locally")
-        busy = self._drop_unposted(
-            "coordinator unreachable; not posting", "coordinator unreachable mid-prefill"
-        )
-        for tid in list(self._held - busy):
-            self._free(tid, "coordinator unreachable; transfer abandoned")
-        for tid in list(self._arrivals):
-            self._tell(EventKind.KV_FAILED, tid, "coordinator unreachable; no WRITE can land")
 
     # ------------------------------------------------------------ prefill
     def _post_queued(self) -> None:
