@@ -29,7 +29,7 @@ from controlplane.auth import Principal
 from controlplane.errors import PushKVError, ResourceExhausted
 from controlplane.runtime import AgentSession, Runtime, to_message
 from controlplane.status_map import outcome
-from wire.batching import Batcher
+from wire.batching import MAX_BATCH_BYTES, Batcher
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -38,17 +38,42 @@ MAX_CHANNELS = 1024
 RPC = "/pushkv.v1.AgentService/NodeStream"
 
 
+def split_batch(
+    out: pb.CoordinatorMessage, max_bytes: int = MAX_BATCH_BYTES
+) -> list[pb.CoordinatorMessage]:
+    """`out`, or, a batch over `max_bytes`, its messages in order as several
+    messages of at most about `max_bytes` each (a part of one message goes
+    unwrapped). Every order fits the message limit alone (order_size.py), so
+    a backlog of large orders never makes a message the agent refuses, which
+    would end its stream at every replay."""
+    if out.WhichOneof("kind") != "batch" or out.ByteSize() <= max_bytes:
+        return [out]
+    parts: list[pb.CoordinatorMessage] = []
+    part, size = pb.CoordinatorMessage(), 0
+    for m in out.batch.messages:
+        n = m.ByteSize() + 6  # its tag and length
+        if size and size + n > max_bytes:
+            parts.append(part)
+            part, size = pb.CoordinatorMessage(), 0
+        part.batch.messages.append(m)
+        size += n
+    parts.append(part)
+    return [p.batch.messages[0] if len(p.batch.messages) == 1 else p for p in parts]
+
+
 async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessage]:
     """What to send to an agent, in order, until its session ends: the welcome
     alone, then what `AgentSession.take` batches (an AgentStream's, or a
-    NodeStream channel's). Here, not in runtime.py: mypyc compiles that."""
+    NodeStream channel's), split under the byte bound. Here, not in
+    runtime.py: mypyc compiles that."""
     msg = await s.outbox.get()
     if msg is None:
         return
     yield to_message(msg)  # the welcome, always alone
     while (msg := await s.outbox.get()) is not None:
         out, ended = s.take(msg)
-        yield out
+        for part in split_batch(out):
+            yield part
         if ended:
             return
 

@@ -34,6 +34,7 @@ from controlplane.domain import (
 )
 from controlplane.domain import WriteTarget as Target
 from controlplane.errors import InvalidArgument
+from controlplane.node_stream import split_batch
 from controlplane.order_size import OrderTooLarge, check, max_order_bytes, order_bytes
 from controlplane.rendezvous import Rendezvous
 from controlplane.server import Coordinator, ServerSettings, start
@@ -248,6 +249,52 @@ async def test_a_transfer_whose_order_passes_the_limit_fails_and_the_stream_live
             assert order.transfer_id == "ok"  # the first and only order
             assert not p.ended.is_set() and not d.ended.is_set()
             assert [o.transfer_id for o in p.orders_seen] == ["ok"]
+    finally:
+        await p.close()
+        await d.close()
+
+
+def test_a_batch_over_the_bound_goes_as_several_messages_in_order() -> None:
+    def order(i: int, n: int) -> pb.CoordinatorMessage:
+        ids = pb.BlockIds(ids=range(2**14, 2**14 + n))  # 3-byte ids
+        target = pb.WriteTarget(src_blocks=[ids], dst_blocks=[ids])
+        return pb.CoordinatorMessage(order=pb.TransferOrder(transfer_id=f"t{i}", targets=[target]))
+
+    small = pb.CoordinatorMessage(batch=pb.CoordinatorBatch(messages=[order(0, 10), order(1, 10)]))
+    assert split_batch(small)[0] is small and len(split_batch(small)) == 1
+    lone = order(9, 200_000)  # one message over the bound: it goes as it is
+    assert split_batch(lone) == [lone]
+    items = [order(0, 100_000), order(1, 10), order(2, 100_000), order(3, 100_000), order(4, 10)]
+    items.insert(2, pb.CoordinatorMessage(notice=pb.TransferNotice(transfer_id="n")))
+    parts = split_batch(pb.CoordinatorMessage(batch=pb.CoordinatorBatch(messages=items)), 700_000)
+    flat = [m for p in parts for m in (p.batch.messages if p.HasField("batch") else [p])]
+    assert flat == items
+    assert len(parts) == 3 and all(p.ByteSize() <= 700_000 for p in parts)
+    assert parts[1] == items[3]  # a part of one order goes unwrapped
+
+
+@pytest.fixture
+async def coord() -> AsyncIterator[Coordinator]:
+    c = await start(ServerSettings(port=0, core=CoreSettings()))
+    yield c
+    await c.stop(0)
+
+
+async def test_orders_queued_together_past_4_mib_reach_a_batching_agent(
+    coord: Coordinator,
+) -> None:
+    """Twelve orders of about 360 KB queued at once (one Submit of prefill
+    reports): 4.3 MiB, more than one message may carry. Without the split the
+    agent's stream ended at every replay."""
+    p, d = await pair(coord.address)
+    tids = [f"t{i}" for i in range(12)]
+    try:
+        async with grpc.aio.insecure_channel(coord.address) as ch:
+            await submit(ch, *(call(t, "decode", wide()) for t in tids))
+            await submit(ch, *(call(t, "prefill", wide(base=2**14 + 3)) for t in tids))
+            got = [(await p.expect("order", timeout=10, skip=("peer",))).transfer_id for _ in tids]
+            assert got == tids
+            assert not p.ended.is_set() and p.batches_seen >= 3
     finally:
         await p.close()
         await d.close()
