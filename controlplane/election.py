@@ -172,10 +172,9 @@ class EtcdElection:
         self._watchdog: asyncio.Task[None] | None = None
         # A leader's lease is also renewed from a thread (lease_keeper.py),
         # while the loop's pulse (a task, run while leading) is younger than
-        # `loop_stall_limit_s`.
+        # `settings.loop_stall_limit_s`.
         self._keeper: LeaseKeeper | None = None
         self._pulse_task: asyncio.Task[None] | None = None
-        self.loop_stall_limit_s = settings.loop_stall_limit_s
         self._update(Role.STANDBY, "", 0)
 
     @property
@@ -447,7 +446,7 @@ class EtcdElection:
             call_timeout_s=self._call_timeout(),
             on_renewed=self._renewed,
             on_expired=expired,
-            stall_limit_s=self.loop_stall_limit_s,
+            stall_limit_s=self.settings.loop_stall_limit_s,
         )
         self._keeper.start()
 

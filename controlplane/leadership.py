@@ -112,6 +112,11 @@ class Leadership:
 DEFAULT_KEY = "/pushkv/coordinator/leader"
 
 
+# A loop whose pulse is older than this gets no more renewals from the lease
+# keeper (lease_keeper.py); the default of --loop-stall-limit-s.
+LOOP_STALL_LIMIT_S = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class ElectionSettings:
     # etcd client URLs (http://HOST:PORT), comma-separated: tried in turn.
@@ -138,7 +143,7 @@ class ElectionSettings:
     # A leader's lease is renewed from a thread of its own while its event
     # loop has run within this long (controlplane/lease_keeper.py); a loop
     # stalled longer lets the lease expire, and a standby leads.
-    loop_stall_limit_s: float = 5.0
+    loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
 
     def __post_init__(self) -> None:
         if self.lease_s < 1:

@@ -32,12 +32,12 @@ import grpc
 import structlog
 from aetcd import rpc
 
+from controlplane.leadership import LOOP_STALL_LIMIT_S
+
 log = structlog.get_logger("pushkv.coordinator")
 
 # How often the loop stamps its pulse.
 PULSE_S = 0.1
-# A loop whose pulse is older than this gets no more renewals from the keeper.
-LOOP_STALL_LIMIT_S = 5.0
 
 # (target HOST:PORT, metadata) of the election's current connection.
 Where = Callable[[], tuple[str, tuple[tuple[str, str], ...]]]

@@ -20,7 +20,13 @@ from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
-from controlplane.leadership import ElectionSettings, Leadership, Role, View
+from controlplane.leadership import (
+    LOOP_STALL_LIMIT_S,
+    ElectionSettings,
+    Leadership,
+    Role,
+    View,
+)
 from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
 from controlplane.order_size import max_order_bytes
@@ -75,7 +81,7 @@ class ServerSettings:
     etcd_user: str = ""
     etcd_password_file: str = ""
     # A leader whose event loop has not run for this long lets its lease go.
-    loop_stall_limit_s: float = 5.0
+    loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
 
 
 @dataclass

@@ -84,9 +84,10 @@ def parse_corrupt_kv(value: str | None) -> int | None:
     return int(n)
 
 
+_HOOKS = parse_hooks(os.environ.get(ENV))
 _CORRUPT_BLOCKS = parse_corrupt_kv(os.environ.get(ENV))
-DIGEST = "kv_digest" in parse_hooks(os.environ.get(ENV))
-HOLD_FIRE = parse_hooks(os.environ.get(ENV)).get("hold_fire")
+DIGEST = "kv_digest" in _HOOKS
+HOLD_FIRE = _HOOKS.get("hold_fire")
 if _CORRUPT_BLOCKS is not None:
     log.warning("%s: every transfer into %d blocks is corrupted on arrival", ENV, _CORRUPT_BLOCKS)
 
