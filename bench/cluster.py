@@ -120,6 +120,12 @@ def summary(res: Result, hosts: int) -> list[str]:
             f"leader CPU {sat.coord_cpu * 100:.0f}% of its core, hosts CPU {hcpu * 100:.0f}% "
             f"of one core); {to:.0f} agent messages/s to the leader, {back:.0f}/s from it"
         )
+        if sat.completed_per_s > 0:
+            per_rdv = sat.coord_cpu / sat.completed_per_s * 1e3
+            out.append(
+                f"  leader CPU per rendezvous {per_rdv:.2f} ms, at {sat.calls_per_rpc:.1f} calls "
+                "per Submit (`pushkv bench transport`: the gRPC floor per RPC and message)"
+            )
         if not res.saturated:
             out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate)")
         if res.saturated and sat.coord_cpu < 0.8:

@@ -181,6 +181,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.cluster import main as bench_cluster
 
         return bench_cluster(args.rest)
+    if args.which == "transport":
+        from bench.transport import main as bench_transport
+
+        return bench_transport(args.rest)
     from bench.coordinator import main as bench_coordinator
 
     return bench_coordinator(args.rest)
@@ -357,6 +361,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
             "link",
             "failover",
             "cluster",
+            "transport",
         ],
     )
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
