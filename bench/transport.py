@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -157,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calls < 1 or args.rounds < 1 or args.concurrency < 1:
         ap.error("--calls, --rounds and --concurrency must be >= 1")
     server_cpus, client_cpus = cpu_split()
+    # The clients run here, pinned for the run only: a caller (a test process)
+    # gets its CPUs back, so what it starts later is not confined to them.
+    own_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_server_main, args=(child, server_cpus), daemon=True)
@@ -185,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 + f"; per stream message pair {res['stream']:.0f} µs ({took:.1f} s)"
             )
     finally:
+        pin(own_cpus)
         parent.send("stop")
         proc.join(10)
         if proc.is_alive():

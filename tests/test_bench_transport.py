@@ -6,6 +6,7 @@ bound."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -21,6 +22,7 @@ FINAL = re.compile(
 def test_transport_floor_runs_and_prints_its_final_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    cpus = os.sched_getaffinity(0)
     assert transport.main(["--calls", "400", "--rounds", "2", "--concurrency", "20"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert sum(line.startswith("round ") for line in lines) == 2
@@ -28,6 +30,8 @@ def test_transport_floor_runs_and_prints_its_final_line(
     assert m, lines[-1]
     # The server's CPU was read from /proc: 400 RPCs of each kind cost it something.
     assert sum(int(g) for g in m.groups()[:4]) > 0
+    # The bench pinned its clients for the run only: this process keeps its CPUs.
+    assert os.sched_getaffinity(0) == cpus
 
 
 def test_transport_refuses_an_empty_measurement() -> None:
