@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections.abc import Sequence
 
 from bench.cluster_runs import ClusterBench, Result
 from bench.coordinator_report import header, row
+from bench.coordinator_server import cpu_split
 from bench.output import say
 from bench.stats import percentile
 
@@ -52,7 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short steps (about 1-2 minutes)")
     p.add_argument("--engines", type=int, default=125, help="engines (half prefill, half decode)")
     p.add_argument("--tp", type=int, default=8, help="ranks per engine (one agent each)")
-    p.add_argument("--hosts", type=int, default=4, help="processes hosting the agents")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="processes hosting the agents (default: one per CPU the load runs on; "
+        "more only add scheduling delay to every order's latency)",
+    )
     p.add_argument("--replicas", type=int, default=2, help="coordinator replicas")
     p.add_argument(
         "--lease-s",
@@ -87,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(relay/upstream.py, in the host process): one NodeStream per engine",
     )
     return p
+
+
+def default_hosts() -> int:
+    """One host process per CPU left to the load (the leader has CPU 0 alone).
+    On a small box more processes than CPUs only queue for them: at 25
+    rendezvous/s the order p50 was 3.1 ms with one process, 5-6 ms with two
+    and 10-15 ms with four, all on the one CPU left (docs/benchmarks.md)."""
+    _, load = cpu_split()
+    return max(1, len(load) if load else (os.cpu_count() or 1))
 
 
 def final_line(res: Result) -> str:
@@ -169,6 +186,8 @@ def summary(res: Result, hosts: int) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.hosts is None:
+        args.hosts = default_hosts()
     if args.quick:
         args.duration = min(args.duration, 3.0)
         args.drain_s = min(args.drain_s, 8.0)

@@ -8,13 +8,14 @@ no figure is asserted."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
 
 import pytest
 
 from agent.link import CoordinatorLink
 from bench import cluster_agents
-from bench.cluster import build_parser, final_line, summary
+from bench.cluster import build_parser, default_hosts, final_line, summary
 from bench.cluster_agents import engines
 from bench.cluster_runs import ClusterBench, Failover, Result
 from bench.coordinator_report import row
@@ -35,6 +36,12 @@ def test_sim_agents_back_off_as_the_agent_link_does() -> None:
     assert params["backoff_max_s"].default == cluster_agents.BACKOFF_MAX_S
     # --relay: a rank's hello waits at its engine's Upstream as at `pushkv relay`.
     assert RelaySettings("x:1").hello_wait_s == cluster_agents.RELAY_HELLO_WAIT_S
+
+
+def test_hosts_default_to_one_process_per_cpu_left_to_the_load() -> None:
+    assert build_parser().parse_args([]).hosts is None  # main() resolves it
+    cpus = len(os.sched_getaffinity(0))
+    assert default_hosts() == (cpus - 1 if cpus > 1 else (os.cpu_count() or 1))
 
 
 def test_engines_are_dealt_so_every_host_pairs_its_own() -> None:
