@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 def default_hosts() -> int:
     """One host process per CPU left to the load (the leader has CPU 0 alone).
     On a small box more processes than CPUs only queue for them: at 25
-    rendezvous/s the order p50 was 3.1 ms with one process, 5-6 ms with two
-    and 10-15 ms with four, all on the one CPU left (docs/benchmarks.md)."""
+    rendezvous/s the order p50 was 2.1-2.4 ms with one process, 2.5-2.8 ms
+    with two and 3.1-5.5 ms with four, all on the one CPU left
+    (docs/benchmarks.md, "How many host processes")."""
     _, load = cpu_split()
     return max(1, len(load) if load else (os.cpu_count() or 1))
 

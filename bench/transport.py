@@ -10,16 +10,17 @@ against: a TP-8 rendezvous there costs the leader two ``Submit`` RPCs (the
 decode registration and the prefill report, one call each at the bench's
 per-engine rates) and a few stream messages each way.
 
-Measured, each round in this order and the rounds alternated: unary
-``Submit`` carrying 1, 8 and 64 calls (``--concurrency`` in flight, as many
-engines' scheduler clients would), then stream message pairs (one up, one
-down) on one ``AgentStream``. The median of ``--rounds`` rounds is printed.
-The final line:
+Two such servers run side by side, one on asyncio's event loop and one on
+uvloop's (`pushkv coordinator --event-loop`, whose default is uvloop), and
+each round measures both, in turns (the first of a round alternates). Each
+measurement: unary ``Submit`` carrying 1, 8 and 64 calls (``--concurrency``
+in flight, as many engines' scheduler clients would), then stream message
+pairs (one up, one down) on one ``AgentStream``. The medians of
+``--rounds`` rounds are printed, and uvloop's over asyncio's. The final line
+(one line; folded here), uvloop's figures first:
 
-    unary_us=<u> unary_8_calls_us=<u8> unary_64_calls_us=<u64> stream_pair_us=<s>
-    unary_rpcs_per_core=<r>
-
-(one line; folded here).
+    unary_us=<u> stream_pair_us=<s> unary_us_asyncio=<ua> stream_pair_us_asyncio=<sa>
+    uvloop_unary_ratio=<ru> uvloop_stream_ratio=<rs>
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from bench.coordinator_server import cpu_seconds, cpu_split, pin
 from bench.output import say
 
 BATCHES = (1, 8, 64)  # calls per Submit
+LOOPS = ("asyncio", "uvloop")  # the event loops measured (the servers' --event-loop)
 
 
-def _server_main(conn: Connection, cpus: set[int] | None) -> None:
-    """Process entry: serve the do-nothing servicers until the controller says "stop"."""
+def _server_main(conn: Connection, cpus: set[int] | None, event_loop: str) -> None:
+    """Process entry: serve the do-nothing servicers on `event_loop` (as
+    `pushkv coordinator --event-loop`) until the controller says "stop"."""
     pin(cpus)
     import grpc
     from pushkv.v1 import pushkv_pb2 as pb
@@ -88,7 +91,12 @@ def _server_main(conn: Connection, cpus: set[int] | None) -> None:
         await asyncio.to_thread(conn.recv)  # "stop"
         await server.stop(0)
 
-    asyncio.run(run())
+    if event_loop == "uvloop":
+        import uvloop
+
+        uvloop.run(run())
+    else:
+        asyncio.run(run())
 
 
 def _register_call(i: int) -> Any:
@@ -146,6 +154,23 @@ async def _measure(port: int, pid: int, n: int, concurrency: int) -> dict[str, f
     return out
 
 
+def _start_server(ctx: Any, cpus: set[int] | None, event_loop: str) -> tuple[Any, Any, int]:
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_server_main, args=(child, cpus, event_loop), daemon=True)
+    proc.start()
+    if not parent.poll(60):
+        proc.kill()
+        raise RuntimeError(f"the do-nothing gRPC server ({event_loop}) did not start within 60 s")
+    return proc, parent, int(parent.recv())
+
+
+def _line(res: dict[str, float]) -> str:
+    return (
+        ", ".join(f"{k} call(s) {res[f'unary_{k}']:.0f} µs" for k in BATCHES)
+        + f"; stream message pair {res['stream']:.0f} µs"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pushkv bench transport", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer calls per measurement")
@@ -162,50 +187,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gets its CPUs back, so what it starts later is not confined to them.
     own_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_server_main, args=(child, server_cpus), daemon=True)
-    proc.start()
+    servers: dict[str, tuple[Any, Any, int]] = {}
+    runs: dict[str, list[dict[str, float]]] = {loop: [] for loop in LOOPS}
     try:
-        if not parent.poll(60):
-            raise RuntimeError("the do-nothing gRPC server did not start within 60 s")
-        port = int(parent.recv())
+        for loop in LOOPS:
+            servers[loop] = _start_server(ctx, server_cpus, loop)
         pin(client_cpus)
         where = sorted(server_cpus or []) or "any", sorted(client_cpus or []) or "any"
         say(
-            f"a do-nothing gRPC server on pushkv's contract, CPUs {where[0]}; "
-            f"clients on {where[1]}; "
+            f"do-nothing gRPC servers on pushkv's contract ({' and '.join(LOOPS)} event "
+            f"loops, measured in turn), CPUs {where[0]}; clients on {where[1]}; "
             f"{args.calls} calls per measurement, {args.concurrency} in flight"
         )
-        runs: list[dict[str, float]] = []
         for r in range(args.rounds):
-            t0 = time.monotonic()
-            assert proc.pid is not None
-            res = asyncio.run(_measure(port, proc.pid, args.calls, args.concurrency))
-            runs.append(res)
-            took = time.monotonic() - t0
-            say(
-                f"round {r + 1}: server CPU per unary Submit "
-                + ", ".join(f"{k} call(s) {res[f'unary_{k}']:.0f} µs" for k in BATCHES)
-                + f"; per stream message pair {res['stream']:.0f} µs ({took:.1f} s)"
-            )
+            # Alternate which loop goes first, so that neither always has the quieter half.
+            for loop in LOOPS if r % 2 == 0 else LOOPS[::-1]:
+                proc, _, port = servers[loop]
+                t0 = time.monotonic()
+                res = asyncio.run(_measure(port, proc.pid, args.calls, args.concurrency))
+                runs[loop].append(res)
+                took = time.monotonic() - t0
+                say(f"round {r + 1} {loop:>7}: server CPU per Submit {_line(res)} ({took:.1f} s)")
     finally:
         pin(own_cpus)
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    per_core = 1e6 / med["unary_1"] if med["unary_1"] > 0 else float("nan")
+        for _proc, conn, _ in servers.values():
+            conn.send("stop")
+        for proc, _, _ in servers.values():
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    med = {
+        loop: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for loop, rs in runs.items()
+    }
+    a, u = med["asyncio"], med["uvloop"]
+    for loop, m in med.items():
+        per_core = 1e6 / m["unary_1"] if m["unary_1"] > 0 else float("nan")
+        say(
+            f"{loop}, medians of {args.rounds} rounds: a one-call Submit costs the server "
+            f"{m['unary_1']:.0f} µs of CPU ({per_core:.0f} RPCs/s per core, nothing else "
+            f"done); per call {m['unary_8'] / 8:.0f} µs in 8-call and "
+            f"{m['unary_64'] / 64:.0f} µs in 64-call batches; a stream message pair "
+            f"{m['stream']:.0f} µs"
+        )
+
+    def ratio(k: str) -> float:
+        return u[k] / a[k] if a[k] > 0 else float("nan")
+
     say(
-        f"medians of {args.rounds} rounds: a one-call Submit costs the server "
-        f"{med['unary_1']:.0f} µs of CPU ({per_core:.0f} RPCs/s per core, nothing else done); "
-        f"per call {med['unary_8'] / 8:.0f} µs in 8-call and {med['unary_64'] / 64:.0f} µs "
-        f"in 64-call batches; a stream message pair {med['stream']:.0f} µs"
+        f"uvloop / asyncio, server CPU: one-call Submit {ratio('unary_1'):.2f}, "
+        f"stream message pair {ratio('stream'):.2f}"
     )
     say(
-        f"unary_us={med['unary_1']:.0f} unary_8_calls_us={med['unary_8']:.0f} "
-        f"unary_64_calls_us={med['unary_64']:.0f} stream_pair_us={med['stream']:.0f} "
-        f"unary_rpcs_per_core={per_core:.0f}"
+        f"unary_us={u['unary_1']:.0f} stream_pair_us={u['stream']:.0f} "
+        f"unary_us_asyncio={a['unary_1']:.0f} stream_pair_us_asyncio={a['stream']:.0f} "
+        f"uvloop_unary_ratio={ratio('unary_1'):.2f} uvloop_stream_ratio={ratio('stream'):.2f}"
     )
     return 0
 

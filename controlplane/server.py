@@ -180,8 +180,14 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         coordinator_id=runtime.core.coordinator_id,
         core=core_build(),
         etcd=settings.etcd or None,
+        event_loop=event_loop_name(),
     )
     return coord
+
+
+def event_loop_name() -> str:
+    """The running event loop's package: "uvloop" or "asyncio" (`--event-loop`)."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def _health(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:

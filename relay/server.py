@@ -185,9 +185,10 @@ class Relay:
             asyncio.ensure_future(_track_health(self.upstream, self._health, self._stop)),
         ]
         log.info(
-            "relay: listening on %s, coordinators %s",
+            "relay: listening on %s, coordinators %s, event loop %s",
             self.address,
             ",".join(self.upstream.addresses),
+            type(asyncio.get_running_loop()).__module__.split(".")[0],
         )
         return self
 
