@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from controlplane.settings import CoreSettings
 
 ENV_PREFIX = "PUSHKV_"
-# The servers' event loops: uvloop (libuv's; vLLM's API server runs on it)
-# costs a gRPC server here about a fifth less CPU per call than asyncio's own
+# The servers' event loops: uvloop (libuv's; vLLM depends on it too) costs a
+# gRPC server here about a sixth less CPU per unary call than asyncio's own
 # (`pushkv bench transport`), which stays selectable.
 EVENT_LOOPS = ("uvloop", "asyncio")
 T = TypeVar("T")
@@ -43,8 +43,8 @@ def _add_event_loop_flag(p: argparse.ArgumentParser) -> None:
         "--event-loop",
         choices=EVENT_LOOPS,
         default=_env("event_loop", EVENT_LOOPS[0]),
-        help="the process's asyncio event loop: uvloop (default: about a fifth less CPU "
-        "per gRPC call, docs/benchmarks.md) or asyncio's own",
+        help="the process's asyncio event loop: uvloop (default: about a sixth less CPU "
+        "per unary gRPC call, docs/operations.md) or asyncio's own",
     )
 
 
