@@ -6,7 +6,11 @@ its byte offset inside every decode block, and the decode rank expects 2
 writers. TP1 into TP2: the prefill rank writes each decode rank its head
 slice, and each decode rank expects 1 writer. Outputs are compared with an
 independent TP1 engine started with no KV connector, stopped before the pair
-starts (a TP2 engine binds both cores of this machine)."""
+starts (a TP2 engine binds both cores of this machine).
+
+The kill test holds the burst in flight with the prefill engine's test hook
+``hold_fire`` (armed orders unfired while a file exists), instead of racing
+the burst: no transfer can complete before the kill."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -58,13 +63,18 @@ class Pair:
     prefill: VllmServer
     decode: VllmServer
     router: RouterProcess
+    hold: Path  # while it exists, the prefill engine holds its armed orders
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2-into-tp1", "tp1-into-tp2"])
 def pair(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, reference: list[str]
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model_dir: Path,
+    reference: list[str],
 ) -> Iterator[Pair]:
     p_tp, d_tp = request.param
+    hold = tmp_path_factory.mktemp("tp-hetero") / "hold-fire"
     coord = CoordinatorProcess(*COORD_FLAGS).start()
     prefill = pushkv_server(
         tiny_model_dir,
@@ -75,6 +85,7 @@ def pair(
         tp_size=p_tp,
         block_size=BLOCK,
         max_num_seqs=32,
+        env={"PUSHKV_TEST_FAULT": f"hold_fire:{hold}"},
     )
     decode = pushkv_server(
         tiny_model_dir,
@@ -93,8 +104,9 @@ def pair(
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Pair(p_tp, d_tp, coord, prefill, decode, router)
+        yield Pair(p_tp, d_tp, coord, prefill, decode, router, hold)
     finally:
+        hold.unlink(missing_ok=True)
         router.stop()
         prefill.stop()
         decode.stop()
@@ -139,25 +151,23 @@ IN_FLIGHT = (
 )
 
 
-def _first_in_flight(coordinator: str, skip: set[str], timeout: float = 120) -> str:
-    """The id of the first transfer not in `skip` seen with decode blocks held."""
-    req = pb.WatchTransfersRequest(states=IN_FLIGHT, include_existing=True)
-    events = serving.status_stub(coordinator).WatchTransfers(req, timeout=timeout)
-    try:
-        for ev in events:
-            if ev.transfer.transfer_id not in skip:
-                return ev.transfer.transfer_id
-    finally:
-        events.cancel()
-    raise AssertionError(f"no transfer in flight within {timeout} s")
+def _all_in_flight(coordinator: str, skip: set[str], n: int, timeout: float = 120) -> None:
+    """Wait until `n` transfers not in `skip` hold decode blocks, none ended."""
+
+    def held() -> bool:
+        live = [t for t in serving.transfers(coordinator) if t.transfer_id not in skip]
+        return len(live) == n and all(t.state in IN_FLIGHT for t in live)
+
+    wait_until(held, f"{n} transfers in flight with decode blocks held", timeout, every_s=0.05)
 
 
 def test_rank_killed_mid_transfer(pair: Pair, reference: list[str]) -> None:
     """Rank 1 of the TP2 engine (prefill in tp2-into-tp1, decode in tp1-into-tp2)
-    is killed while a burst's transfers are in flight. vLLM's engine dies with
-    its worker. Every request ends, none hangs: with the prefill engine lost,
-    the decode engine recomputes (the router's default); with the decode
-    engine lost, the client gets a clean error. No transfer is left open or
+    is killed while every transfer of a burst is in flight (decode blocks
+    registered, the prefill engine holding its armed orders). vLLM's engine
+    dies with its worker. Every request ends, none hangs: with the prefill
+    engine lost, the decode engine recomputes (the router's default); with the
+    decode engine lost, every client gets a clean error. No transfer is left open or
     with a WRITE that may still land, and the surviving engine holds no block."""
     victim, survivor = pair.prefill, pair.decode
     if pair.d_tp == 2:
@@ -169,9 +179,13 @@ def test_rank_killed_mid_transfer(pair: Pair, reference: list[str]) -> None:
         for p in KILL_PROMPTS
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        answers = [pool.submit(serving.post_status, url, b, ANSWER_S) for b in bodies]
-        _first_in_flight(pair.coord.address, earlier)
-        victim.kill_process("VLLM::Worker_TP1")
+        pair.hold.touch()
+        try:
+            answers = [pool.submit(serving.post_status, url, b, ANSWER_S) for b in bodies]
+            _all_in_flight(pair.coord.address, earlier, len(bodies))
+            victim.kill_process("VLLM::Worker_TP1")
+        finally:
+            pair.hold.unlink(missing_ok=True)  # before the pool waits on the answers
         ended = [a.result(timeout=ANSWER_S + 10) for a in answers]
 
     statuses = [status for status, _ in ended]
@@ -183,11 +197,10 @@ def test_rank_killed_mid_transfer(pair: Pair, reference: list[str]) -> None:
         # Served by the decode engine alone where the push could not happen.
         assert statuses == [200] * len(bodies), ended
     else:
-        assert all(s == 200 or 500 <= s < 600 for s in statuses), ended
-        assert any(s != 200 for s in statuses), "the decode engine died yet every request passed"
-        for s, out in ended:
-            if s != 200:
-                assert out.get("error", {}).get("message"), out  # a clean error, saying why
+        # No KV could land before the kill, so no request could be answered.
+        assert all(500 <= s < 600 for s in statuses), ended
+        for _, out in ended:
+            assert out.get("error", {}).get("message"), out  # a clean error, saying why
 
     listed = serving.settled(pair.coord.address, len(bodies), earlier, timeout=120)
     assert not [t for t in listed if t.write_may_land], listed
