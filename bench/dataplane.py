@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -49,11 +48,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from agent.nixl_types import KVRegion, PeerKey, TransferState, WriteHandle
 from agent.write_plan import merge_runs
+from bench.dataplane_target import _U8, FILL, WAIT_S, _fill_pattern, _target_main
 from harness.netlink import NetnsProcess, TwoNodeLink, format_rate, parse_rate
 
 KiB = 1024
@@ -63,125 +62,6 @@ BLOCK_COUNTS = (1, 8, 64, 256)
 QUICK_COUNTS = (1, 8, 64)
 GOAL = (64, 128 * KiB)
 LINK_MAX_MIB = 16
-WAIT_S = 30.0
-FILL = 0xEE
-
-_U8 = npt.NDArray[np.uint8]
-
-
-def _fill_pattern(pool: _U8) -> None:
-    """Block b of the pool holds the byte b % 251 (pre-touches every page)."""
-    pool[:] = (np.arange(pool.shape[0], dtype=np.uint32) % 251).astype(np.uint8)[:, None]
-
-
-# --------------------------------------------------------------------------- target process
-
-
-def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
-    """Target: (re)creates a registered pool on "setup", verifies on "verify".
-
-    With ``poll_s`` > 0 it progresses its NIXL agent every ``poll_s`` while it
-    waits for a command, as the decode agent's NIXL thread does while arrivals
-    are expected.  Over CMA that is not needed (the copy is one-sided); over
-    UCX's TCP transport a WRITE lands only while the target progresses.
-    """
-    for key, value in quiet_nixl_env(loopback=True).items():
-        os.environ.setdefault(key, value)
-    ep: NixlEndpoint | None = None
-    pools: list[_U8] = []
-    seen: list[tuple[str, bytes]] = []
-    try:
-        while _wait_command(conn, ep, poll_s, seen):
-            try:
-                cmd: tuple[Any, ...] = conn.recv()
-            except EOFError:
-                return
-            if cmd[0] == "setup":
-                _, name, block_len, num_blocks, num_regions = cmd
-                if ep is not None:
-                    ep.close()
-                pools = [np.full((num_blocks, block_len), FILL, np.uint8)]
-                pools += [np.full_like(pools[0], FILL) for _ in range(num_regions - 1)]
-                ep = NixlEndpoint(name)
-                ep.register_kv([KVRegion(p.ctypes.data, block_len, num_blocks) for p in pools])
-                seen.clear()
-                layout = [(r.base_addr, r.block_len, r.num_blocks) for r in ep.regions]
-                conn.send(("ready", ep.metadata(), layout, os.getpid()))
-            elif cmd[0] == "verify" and ep is not None:
-                pairs, notif = cmd[1], cmd[2]
-                span = cmd[3] if len(cmd) > 3 else None  # --sliced: (offset, length)
-                conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen, span)))
-            elif cmd[0] == "verify_digests" and ep is not None:  # --resized
-                _, blocks, digests, notif = cmd
-                conn.send(("verified", _verify_digests(ep, pools, blocks, digests, notif, seen)))
-            elif cmd[0] == "exit":
-                return
-    finally:
-        if ep is not None:
-            ep.close()
-
-
-def _wait_command(
-    conn: Connection, ep: NixlEndpoint | None, poll_s: float, seen: list[tuple[str, bytes]]
-) -> bool:
-    """Wait up to 600 s for the next command, progressing ``ep`` every ``poll_s``."""
-    if ep is None or poll_s <= 0:
-        return conn.poll(600.0)
-    deadline = time.monotonic() + 600.0
-    while not conn.poll(poll_s):
-        seen += ep.get_notifications()  # drives the UCX worker: TCP receives land here
-        if time.monotonic() > deadline:
-            return False
-    return True
-
-
-def _verify_target(
-    ep: NixlEndpoint,
-    pools: Sequence[_U8],
-    pairs: Sequence[tuple[int, int]],
-    notif: bytes,
-    seen: list[tuple[str, bytes]],
-    span: tuple[int, int] | None = None,
-) -> str:
-    """Each remote block holds its local block's byte (local % 251); with
-    ``span`` only bytes [offset, offset + length) do, the rest the fill."""
-    deadline = time.monotonic() + WAIT_S
-    while not any(msg == notif for _, msg in seen):
-        if time.monotonic() > deadline:
-            return f"notification {notif!r} not received within {WAIT_S} s"
-        seen += ep.get_notifications()
-    seen.clear()
-    lo, hi = (span[0], span[0] + span[1]) if span else (0, pools[0].shape[1])
-    for pool in pools:
-        for remote, local in pairs:
-            if not np.all(pool[remote, lo:hi] == local % 251):
-                return f"remote block {remote} does not hold local block {local}"
-            if not (np.all(pool[remote, :lo] == FILL) and np.all(pool[remote, hi:] == FILL)):
-                return f"remote block {remote} was written outside [{lo}, {hi})"
-    return "ok"
-
-
-def _verify_digests(
-    ep: NixlEndpoint,
-    pools: Sequence[_U8],
-    blocks: Sequence[int],
-    digests: Sequence[Sequence[str]],
-    notif: bytes,
-    seen: list[tuple[str, bytes]],
-) -> str:
-    """Block blocks[i] of region r hashes (SHA-256) to digests[r][i]."""
-    deadline = time.monotonic() + WAIT_S
-    while not any(msg == notif for _, msg in seen):
-        if time.monotonic() > deadline:
-            return f"notification {notif!r} not received within {WAIT_S} s"
-        seen += ep.get_notifications()
-    seen.clear()
-    for r, (pool, want) in enumerate(zip(pools, digests, strict=True)):
-        for b, digest in zip(blocks, want, strict=True):
-            if hashlib.sha256(pool[b].tobytes()).hexdigest() != digest:
-                return f"region {r} block {b} does not hold the expected tokens"
-    return "ok"
-
 
 # --------------------------------------------------------------------------- initiator
 
@@ -587,7 +467,7 @@ def _relay(init: Connection, target: Connection) -> list[Row]:
 def _run_link(args: argparse.Namespace) -> list[Row]:
     with TwoNodeLink(args.link_bit) as link:
         target = NetnsProcess(
-            link, "b", "bench.dataplane:_target_main", (args.target_poll_ms / 1e3,)
+            link, "b", "bench.dataplane_target:_target_main", (args.target_poll_ms / 1e3,)
         )
         init = NetnsProcess(link, "a", "bench.dataplane:_initiator_main", (args,))
         target.start()

@@ -39,7 +39,8 @@ import numpy as np
 
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import BlockResize, KVRegion, PeerKey
-from bench.dataplane import _U8, KiB, _Bench, _wait
+from bench.dataplane import KiB, _Bench, _wait
+from bench.dataplane_target import _U8
 
 HEADS = 8
 SMALL, LARGE = 32, 64  # tokens per block

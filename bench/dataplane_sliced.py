@@ -27,7 +27,8 @@ import numpy as np
 
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import BlockSlice, KVRegion, PeerKey
-from bench.dataplane import _U8, FILL, KiB, Row, _Bench, _fill_pattern, _wait
+from bench.dataplane import KiB, Row, _Bench, _wait
+from bench.dataplane_target import _U8, FILL, _fill_pattern
 
 DIRECTIONS = ("2->1", "1->2")
 

@@ -35,6 +35,7 @@ from controlplane.servicers import AgentServicer, StatusServicer, TransferServic
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
+from wire.event_loop import event_loop_name
 from wire.port_file import write_port_file
 from wire.tls import TLSFiles
 
@@ -183,11 +184,6 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         event_loop=event_loop_name(),
     )
     return coord
-
-
-def event_loop_name() -> str:
-    """The running event loop's package: "uvloop" or "asyncio" (`--event-loop`)."""
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def _health(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:

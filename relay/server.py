@@ -30,6 +30,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from relay.upstream import CODES, Channel, Upstream
+from wire.event_loop import event_loop_name
 from wire.port_file import write_port_file
 from wire.tls import TLSFiles
 
@@ -188,7 +189,7 @@ class Relay:
             "relay: listening on %s, coordinators %s, event loop %s",
             self.address,
             ",".join(self.upstream.addresses),
-            type(asyncio.get_running_loop()).__module__.split(".")[0],
+            event_loop_name(),
         )
         return self
 
