@@ -30,6 +30,7 @@ from controlplane.domain import (
 )
 from controlplane.errors import InvalidArgument
 from controlplane.order_size import MAX_ORDER_BYTES
+from controlplane.peer_messages import PeerMessages
 from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from controlplane.timeline import TransferObserver
@@ -146,6 +147,7 @@ class Runtime:
         self.core = Rendezvous(settings, clock, max_order_bytes)
         self.clock = clock
         self._sessions: dict[AgentKey, AgentSession] = {}
+        self._peer_msgs = PeerMessages(self.core.registry)
         self._watchers: set[Watcher] = set()
         self._ticker: asyncio.Task[None] | None = None
         # Metrics and tracing (controlplane/metrics.py, tracing.py), told of every change.
@@ -280,7 +282,7 @@ class Runtime:
         if peer in s.known_peers:
             return
         s.known_peers.add(peer)
-        s.send(pb.CoordinatorMessage(peer=convert.peer_to_pb(rec.reg)))
+        s.send(self._peer_msgs.get(rec))
 
     # ---------------------------------------------------------------- agents
     def open_session(
