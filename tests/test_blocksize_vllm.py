@@ -31,7 +31,17 @@ from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
-COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+# Starvation allowances for the TP2 engines: as in tests/test_tp_vllm.py.
+COORD_FLAGS = (
+    "--lease-s",
+    "20",
+    "--write-timeout-s",
+    "60",
+    "--rendezvous-timeout-s",
+    "180",
+    "--log-level",
+    "WARNING",
+)
 PROMPTS = serving.varied_prompts(91)
 
 

@@ -50,9 +50,19 @@ MAX_TOKENS = 12
 # One block of one layer: 2 KV heads x 32 tokens x (K|V of head size 32) x 4 bytes.
 BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
 # Starvation allowances for this shared 2-core machine (as the TP tests; TP2
-# engines here too): a longer lease and write timeout than the defaults, and a
-# longer RPC timeout for the engines' coordinator calls than the default 5 s.
-COORD_FLAGS = ("--lease-s", "60", "--write-timeout-s", "60", "--log-level", "WARNING")
+# engines here too): a longer lease, write timeout and rendezvous timeout than
+# the defaults, and a longer RPC timeout for the engines' coordinator calls
+# than the default 5 s.
+COORD_FLAGS = (
+    "--lease-s",
+    "60",
+    "--write-timeout-s",
+    "60",
+    "--rendezvous-timeout-s",
+    "180",
+    "--log-level",
+    "WARNING",
+)
 EXTRA_CONFIG = {"rpc_timeout_s": 20}
 PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 # Long prompts for the decode-memory measurement (one per try, distinct so

@@ -39,8 +39,18 @@ BLOCK = 32
 MAX_TOKENS = 12
 # Two PP workers and a decode worker busy-poll on 2 oversubscribed cores: a
 # longer lease and write timeout keep a starved agent's late report from
-# failing its transfers (as tests/test_tp_hetero_vllm.py).
-COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+# failing its transfers, and a longer rendezvous timeout a slow prefill's
+# armed transfers (as tests/test_tp_vllm.py).
+COORD_FLAGS = (
+    "--lease-s",
+    "20",
+    "--write-timeout-s",
+    "60",
+    "--rendezvous-timeout-s",
+    "180",
+    "--log-level",
+    "WARNING",
+)
 PROMPTS = serving.varied_prompts(91)
 
 

@@ -36,7 +36,17 @@ MAX_TOKENS = 12
 # cores; a lease longer than the default 5 s keeps a starved agent thread's
 # late heartbeat from failing every transfer of its engine, and a longer write
 # timeout than the default 15 s does the same for a starved rank's DONE report.
-COORD_FLAGS = ("--lease-s", "20", "--write-timeout-s", "60", "--log-level", "WARNING")
+# The rendezvous timeout: as in tests/test_tp_vllm.py.
+COORD_FLAGS = (
+    "--lease-s",
+    "20",
+    "--write-timeout-s",
+    "60",
+    "--rendezvous-timeout-s",
+    "180",
+    "--log-level",
+    "WARNING",
+)
 PROMPTS = serving.varied_prompts(77)
 # Long prompts, so that the burst is still in flight when a rank is killed.
 KILL_PROMPTS = serving.varied_prompts(78, (600, 511, 450, 383, 300, 255, 200, 129) * 2)

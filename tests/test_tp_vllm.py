@@ -39,7 +39,21 @@ MAX_TOKENS = 12
 # 20 s was seen to lapse once in a full CI run (a decode rank's agent silent
 # for 20 s while 4 TP workers shared the 2 cores), so 60 s: these tests prove
 # the TP mapping, tests/test_tp_faults.py and the rank-kill tests the leases.
-COORD_FLAGS = ("--lease-s", "60", "--write-timeout-s", "60", "--log-level", "WARNING")
+# The rendezvous timeout (default 60 s) bounds how long an armed transfer
+# waits for its prefill: the burst's last decode legs register at once and
+# wait while the TP2 prefill engine works through all 22 prompts, which took
+# over 60 s with one more busy process on the machine (2 of 22 expired armed
+# and were recomputed), so 180 s.
+COORD_FLAGS = (
+    "--lease-s",
+    "60",
+    "--write-timeout-s",
+    "60",
+    "--rendezvous-timeout-s",
+    "180",
+    "--log-level",
+    "WARNING",
+)
 PROMPTS = serving.varied_prompts(2024)
 
 
