@@ -26,22 +26,14 @@ from pushkv.v1 import pushkv_pb2 as pb
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
-# Starvation allowances for the TP2 engines: as in tests/test_tp_vllm.py.
-COORD_FLAGS = (
-    "--lease-s",
-    "20",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Starvation allowances for the TP2 engines: tests/support/allowances.py.
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 PROMPTS = serving.varied_prompts(91)
 
 

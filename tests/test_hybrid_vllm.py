@@ -39,6 +39,7 @@ from harness.coordinator import CoordinatorProcess
 from harness.tiny_model import build_tiny_hybrid_model
 from harness.vllm_server import RouterProcess, VllmServer, free_port, metric_value, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -49,20 +50,9 @@ LAYERS = 4  # sliding, full, sliding, full
 MAX_TOKENS = 12
 # One block of one layer: 2 KV heads x 32 tokens x (K|V of head size 32) x 4 bytes.
 BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
-# Starvation allowances for this shared 2-core machine (as the TP tests; TP2
-# engines here too): a longer lease, write timeout and rendezvous timeout than
-# the defaults, and a longer RPC timeout for the engines' coordinator calls
-# than the default 5 s.
-COORD_FLAGS = (
-    "--lease-s",
-    "60",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Starvation allowances for the TP2 engines (tests/support/allowances.py), and
+# a longer RPC timeout for the engines' coordinator calls than the default 5 s.
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 EXTRA_CONFIG = {"rpc_timeout_s": 20}
 PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 # Long prompts for the decode-memory measurement (one per try, distinct so

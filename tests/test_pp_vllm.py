@@ -31,26 +31,16 @@ from harness.coordinator import CoordinatorProcess
 from harness.tiny_model import build_tiny_hybrid_model
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
 BLOCK = 32
 MAX_TOKENS = 12
-# Two PP workers and a decode worker busy-poll on 2 oversubscribed cores: a
-# longer lease and write timeout keep a starved agent's late report from
-# failing its transfers, and a longer rendezvous timeout a slow prefill's
-# armed transfers (as tests/test_tp_vllm.py).
-COORD_FLAGS = (
-    "--lease-s",
-    "20",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Two PP workers and a decode worker busy-poll on 2 oversubscribed cores:
+# starvation allowances from tests/support/allowances.py.
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 PROMPTS = serving.varied_prompts(91)
 
 

@@ -25,6 +25,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
 
@@ -32,21 +33,8 @@ pytestmark = pytest.mark.e2e
 
 BLOCK = 32
 MAX_TOKENS = 12
-# TP2 workers busy-poll vLLM's shared-memory queues on 2 oversubscribed
-# cores; a lease longer than the default 5 s keeps a starved agent thread's
-# late heartbeat from failing every transfer of its engine, and a longer write
-# timeout than the default 15 s does the same for a starved rank's DONE report.
-# The rendezvous timeout: as in tests/test_tp_vllm.py.
-COORD_FLAGS = (
-    "--lease-s",
-    "20",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Starvation allowances for the TP2 engines: tests/support/allowances.py.
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 PROMPTS = serving.varied_prompts(77)
 # Long prompts, so that the burst is still in flight when a rank is killed.
 KILL_PROMPTS = serving.varied_prompts(78, (600, 511, 450, 383, 300, 255, 200, 129) * 2)

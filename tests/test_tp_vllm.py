@@ -23,6 +23,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from harness.coordinator import CoordinatorProcess, RelayProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
+from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import (  # noqa: F401
     tiny_model_1kv_dir_fixture,
     tiny_model_dir_fixture,
@@ -32,28 +33,9 @@ pytestmark = pytest.mark.e2e
 
 BLOCK = 32
 MAX_TOKENS = 12
-# TP2 workers busy-poll vLLM's shared-memory queues on 2 oversubscribed
-# cores; a lease longer than the default 5 s keeps a starved agent thread's
-# late heartbeat from failing every transfer of its engine, and a longer write
-# timeout than the default 15 s does the same for a starved rank's DONE report.
-# 20 s was seen to lapse once in a full CI run (a decode rank's agent silent
-# for 20 s while 4 TP workers shared the 2 cores), so 60 s: these tests prove
-# the TP mapping, tests/test_tp_faults.py and the rank-kill tests the leases.
-# The rendezvous timeout (default 60 s) bounds how long an armed transfer
-# waits for its prefill: the burst's last decode legs register at once and
-# wait while the TP2 prefill engine works through all 22 prompts, which took
-# over 60 s with one more busy process on the machine (2 of 22 expired armed
-# and were recomputed), so 180 s.
-COORD_FLAGS = (
-    "--lease-s",
-    "60",
-    "--write-timeout-s",
-    "60",
-    "--rendezvous-timeout-s",
-    "180",
-    "--log-level",
-    "WARNING",
-)
+# Starvation allowances (tests/support/allowances.py): 4 TP workers share
+# the 2 cores here, so the longer lease.
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 PROMPTS = serving.varied_prompts(2024)
 
 
