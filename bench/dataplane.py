@@ -6,8 +6,11 @@ alternately:
 
 * WRITE: ``NixlEndpoint.post_write`` -> DONE as seen by the initiator (includes
   building the request; no notification; handle released outside the timing);
-* memcpy: ``np.copyto`` of the same blocks with the same pattern in-process, one
-  copy per merged run (the same runs NIXL gets as descriptors).
+* memcpy: a copy of the same blocks with the same pattern in-process, one
+  copy per merged run (the same runs NIXL gets as descriptors): ``np.copyto``,
+  or with ``--memory vram`` (both sides' pools on the GPU, registered as VRAM)
+  one ``cuMemcpyDtoDAsync`` per run and one synchronisation
+  (bench/dataplane_memory.py).
 
 * with ``--cma-floor``, also the kernel floor of that WRITE: the same bytes
   moved into the target by ``process_vm_writev`` called directly (ctypes), ONE
@@ -52,7 +55,8 @@ import numpy as np
 from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from agent.nixl_types import KVRegion, PeerKey, TransferState, WriteHandle
 from agent.write_plan import merge_runs
-from bench.dataplane_target import _U8, FILL, WAIT_S, _fill_pattern, _target_main
+from bench.dataplane_memory import KINDS, CudaMemory, Memory, Pool, describe, memory_for
+from bench.dataplane_target import FILL, WAIT_S, _target_main
 from harness.netlink import NetnsProcess, TwoNodeLink, format_rate, parse_rate
 
 KiB = 1024
@@ -77,6 +81,7 @@ class Row:
     nbytes: int
     floor_us: float | None = None
     line_us: float | None = None
+    kernel_us: float | None = None  # --memory vram: one gather+scatter (dataplane_memory.py)
 
     @property
     def write_gbps(self) -> float:
@@ -100,6 +105,7 @@ class _Bench:
         self.conn = conn
         self.args = args
         self.rng = np.random.default_rng(args.seed)
+        self.mem: Memory = memory_for(args.memory)
 
     def _recv(self, tag: str) -> tuple[Any, ...]:
         if not self.conn.poll(WAIT_S * 4):
@@ -113,17 +119,20 @@ class _Bench:
         pool_blocks = 2 * max(counts)
         regions = self.args.regions
         tag = f"{block_len // KiB}k-{os.getpid()}"
-        self.conn.send(("setup", f"bench-target-{tag}", block_len, pool_blocks, regions))
-        src = [np.empty((pool_blocks, block_len), np.uint8) for _ in range(regions)]
-        dst = [np.full((pool_blocks, block_len), FILL, np.uint8) for _ in range(regions)]
-        for pool in src:
-            _fill_pattern(pool)
+        mem = self.mem
+        self.conn.send(
+            ("setup", f"bench-target-{tag}", block_len, pool_blocks, regions, self.args.memory)
+        )
+        src = [mem.pattern(pool_blocks, block_len) for _ in range(regions)]
+        dst = [mem.pool(pool_blocks, block_len, FILL) for _ in range(regions)]
         rows: list[Row] = []
-        with NixlEndpoint(f"bench-init-{tag}") as ep:
-            ep.register_kv([KVRegion(p.ctypes.data, block_len, pool_blocks) for p in src])
+        with NixlEndpoint(f"bench-init-{tag}", memory=mem.kind) as ep:
+            ep.register_kv(
+                [KVRegion(mem.addr(p), block_len, pool_blocks, mem.device_id) for p in src]
+            )
             _, md, layout, pid = self._recv("ready")
             peer = PeerKey(f"bench-target-{tag}", "0")
-            ep.add_peer(peer, md, [KVRegion(a, bl, n) for a, bl, n in layout])
+            ep.add_peer(peer, md, [KVRegion(a, bl, n, mem.device_id) for a, bl, n in layout])
             floor = _CmaFloor(pid, src, [a for a, _, _ in layout]) if self.args.cma_floor else None
             for count in counts:
                 for layout_name in ("scattered", "contiguous"):
@@ -149,8 +158,8 @@ class _Bench:
         self,
         ep: NixlEndpoint,
         peer: PeerKey,
-        src: Sequence[_U8],
-        dst: Sequence[_U8],
+        src: Sequence[Pool],
+        dst: Sequence[Pool],
         count: int,
         layout: str,
         floor: _CmaFloor | None = None,
@@ -161,6 +170,7 @@ class _Bench:
         writes: list[float] = []
         copies: list[float] = []
         floors: list[float] = []
+        kernels: list[float] = []
         descs: list[int] = []
         for rep in range(reps + 2):  # two warm-up repetitions
             local, remote = self._pattern(pool_blocks, count, layout)
@@ -172,9 +182,9 @@ class _Bench:
                 w, d = _time_write(ep, peer, local, remote)
                 if floor is not None and rep % 3 == 0:
                     f = floor.time(runs)
-                c = _time_memcpy(src, dst, runs)
+                c = _time_memcpy(self.mem, src, dst, runs)
             else:
-                c = _time_memcpy(src, dst, runs)
+                c = _time_memcpy(self.mem, src, dst, runs)
                 if floor is not None and rep % 3 == 1:
                     f = floor.time(runs)
                 w, d = _time_write(ep, peer, local, remote)
@@ -185,6 +195,9 @@ class _Bench:
                 copies.append(c)
                 floors.append(f)
                 descs.append(d)
+                if isinstance(self.mem, CudaMemory):
+                    cols = (0, block_len)
+                    kernels.append(_time_kernel(self.mem, src, dst, remote, local, cols, cols))
         return Row(
             blocks=count,
             block_len=block_len,
@@ -194,6 +207,7 @@ class _Bench:
             memcpy_us=statistics.median(copies) * 1e6,
             nbytes=nbytes,
             floor_us=statistics.median(floors) * 1e6 if floor is not None else None,
+            kernel_us=statistics.median(kernels) * 1e6 if kernels else None,
         )
 
     def _verify(self, ep: NixlEndpoint, peer: PeerKey, pool_blocks: int, count: int) -> None:
@@ -217,7 +231,7 @@ class _CmaFloor:
 
     IOV_MAX = 1024
 
-    def __init__(self, pid: int, src: Sequence[_U8], remote_bases: Sequence[int]) -> None:
+    def __init__(self, pid: int, src: Sequence[Pool], remote_bases: Sequence[int]) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         self._call = libc.process_vm_writev
         self._call.restype = ctypes.c_ssize_t
@@ -271,11 +285,32 @@ def _time_write(
     return elapsed, handle.num_descriptors
 
 
-def _time_memcpy(src: Sequence[_U8], dst: Sequence[_U8], runs: list[tuple[int, int, int]]) -> float:
+def _time_kernel(
+    mem: CudaMemory,
+    src: Sequence[Pool],
+    dst: Sequence[Pool],
+    dst_blocks: list[int],
+    src_blocks: list[int],
+    dst_cols: tuple[int, int],
+    src_cols: tuple[int, int],
+) -> float:
+    """Seconds for the same blocks moved by indexing kernels (GPU reference)."""
     t0 = time.perf_counter()
     for s, d in zip(src, dst, strict=True):
-        for ls, rs, n in runs:
-            np.copyto(d[rs : rs + n], s[ls : ls + n])
+        mem.kernel_copy(d, s, dst_blocks, src_blocks, dst_cols, src_cols)
+    mem.done()
+    return time.perf_counter() - t0
+
+
+def _time_memcpy(
+    mem: Memory, src: Sequence[Pool], dst: Sequence[Pool], runs: list[tuple[int, int, int]]
+) -> float:
+    bl = src[0].shape[1]
+    t0 = time.perf_counter()
+    spans = [(rs * bl, ls * bl, n * bl) for ls, rs, n in runs]
+    for s, d in zip(src, dst, strict=True):
+        mem.copy_runs(d, s, spans)
+    mem.done()
     return time.perf_counter() - t0
 
 
@@ -286,6 +321,7 @@ def _size(n: int) -> str:
 def _print_table(rows: Sequence[Row]) -> None:
     floor = any(r.floor_us is not None for r in rows)
     line = any(r.line_us is not None for r in rows)
+    kernel = any(r.kernel_us is not None for r in rows)
     head = (
         f"{'blocks':>6} {'block':>8} {'layout':<10} {'descs':>5} {'write µs p50':>13} "
         f"{'memcpy µs p50':>14} {'write GB/s':>10} {'memcpy GB/s':>11} {'write/memcpy':>12}"
@@ -294,6 +330,8 @@ def _print_table(rows: Sequence[Row]) -> None:
         head += f" {'cma µs p50':>11} {'cma/memcpy':>10}"
     if line:
         head += f" {'line µs':>10} {'write/line':>10}"
+    if kernel:
+        head += f" {'kernel µs p50':>13} {'write/kernel':>12}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -306,13 +344,22 @@ def _print_table(rows: Sequence[Row]) -> None:
             text += f" {r.floor_us:>11.1f} {r.floor_ratio:>10.2f}"
         if r.line_us is not None:
             text += f" {r.line_us:>10.1f} {r.write_us / r.line_us:>10.2f}"
+        if r.kernel_us is not None:
+            text += f" {r.kernel_us:>13.1f} {r.kernel_us / r.write_us:>12.3f}"
         print(text)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="pushkv bench dataplane",
-        description="NIXL WRITE (2 processes, loopback) vs in-process numpy memcpy.",
+        description="NIXL WRITE (2 processes, loopback) vs in-process memcpy.",
+    )
+    p.add_argument(
+        "--memory",
+        choices=KINDS,
+        default="dram",
+        help="where both sides' pools live: host memory (numpy) or GPU memory (torch on "
+        "cuda:0, registered as VRAM; memcpy is then one device-to-device copy per run)",
     )
     p.add_argument("--quick", action="store_true", help="counts 1/8/64, fewer repetitions")
     p.add_argument("--reps", type=int, default=0, help="repetitions per combo (default: auto)")
@@ -363,6 +410,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.regions < 1 or args.reps < 0 or args.target_poll_ms < 0:
         p.error("--regions must be >= 1, --reps and --target-poll-ms >= 0")
+    if args.memory == "vram" and (args.link or args.cma_floor or args.resized):
+        p.error(
+            "--memory vram runs whole blocks or --sliced on one host only "
+            "(no --link, --cma-floor or --resized: they measure host-memory paths)"
+        )
     if args.link:
         if args.cma_floor:
             p.error("--cma-floor measures CMA; it does not apply to --link")
@@ -508,6 +560,7 @@ def _run_local(args: argparse.Namespace) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    mem = memory_for(args.memory)  # refused with the reason before any process starts
     for key, value in quiet_nixl_env(loopback=True).items():
         os.environ.setdefault(key, value)
     if args.resized:
@@ -524,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f", UCX_TLS={os.environ['UCX_TLS']}" if "UCX_TLS" in os.environ else "")
     )
     print(
-        f"# NIXL WRITE (UCX, 2 processes, {where}) vs numpy copyto; "
+        f"# NIXL WRITE (UCX, 2 processes, {where}) of {describe(mem)} vs {mem.copy_name}; "
         f"regions={args.regions} target_poll_ms={args.target_poll_ms} cpus={os.cpu_count()} "
         f"load={os.getloadavg()[0]:.2f} elapsed={time.monotonic() - t_start:.1f}s"
     )
@@ -534,6 +587,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "sliced_write_vs_memcpy_64x128KiB "
             + " ".join(f"{k.replace(' ', '_')}={r.ratio:.2f}" for k, r in sorted(goal.items()))
+        )
+    kernels = {k: r.kernel_us for k, r in goal.items() if r.kernel_us is not None}
+    if kernels:
+        print(
+            "write_vs_kernel_64x128KiB "
+            + " ".join(
+                f"{k.replace(' ', '_')}={us / goal[k].write_us:.3f}"
+                for k, us in sorted(kernels.items())
+            )
         )
     if len(goal) == 2:
         print(

@@ -11,10 +11,12 @@ prefill block at TP1) and count, alternately, as bench/dataplane.py does:
 
 Both are ``NixlEndpoint.post_write(..., block_slice=...)``, as the agents post
 them (``agent/write_plan.py`` ``plan_sliced_write``: one descriptor per block
-and region). memcpy is ``np.copyto`` of the same slices in-process, one copy
-per block and region. After each direction one scattered sliced WRITE with a
-notification is verified by the target (every byte of each slice, and for
-2->1 the other half of the block still holding the target's fill).
+and region). memcpy is a copy of the same slices in-process, one copy
+per block and region (``np.copyto``; with ``--memory vram``
+``cuMemcpyDtoDAsync`` each, then one synchronisation: bench/dataplane_memory.py).
+After each direction one scattered sliced WRITE with a notification is
+verified by the target (every byte of each slice, and for 2->1 the other half
+of the block still holding the target's fill).
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import statistics
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import BlockSlice, KVRegion, PeerKey
-from bench.dataplane import KiB, Row, _Bench, _wait
-from bench.dataplane_target import _U8, FILL, _fill_pattern
+from bench.dataplane import KiB, Row, _Bench, _time_kernel, _wait
+from bench.dataplane_memory import CudaMemory, Memory, Pool
+from bench.dataplane_target import FILL
 
 DIRECTIONS = ("2->1", "1->2")
 
@@ -47,17 +48,18 @@ def _direction(bench: _Bench, big: int, counts: Sequence[int], direction: str) -
     pool_blocks = 2 * max(counts)
     regions = bench.args.regions
     tag = f"{big // KiB}k-{direction.replace('->', 'to')}"
-    bench.conn.send(("setup", f"bench-target-{tag}", remote_len, pool_blocks, regions))
-    src = [np.empty((pool_blocks, local_len), np.uint8) for _ in range(regions)]
-    dst = [np.full((pool_blocks, remote_len), FILL, np.uint8) for _ in range(regions)]
-    for pool in src:
-        _fill_pattern(pool)
+    mem = bench.mem
+    bench.conn.send(
+        ("setup", f"bench-target-{tag}", remote_len, pool_blocks, regions, bench.args.memory)
+    )
+    src = [mem.pattern(pool_blocks, local_len) for _ in range(regions)]
+    dst = [mem.pool(pool_blocks, remote_len, FILL) for _ in range(regions)]
     rows: list[Row] = []
-    with NixlEndpoint(f"bench-init-{tag}") as ep:
-        ep.register_kv([KVRegion(p.ctypes.data, local_len, pool_blocks) for p in src])
+    with NixlEndpoint(f"bench-init-{tag}", memory=mem.kind) as ep:
+        ep.register_kv([KVRegion(mem.addr(p), local_len, pool_blocks, mem.device_id) for p in src])
         _, md, layout, _pid = bench._recv("ready")
         peer = PeerKey(f"bench-target-{tag}", "0")
-        ep.add_peer(peer, md, [KVRegion(a, bl, n) for a, bl, n in layout])
+        ep.add_peer(peer, md, [KVRegion(a, bl, n, mem.device_id) for a, bl, n in layout])
         for count in counts:
             for layout_name in ("scattered", "contiguous"):
                 rows.append(_measure(bench, ep, peer, src, dst, count, layout_name, direction, cut))
@@ -69,8 +71,8 @@ def _measure(
     bench: _Bench,
     ep: NixlEndpoint,
     peer: PeerKey,
-    src: Sequence[_U8],
-    dst: Sequence[_U8],
+    src: Sequence[Pool],
+    dst: Sequence[Pool],
     count: int,
     layout: str,
     direction: str,
@@ -81,19 +83,27 @@ def _measure(
     reps = bench._reps(nbytes)
     writes: list[float] = []
     copies: list[float] = []
+    kernels: list[float] = []
     descs: list[int] = []
+    sl, dl = src[0].shape[1], dst[0].shape[1]
+    off, end = cut.offset, cut.offset + cut.length
+    # The columns each block's bytes come from and land in.
+    dst_cols, src_cols = ((off, end), (0, sl)) if direction == "2->1" else ((0, dl), (off, end))
     for rep in range(reps + 2):  # two warm-up repetitions
         local, remote = bench._pattern(pool_blocks, count, layout)
         if rep % 2 == 0:
             w, d = _time_write(ep, peer, local, remote, cut)
-            c = _time_memcpy(src, dst, local, remote, direction, cut)
+            c = _time_memcpy(bench.mem, src, dst, local, remote, direction, cut)
         else:
-            c = _time_memcpy(src, dst, local, remote, direction, cut)
+            c = _time_memcpy(bench.mem, src, dst, local, remote, direction, cut)
             w, d = _time_write(ep, peer, local, remote, cut)
         if rep >= 2:
             writes.append(w)
             copies.append(c)
             descs.append(d)
+            if isinstance(bench.mem, CudaMemory):
+                k = _time_kernel(bench.mem, src, dst, remote, local, dst_cols, src_cols)
+                kernels.append(k)
     big = max(src[0].shape[1], dst[0].shape[1])
     return Row(
         blocks=count,
@@ -103,6 +113,7 @@ def _measure(
         write_us=statistics.median(writes) * 1e6,
         memcpy_us=statistics.median(copies) * 1e6,
         nbytes=nbytes,
+        kernel_us=statistics.median(kernels) * 1e6 if kernels else None,
     )
 
 
@@ -118,22 +129,24 @@ def _time_write(
 
 
 def _time_memcpy(
-    src: Sequence[_U8],
-    dst: Sequence[_U8],
+    mem: Memory,
+    src: Sequence[Pool],
+    dst: Sequence[Pool],
     local: list[int],
     remote: list[int],
     direction: str,
     cut: BlockSlice,
 ) -> float:
-    lo, hi = cut.offset, cut.offset + cut.length
+    sl, dl = src[0].shape[1], dst[0].shape[1]
+    off, n = cut.offset, cut.length
     t0 = time.perf_counter()
+    if direction == "2->1":  # a whole local block into [off, off + n) of the remote one
+        spans = [(rb * dl + off, lb * sl, n) for lb, rb in zip(local, remote, strict=True)]
+    else:  # [off, off + n) of the local block as a whole remote block
+        spans = [(rb * dl, lb * sl + off, n) for lb, rb in zip(local, remote, strict=True)]
     for s, d in zip(src, dst, strict=True):
-        if direction == "2->1":
-            for lb, rb in zip(local, remote, strict=True):
-                np.copyto(d[rb, lo:hi], s[lb])
-        else:
-            for lb, rb in zip(local, remote, strict=True):
-                np.copyto(d[rb], s[lb, lo:hi])
+        mem.copy_runs(d, s, spans)
+    mem.done()
     return time.perf_counter() - t0
 
 

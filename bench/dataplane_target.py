@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from agent.nixl_types import KVRegion
+from bench.dataplane_memory import Memory, Pool, memory_for
 
 WAIT_S = 30.0
 FILL = 0xEE
@@ -42,7 +43,8 @@ def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
     for key, value in quiet_nixl_env(loopback=True).items():
         os.environ.setdefault(key, value)
     ep: NixlEndpoint | None = None
-    pools: list[_U8] = []
+    pools: list[Pool] = []
+    mem: Memory | None = None
     seen: list[tuple[str, bytes]] = []
     try:
         while _wait_command(conn, ep, poll_s, seen):
@@ -51,21 +53,28 @@ def _target_main(conn: Connection, poll_s: float = 0.0) -> None:
             except EOFError:
                 return
             if cmd[0] == "setup":
-                _, name, block_len, num_blocks, num_regions = cmd
+                _, name, block_len, num_blocks, num_regions = cmd[:5]
+                kind = cmd[5] if len(cmd) > 5 else "dram"  # --memory
+                if mem is None or mem.kind.value.lower() != kind:
+                    mem = memory_for(kind)
                 if ep is not None:
                     ep.close()
-                pools = [np.full((num_blocks, block_len), FILL, np.uint8)]
-                pools += [np.full_like(pools[0], FILL) for _ in range(num_regions - 1)]
-                ep = NixlEndpoint(name)
-                ep.register_kv([KVRegion(p.ctypes.data, block_len, num_blocks) for p in pools])
+                pools = [mem.pool(num_blocks, block_len, FILL) for _ in range(num_regions)]
+                ep = NixlEndpoint(name, memory=mem.kind)
+                ep.register_kv(
+                    [KVRegion(mem.addr(p), block_len, num_blocks, mem.device_id) for p in pools]
+                )
                 seen.clear()
                 layout = [(r.base_addr, r.block_len, r.num_blocks) for r in ep.regions]
                 conn.send(("ready", ep.metadata(), layout, os.getpid()))
-            elif cmd[0] == "verify" and ep is not None:
+            elif cmd[0] == "verify" and ep is not None and mem is not None:
                 pairs, notif = cmd[1], cmd[2]
                 span = cmd[3] if len(cmd) > 3 else None  # --sliced: (offset, length)
-                conn.send(("verified", _verify_target(ep, pools, pairs, notif, seen, span)))
-            elif cmd[0] == "verify_digests" and ep is not None:  # --resized
+                on_host = (
+                    [mem.host(p) for p in pools] if _await_notification(ep, notif, seen) else []
+                )
+                conn.send(("verified", _verify_target(on_host, pairs, notif, span)))
+            elif cmd[0] == "verify_digests" and ep is not None:  # --resized (host memory)
                 _, blocks, digests, notif = cmd
                 conn.send(("verified", _verify_digests(ep, pools, blocks, digests, notif, seen)))
             elif cmd[0] == "exit":
@@ -102,16 +111,15 @@ def _await_notification(ep: NixlEndpoint, notif: bytes, seen: list[tuple[str, by
 
 
 def _verify_target(
-    ep: NixlEndpoint,
     pools: Sequence[_U8],
     pairs: Sequence[tuple[int, int]],
     notif: bytes,
-    seen: list[tuple[str, bytes]],
     span: tuple[int, int] | None = None,
 ) -> str:
     """Each remote block holds its local block's byte (local % 251); with
-    ``span`` only bytes [offset, offset + length) do, the rest the fill."""
-    if not _await_notification(ep, notif, seen):
+    ``span`` only bytes [offset, offset + length) do, the rest the fill.
+    ``pools`` are host copies taken after the notification came (none: it did not)."""
+    if not pools:
         return f"notification {notif!r} not received within {WAIT_S} s"
     lo, hi = (span[0], span[0] + span[1]) if span else (0, pools[0].shape[1])
     for pool in pools:
