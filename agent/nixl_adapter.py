@@ -1,11 +1,13 @@
 """Typed adapter over NIXL: with :mod:`agent.nixl_boundary` (the import and the
-translation of what NIXL raises), the only module in pushkv that uses ``nixl``.
+translation of what NIXL raises) and :mod:`agent.prepped` (the block lists it
+prepares once), the only module in pushkv that uses ``nixl``.
 
 Everything NIXL hands back as strings ("DONE"/"PROC"/"ERR"), bytes-or-str names
 and untyped binding exceptions is converted here, once, into
 :class:`~agent.nixl_types.TransferState`, :class:`~agent.nixl_types.FailureReason`
-and :class:`~agent.nixl_types.NixlError`.  Which bytes a WRITE moves is planned
-by :mod:`agent.write_plan` (pure, no nixl); this module hands the plan to NIXL.
+and :class:`~agent.nixl_types.NixlError`.  Whole blocks and head slices go by
+index into prepared lists (:mod:`agent.prepped`); token ranges and a pipeline
+stage's regions are planned by :mod:`agent.write_plan` (pure, no nixl).
 
 Threading: a :class:`NixlEndpoint` is owned by ONE thread (the agent's NIXL
 thread).  The agent is created with the default ``sync_mode`` (no internal
@@ -39,6 +41,7 @@ from typing import Any, Final, Self
 from agent.nixl_boundary import STATE_BY_STATUS as _STATE_BY_STATUS
 from agent.nixl_boundary import logged_if_nixl_fails as _logged_if_nixl_fails
 from agent.nixl_boundary import nixl_api as _nixl_api
+from agent.nixl_boundary import quiet_nixl_env
 from agent.nixl_boundary import text as _text
 from agent.nixl_boundary import translate as _translate
 from agent.nixl_types import (
@@ -52,6 +55,7 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
+from agent.prepped import LOCAL, BlockTables, PreppedWrite
 from agent.write_plan import (
     Layout,
     WritePlan,
@@ -73,28 +77,12 @@ _log = logging.getLogger(__name__)
 DEFAULT_UCX_PARAMS: Final[Mapping[str, str]] = {"ucx_error_handling_mode": "none"}
 
 
-def quiet_nixl_env(loopback: bool) -> dict[str, str]:
-    """Environment variables for tests/benchmarks; set them before creating an endpoint.
-
-    Args:
-        loopback: also pin UCX to the loopback device (single-host runs).  Without
-            it UCX may also route through the host's external address.
-
-    Returns:
-        A fresh dict: ``NIXL_LOG_LEVEL=WARN``, ``UCX_LOG_LEVEL=error`` and, with
-        ``loopback``, ``UCX_NET_DEVICES=lo``.
-    """
-    env = {"NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
-    if loopback:
-        env["UCX_NET_DEVICES"] = "lo"
-    return env
-
-
 @dataclass(frozen=True, slots=True)
 class _Peer:
     key: PeerKey
     layout: Layout
     mem_type: str
+    tables: BlockTables  # its prepared block lists (agent/prepped.py), released with it
     # Sub-layouts of `layout` (its regions in the given order), built once per
     # region list: pipeline-parallel prefill writes into the decode regions of
     # its stage's layers only.
@@ -144,6 +132,7 @@ class NixlEndpoint:
         self._token = object()
         self._next_handle_id = 1
         self._local: Layout | None = None
+        self._tables: BlockTables | None = None  # ours, prepared on first use
         self._reg: Any = None
         self._peers: dict[str, _Peer] = {}
         self._live: dict[int, WriteHandle] = {}
@@ -212,6 +201,7 @@ class NixlEndpoint:
         except Exception as exc:
             raise _translate(exc, f"{self._name}: register {len(descs)} regions") from exc
         self._local = layout
+        self._tables = BlockTables(agent, LOCAL, layout, self._memory.value)
 
     def metadata(self) -> bytes:
         """This agent's metadata blob, for peers' :meth:`add_peer`."""
@@ -281,7 +271,8 @@ class NixlEndpoint:
                 f"metadata given for peer {key.agent_name!r} belongs to agent {loaded_name!r}",
             )
         mem = (memory or self._memory).value
-        self._peers[key.agent_name] = _Peer(key=key, layout=layout, mem_type=mem)
+        tables = BlockTables(agent, key.agent_name, layout, mem)
+        self._peers[key.agent_name] = _Peer(key=key, layout=layout, mem_type=mem, tables=tables)
 
     def remove_peer(self, key: PeerKey) -> None:
         """Forget a peer (idempotent); its live handles are released first.
@@ -336,27 +327,36 @@ class NixlEndpoint:
         if local is None:
             raise NixlError(FailureReason.INVALID_REQUEST, "register_kv() before post_write()")
         side = f"peer {peer.agent_name!r}"
-        remote = target.pick(tuple(dst_regions), side) if dst_regions else target.layout
-        if dst_regions:
-            check_pairing(local, remote, peer)
-        if resize is not None:
-            plan = plan_resized_write(local, remote, local_blocks, remote_blocks, side, resize)
-        elif block_slice is None:
-            plan = plan_write(local, remote, local_blocks, remote_blocks, side)
-        else:
-            plan = plan_sliced_write(local, remote, local_blocks, remote_blocks, side, block_slice)
         xfer: Any = None
         state = TransferState.DONE
-        if plan.num_descriptors:
-            xfer, state = self._post(agent, target, plan, notif)
-        elif notif:  # zero blocks: nothing to WRITE, the notification still goes
+        if resize is None and not dst_regions:  # whole blocks or head slices: prepared lists
+            w = PreppedWrite(local, target.layout, local_blocks, remote_blocks, side, block_slice)
+            nbytes, num_descriptors = w.nbytes, w.num_descriptors
+            if num_descriptors:
+                xfer, state = self._post_prepped(agent, target, w, notif)
+        else:
+            remote = target.pick(tuple(dst_regions), side) if dst_regions else target.layout
+            if dst_regions:
+                check_pairing(local, remote, peer)
+            if resize is not None:
+                plan = plan_resized_write(local, remote, local_blocks, remote_blocks, side, resize)
+            elif block_slice is None:
+                plan = plan_write(local, remote, local_blocks, remote_blocks, side)
+            else:
+                plan = plan_sliced_write(
+                    local, remote, local_blocks, remote_blocks, side, block_slice
+                )
+            nbytes, num_descriptors = plan.nbytes, plan.num_descriptors
+            if num_descriptors:
+                xfer, state = self._post(agent, target, plan, notif)
+        if not num_descriptors and notif:  # zero blocks: nothing to WRITE, the notification goes
             self.send_notif(peer, notif)
         handle = WriteHandle(
             handle_id=self._next_handle_id,
             peer=peer,
             num_blocks=len(local_blocks),
-            nbytes=plan.nbytes,
-            num_descriptors=plan.num_descriptors,
+            nbytes=nbytes,
+            num_descriptors=num_descriptors,
             notif=notif,
             posted_at=posted_at,
             state=state,
@@ -456,6 +456,9 @@ class NixlEndpoint:
             self._forget_peer(peer, FailureReason.CANCELLED)
         for handle in list(self._live.values()):
             self._drop(handle, FailureReason.CANCELLED)
+        if self._tables is not None:  # the lists name the registered memory: before it goes
+            self._tables.release()
+            self._tables = None
         if self._reg is not None:
             with _logged_if_nixl_fails(f"{self._name}: deregister_memory"):
                 agent.deregister_memory(self._reg)
@@ -480,7 +483,7 @@ class NixlEndpoint:
 
     # ----------------------------------------------------------------- internals
 
-    def _write_ctx(self, peer: PeerKey, plan: WritePlan) -> str:
+    def _write_ctx(self, peer: PeerKey, plan: WritePlan | PreppedWrite) -> str:
         return f"{self._name}: WRITE {plan.nbytes} B ({plan.num_descriptors} descriptors) to {peer}"
 
     def _require_agent(self) -> Any:
@@ -523,6 +526,32 @@ class NixlEndpoint:
             xfer = agent.initialize_xfer("WRITE", local_descs, remote_descs, peer.agent_name, notif)
         except Exception as exc:
             raise _translate(exc, self._write_ctx(peer, plan)) from exc
+        return self._start(agent, xfer, peer, plan)
+
+    def _post_prepped(
+        self, agent: Any, target: _Peer, w: PreppedWrite, notif: bytes
+    ) -> tuple[Any, TransferState]:
+        """``w`` by index into the prepared lists (agent/prepped.py); as :meth:`_post`."""
+        ours, theirs = self._tables, target.tables
+        assert ours is not None  # set with the registration post_write checked
+        mine, peers = ours.get(*w.local_key), theirs.get(*w.remote_key)
+        try:
+            xfer = agent.make_prepped_xfer(
+                "WRITE",
+                mine,
+                ours.indices(w.local_blocks),
+                peers,
+                theirs.indices(w.remote_blocks),
+                notif,
+            )
+        except Exception as exc:
+            raise _translate(exc, self._write_ctx(target.key, w)) from exc
+        return self._start(agent, xfer, target.key, w)
+
+    def _start(
+        self, agent: Any, xfer: Any, peer: PeerKey, plan: WritePlan | PreppedWrite
+    ) -> tuple[Any, TransferState]:
+        """Post a made request; its first state (not FAILED), or raise having released it."""
         try:
             status = agent.transfer(xfer)
         except Exception as exc:
@@ -561,6 +590,7 @@ class NixlEndpoint:
         name = peer.key.agent_name
         for handle in [h for h in self._live.values() if h.peer.agent_name == name]:
             self._drop(handle, reason_if_active)
+        peer.tables.release()  # before NIXL forgets the peer the lists name
         self._invalidate(name)
         self._peers.pop(name, None)
 

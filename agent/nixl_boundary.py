@@ -24,6 +24,7 @@ __all__ = [
     "is_nixl_exception",
     "logged_if_nixl_fails",
     "nixl_api",
+    "quiet_nixl_env",
     "text",
     "translate",
 ]
@@ -103,3 +104,20 @@ def logged_if_nixl_fails(what: str) -> Iterator[None]:
 def text(name: bytes | str) -> str:
     """An agent name as NIXL returns it (bytes or str, by binding version)."""
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def quiet_nixl_env(loopback: bool) -> dict[str, str]:
+    """Environment variables for tests/benchmarks; set them before creating an endpoint.
+
+    Args:
+        loopback: also pin UCX to the loopback device (single-host runs).  Without
+            it UCX may also route through the host's external address.
+
+    Returns:
+        A fresh dict: ``NIXL_LOG_LEVEL=WARN``, ``UCX_LOG_LEVEL=error`` and, with
+        ``loopback``, ``UCX_NET_DEVICES=lo``.
+    """
+    env = {"NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
+    if loopback:
+        env["UCX_NET_DEVICES"] = "lo"
+    return env

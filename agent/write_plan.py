@@ -176,7 +176,7 @@ def merge_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, i
         )
     if not len(local):
         return []
-    starts_l, starts_r, lengths = _find_runs(_int_list(local), _int_list(remote))
+    starts_l, starts_r, lengths = _find_runs(int_list(local), int_list(remote))
     return list(zip(starts_l, starts_r, lengths or [1] * len(starts_l), strict=True))
 
 
@@ -215,8 +215,8 @@ def plan_write(
             f"write to {remote_side}: block lengths differ ({local.lens[0]} vs "
             f"{remote.lens[0]} in region 0); only a sliced WRITE pairs them",
         )
-    lb = _int_list(local_blocks)
-    rb = _int_list(remote_blocks)
+    lb = int_list(local_blocks)
+    rb = int_list(remote_blocks)
     l0, r0 = lb[0], rb[0]
     if (
         lb[-1] - l0 == n - 1
@@ -224,23 +224,23 @@ def plan_write(
         and lb == list(range(l0, l0 + n))
         and rb == list(range(r0, r0 + n))
     ):  # one run on both sides; its ids are distinct by construction
-        _check_range("local", l0, l0 + n - 1, local.max_blocks)
-        _check_range(remote_side, r0, r0 + n - 1, remote.max_blocks)
+        check_range("local", l0, l0 + n - 1, local.max_blocks)
+        check_range(remote_side, r0, r0 + n - 1, remote.max_blocks)
         return _plan_runs(local, remote, [l0], [r0], [n], n)
     if n < (VECTOR_MIN_BLOCKS if vector_min is None else vector_min):
-        _check_range("local", min(lb), max(lb), local.max_blocks)
-        _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+        check_range("local", min(lb), max(lb), local.max_blocks)
+        check_range(remote_side, min(rb), max(rb), remote.max_blocks)
         if len(set(rb)) != n:
-            raise _duplicate_remote_ids(remote_side)
+            raise duplicate_remote_ids(remote_side)
         l_starts, r_starts, lengths = _find_runs(lb, rb)
         return _plan_runs(local, remote, l_starts, r_starts, lengths, n)
 
     la: _I64 = np.asarray(lb, dtype=np.int64)
     ra: _I64 = np.asarray(rb, dtype=np.int64)
-    _check_range("local", int(la.min()), int(la.max()), local.max_blocks)
-    _check_range(remote_side, int(ra.min()), int(ra.max()), remote.max_blocks)
+    check_range("local", int(la.min()), int(la.max()), local.max_blocks)
+    check_range(remote_side, int(ra.min()), int(ra.max()), remote.max_blocks)
     if np.unique(ra).size != n:
-        raise _duplicate_remote_ids(remote_side)
+        raise duplicate_remote_ids(remote_side)
     # A run starts where either side's id is not its predecessor + 1.
     brk = np.ones(n, dtype=bool)
     brk[1:] = (la[1:] != la[:-1] + 1) | (ra[1:] != ra[:-1] + 1)
@@ -280,13 +280,13 @@ def plan_sliced_write(
         )
     if n == 0:
         return WritePlan([], [], 0, 0)
-    offsets = _slice_offsets(local, remote, remote_side, cut)
-    lb = _int_list(local_blocks)
-    rb = _int_list(remote_blocks)
-    _check_range("local", min(lb), max(lb), local.max_blocks)
-    _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+    offsets = slice_offsets(local, remote, remote_side, cut)
+    lb = int_list(local_blocks)
+    rb = int_list(remote_blocks)
+    check_range("local", min(lb), max(lb), local.max_blocks)
+    check_range(remote_side, min(rb), max(rb), remote.max_blocks)
     if len(set(rb)) != n:
-        raise _duplicate_remote_ids(remote_side)
+        raise duplicate_remote_ids(remote_side)
     length = cut.length
     num_descriptors = n * len(local.regions)
     nbytes = num_descriptors * length
@@ -386,12 +386,12 @@ def plan_resized_write(
                 + (f" (spans of {sum(units)} B per token)" if units else ""),
             )
         token_bytes.append(tb)
-    lb = _int_list(local_blocks)
-    rb = _int_list(remote_blocks)
-    _check_range("local", min(lb), max(lb), local.max_blocks)
-    _check_range(remote_side, min(rb), max(rb), remote.max_blocks)
+    lb = int_list(local_blocks)
+    rb = int_list(remote_blocks)
+    check_range("local", min(lb), max(lb), local.max_blocks)
+    check_range(remote_side, min(rb), max(rb), remote.max_blocks)
     if len(set(rb)) != n_remote:
-        raise _duplicate_remote_ids(remote_side)
+        raise duplicate_remote_ids(remote_side)
     regions = len(local.regions)
     # Per region and span (heads x spans of a head, in block order): where the
     # span starts in a block, in units of the block's tokens, and its bytes per token.
@@ -452,7 +452,7 @@ def _rows(addrs: _I64, lengths: _I64, devices: _U64) -> _U64:
     return out
 
 
-def _check_range(side: str, lo: int, hi: int, limit: int) -> None:
+def check_range(side: str, lo: int, hi: int, limit: int) -> None:
     """Raise INVALID_REQUEST unless the ids ``lo``..``hi`` of ``side`` lie in [0, limit)."""
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
@@ -461,14 +461,14 @@ def _check_range(side: str, lo: int, hi: int, limit: int) -> None:
         )
 
 
-def _duplicate_remote_ids(remote_side: str) -> NixlError:
+def duplicate_remote_ids(remote_side: str) -> NixlError:
     # Two sources for one destination block: which lands last is unspecified.
     return NixlError(
         FailureReason.INVALID_REQUEST, f"write to {remote_side}: duplicate remote block ids"
     )
 
 
-def _int_list(ids: Sequence[int]) -> list[int]:
+def int_list(ids: Sequence[int]) -> list[int]:
     if type(ids) is list:
         return ids
     arr: object = ids
@@ -541,7 +541,7 @@ def _array_plan(
     )
 
 
-def _slice_offsets(
+def slice_offsets(
     local: Layout, remote: Layout, remote_side: str, cut: BlockSlice
 ) -> list[tuple[int, int]]:
     """Per region, (local offset, remote offset) of the slice; checks it fits."""

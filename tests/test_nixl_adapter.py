@@ -237,12 +237,16 @@ def test_large_mixed_write_lands_exactly(
     ep, key, target = pair
     local = [*range(10), 12, 14, 15, 16, 20, 21, 22, 23, 11, 13]
     remote = [*range(10, 20), 0, 2, 3, 4, 25, 26, 27, 28, 31, 30]
-    if vectorized:  # numpy planner and Nx3 descriptor arrays, as for big writes
+    # Named regions (a pipeline stage's WRITE) take the planned path, not the
+    # prepared lists: its planner, vectorized (numpy, Nx3 descriptor arrays, as
+    # for big writes) or in one Python pass with tuple rows.
+    if vectorized:
         monkeypatch.setattr(write_plan, "VECTOR_MIN_BLOCKS", 16)
         monkeypatch.setattr(write_plan, "PY_ROWS_MAX", 0)
     else:
-        assert len(local) < write_plan.VECTOR_MIN_BLOCKS  # one Python pass, tuple rows
-    handle = ep.post_write(key, local, remote, b"req-big")
+        assert len(local) < write_plan.VECTOR_MIN_BLOCKS
+    every_region = list(range(len(BLOCK_LENS)))
+    handle = ep.post_write(key, local, remote, b"req-big", dst_regions=every_region)
     assert handle.num_descriptors == len(merge_runs(local, remote)) * len(BLOCK_LENS)
     wait_done(ep, handle)
     assert target.wait_notif() == (ep.name, b"req-big")
