@@ -11,11 +11,20 @@ import re
 import pytest
 import torch
 
+from agent.nixl_adapter import quiet_nixl_env
 from bench import dataplane
 from bench.dataplane_memory import HostMemory, memory_for
 
 # One repetition of 1, 8 and 64 blocks of 128 KiB: the goal's combination.
 SHORT = ["--quick", "--block-kib", "128", "--reps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench sets NIXL's quiet loopback environment only where unset: set
+    here, it is undone after each test instead of staying in the process."""
+    for key, value in quiet_nixl_env(loopback=True).items():
+        monkeypatch.setenv(key, value)
 
 
 def test_whole_blocks_land_and_the_goal_line_is_printed(
