@@ -51,10 +51,6 @@ class BlockTables:
             starts.append(starts[-1] + r.num_blocks)
         self._starts = starts
 
-    def whole(self) -> Any:
-        """The list of whole blocks."""
-        return self.get(tuple(0 for _ in self._layout.regions), 0)
-
     def get(self, offsets: tuple[int, ...], length: int) -> Any:
         """The list of ``length`` bytes at ``offsets[r]`` of every block of region
         ``r`` (``length`` 0: whole blocks)."""
@@ -75,9 +71,6 @@ class BlockTables:
         for handle in tables.values():
             with logged_if_nixl_fails(f"release a block list of {self._owner}"):
                 self._agent.release_dlist_handle(handle)
-
-    def __len__(self) -> int:
-        return len(self._tables)
 
     def _prep(self, offsets: tuple[int, ...], length: int) -> Any:
         # Nx5 rows (address, length, device, stride, count): each region's blocks

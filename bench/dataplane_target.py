@@ -24,11 +24,6 @@ FILL = 0xEE
 _U8 = npt.NDArray[np.uint8]
 
 
-def _fill_pattern(pool: _U8) -> None:
-    """Block b of the pool holds the byte b % 251 (pre-touches every page)."""
-    pool[:] = (np.arange(pool.shape[0], dtype=np.uint32) % 251).astype(np.uint8)[:, None]
-
-
 # --------------------------------------------------------------------------- target process
 
 
