@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="each engine's ranks reach the coordinators through one node relay "
         "(relay/upstream.py, in the host process): one NodeStream per engine",
     )
+    p.add_argument(
+        "--submit-direct",
+        action="store_true",
+        help="with --relay: the engines' Submits as RPCs of their own to the leader, "
+        "not up their relay's stream (the connector's submit_through_relay false)",
+    )
     return p
 
 
@@ -167,7 +173,7 @@ def summary(res: Result, hosts: int) -> list[str]:
     if res.relay:
         out.append(
             f"  relay: {res.node_streams} NodeStreams, {res.up_messages} NodeUp messages for "
-            f"{res.agent_writes} agent messages"
+            f"{res.agent_writes} agent messages and {res.relayed_submits} Submits"
         )
     if res.after is not None:
         a = res.after
@@ -186,7 +192,10 @@ def summary(res: Result, hosts: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.submit_direct and not args.relay:
+        parser.error("--submit-direct is a choice of --relay's (without it every Submit is direct)")
     if args.hosts is None:
         args.hosts = default_hosts()
     if args.quick:
@@ -203,6 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{sorted(bench.coord_cpus or []) or 'any'}, everything else "
         f"{sorted(bench.load_cpus or []) or 'any'}"
         + ("; each engine's ranks through one node relay (--relay)" if args.relay else "")
+        + (
+            ", its Submits as RPCs of their own (--submit-direct)"
+            if args.relay and args.submit_direct
+            else ", its Submits up the relay's stream"
+            if args.relay
+            else ""
+        )
     )
     say(header())
     t0 = time.monotonic()

@@ -27,7 +27,10 @@ and DONE on its own stream and the arrival on the target decode rank's stream
 prefill and decode engines). The engines' load: per scheduler step, each
 engine sends what became due as one ``Submit`` (decode engines their
 registrations, prefill engines their prefill reports; which side goes first
-is drawn per step, the second sent once the first was answered).
+is drawn per step, the second sent once the first was answered). With
+``--relay`` those ``Submit``s go up the engine's NodeStream too
+(``Upstream.submit``, as ``pushkv relay`` carries a node scheduler's), unless
+``--submit-direct``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class HostSpec:
     start_spread_s: float  # ranks start at random times within this
     seed: int
     relay: bool = False  # each engine's ranks through one relay Upstream
+    relay_submit: bool = False  # and its Submits up that Upstream's stream
 
 
 def engines(n: int, hosts: int, prefix: str = "cl") -> list[tuple[list[str], list[str]]]:
@@ -100,6 +104,7 @@ class Stats:
     writes: int = 0  # stream messages the ranks wrote (a hello, a batch: one each)
     node_streams: int = 0  # --relay: NodeStreams the Upstreams opened
     up_messages: int = 0  # --relay: NodeUp messages they sent (carrying the writes)
+    relayed_submits: int = 0  # --relay: Submits they carried
 
 
 def grpc_eof() -> Any:
@@ -400,6 +405,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
     from pushkv.v1 import pushkv_pb2 as pb
     from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+    from relay.upstream import RelayError
+
     host = Host(spec, random.Random(spec.seed))
     stop = asyncio.Event()  # ends the Upstreams
     up_tasks: list[asyncio.Task[None]] = []
@@ -437,13 +444,17 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         pending: set[asyncio.Task[None]] = set()
 
         async def submit(engine_calls: dict[str, list[Any]]) -> list[Any]:
-            async def one(calls: list[Any]) -> list[Any]:
+            async def one(engine: str, calls: list[Any]) -> list[Any]:
                 counts[0] += 1
                 counts[1] += len(calls)
-                r = await s.Submit(pb.SubmitRequest(calls=calls), timeout=RPC_TIMEOUT_S)
+                request = pb.SubmitRequest(calls=calls)
+                up = host.upstreams.get(engine) if spec.relay_submit else None
+                if up is not None:  # on the engine's node stream
+                    return list((await up.submit(request, RPC_TIMEOUT_S)).results)
+                r = await s.Submit(request, timeout=RPC_TIMEOUT_S)
                 return list(r.results)
 
-            res = await asyncio.gather(*(one(c) for c in engine_calls.values()))
+            res = await asyncio.gather(*(one(e, c) for e, c in engine_calls.items()))
             return [x for part in res for x in part]
 
         async def step(pairs: list[tuple[str, str, str]]) -> None:
@@ -467,6 +478,9 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
                 r2 = dict(zip(ids2, await submit(second), strict=True))
             except grpc.aio.AioRpcError as exc:
                 errors[exc.code().name] += len(pairs)
+                return
+            except RelayError as exc:
+                errors[exc.code.name] += len(pairs)
                 return
             finally:
                 outstanding[0] -= len(pairs)
@@ -528,6 +542,7 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
             regs = Counter(r.welcomed_by for r in host.ranks.values() if r.registered)
             host.stats.node_streams = sum(u.streams for u in host.upstreams.values())
             host.stats.up_messages = sum(u.up_messages for u in host.upstreams.values())
+            host.stats.relayed_submits = sum(u.submits for u in host.upstreams.values())
             conn.send((sum(regs.values()), host.stats, dict(regs)))
         elif cmd[0] == "followed":  # (address, since): welcome times of the ranks there
             conn.send(host.followed(cmd[1], cmd[2]))

@@ -85,6 +85,7 @@ class Result:
     relay: bool = False  # --relay: each engine's ranks through one NodeStream
     node_streams: int = 0  # NodeStreams the hosts' Upstreams opened, the whole run
     up_messages: int = 0  # NodeUp messages they sent, the whole run
+    relayed_submits: int = 0  # Submits they carried, the whole run
     agent_writes: int = 0  # stream messages the ranks wrote (hellos, reports), the whole run
 
     @property
@@ -180,7 +181,15 @@ class ClusterBench:
         t0 = time.monotonic()
         for h, (pre, dec) in enumerate(engines(a.engines, a.hosts)):
             spec = HostSpec(
-                h, tuple(pre), tuple(dec), a.tp, addresses, a.start_spread_s, h + 1, a.relay
+                h,
+                tuple(pre),
+                tuple(dec),
+                a.tp,
+                addresses,
+                a.start_spread_s,
+                h + 1,
+                a.relay,
+                relay_submit=a.relay and not a.submit_direct,
             )
             parent, child = self.ctx.Pipe()
             p = self.ctx.Process(target=host_main, args=(child, spec, self.load_cpus), daemon=True)
@@ -379,5 +388,6 @@ class ClusterBench:
         counts = [s for _, s, _ in self.stats()]
         res.node_streams = sum(s.node_streams for s in counts)
         res.up_messages = sum(s.up_messages for s in counts)
+        res.relayed_submits = sum(s.relayed_submits for s in counts)
         res.agent_writes = sum(s.writes for s in counts)
         return res

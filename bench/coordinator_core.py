@@ -5,7 +5,8 @@ Drives one Runtime in-process through the code the gRPC handlers run:
 batches of ``--batch`` calls) and ``Runtime.on_agent_message`` (one
 ``AgentBatch`` of POSTED + DONE reports on the prefill session, one of
 arrivals on the decode session), with the engine pair, settings and
-observers of ``pushkv bench coordinator`` (TP 1, 3 blocks per side). Request
+observers of ``pushkv bench coordinator`` (TP 1 by default, ``--tp`` ranks on
+each side otherwise, one session per rank; 3 blocks per side). Request
 messages are parsed from bytes and the coordinator's outgoing batches
 serialized, as gRPC would, and timed as phases of their own. Building the
 requests (the clients' work) is not timed.
@@ -56,7 +57,9 @@ def _run(coro: Any) -> Any:
     raise RuntimeError("coroutine awaited")
 
 
-async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str, float]:
+async def _one_rep(
+    n: int, batch: int, with_metrics: bool, rep: int, tp: int = 1
+) -> dict[str, float]:
     from controlplane import convert
     from controlplane.auth import Authorizer
     from controlplane.clock import SystemClock
@@ -71,15 +74,26 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         rt.observers.append(CoordinatorMetrics(rt))
     rt.observers.append(TransferLog(rt.core.has_transfer))
     srv = TransferServicer(rt, Authorizer(tls_enabled=False))
-    sp = rt.open_session(
-        convert.registration_from_pb(agent_hello(PREFILL, pb.ROLE_PREFILL, batched=True)),
-        accepts_batches=True,
-    )
-    sd = rt.open_session(
-        convert.registration_from_pb(agent_hello(DECODE, pb.ROLE_DECODE, batched=True)),
-        accepts_batches=True,
-    )
-    for s in (sp, sd):
+    # One session per rank, as each rank's agent has; rank r writes into decode rank r.
+    sps = [
+        rt.open_session(
+            convert.registration_from_pb(
+                agent_hello(PREFILL, pb.ROLE_PREFILL, batched=True, rank=r, tp=tp)
+            ),
+            accepts_batches=True,
+        )
+        for r in range(tp)
+    ]
+    sds = [
+        rt.open_session(
+            convert.registration_from_pb(
+                agent_hello(DECODE, pb.ROLE_DECODE, batched=True, rank=r, tp=tp)
+            ),
+            accepts_batches=True,
+        )
+        for r in range(tp)
+    ]
+    for s in (*sps, *sds):
         while not s.outbox.empty():
             s.outbox.get_nowait()  # the welcomes
 
@@ -106,16 +120,20 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         r2 = _run(srv.Submit(pre_req, None))  # type: ignore[arg-type]
         r2.SerializeToString()
         t3 = clock()
-        out: list[pb.CoordinatorMessage] = []
-        q = sp.outbox
-        while not q.empty():
-            first = q.get_nowait()
-            assert first is not None
-            msg, _ = sp.take(first)
-            out.append(msg)
+        outs: list[list[pb.CoordinatorMessage]] = []
+        for sp in sps:
+            out: list[pb.CoordinatorMessage] = []
+            q = sp.outbox
+            while not q.empty():
+                first = q.get_nowait()
+                assert first is not None
+                msg, _ = sp.take(first)
+                out.append(msg)
+            outs.append(out)
         t4 = clock()
-        for msg in out:
-            msg.SerializeToString()
+        for out in outs:
+            for msg in out:
+                msg.SerializeToString()
         t5 = clock()
         acc["parse"] += t1 - t0
         acc["register"] += t2 - t1
@@ -123,53 +141,64 @@ async def _one_rep(n: int, batch: int, with_metrics: bool, rep: int) -> dict[str
         acc["take"] += t4 - t3
         acc["serialize"] += t5 - t4
 
-        orders = [
-            m.order
-            for msg in out
-            for m in (msg.batch.messages if msg.WhichOneof("kind") == "batch" else (msg,))
-            if m.WhichOneof("kind") == "order"
+        writes: list[bytes] = []
+        arrivals: dict[int, list[pb.AgentMessage]] = {r: [] for r in range(tp)}
+        for out in outs:
+            orders = [
+                m.order
+                for msg in out
+                for m in (msg.batch.messages if msg.WhichOneof("kind") == "batch" else (msg,))
+                if m.WhichOneof("kind") == "order"
+            ]
+            assert len(orders) == k, (len(orders), k)
+            writes.append(
+                pb.AgentMessage(
+                    batch=pb.AgentBatch(
+                        messages=[
+                            pb.AgentMessage(
+                                write=pb.WriteReport(
+                                    order_id=o.order_id, transfer_id=o.transfer_id, status=st
+                                )
+                            )
+                            for o in orders
+                            for st in (pb.WRITE_STATUS_POSTED, pb.WRITE_STATUS_DONE)
+                        ]
+                    )
+                ).SerializeToString()
+            )
+            for o in orders:
+                for t in o.targets:
+                    arrivals[t.decode_rank].append(
+                        pb.AgentMessage(
+                            arrival=pb.ArrivalReport(
+                                transfer_id=o.transfer_id, prefill_ranks=[o.prefill_rank]
+                            )
+                        )
+                    )
+        # A decode rank's arrivals as its agent batches them: one message per rank.
+        arrival_bytes = [
+            pb.AgentMessage(batch=pb.AgentBatch(messages=arrivals[r])).SerializeToString()
+            for r in range(tp)
         ]
-        assert len(orders) == k, (len(orders), k)
-        writes = pb.AgentMessage(
-            batch=pb.AgentBatch(
-                messages=[
-                    pb.AgentMessage(
-                        write=pb.WriteReport(
-                            order_id=o.order_id, transfer_id=o.transfer_id, status=st
-                        )
-                    )
-                    for o in orders
-                    for st in (pb.WRITE_STATUS_POSTED, pb.WRITE_STATUS_DONE)
-                ]
-            )
-        ).SerializeToString()
-        arrivals = pb.AgentMessage(
-            batch=pb.AgentBatch(
-                messages=[
-                    pb.AgentMessage(
-                        arrival=pb.ArrivalReport(
-                            transfer_id=o.transfer_id, prefill_ranks=[o.prefill_rank]
-                        )
-                    )
-                    for o in orders
-                ]
-            )
-        ).SerializeToString()
         t0 = clock()
-        wmsg = parse_agent(writes)
-        amsg = parse_agent(arrivals)
+        wmsgs = [parse_agent(b) for b in writes]
+        amsgs = [parse_agent(b) for b in arrival_bytes]
         t1 = clock()
-        rt.on_agent_message(sp, wmsg)
+        for sp, wmsg in zip(sps, wmsgs, strict=True):
+            rt.on_agent_message(sp, wmsg)
         t2 = clock()
-        rt.on_agent_message(sd, amsg)
+        for sd, amsg in zip(sds, amsgs, strict=True):
+            rt.on_agent_message(sd, amsg)
         t3 = clock()
         acc["parse"] += t1 - t0
         acc["write"] += t2 - t1
         acc["arrival"] += t3 - t2
-    live = sum(1 for t in rt.core.transfers() if not t.state.terminal)
-    if live:
-        raise RuntimeError(f"{live} transfers not terminal")
-    for s in (sp, sd):
+    from controlplane.domain import State
+
+    wrong = sum(1 for t in rt.core.transfers() if t.state is not State.COMPLETE)
+    if wrong:
+        raise RuntimeError(f"{wrong} transfers not COMPLETE")
+    for s in (*sps, *sds):
         rt.close_session(s)
     return {p: ns / 1000 / n for p, ns in acc.items()}
 
@@ -186,7 +215,7 @@ def _quiet_logs(level: str) -> None:
 
 
 def run(
-    n: int, batch: int, reps: int, with_metrics: bool, default_gc: bool = False
+    n: int, batch: int, reps: int, with_metrics: bool, default_gc: bool = False, tp: int = 1
 ) -> list[dict[str, float]]:
     from controlplane.server import tune_gc
 
@@ -194,7 +223,7 @@ def run(
         tune_gc()  # as `pushkv coordinator` does
     results = []
     for rep in range(reps):
-        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep)))
+        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp)))
     return results
 
 
@@ -224,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=20_000, help="rendezvous per repetition")
     p.add_argument("--batch", type=int, default=64, help="calls per Submit and reports per batch")
     p.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="ranks on each side (one order per prefill rank)"
+    )
     p.add_argument("--metrics", action="store_true", help="also run the Prometheus observer")
     p.add_argument(
         "--log-level", default="WARNING", help="coordinator log level (INFO: outcome lines)"
@@ -237,24 +269,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tp < 1:
+        print("pushkv bench core: --tp must be at least 1", file=sys.stderr)
+        return 2
     _quiet_logs(args.log_level)
     if args.profile:
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
-        run(args.n, args.batch, 1, args.metrics, args.default_gc)
+        run(args.n, args.batch, 1, args.metrics, args.default_gc, args.tp)
         prof.disable()
         prof.dump_stats(args.profile)
         print(f"profile written to {args.profile}")
         return 0
     print(core_build())
     print(
-        f"{args.reps} x {args.n} rendezvous, batches of {args.batch}, "
+        f"{args.reps} x {args.n} rendezvous at TP {args.tp}, batches of {args.batch}, "
         f"metrics={'on' if args.metrics else 'off'}, log level {args.log_level}, "
         f"gc {'default' if args.default_gc else 'tuned'}"
     )
-    report(run(args.n, args.batch, args.reps, args.metrics, args.default_gc))
+    report(run(args.n, args.batch, args.reps, args.metrics, args.default_gc, args.tp))
     return 0
 
 

@@ -13,6 +13,12 @@ and the response generator drains `down`. Every session is closed with its
 channel (the agent hung up: as a lost AgentStream), and all of them when the
 stream ends (the relay is gone, its agents are not known to be: their
 transfers wait for the agents' lease, runtime.AgentSession.link_lost).
+
+A relay may also carry its node's Submits (ChannelUp `submit`, channel 0):
+each is applied when read, in stream order, as TransferService.Submit would
+apply it for the relay's identity, and answered on the `down` queue. The
+fence runs first: a replica that may no longer lead answers UNAVAILABLE, as
+its Submit RPC would, and applies nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.auth import Principal
-from controlplane.errors import PushKVError, ResourceExhausted
+from controlplane.errors import FailedPrecondition, PushKVError, ResourceExhausted
 from controlplane.runtime import AgentSession, Runtime, to_message
 from controlplane.status_map import outcome
 from wire.batching import MAX_BATCH_BYTES, Batcher
@@ -36,6 +42,9 @@ log = structlog.get_logger("pushkv.coordinator")
 # The most channels open at once on one NodeStream (a node's agent streams).
 MAX_CHANNELS = 1024
 RPC = "/pushkv.v1.AgentService/NodeStream"
+SUBMIT_RPC = "/pushkv.v1.TransferService/Submit"
+# A relayed Submit's answer, for the caller's identity (TransferServicer.submit).
+Submit = Callable[[Principal, pb.SubmitRequest], pb.SubmitResponse]
 
 
 def split_batch(
@@ -92,8 +101,10 @@ class NodeChannels:
         principal: Principal,
         fence: Callable[[], None],
         peer: str = "",
+        submit: Submit | None = None,
     ) -> None:
         self._peer = peer  # the relay's address, for the log
+        self._submit = submit
         self._rt = rt
         self._open_agent = open_agent
         self._principal = principal
@@ -127,7 +138,22 @@ class NodeChannels:
             peer=self._peer,
         )
 
+    def _on_submit(self, relayed: pb.RelayedSubmit) -> None:
+        reply = pb.RelayedSubmitReply(id=relayed.id)
+        try:
+            if self._submit is None:
+                raise FailedPrecondition("this coordinator takes no Submit on a NodeStream")
+            self._fence()  # a deposed leader applies nothing
+            reply.response.CopyFrom(self._submit(self._principal, relayed.request))
+        except Exception as exc:  # the whole Submit fails, as its RPC would
+            code, detail = outcome(exc, SUBMIT_RPC)
+            reply.code, reply.detail = code.value[0], detail
+        self._down.put_nowait(pb.ChannelDown(submitted=reply))
+
     def _on_item(self, item: pb.ChannelUp) -> None:
+        if item.HasField("submit"):
+            self._on_submit(item.submit)
+            return
         ch = self._channels.get(item.channel)
         if item.closed:
             if ch is not None:
@@ -179,7 +205,8 @@ class NodeChannels:
         batches = Batcher(self._down)
         try:
             self._fence()
-            yield pb.NodeDown()  # accepted: the relay opens its agents' channels now
+            # Accepted: the relay opens its agents' channels now.
+            yield pb.NodeDown(takes_submit=self._submit is not None)
             # What the channels queued meanwhile goes as one NodeDown (never waits).
             while (batch := await batches.next()) is not None:
                 self._fence()

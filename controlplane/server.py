@@ -147,8 +147,10 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     # With --etcd a replica starts as a standby: nothing is written before it is elected.
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
-    pbg.add_AgentServiceServicer_to_server(AgentServicer(runtime, authz, gate), server)
-    pbg.add_TransferServiceServicer_to_server(TransferServicer(runtime, authz), server)
+    transfers = TransferServicer(runtime, authz)
+    agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
+    pbg.add_AgentServiceServicer_to_server(agents, server)
+    pbg.add_TransferServiceServicer_to_server(transfers, server)
     pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

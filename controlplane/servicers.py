@@ -23,7 +23,7 @@ from controlplane.errors import (
     ResourceExhausted,
 )
 from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
-from controlplane.node_stream import NodeChannels, session_messages
+from controlplane.node_stream import NodeChannels, Submit, session_messages
 from controlplane.runtime import AgentSession, Runtime
 from controlplane.transfer_filter import TransferFilter
 
@@ -68,13 +68,17 @@ class TransferServicer(pbg.TransferServiceServicer):
         return self._rt.status(self._calls.cancel(self._authz.principal(context), request))
 
     async def Submit(self, request: pb.SubmitRequest, context: Ctx) -> pb.SubmitResponse:
+        return self.submit(self._authz.principal(context), request)
+
+    def submit(self, principal: Principal, request: pb.SubmitRequest) -> pb.SubmitResponse:
+        """A Submit's answer: the RPC's, and a relayed one's (node_stream.py)."""
         calls = request.calls
         if len(calls) > MAX_SUBMIT_CALLS:
             raise InvalidArgument(
                 f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})", field="calls"
             )
         response = pb.SubmitResponse(term=self._rt.term)
-        self._calls.submit(self._authz.principal(context), calls, response)
+        self._calls.submit(principal, calls, response)
         return response
 
 
@@ -151,10 +155,19 @@ class StatusServicer(pbg.StatusServiceServicer):
 
 
 class AgentServicer(pbg.AgentServiceServicer):
-    def __init__(self, rt: Runtime, authz: Authorizer, gate: Leadership | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        authz: Authorizer,
+        gate: Leadership | None = None,
+        submit: Submit | None = None,
+    ) -> None:
         self._rt = rt
         self._authz = authz
         self._gate = gate or Leadership()
+        # What a NodeStream's relayed Submits call (TransferServicer.submit);
+        # None: the stream does not take them (the first NodeDown says so).
+        self._submit = submit
 
     def _fence(self) -> None:
         """Nothing goes to an agent once this replica may no longer order."""
@@ -231,5 +244,7 @@ class AgentServicer(pbg.AgentServiceServicer):
         self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
     ) -> AsyncIterator[pb.NodeDown]:
         principal = self._authz.principal(context)
-        node = NodeChannels(self._rt, self.open_agent, principal, self._fence, context.peer())
+        node = NodeChannels(
+            self._rt, self.open_agent, principal, self._fence, context.peer(), self._submit
+        )
         return node.serve(request_iterator)

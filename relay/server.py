@@ -5,7 +5,9 @@ one channel of its single NodeStream to the leading coordinator
 (relay/upstream.py). An agent cannot tell: it gets the welcome, orders and
 notices it would get directly, and its stream ends with the status it would
 end with. What changes is the leader's load: a node's ranks share one
-stream, so their reports and orders travel together.
+stream, so their reports and orders travel together. The node's scheduler
+may send its Submits here too (TransferService.Submit, the only call of that
+service a relay serves): they go up the same stream, not as RPCs of their own.
 
 The relay keeps no transfer state. It is a process of its own (not a thread
 of some worker) so that every rank of the node, in whatever process, reaches
@@ -29,7 +31,7 @@ from grpc_health.v1._async import HealthServicer
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from relay.upstream import CODES, Channel, Upstream
+from relay.upstream import CODES, Channel, RelayError, Upstream
 from wire.event_loop import event_loop_name
 from wire.port_file import write_port_file
 from wire.tls import TLSFiles
@@ -42,6 +44,8 @@ STOP_WAIT_S = 5.0  # for the upstream to end its stream on stop
 # tags, three lengths and a channel id, well under this.
 ENVELOPE_BYTES = 64
 SERVICE = "pushkv.v1.AgentService"
+# A relayed Submit waits at most this long in all (or its caller's deadline).
+SUBMIT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,50 @@ class RelayServicer(pbg.AgentServiceServicer):
             ch.close_up()
 
 
+class RelayTransferServicer(pbg.TransferServiceServicer):
+    """Submit only: carried to the leader on the node's stream (relay/upstream.py).
+    The unary calls answer UNIMPLEMENTED, naming what does serve them."""
+
+    def __init__(self, upstream: Upstream, max_message_bytes: int) -> None:
+        self._up = upstream
+        self._max_item = max_message_bytes - ENVELOPE_BYTES
+
+    async def Submit(self, request: pb.SubmitRequest, context: Any) -> pb.SubmitResponse:
+        n = request.ByteSize()
+        if n > self._max_item:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"relay: a Submit of {n} bytes does not fit the node stream "
+                f"({self._max_item} bytes at most)",
+            )
+        left = context.time_remaining()
+        within = SUBMIT_WAIT_S if left is None else min(max(left, 0.0), SUBMIT_WAIT_S)
+        try:
+            return await self._up.submit(request, within)
+        except RelayError as exc:
+            await context.abort(exc.code, exc.detail)
+            raise  # not reached: abort raises
+
+    async def _unary(self, context: Any) -> pb.TransferStatus:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"a relay carries Submit only: send this call to the coordinator ({self._up.address})",
+        )
+        return pb.TransferStatus()  # not reached: abort raises
+
+    async def BeginTransfer(self, request: Any, context: Any) -> pb.TransferStatus:
+        return await self._unary(context)
+
+    async def RegisterDecodeBlocks(self, request: Any, context: Any) -> pb.TransferStatus:
+        return await self._unary(context)
+
+    async def ReportPrefillDone(self, request: Any, context: Any) -> pb.TransferStatus:
+        return await self._unary(context)
+
+    async def Cancel(self, request: Any, context: Any) -> pb.TransferStatus:
+        return await self._unary(context)
+
+
 async def _track_health(up: Upstream, hs: HealthServicer, stop: asyncio.Event) -> None:
     """SERVING while the coordinator answers on the stream (probes and `grpcurl`)."""
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -167,6 +215,9 @@ class Relay:
         pbg.add_AgentServiceServicer_to_server(
             RelayServicer(self.upstream, settings.hello_wait_s, settings.max_message_bytes),
             self._server,
+        )
+        pbg.add_TransferServiceServicer_to_server(
+            RelayTransferServicer(self.upstream, settings.max_message_bytes), self._server
         )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -11,6 +11,12 @@ agent state across streams.
 A generation is one NodeStream; a channel belongs to one generation and its
 id is never reused (ids grow across generations), so a late message of an
 old channel can never land in a new one.
+
+`Upstream.submit` carries the node scheduler's Submits on the same stream
+(channel 0), when the leader said on accepting it that it takes them. Each
+waits for its answer on its generation (`pending`); a generation that ends
+answers what it still holds UNAVAILABLE, as a broken Submit RPC would (the
+calls are idempotent: the scheduler's client sends them again).
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ RELAY_BACKOFF_MAX_S = 0.5
 # gRPC read and write of its own otherwise. Leases are seconds long (5 s, a
 # heartbeat each 1 s), and an agent's own lease runs from the heartbeat's send.
 HEARTBEAT_HOLD_S = 0.25
+# Relayed Submits waiting for their answers, per stream: more are refused.
+MAX_PENDING_SUBMITS = 1024
+
+
+class RelayError(Exception):
+    """A relayed Submit failed: the status its caller is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code, self.detail = code, detail
 
 
 @dataclass(eq=False)
@@ -109,6 +125,10 @@ class Generation:
     up: asyncio.Queue[pb.ChannelUp | None] = field(default_factory=lambda: asyncio.Queue(UP_LIMIT))
     channels: dict[int, Channel] = field(default_factory=dict)
     held: list[pb.ChannelUp] = field(default_factory=list)  # heartbeats waiting
+    # Said by the leader on accepting the stream: it takes relayed Submits.
+    takes_submit: bool = False
+    submits: int = 0  # relayed Submits sent on it
+    pending: dict[int, asyncio.Future[pb.RelayedSubmitReply]] = field(default_factory=dict)
     _flusher: asyncio.TimerHandle | None = None
 
     def hold(self, item: pb.ChannelUp) -> None:
@@ -135,6 +155,11 @@ class Generation:
             self.up.put_nowait(item)
 
     def route(self, item: pb.ChannelDown) -> None:
+        if item.HasField("submitted"):
+            fut = self.pending.pop(item.submitted.id, None)
+            if fut is not None and not fut.done():  # else its caller stopped waiting
+                fut.set_result(item.submitted)
+            return
         ch = self.channels.get(item.channel)
         if ch is None:
             return  # the agent's stream already ended
@@ -170,6 +195,15 @@ class Generation:
         self.held.clear()
         for ch in list(self.channels.values()):
             self.end(ch, code, detail)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result(
+                    pb.RelayedSubmitReply(
+                        code=grpc.StatusCode.UNAVAILABLE.value[0],
+                        detail=f"{detail} before the Submit was answered",
+                    )
+                )
+        self.pending.clear()
         while self.up.full():
             self.up.get_nowait()
         self.up.put_nowait(None)
@@ -202,8 +236,10 @@ class Upstream:
         self._backoff = (backoff_min_s, backoff_max_s)
         self._gen: Generation | None = None
         self._next_id = 1
+        self._next_submit = 1
         self.streams = 0  # NodeStreams opened (a figure for tests and logs)
         self.up_messages = 0  # NodeUp messages sent
+        self.submits = 0  # relayed Submits sent (a figure for tests and logs)
         self.connected = asyncio.Event()  # set while a stream is answering
 
     @property
@@ -224,20 +260,83 @@ class Upstream:
         g.channels[ch.id] = ch
         return ch
 
-    async def wait_channel(self, within_s: float) -> Channel | None:
-        """A channel once the leader accepted a stream, waiting up to `within_s`
-        (during a failover an agent's hello waits here, not in its backoff)."""
+    def _accepted_now(self) -> Generation | None:
+        g = self._gen
+        return g if g is not None and g.live and g.answered else None
+
+    async def _accepted(self, within_s: float) -> Generation | None:
+        """The stream once the leader accepted one, waiting up to `within_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while (ch := self.open_channel()) is None:
+        while (g := self._accepted_now()) is None:
             left = deadline - loop.time()
             if left <= 0:
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.connected.wait(), left)
-            if self.connected.is_set() and self.open_channel() is None:
+            if self.connected.is_set() and self._accepted_now() is None:
                 await asyncio.sleep(0.01)  # the stream just ended; its successor sets it again
-        return ch
+        return g
+
+    async def wait_channel(self, within_s: float) -> Channel | None:
+        """A channel once the leader accepted a stream, waiting up to `within_s`
+        (during a failover an agent's hello waits here, not in its backoff)."""
+        if await self._accepted(within_s) is None:
+            return None
+        return self.open_channel()
+
+    async def submit(self, request: pb.SubmitRequest, within_s: float) -> pb.SubmitResponse:
+        """Carry a Submit to the leader on the stream and return its answer,
+        waiting up to `within_s` in all; raises RelayError with the status the
+        caller gets otherwise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        g = await self._accepted(within_s)
+        if g is None:
+            raise RelayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"relay: no coordinator accepted its stream within {within_s:g} s "
+                f"(dialing {self.address})",
+            )
+        if not g.takes_submit:
+            raise RelayError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"relay: the coordinator at {g.address} takes no Submit on a node stream "
+                "(an older version): upgrade it, or set the connector's "
+                "submit_through_relay to false",
+            )
+        if len(g.pending) >= MAX_PENDING_SUBMITS:
+            raise RelayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"relay: {MAX_PENDING_SUBMITS} Submits already wait for the coordinator",
+            )
+        if not g.submits:
+            log.info("relay: carrying the node's Submits on the stream to %s", g.address)
+        g.submits += 1
+        self.submits += 1
+        sid, self._next_submit = self._next_submit, self._next_submit + 1
+        fut: asyncio.Future[pb.RelayedSubmitReply] = loop.create_future()
+        g.pending[sid] = fut
+        try:
+            g.flush()  # held heartbeats first, as for a channel's message
+            g.up.put_nowait(pb.ChannelUp(submit=pb.RelayedSubmit(id=sid, request=request)))
+        except asyncio.QueueFull:
+            g.pending.pop(sid, None)
+            raise RelayError(
+                grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind"
+            ) from None
+        try:
+            reply = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise RelayError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"relay: the coordinator did not answer a Submit within {within_s:g} s",
+            ) from None
+        finally:
+            g.pending.pop(sid, None)
+        if reply.code:
+            raise RelayError(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.detail)
+        return reply.response
 
     async def run(self, stop: asyncio.Event) -> None:
         attempt = 0
@@ -304,6 +403,7 @@ class Upstream:
         async for down in call:
             if not gen.answered:
                 gen.answered = True
+                gen.takes_submit = down.takes_submit
                 self.connected.set()
             for item in down.items:
                 gen.route(item)

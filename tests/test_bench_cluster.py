@@ -106,6 +106,9 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
         # per NodeUp.
         assert res.node_streams >= 2 * 8, text
         assert 0 < res.up_messages <= res.agent_writes, text
+        # Every Submit went up the engines' streams (--relay's default), the
+        # steps against the new leader above included.
+        assert res.relayed_submits > 0, text
         assert any(line.startswith("  relay: ") for line in summary(res, args.hosts)), text
     assert FINAL.match(final_line(res)), final_line(res)
 

@@ -21,6 +21,7 @@ from controlplane.server import Coordinator, ServerSettings, start
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
 from ops.devpki import make_pki
+from relay.server import Relay, RelaySettings
 from wire.tls import TLSFiles
 
 
@@ -212,6 +213,38 @@ async def test_submit_authorizes_each_call_like_its_unary_rpc(
         grpc.StatusCode.PERMISSION_DENIED
     )
     d_call.cancel()
+
+
+async def test_a_relay_carries_submits_for_its_nodes_engine_only(
+    coord: Coordinator, pki: Path
+) -> None:
+    """A node relay dialing with engine:D's certificate: the Submits it carries
+    are authorized with that identity, call by call, as D's own would be."""
+    d_call = await open_agent(coord, files(pki, "engine-D"), "D", pb.ROLE_DECODE)
+    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    settings = RelaySettings(
+        coordinators=f"localhost:{coord.port}", listen="127.0.0.1:0", tls=files(pki, "engine-D")
+    )
+    relay = await Relay(settings).start()
+    try:
+        async with grpc.aio.insecure_channel(relay.address) as ch:
+            r = await pbg.TransferServiceStub(ch).Submit(
+                pb.SubmitRequest(
+                    calls=[
+                        pb.TransferCall(register=register("D", "r1")),  # its own engine
+                        pb.TransferCall(register=register("P", "r2")),  # another engine's
+                    ]
+                ),
+                timeout=10,
+            )
+        denied = grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert [x.code for x in r.results] == [grpc.StatusCode.OK.value[0], denied]
+        assert r.results[0].state == pb.TRANSFER_STATE_REGISTERED
+        assert "engine:D may not act for engine 'P'" in r.results[1].message
+        assert relay.upstream.submits == 1  # carried on the relay's mTLS stream
+    finally:
+        await relay.stop()
+        d_call.cancel()
 
 
 @pytest.fixture

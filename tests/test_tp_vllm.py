@@ -46,7 +46,11 @@ class Cluster:
     decode: VllmServer
     router: RouterProcess
     reference: list[str]  # outputs of an independent TP1 engine with no connector
-    through_relays: bool = False  # each engine's agents dial a node relay
+    relays: list[RelayProcess]  # one per engine when its agents dial a node relay
+
+    @property
+    def through_relays(self) -> bool:
+        return bool(self.relays)
 
 
 @pytest.fixture(
@@ -89,7 +93,7 @@ def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Cluster(coord, prefill, decode, router, expected, bool(relays))
+        yield Cluster(coord, prefill, decode, router, expected, relays)
     finally:
         router.stop()
         reference.stop()
@@ -139,3 +143,7 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
         assert list(t.outstanding_ranks) == []
         arrivals = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrivals == [0, 1]
+    # Through relays, each engine's scheduler sent its Submits up its relay's
+    # stream too (the connector's submit_through_relay default).
+    for r in c.relays:
+        assert "relay: carrying the node's Submits on the stream to" in r.log_text(), r.log_text()

@@ -39,6 +39,7 @@ from vllm_integration.client import Call, CoordinatorClient, needs_engine
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
 from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
 from vllm_integration.settings import ConnectorSettings
+from wire.tls import TLSFiles
 
 log = logging.getLogger("pushkv.connector")
 
@@ -79,10 +80,11 @@ class PushSchedulerHalf:
         # vLLM keeps besides n - window + 1: its extra_retained_tokens).
         self.windows = windows
         self.progressive = settings.progressive_push
+        relayed = bool(settings.agent_coordinator) and settings.submit_through_relay
         self.client = CoordinatorClient(
-            settings.coordinator,
+            settings.agent_coordinator if relayed else settings.coordinator,
             timeout_s=settings.rpc_timeout_s,
-            tls=settings.tls,
+            tls=TLSFiles() if relayed else settings.tls,  # the relay holds the node's identity
             keep=needs_engine,  # accepted calls never reach the engine thread
             resubmit=settings.rebuild_on_failover,
         )

@@ -21,6 +21,11 @@ class ConnectorSettings:
     # unix:PATH. Empty: the agents dial `coordinator` themselves. The relay
     # holds the node's TLS identity; the agents reach it without TLS.
     agent_coordinator: str = ""
+    # With `agent_coordinator` set: the scheduler's Submits go through that
+    # relay too, on its one stream to the leader, instead of as RPCs of their
+    # own (the relay's identity then authorizes them). False: they go to
+    # `coordinator` directly, with `tls_*`.
+    submit_through_relay: bool = True
     # This engine's OpenAI API base URL, published to routers via ListEngines.
     api_url: str = ""
     # How long worker start-up waits for the first registration with the coordinator.

@@ -1102,6 +1102,7 @@ class ChannelUp(_message.Message):
     CHANNEL_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
+    SUBMIT_FIELD_NUMBER: _builtins.int
     channel: _builtins.int
     """Chosen by the relay, never reused on one NodeStream."""
     closed: _builtins.bool
@@ -1110,20 +1111,85 @@ class ChannelUp(_message.Message):
     def message(self) -> Global___AgentMessage:
         """The agent's message; the first on a channel must be `hello`."""
 
+    @_builtins.property
+    def submit(self) -> Global___RelayedSubmit:
+        """A Submit the relay carries for its node's scheduler (`channel` 0, no
+        message): the same calls, checks and answers as TransferService.Submit
+        with the relay's identity, answered by a ChannelDown `submitted` with the
+        same id. It saves the coordinator a unary RPC per Submit.
+        """
+
     def __init__(
         self,
         *,
         channel: _builtins.int = ...,
         message: Global___AgentMessage | None = ...,
         closed: _builtins.bool = ...,
+        submit: Global___RelayedSubmit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "submit", b"submit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "closed", b"closed", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "closed", b"closed", "message", b"message", "submit", b"submit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChannelUp: _TypeAlias = ChannelUp  # noqa: Y015
+
+@_typing.final
+class RelayedSubmit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """chosen by the relay, unique on its NodeStream"""
+    @_builtins.property
+    def request(self) -> Global___SubmitRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        request: Global___SubmitRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedSubmit: _TypeAlias = RelayedSubmit  # noqa: Y015
+
+@_typing.final
+class RelayedSubmitReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    code: _builtins.int
+    """a gRPC status code for the whole Submit"""
+    detail: _builtins.str
+    @_builtins.property
+    def response(self) -> Global___SubmitResponse:
+        """unset when `code` is not 0"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        response: Global___SubmitResponse | None = ...,
+        code: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "id", b"id", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayedSubmitReply: _TypeAlias = RelayedSubmitReply  # noqa: Y015
 
 @_typing.final
 class NodeUp(_message.Message):
@@ -1156,6 +1222,7 @@ class ChannelDown(_message.Message):
     ENDED_FIELD_NUMBER: _builtins.int
     CODE_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    SUBMITTED_FIELD_NUMBER: _builtins.int
     channel: _builtins.int
     ended: _builtins.bool
     """The channel ended: the relay ends that agent's stream with `code` (a gRPC
@@ -1168,6 +1235,10 @@ class ChannelDown(_message.Message):
     def message(self) -> Global___CoordinatorMessage:
         """unset when `ended`"""
 
+    @_builtins.property
+    def submitted(self) -> Global___RelayedSubmitReply:
+        """The answer to a relayed Submit (`channel` 0)."""
+
     def __init__(
         self,
         *,
@@ -1176,10 +1247,11 @@ class ChannelDown(_message.Message):
         ended: _builtins.bool = ...,
         code: _builtins.int = ...,
         detail: _builtins.str = ...,
+        submitted: Global___RelayedSubmitReply | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "submitted", b"submitted"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "code", b"code", "detail", b"detail", "ended", b"ended", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "code", b"code", "detail", b"detail", "ended", b"ended", "message", b"message", "submitted", b"submitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1190,20 +1262,27 @@ class NodeDown(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ITEMS_FIELD_NUMBER: _builtins.int
+    TAKES_SUBMIT_FIELD_NUMBER: _builtins.int
+    takes_submit: _builtins.bool
+    """On that first NodeDown: the coordinator takes relayed Submits on this
+    stream (ChannelUp `submit`). A relay whose coordinator does not say so
+    refuses its scheduler's Submits with a message saying why.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChannelDown]:
-        """In each channel's order. The coordinator's first NodeDown is empty: the
-        stream was accepted by the leader (a standby refuses it instead).
+        """In each channel's order. The coordinator's first NodeDown holds no items:
+        the stream was accepted by the leader (a standby refuses it instead).
         """
 
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___ChannelDown] | None = ...,
+        takes_submit: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "takes_submit", b"takes_submit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
