@@ -7,12 +7,15 @@ stream is busy goes down as one NodeDown, and a relay sends what its agents
 queued as one NodeUp, so a TP-8 rendezvous costs the leader a few stream
 messages instead of one per rank and report.
 
-Ownership: the reader task owns `channels` (it opens and closes sessions); a
-pump task per channel moves that session's outbox into the one `down` queue,
-and the response generator drains `down`. Every session is closed with its
-channel (the agent hung up: as a lost AgentStream), and all of them when the
-stream ends (the relay is gone, its agents are not known to be: their
-transfers wait for the agents' lease, runtime.AgentSession.link_lost).
+Ownership: this object owns `channels` (the reader opens sessions; channels
+end in `_flush`). A session's `notify` marks its channel, and one loop
+callback per burst (`_drain`) moves every marked session's outbox into the
+one `down` queue, which the response generator drains: no task per channel,
+so an order costs the leader no task switch of its own. Every session is
+closed with its channel (the agent hung up: as a lost AgentStream), and all
+of them when the stream ends (the relay is gone, its agents are not known to
+be: their transfers wait for the agents' lease,
+runtime.AgentSession.link_lost).
 
 A relay may also carry its node's Submits (ChannelUp `submit`, channel 0):
 each is applied when read, in stream order, as TransferService.Submit would
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 from pushkv.v1 import pushkv_pb2 as pb
@@ -90,7 +94,7 @@ async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessa
 @dataclass(eq=False)
 class _Channel:
     session: AgentSession
-    pump: asyncio.Task[None]
+    welcomed: bool = False  # the welcome went down (alone, first)
 
 
 class NodeChannels:
@@ -112,6 +116,8 @@ class NodeChannels:
         self._channels: dict[int, _Channel] = {}
         self._ended: set[int] = set()  # channels ended here: their late messages are dropped
         self._down: asyncio.Queue[pb.ChannelDown | None] = asyncio.Queue()
+        # Channels whose sessions queued something since the last drain (in order).
+        self._dirty: dict[int, None] = {}
 
     # ------------------------------------------------------------ up
     def _end(self, channel: int, exc: BaseException | None = None) -> None:
@@ -126,10 +132,9 @@ class NodeChannels:
         if len(self._channels) >= MAX_CHANNELS:
             raise ResourceExhausted(f"a NodeStream carries at most {MAX_CHANNELS} channels")
         session = self._open_agent(first, self._principal, self._peer or "relay")
-        pump = asyncio.get_running_loop().create_task(
-            self._pump(channel, session), name=f"node-{channel}-{session.key}"
-        )
-        self._channels[channel] = _Channel(session, pump)
+        self._channels[channel] = _Channel(session)
+        session.notify = partial(self._mark, channel)
+        self._mark(channel)  # its welcome is queued already
         log.info(
             "node_channel_opened",
             engine_id=session.key.engine_id,
@@ -157,7 +162,7 @@ class NodeChannels:
         ch = self._channels.get(item.channel)
         if item.closed:
             if ch is not None:
-                ch.session.close()  # its pump ends the channel and the session
+                ch.session.close()  # the drain ends the channel and the session
             return
         if ch is None:
             if item.channel in self._ended:
@@ -183,18 +188,48 @@ class NodeChannels:
             for ch in self._channels.values():
                 ch.session.link_lost = True  # the relay's stream ended, not the agent's
                 ch.session.close()
-            pumps = [ch.pump for ch in self._channels.values()]
-            if pumps:
-                await asyncio.wait(pumps)
+            self._dirty.clear()
+            for channel, ch in list(self._channels.items()):
+                self._flush(channel, ch)  # what each queued, then its end
             self._down.put_nowait(None)
 
     # ------------------------------------------------------------ down
-    async def _pump(self, channel: int, s: AgentSession) -> None:
+    def _mark(self, channel: int) -> None:
+        if not self._dirty:  # the first since the last drain: one callback for all
+            asyncio.get_running_loop().call_soon(self._drain)
+        self._dirty[channel] = None
+
+    def _drain(self) -> None:
+        dirty, self._dirty = self._dirty, {}
+        for channel in dirty:
+            ch = self._channels.get(channel)
+            if ch is not None:
+                self._flush(channel, ch)
+
+    def _flush(self, channel: int, ch: _Channel) -> None:
+        """Move what the channel's session queued into `down`, as its own
+        stream would send it (session_messages); end the channel with it."""
+        s = ch.session
+        q = s.outbox
+        ended = False
         try:
-            async for out in session_messages(s):
-                self._down.put_nowait(pb.ChannelDown(channel=channel, message=out))
-        finally:
+            while not ended and not q.empty():
+                msg = q.get_nowait()
+                if msg is None:
+                    ended = True
+                elif not ch.welcomed:
+                    ch.welcomed = True
+                    self._down.put_nowait(pb.ChannelDown(channel=channel, message=to_message(msg)))
+                else:
+                    out, ended = s.take(msg)
+                    for part in split_batch(out):
+                        self._down.put_nowait(pb.ChannelDown(channel=channel, message=part))
+        except Exception:  # a bug here ends this channel, not the node's stream
+            log.exception("node_channel_failed", agent=str(s.key), channel=channel)
+            ended = True
+        if ended or s.closed:  # closed with a full outbox: its end was not queued
             self._channels.pop(channel, None)
+            s.notify = None
             self._rt.close_session(s)
             self._end(channel)
 
@@ -218,8 +253,9 @@ class NodeChannels:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             for ch in list(self._channels.values()):
-                ch.pump.cancel()
+                ch.session.notify = None
                 ch.session.link_lost = True
                 self._rt.close_session(ch.session)
             self._channels.clear()
+            self._dirty.clear()
             log.info("node_stream_closed", peer=self._peer)

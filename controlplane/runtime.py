@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -86,6 +86,10 @@ class AgentSession:
     link_lost: bool = False
     # The leader's term, stamped on every order (0: no --etcd).
     term: int = 0
+    # Called after every message queued, the end included: a NodeStream
+    # channel moves its outbox then, with no task of its own (node_stream.py).
+    # None: a stream's response task waits on the outbox instead.
+    notify: Callable[[], None] | None = None
 
     def take(self, first: Outgoing) -> tuple[pb.CoordinatorMessage, bool]:
         """What to send now, given the item just taken from the outbox, and
@@ -123,12 +127,17 @@ class AgentSession:
         except asyncio.QueueFull:
             log.error("agent_outbox_full", agent=str(self.key))
             self.close()
+            return
+        if self.notify is not None:
+            self.notify()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             with contextlib.suppress(asyncio.QueueFull):
                 self.outbox.put_nowait(None)
+            if self.notify is not None:
+                self.notify()
 
 
 @dataclass(eq=False)

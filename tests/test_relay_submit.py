@@ -217,3 +217,38 @@ async def test_a_replica_that_may_no_longer_order_applies_no_relayed_submit(
             await node.items(1)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert not coord.runtime.core.has_transfer("f1")
+
+
+def _prefill_done(tid: str) -> pb.TransferCall:
+    return pb.TransferCall(
+        prefill_done=pb.ReportPrefillDoneRequest(
+            transfer_id=tid, prefill_engine_id="p0", block_ids=blocks([1, 2, 3]), num_tokens=40
+        )
+    )
+
+
+async def test_a_rendezvous_answer_and_its_orders_go_down_as_one_node_down(
+    coord: Coordinator,
+) -> None:
+    """The Submit that completes a TP-4 rendezvous, read from a NodeUp: its
+    answer and the orders to the four prefill channels go down together, in
+    one NodeDown, not one message per channel."""
+    async with grpc.aio.insecure_channel(coord.address) as ch:
+        node = Node(ch)
+        assert (await node.call.read()).takes_submit
+        node.send(
+            *(up(r + 1, hello("p0", "prefill", r, 4)) for r in range(4)),
+            *(up(r + 5, hello("d0", "decode", r, 4)) for r in range(4)),
+        )
+        welcomes = await node.items(8)
+        assert {i.message.WhichOneof("kind") for i in welcomes} == {"welcome"}
+        request = pb.SubmitRequest(calls=[_register("b1"), _prefill_done("b1")])
+        downs = node.downs
+        node.send(pb.ChannelUp(submit=pb.RelayedSubmit(id=9, request=request)))
+        items = await node.items(5)
+        assert node.downs == downs + 1, items
+        (reply,) = [i.submitted for i in items if i.HasField("submitted")]
+        assert reply.id == 9 and [r.code for r in reply.response.results] == [0, 0]
+        ordered = {i.channel for i in items if not i.HasField("submitted")}
+        assert ordered == {1, 2, 3, 4}
+        node.end()
