@@ -65,7 +65,7 @@ async def _one_rep(
     from controlplane.clock import SystemClock
     from controlplane.logs import TransferLog
     from controlplane.metrics import CoordinatorMetrics
-    from controlplane.runtime import Runtime
+    from controlplane.runtime import AgentSession, Runtime
     from controlplane.servicers import TransferServicer
     from controlplane.settings import CoreSettings
 
@@ -74,25 +74,21 @@ async def _one_rep(
         rt.observers.append(CoordinatorMetrics(rt))
     rt.observers.append(TransferLog(rt.core.has_transfer))
     srv = TransferServicer(rt, Authorizer(tls_enabled=False))
-    # One session per rank, as each rank's agent has; rank r writes into decode rank r.
-    sps = [
-        rt.open_session(
-            convert.registration_from_pb(
-                agent_hello(PREFILL, pb.ROLE_PREFILL, batched=True, rank=r, tp=tp)
-            ),
-            accepts_batches=True,
-        )
-        for r in range(tp)
-    ]
-    sds = [
-        rt.open_session(
-            convert.registration_from_pb(
-                agent_hello(DECODE, pb.ROLE_DECODE, batched=True, rank=r, tp=tp)
-            ),
-            accepts_batches=True,
-        )
-        for r in range(tp)
-    ]
+
+    def sessions(engine: str, role: Any) -> list[AgentSession]:
+        """One session per rank, as each rank's agent has."""
+        return [
+            rt.open_session(
+                convert.registration_from_pb(
+                    agent_hello(engine, role, batched=True, rank=r, tp=tp)
+                ),
+                accepts_batches=True,
+            )
+            for r in range(tp)
+        ]
+
+    sps = sessions(PREFILL, pb.ROLE_PREFILL)  # rank r writes into decode rank r
+    sds = sessions(DECODE, pb.ROLE_DECODE)
     for s in (*sps, *sds):
         while not s.outbox.empty():
             s.outbox.get_nowait()  # the welcomes
