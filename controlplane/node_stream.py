@@ -36,7 +36,7 @@ import structlog
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.auth import Principal
-from controlplane.errors import FailedPrecondition, PushKVError, ResourceExhausted
+from controlplane.errors import PushKVError, ResourceExhausted
 from controlplane.runtime import AgentSession, Runtime, to_message
 from controlplane.status_map import outcome
 from wire.batching import MAX_BATCH_BYTES, Batcher
@@ -104,8 +104,8 @@ class NodeChannels:
         open_agent: Callable[[pb.AgentMessage, Principal, str], AgentSession],
         principal: Principal,
         fence: Callable[[], None],
+        submit: Submit,
         peer: str = "",
-        submit: Submit | None = None,
     ) -> None:
         self._peer = peer  # the relay's address, for the log
         self._submit = submit
@@ -146,8 +146,6 @@ class NodeChannels:
     def _on_submit(self, relayed: pb.RelayedSubmit) -> None:
         reply = pb.RelayedSubmitReply(id=relayed.id)
         try:
-            if self._submit is None:
-                raise FailedPrecondition("this coordinator takes no Submit on a NodeStream")
             self._fence()  # a deposed leader applies nothing
             reply.response.CopyFrom(self._submit(self._principal, relayed.request))
         except Exception as exc:  # the whole Submit fails, as its RPC would
@@ -241,7 +239,7 @@ class NodeChannels:
         try:
             self._fence()
             # Accepted: the relay opens its agents' channels now.
-            yield pb.NodeDown(takes_submit=self._submit is not None)
+            yield pb.NodeDown(takes_submit=True)
             # What the channels queued meanwhile goes as one NodeDown (never waits).
             while (batch := await batches.next()) is not None:
                 self._fence()

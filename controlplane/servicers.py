@@ -159,15 +159,13 @@ class AgentServicer(pbg.AgentServiceServicer):
         self,
         rt: Runtime,
         authz: Authorizer,
-        gate: Leadership | None = None,
-        submit: Submit | None = None,
+        gate: Leadership,
+        submit: Submit,
     ) -> None:
         self._rt = rt
         self._authz = authz
-        self._gate = gate or Leadership()
-        # What a NodeStream's relayed Submits call (TransferServicer.submit);
-        # None: the stream does not take them (the first NodeDown says so).
-        self._submit = submit
+        self._gate = gate
+        self._submit = submit  # what a NodeStream's relayed Submits call (TransferServicer.submit)
 
     def _fence(self) -> None:
         """Nothing goes to an agent once this replica may no longer order."""
@@ -245,6 +243,6 @@ class AgentServicer(pbg.AgentServiceServicer):
     ) -> AsyncIterator[pb.NodeDown]:
         principal = self._authz.principal(context)
         node = NodeChannels(
-            self._rt, self.open_agent, principal, self._fence, context.peer(), self._submit
+            self._rt, self.open_agent, principal, self._fence, self._submit, context.peer()
         )
         return node.serve(request_iterator)

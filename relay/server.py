@@ -94,8 +94,7 @@ class RelayServicer(pbg.AgentServiceServicer):
         if ch is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"relay: no coordinator accepted its stream within {self._wait_s:g} s "
-                f"(dialing {self._up.address})",
+                self._up.no_stream(self._wait_s),
             )
         assert ch is not None
         if why := self._too_big(first):

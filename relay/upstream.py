@@ -278,6 +278,13 @@ class Upstream:
                 await asyncio.sleep(0.01)  # the stream just ended; its successor sets it again
         return g
 
+    def no_stream(self, within_s: float) -> str:
+        """Why a caller that waited `within_s` for an accepted stream got none."""
+        return (
+            f"relay: no coordinator accepted its stream within {within_s:g} s "
+            f"(dialing {self.address})"
+        )
+
     async def wait_channel(self, within_s: float) -> Channel | None:
         """A channel once the leader accepted a stream, waiting up to `within_s`
         (during a failover an agent's hello waits here, not in its backoff)."""
@@ -293,11 +300,7 @@ class Upstream:
         deadline = loop.time() + within_s
         g = await self._accepted(within_s)
         if g is None:
-            raise RelayError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"relay: no coordinator accepted its stream within {within_s:g} s "
-                f"(dialing {self.address})",
-            )
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, self.no_stream(within_s))
         if not g.takes_submit:
             raise RelayError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -310,10 +313,6 @@ class Upstream:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"relay: {MAX_PENDING_SUBMITS} Submits already wait for the coordinator",
             )
-        if not g.submits:
-            log.info("relay: carrying the node's Submits on the stream to %s", g.address)
-        g.submits += 1
-        self.submits += 1
         sid, self._next_submit = self._next_submit, self._next_submit + 1
         fut: asyncio.Future[pb.RelayedSubmitReply] = loop.create_future()
         g.pending[sid] = fut
@@ -325,6 +324,10 @@ class Upstream:
             raise RelayError(
                 grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind"
             ) from None
+        if not g.submits:
+            log.info("relay: carrying the node's Submits on the stream to %s", g.address)
+        g.submits += 1
+        self.submits += 1
         try:
             reply = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except TimeoutError:
