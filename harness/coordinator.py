@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from pushkv.v1 import pushkv_pb2 as pb
@@ -36,7 +36,7 @@ class CoordinatorProcess:
         host, port = ["--host", self.host], ["--port", str(self.port)]
         return ["coordinator", *host, *port, "--port-file", str(self._port_file)]
 
-    def start(self, timeout: float = 30.0) -> CoordinatorProcess:
+    def start(self, timeout: float = 30.0) -> Self:
         self._port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "cli.main", *self._argv(), *self._flags]
         with open(self._log_path, "ab") as log:
@@ -76,7 +76,7 @@ class CoordinatorProcess:
     def log_text(self) -> str:
         return self._log_path.read_text() if self._log_path.exists() else ""
 
-    def __enter__(self) -> CoordinatorProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

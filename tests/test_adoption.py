@@ -3,6 +3,8 @@ driven directly with a fake clock (no gRPC), in the style of test_rendezvous.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
@@ -29,10 +31,10 @@ from tests.support.sim_agent import SimAgent, rendezvous, wait_terminal
 from tests.test_rendezvous import D, P, notices, orders, reg
 
 
-def leader(tp: int = 1, **kw: object) -> tuple[Rendezvous, FakeClock]:
+def leader(tp: int = 1, **kw: Any) -> tuple[Rendezvous, FakeClock]:
     """A fresh core: the new leader, before any agent said hello."""
     clock = FakeClock()
-    return Rendezvous(CoreSettings(**kw), clock), clock  # type: ignore[arg-type]
+    return Rendezvous(CoreSettings(**kw), clock), clock
 
 
 def hello(
@@ -172,7 +174,7 @@ def test_ready_for_a_transfer_this_leader_ordered_changes_nothing() -> None:
     t, effects = rv.prefill_done("t", P, [[1, 2]], 20)
     [o] = orders(effects)
     assert hello(rv, D, Role.DECODE, 0, 1, HeldTransfer("t", counted=(0,), ready=True))
-    assert t.state is State.ORDERED and not t.adopting
+    assert (t.state, t.adopting) == (State.ORDERED, False)
     rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE)
     assert t.state is State.COMPLETE and "written before" not in t.detail
 
@@ -184,7 +186,7 @@ def replayed_before_any_hello(rv: Rendezvous, arrival_from: AgentKey) -> Transfe
     still hold it say hello, and both sides come back."""
     hello(rv, P, Role.PREFILL, 0, 2)
     hello(rv, D, Role.DECODE, 0, 2)
-    hello(rv, "other", Role.DECODE, 0, 2)
+    hello(rv, EngineId("other"), Role.DECODE, 0, 2)
     rv.arrival_report(arrival_from, "i1", "t", [0])
     hello(rv, P, Role.PREFILL, 1, 2, HeldTransfer("t"))
     hello(rv, D, Role.DECODE, 1, 2, HeldTransfer("t"))

@@ -8,6 +8,7 @@ import pytest
 
 from controlplane.domain import (
     AgentKey,
+    Effect,
     EngineId,
     Reason,
     Role,
@@ -18,7 +19,7 @@ from controlplane.domain import (
 )
 from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
-from tests.test_rendezvous import D, P, core, notices, orders, reg
+from tests.test_rendezvous import D, P, core, may_land, notices, orders, reg, state_of
 
 
 def armed(rv: Rendezvous, tid: str = "t", dst: list[list[int]] | None = None) -> SendOrder:
@@ -29,12 +30,12 @@ def armed(rv: Rendezvous, tid: str = "t", dst: list[list[int]] | None = None) ->
     return o
 
 
-def report(rv: Rendezvous, o: SendOrder, status: WriteStatus) -> list[object]:
+def report(rv: Rendezvous, o: SendOrder, status: WriteStatus) -> list[Effect]:
     return list(rv.write_report(o.to, "i1", o.order.order_id, o.order.transfer_id, status))
 
 
-def arrive(rv: Rendezvous, o: SendOrder) -> list[object]:
-    out: list[object] = []
+def arrive(rv: Rendezvous, o: SendOrder) -> list[Effect]:
+    out: list[Effect] = []
     for tgt in o.order.targets:
         out += rv.arrival_report(
             AgentKey(tgt.decode_engine_id, tgt.decode_rank),
@@ -66,7 +67,7 @@ def test_fired_write_completes_before_prefill_done_is_heard() -> None:
     assert t.state is State.WRITING
     report(rv, o, WriteStatus.DONE)
     effects = arrive(rv, o)
-    assert t.state is State.COMPLETE and t.reason is Reason.NONE
+    assert state_of(t) is State.COMPLETE and t.reason is Reason.NONE
     assert notices(effects) == []  # both sides know already
     t2, late = rv.prefill_done("t", P, [[1, 2, 3]], 40, finished_unix=1234.5)
     assert t2.state is State.COMPLETE and late == []  # no second order, no notice
@@ -82,9 +83,9 @@ def test_prefill_done_before_the_fire_is_heard_issues_nothing_new() -> None:
     # The write deadline runs from prefill done now, not the rendezvous one.
     clock.advance(3.5)
     rv.tick()
-    assert t.state is State.EXPIRED and t.write_may_land
+    assert state_of(t) is State.EXPIRED and may_land(t)
     report(rv, o, WriteStatus.DROPPED)
-    assert not t.write_may_land
+    assert not may_land(t)
 
 
 @pytest.mark.parametrize("when", ["armed", "posted"])
@@ -173,7 +174,7 @@ def test_tp2_prefill_arms_one_order_per_rank_and_counts_every_writer() -> None:
     arrive(rv, os[0])
     assert t.outstanding_ranks() == [1]
     arrive(rv, os[1])
-    assert t.state is State.COMPLETE
+    assert state_of(t) is State.COMPLETE
 
 
 def test_replayed_on_reconnect_still_armed() -> None:

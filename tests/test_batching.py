@@ -20,20 +20,13 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.link import CoordinatorLink, report_to_pb
 from agent.messages import ArrivalMsg, Inbound, OrderMsg, PeerMsg, ReportStatus, WriteReportMsg
 from controlplane.domain import AgentKey
-from controlplane.server import Coordinator, ServerSettings, start
+from controlplane.server import Coordinator
 from controlplane.servicers import MAX_SUBMIT_CALLS
 from controlplane.settings import CoreSettings
 from tests.support.sim_agent import SimAgent, SimCluster, blocks, hello, wait_terminal
 
 WAIT = 5.0
 OK = grpc.StatusCode.OK.value[0]
-
-
-@pytest.fixture
-async def coord() -> AsyncIterator[Coordinator]:
-    c = await start(ServerSettings(port=0, core=CoreSettings()))
-    yield c
-    await c.stop(0)
 
 
 @pytest.fixture
@@ -81,6 +74,7 @@ async def unary_error(ch: grpc.aio.Channel, call: pb.TransferCall) -> tuple[int,
     """What the unary RPC answers for the same call."""
     stub = pbg.TransferServiceStub(ch)
     kind = call.WhichOneof("kind")
+    assert kind is not None
     rpc: Any = {
         "register": stub.RegisterDecodeBlocks,
         "prefill_done": stub.ReportPrefillDone,
@@ -322,7 +316,9 @@ async def test_an_outbox_batch_keeps_orders_and_messages_in_order() -> None:
     session.send(pb.CoordinatorMessage(notice=pb.TransferNotice(transfer_id="n1")))
     session.send(order("t2"))
     session.close()
-    out, ended = session.take(session.outbox.get_nowait())
+    first = session.outbox.get_nowait()
+    assert first is not None
+    out, ended = session.take(first)
     assert ended
     got = [
         (m.WhichOneof("kind"), m.order.transfer_id or m.notice.transfer_id)
@@ -337,7 +333,9 @@ async def test_an_outbox_batch_keeps_orders_and_messages_in_order() -> None:
     while not lone.outbox.empty():
         lone.outbox.get_nowait()
     lone.send(order("t3"))
-    msg, ended = lone.take(lone.outbox.get_nowait())
+    queued = lone.outbox.get_nowait()
+    assert queued is not None
+    msg, ended = lone.take(queued)
     assert not ended and msg.WhichOneof("kind") == "order" and msg.order.transfer_id == "t3"
 
 

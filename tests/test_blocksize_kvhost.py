@@ -19,8 +19,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 from agent.events import EventKind
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from tests.support.kvpair import stop_all as stop
 from tests.test_tp_kvhost import both_sides as send
-from tests.test_tp_kvhost import complete, stop, transfer_rpcs, wait_for
+from tests.test_tp_kvhost import complete, transfer_rpcs, wait_for
 
 CANARY = 0x5A
 NB = 64

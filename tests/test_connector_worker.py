@@ -178,7 +178,7 @@ def run_steps(sides: list[tuple[Side, set[str]]], until: Callable[[Finished], bo
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def fill(caches: dict[str, torch.Tensor], blocks: list[int], seed: int) -> None:
@@ -552,8 +552,8 @@ def test_groups_of_a_hybrid_model_land_byte_for_byte(
                 assert same_bytes(d.caches[name][t], p.caches[name][s]), (name, s, t)
             others = [b for b in range(NB) if b not in written]
             assert not d.caches[name][others].any()
-        t = wait_state(stubs.status, tid, pb.TRANSFER_STATE_COMPLETE)
-        assert t.state == pb.TRANSFER_STATE_COMPLETE
+        status = wait_state(stubs.status, tid, pb.TRANSFER_STATE_COMPLETE)
+        assert status.state == pb.TRANSFER_STATE_COMPLETE
     finally:
         d.half.shutdown()
         p.half.shutdown()

@@ -16,17 +16,19 @@ import re
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
+# No type information for these: kubernetes-validate ships none, and the dev
+# extras do not install types-PyYAML.
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
-import yaml
-from kubernetes_validate.utils import latest_version
+import yaml  # type: ignore[import-untyped]
+from kubernetes_validate.utils import latest_version  # type: ignore[import-untyped]
 
 from cli.main import build_parser
 from harness.vllm_server import pushkv_config
 from vllm_integration.settings import ConnectorSettings
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
-DOCS = [
+DOCS: list[tuple[str, dict[str, Any]]] = [
     (path.name, doc)
     for path in sorted(K8S.glob("*.yaml"))
     for doc in yaml.safe_load_all(path.read_text())
@@ -44,7 +46,8 @@ def _named(kind: str, name: str) -> dict[str, Any]:
 
 def _container(kind: str, name: str) -> dict[str, Any]:
     spec: dict[str, Any] = _named(kind, name)["spec"]["template"]["spec"]
-    (c,) = spec["containers"]
+    containers: list[dict[str, Any]] = spec["containers"]
+    (c,) = containers
     return c
 
 
@@ -94,7 +97,8 @@ def test_schema_check_catches_a_typo() -> None:
 def _relay(role: str) -> dict[str, Any]:
     """The engine pod's node relay: a native sidecar (an init container that restarts)."""
     spec = _named("Deployment", f"pushkv-{role}")["spec"]["template"]["spec"]
-    (c,) = [c for c in spec["initContainers"] if c["name"] == "relay"]
+    relays: list[dict[str, Any]] = [c for c in spec["initContainers"] if c["name"] == "relay"]
+    (c,) = relays
     return c
 
 

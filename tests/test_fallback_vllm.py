@@ -195,7 +195,7 @@ def in_flight_burst(c: Cluster, ps: list[list[int]]) -> list[Future[tuple[int, A
                 return futures
         raise AssertionError("the coordinator's watch ended before a transfer was in flight")
     finally:
-        watch.cancel()
+        watch.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs: RpcContext.cancel is unannotated
         ch.close()
 
 

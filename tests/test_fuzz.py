@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from controlplane.domain import EngineId
 from controlplane.settings import CoreSettings
 from tests.support.sim_agent import (
     SimCluster,
@@ -52,7 +54,7 @@ FUZZ = settings(
 # Live engines (SimCluster, auto-completing) so fuzzed requests reach deep paths.
 PREFILL, DECODE = "fz-p", "fz-d"
 ENGINES = [PREFILL, DECODE, "nobody", "h-0", "h-1"]
-UNARY = {
+UNARY: dict[str, type[Message]] = {
     "/pushkv.v1.TransferService/BeginTransfer": pb.BeginTransferRequest,
     "/pushkv.v1.TransferService/RegisterDecodeBlocks": pb.RegisterDecodeBlocksRequest,
     "/pushkv.v1.TransferService/ReportPrefillDone": pb.ReportPrefillDoneRequest,
@@ -170,14 +172,16 @@ def unary_calls(draw: st.DrawFn) -> tuple[str, Any]:
         req = pb.GetTransferRequest(transfer_id=draw(st.one_of(SMALL_IDS, IDS)))
     elif name == "ListTransfers":
         req = pb.ListTransfersRequest(
-            states=draw(st.lists(STATE_VALUES, max_size=4)),
+            states=[
+                pb.TransferState.ValueType(s) for s in draw(st.lists(STATE_VALUES, max_size=4))
+            ],
             engine_id=draw(st.one_of(st.just(""), ENGINE_IDS)),
             min_age_ms=draw(st.one_of(st.just(0), UINT32)),
             max_age_ms=draw(st.one_of(st.just(0), UINT32)),
             limit=draw(st.one_of(st.just(0), st.integers(1, 5), UINT32)),
         )
     else:
-        req = pb.ListEnginesRequest(role=draw(STATE_VALUES))
+        req = pb.ListEnginesRequest(role=pb.Role.ValueType(draw(STATE_VALUES)))
     return kind, req
 
 
@@ -221,7 +225,7 @@ def hellos(draw: st.DrawFn) -> pb.AgentMessage:
             protocol_version=draw(st.one_of(st.just(PROTOCOL_VERSION), UINT32)),
             identity=pb.AgentIdentity(
                 engine_id=draw(st.one_of(st.sampled_from(["h-0", "h-1"]), IDS)),
-                role=draw(STATE_VALUES),
+                role=pb.Role.ValueType(draw(STATE_VALUES)),
                 tp_rank=draw(st.one_of(st.integers(0, 3), UINT32)),
                 tp_size=draw(st.one_of(st.integers(0, 3), UINT32)),
                 incarnation=draw(st.one_of(st.just("i1"), IDS)),
@@ -250,7 +254,7 @@ def agent_messages(draw: st.DrawFn) -> pb.AgentMessage:
             write=pb.WriteReport(
                 order_id=draw(IDS),
                 transfer_id=draw(IDS),
-                status=draw(STATE_VALUES),
+                status=pb.WriteStatus.ValueType(draw(STATE_VALUES)),
                 detail=draw(st.text(max_size=20)),
                 bytes=draw(UINT64),
                 descriptors=draw(UINT32),
@@ -289,8 +293,17 @@ def code_of(call: Callable[[], Any]) -> grpc.StatusCode:
     try:
         call()
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[attr-defined,no-any-return]
+        return exc.code()
     return grpc.StatusCode.OK
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
+
+def cancel_call(call: _Cancellable) -> None:
+    """Cancel a blocking call (grpc-stubs leave RpcContext.cancel unannotated)."""
+    call.cancel()
 
 
 def assert_allowed(code: grpc.StatusCode, what: object) -> None:
@@ -300,11 +313,11 @@ def assert_allowed(code: grpc.StatusCode, what: object) -> None:
 def check_accounting(server: ThreadedCoordinator) -> None:
     """The core's in-flight counters agree with its transfers (read on its loop)."""
 
-    async def snapshot() -> tuple[int, int, dict[str, int], dict[str, int], bool]:
+    async def snapshot() -> tuple[int, int, dict[EngineId, int], dict[EngineId, int], bool]:
         assert server.coordinator is not None
         core = server.coordinator.runtime.core
         live = [t for t in core.transfers() if not t.state.terminal]
-        per_engine: dict[str, int] = {}
+        per_engine: dict[EngineId, int] = {}
         for t in live:
             for e in t.counted:
                 per_engine[e] = per_engine.get(e, 0) + 1
@@ -336,7 +349,9 @@ def test_unary_rpcs_with_random_fields(
                 if call.WhichOneof("kind") is None:
                     assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             continue
-        fn = channel.unary_unary(path, request_serializer=type(req).SerializeToString)
+        fn = channel.unary_unary(
+            path, request_serializer=type(req).SerializeToString, response_deserializer=None
+        )
         assert_allowed(code_of(lambda: fn(req, timeout=CALL_TIMEOUT)), req)  # noqa: B023
     check_accounting(server)
 
@@ -424,7 +439,7 @@ def test_random_interleavings_of_one_transfer(
     try:
         final = next(ev.transfer for ev in events if ev.transfer.transfer_id == tid)
     finally:
-        events.cancel()
+        cancel_call(events)
     if cancelled_early:
         assert final.state == pb.TRANSFER_STATE_CANCELLED, (ops, final)
     elif decode_sent == "bad":
@@ -434,15 +449,16 @@ def test_random_interleavings_of_one_transfer(
         assert final.state in (pb.TRANSFER_STATE_CANCELLED, pb.TRANSFER_STATE_COMPLETE)
     else:
         assert final.state == pb.TRANSFER_STATE_COMPLETE, (ops, final)
-        want = pb.REASON_NOTHING_TO_WRITE if not d_ids else pb.REASON_UNSPECIFIED
-        assert final.reason == want
+        want_reason = pb.REASON_NOTHING_TO_WRITE if not d_ids else pb.REASON_UNSPECIFIED
+        assert final.reason == want_reason
     check_accounting(server)
 
 
 @FUZZ
 @given(path=st.sampled_from(sorted(UNARY)), payload=st.binary(max_size=300))
 def test_unary_rpcs_with_garbage_bytes(channel: grpc.Channel, path: str, payload: bytes) -> None:
-    fn = channel.unary_unary(path)  # no serializers: raw bytes both ways
+    # No serializers: raw bytes both ways.
+    fn = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
     code = code_of(lambda: fn(payload, timeout=CALL_TIMEOUT))
     assert_allowed(code, payload)
     try:
@@ -464,7 +480,9 @@ def test_watch_transfers_with_random_filters(
     channel: grpc.Channel, states: list[int], engine_id: str, include_existing: bool
 ) -> None:
     req = pb.WatchTransfersRequest(
-        states=states, engine_id=engine_id, include_existing=include_existing
+        states=[pb.TransferState.ValueType(s) for s in states],
+        engine_id=engine_id,
+        include_existing=include_existing,
     )
     stub = pbg.StatusServiceStub(channel)
     if any(s not in _VALID_STATES for s in states):
@@ -482,7 +500,7 @@ def test_watch_transfers_with_random_filters(
                 ev.transfer.decode_engine_id,
             )
     except grpc.RpcError as exc:
-        code = exc.code()  # type: ignore[attr-defined]
+        code = exc.code()
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED, req
 
 
@@ -524,7 +542,9 @@ def test_agent_stream_with_random_messages(
 def test_agent_stream_with_garbage_bytes(
     channel: grpc.Channel, with_hello: bool, frames: list[bytes]
 ) -> None:
-    raw = channel.stream_stream("/pushkv.v1.AgentService/AgentStream")  # raw bytes
+    raw = channel.stream_stream(  # raw bytes
+        "/pushkv.v1.AgentService/AgentStream", request_serializer=None, response_deserializer=None
+    )
     if with_hello:
         frames = [hello("h-raw", "decode").SerializeToString(), *frames]
     code = code_of(lambda: list(raw(iter(frames), timeout=CALL_TIMEOUT)))
@@ -591,7 +611,7 @@ def test_zz_after_the_fuzzing_a_normal_transfer_completes(
                 if ev.transfer.transfer_id == "final-2":
                     break
         finally:
-            events.cancel()
+            cancel_call(events)
         for service in ("", "pushkv.v1.TransferService"):
             r = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=CALL_TIMEOUT

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -30,7 +31,7 @@ from ops import status as status_cli
 from ops.devpki import make_pki
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
-from vllm_integration.client import Call, CoordinatorClient
+from vllm_integration.client import Call, CoordinatorClient, Result
 from wire.tls import TLSFiles
 
 pytestmark = pytest.mark.faults
@@ -139,7 +140,8 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
     # Writes: refused with UNAVAILABLE, the leader named in details and metadata.
     with pytest.raises(grpc.RpcError) as refused:
         begin(standby.address, "ha-1")
-    exc: grpc.Call = refused.value  # type: ignore[assignment]
+    # The sync API's RpcError is also its Call (an intersection the stubs cannot name).
+    exc = cast(grpc.Call, refused.value)
     assert exc.code() == grpc.StatusCode.UNAVAILABLE
     assert lead.address in (exc.details() or "")
     assert ("pushkv-leader", lead.address) in tuple(exc.trailing_metadata() or ())
@@ -149,7 +151,7 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
         stream = pbg.AgentServiceStub(ch).AgentStream(iter([hello]), timeout=5)
         with pytest.raises(grpc.RpcError) as agent_refused:
             next(iter(stream))
-        assert agent_refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert agent_refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     # Reads: served.
     with grpc.insecure_channel(standby.address) as ch:
@@ -171,13 +173,13 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
 
     # The leader takes the write; `pushkv status` reads from it through either address.
     assert begin(lead.address, "ha-1").transfer_id == "ha-1"
-    out = _Out()
+    out = io.StringIO()
     assert status_cli.main(["--coordinator", cluster.addresses, "get", "ha-1", "--json"], out) == 0
-    assert json.loads(out.text)["transferId"] == "ha-1"
-    out = _Out()
+    assert json.loads(out.getvalue())["transferId"] == "ha-1"
+    out = io.StringIO()
     assert status_cli.main(["--coordinator", cluster.addresses, "leader"], out) == 0
-    print(out.text)
-    rows = out.text.splitlines()[2:]
+    print(out.getvalue())
+    rows = out.getvalue().splitlines()[2:]
     assert len(rows) == 2
     for row in rows:
         assert lead.address in row and str(view.term) in row
@@ -256,7 +258,9 @@ def test_a_standby_names_the_leader_to_many_aio_streams_at_once(cluster: Cluster
             try:
                 await call.read()
             except grpc.aio.AioRpcError as e:
-                named = dict(e.trailing_metadata() or ()).get("pushkv-leader")
+                # grpc-stubs give AioRpcError the sync RpcError's metadata type.
+                md = cast("grpc.aio.Metadata | None", e.trailing_metadata())
+                named = dict(md or ()).get("pushkv-leader")
                 return f"{e.code().name} {named}"
             finally:
                 call.cancel()
@@ -274,7 +278,7 @@ def test_a_standby_names_the_leader_to_many_aio_streams_at_once(cluster: Cluster
 def test_leader_kill9_a_standby_leads(cluster: Cluster) -> None:
     lead = cluster.leader()
     (standby,) = cluster.standbys()
-    term = leadership(lead.address).term  # type: ignore[union-attr]
+    term = _term(lead.address)
     lead.kill()
     took = poll(
         lambda: (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER,
@@ -316,7 +320,7 @@ def test_leader_cut_off_from_etcd_steps_down(cluster: Cluster) -> None:
         # No leader while etcd is away: the standby still refuses writes.
         with pytest.raises(grpc.RpcError) as refused:
             begin(standby.address, "ha-cut")
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         cluster.etcd.resume()
     took = poll(
@@ -396,7 +400,7 @@ def test_three_etcd_members_leader_survives_one_loss_and_steps_down_on_quorum_lo
     try:
         cluster = Cluster(etcd3, replicas)
         lead = cluster.leader()
-        term = leadership(lead.address).term  # type: ignore[union-attr]
+        term = _term(lead.address)
 
         first.kill()  # one member of three: the cluster keeps its quorum
         poll(
@@ -408,7 +412,7 @@ def test_three_etcd_members_leader_survives_one_loss_and_steps_down_on_quorum_lo
         )
         assert lead.proc is not None and lead.proc.poll() is None
         assert cluster.leader() is lead  # the same leadership, every replica agrees
-        assert leadership(lead.address).term == term  # type: ignore[union-attr]
+        assert _term(lead.address) == term
 
         raft.kill()  # two of three gone: no quorum, no lease can be renewed
         lead.proc.wait(DEADLINE_S)
@@ -416,7 +420,7 @@ def test_three_etcd_members_leader_survives_one_loss_and_steps_down_on_quorum_lo
         (standby,) = [r for r in replicas if r is not lead]
         with pytest.raises(grpc.RpcError) as refused:
             begin(standby.address, "ha-no-quorum")
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         for r in replicas:
             r.stop()
@@ -438,7 +442,7 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         d.start()
         d.call("canary", CANARY)
         _wait_ready(lead.address)
-        old_term = leadership(lead.address).term  # type: ignore[union-attr]
+        old_term = _term(lead.address)
         assert p.call("term") == d.call("term") == (old_term, 0)  # from the welcome
         _transfer(client, lead.address, p, d, "ha-before", seed=41)
 
@@ -458,7 +462,7 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         p.call("pause", False)
         assert p.call("writes_posted") == written  # nothing of ha-inflight was written
         # The agents follow the new leader's term (orders are stamped with it).
-        new_term = leadership(standby.address).term  # type: ignore[union-attr]
+        new_term = _term(standby.address)
         assert new_term > old_term
         assert p.call("term")[0] == d.call("term")[0] == new_term
         untouched = [b for b in range(NB) if b not in (20, 21)]  # ha-before wrote 20, 21
@@ -517,7 +521,7 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
         assert set(held) == {"ha-arrived", "ha-ordered"} and not held["ha-ordered"][1]
         assert {h[0] for h in d.call("held")} == set(stages)  # expected, nothing counted
         written = p.call("writes_posted")
-        old_term = leadership(lead.address).term  # type: ignore[union-attr]
+        old_term = _term(lead.address)
 
         killed = time.monotonic()
         lead.kill()
@@ -556,10 +560,10 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
             with grpc.insecure_channel(standby.address) as ch:
                 t = wait_state(pbg.StatusServiceStub(ch), tid, pb.TRANSFER_STATE_COMPLETE, 10)
             assert t.state == pb.TRANSFER_STATE_COMPLETE, (tid, t)
-        completed = time.monotonic() - killed
+        completed_s = time.monotonic() - killed
         print(
             f"agents registered with the new leader {followed:.3f} s after the kill -9; "
-            f"the three transfers in flight complete {completed:.3f} s after it"
+            f"the three transfers in flight complete {completed_s:.3f} s after it"
         )
         assert p.call("writes_posted") == written + len(stages)  # one WRITE per transfer
         assert d.check([20, 21], seed=50) == []  # ha-written: not written again
@@ -586,18 +590,6 @@ def _submit(client: CoordinatorClient, call: Call) -> None:
     assert res is not None and res.ok, res
 
 
-class _Out:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def write(self, s: str) -> int:
-        self.text += s
-        return len(s)
-
-    def flush(self) -> None:
-        pass
-
-
 def _events(replica: CoordinatorProcess, name: str) -> list[dict[str, str]]:
     out = []
     for line in replica.log_text().splitlines():
@@ -622,6 +614,13 @@ def rebuilding_hosts(dial: str) -> tuple[KVHost, KVHost]:
     return KVHost(spec), KVHost(dataclasses.replace(spec, engine_id="D", role="decode"))
 
 
+def _term(address: str) -> int:
+    """The leadership term a replica reports (it must answer)."""
+    view = leadership(address)
+    assert view is not None, f"no leadership view from {address}"
+    return view.term
+
+
 def _wait_ready(address: str) -> None:
     def ready() -> bool:
         with grpc.insecure_channel(address) as ch:
@@ -642,9 +641,11 @@ def _register_and_done(
     p.call("hold", [tid])  # as the connector's worker half does
     client.submit(Call("prefill_done", tid + "-p", tid, "P", tuple(src), 20))
     for kind in ("register", "prefill_done"):
-        res = client.wait_result(
-            lambda r, k=kind: r.call.transfer_id == tid and r.call.kind == k, DEADLINE_S
-        )
+
+        def match(r: Result, k: str = kind) -> bool:
+            return r.call.transfer_id == tid and r.call.kind == k
+
+        res = client.wait_result(match, DEADLINE_S)
         assert res is not None and res.ok, res
 
 

@@ -35,7 +35,7 @@ from tests.test_ha import (
     rebuilding_hosts,
     running_replicas,
 )
-from vllm_integration.client import Call, CoordinatorClient
+from vllm_integration.client import Call, CoordinatorClient, Result
 
 pytestmark = pytest.mark.faults
 
@@ -96,12 +96,11 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         # Its resubmitted sides are answered COMPLETE: every decode rank's hello
         # said it was written; it is not FAILED and never ordered again.
         for kind in ("register", "prefill_done"):
-            done = client.wait_result(
-                lambda r, k=kind: (
-                    r.call.transfer_id == "rs-written" and r.call.kind == k and r.terminal
-                ),
-                DEADLINE_S,
-            )
+
+            def written_side(r: Result, k: str = kind) -> bool:
+                return r.call.transfer_id == "rs-written" and r.call.kind == k and r.terminal
+
+            done = client.wait_result(written_side, DEADLINE_S)
             assert done is not None and done.state == pb.TRANSFER_STATE_COMPLETE, done
         new_term = client.term
         assert new_term > old_term and client._follower.current == standby.address

@@ -90,7 +90,7 @@ def attn(cls: type[Any], **kw: Any) -> Any:
     return cls(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, **kw)
 
 
-class ScaledFullAttentionSpec(FullAttentionSpec):
+class ScaledFullAttentionSpec(FullAttentionSpec):  # type: ignore[misc]  # vLLM is untyped here
     """A FullAttentionSpec subclass pushkv has never seen (a future vLLM's, say)."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -25,7 +26,8 @@ def test_a_taken_port_is_not_returned(monkeypatch: pytest.MonkeyPatch) -> None:
         taken = held.getsockname()[1]
         # The only candidates are the taken port and the one above it.
         monkeypatch.setattr(launch, "_ephemeral_range", lambda: (taken + 1000, 65535))
-        monkeypatch.setattr(launch.random, "sample", lambda _r, _k: [taken, taken + 1])
+        # launch draws its candidates with the random module's sample.
+        monkeypatch.setattr(random, "sample", lambda _r, _k: [taken, taken + 1])
         assert free_port(low=taken) == taken + 1
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("wire", "controlplane", "agent", "vllm_integration", "ops")
+PACKAGES: tuple[str, ...] = ("wire", "controlplane", "agent", "vllm_integration", "ops")
 PACKAGES += ("harness", "bench", "demo", "cli")
 LINT = Path(sys.executable).with_name("lint-imports")
 

@@ -4,6 +4,7 @@ coordinator's leadership gate (controlplane/leadership.py): no network."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import grpc
 import pytest
@@ -133,7 +134,7 @@ def test_election_settings_validate() -> None:
         endpoints("grpc://h:1")
     ok = ElectionSettings(etcd="https://h:1", advertise="h:1", tls_ca="ca.pem")
     assert ok.tls_cert == ""  # a CA alone: etcd without client certificates
-    for bad, why in [
+    bad_settings: list[tuple[dict[str, Any], str]] = [
         ({"etcd": "https://h:1"}, "need --etcd-ca"),
         ({"etcd": "http://h:1", "tls_ca": "ca.pem"}, "need https://"),
         ({"etcd": "https://h:1,http://h:2", "tls_ca": "ca.pem"}, "mix http:// and https://"),
@@ -141,7 +142,8 @@ def test_election_settings_validate() -> None:
         ({"etcd": "http://h:1", "user": "pushkv"}, "--etcd-password-file go together"),
         ({"etcd": "http://h:1", "password_file": "pw"}, "--etcd-password-file go together"),
         ({"etcd": "http://h:1", "loop_stall_limit_s": 0}, "loop_stall_limit_s must be > 0"),
-    ]:
+    ]
+    for bad, why in bad_settings:
         with pytest.raises(ValueError, match=why):
             ElectionSettings(advertise="h:1", **bad)
     with pytest.raises(ValueError):

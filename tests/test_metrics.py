@@ -321,13 +321,13 @@ def test_plain_families_export_as_prometheus_client() -> None:
     assert b'x_seconds_bucket{le="+Inf",side="prefill_first"} 5.0' in mine
     # prometheus_client's switch for *_created series holds for ours as well.
     was_on = created_series()
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
     try:
         assert generate_latest(ours) == generate_latest(theirs)
         assert b"_created" not in generate_latest(ours)
     finally:
         if was_on:
-            enable_created_metrics()
+            enable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
 
 
 def test_scrape_copies_while_the_loop_adds_series() -> None:

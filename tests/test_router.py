@@ -17,7 +17,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import grpc
@@ -373,7 +373,13 @@ async def test_client_disconnect_mid_stream_cancels_the_transfer(
 # ---------------------------------------------------------------- failures
 
 
-def sample(c: Cluster, name: str, **labels: str) -> float | None:
+class Routed(Protocol):
+    """A test cluster with a router (Cluster here, Mixed in test_router_pairing.py)."""
+
+    router: Router
+
+
+def sample(c: Routed, name: str, **labels: str) -> float | None:
     return c.router.metrics.registry.get_sample_value(name, labels)
 
 
@@ -586,8 +592,8 @@ async def test_a_leg_on_a_connection_the_engine_closed_is_sent_again(
         for leg in ("prefill", "decode"):
             assert sample("pushkv_router_leg_retries_total", {"leg": leg}) == 1
         # Every transfer still awaits its (stand-in) KV: none was cancelled.
-        for leg in c.prefill.legs:
-            tid = leg.body["kv_transfer_params"]["transfer_id"]
+        for sent in c.prefill.legs:
+            tid = sent.body["kv_transfer_params"]["transfer_id"]
             t = await c.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
             assert t.state == pb.TRANSFER_STATE_AWAITING
 

@@ -7,7 +7,7 @@ is committed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 
 import grpc
@@ -48,7 +48,7 @@ def chan(c: Coordinator, tls: TLSFiles) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(f"localhost:{c.port}", tls.channel_credentials())
 
 
-def hello(engine: str, role: int) -> pb.AgentMessage:
+def hello(engine: str, role: pb.Role.ValueType) -> pb.AgentMessage:
     return pb.AgentMessage(
         hello=pb.AgentHello(
             protocol_version=PROTOCOL_VERSION,
@@ -66,9 +66,9 @@ def hello(engine: str, role: int) -> pb.AgentMessage:
 
 
 async def open_agent(
-    c: Coordinator, tls: TLSFiles, engine: str, role: int
-) -> grpc.aio.StreamStreamCall:
-    call = pbg.AgentServiceStub(chan(c, tls)).AgentStream()
+    c: Coordinator, tls: TLSFiles, engine: str, role: pb.Role.ValueType
+) -> grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage]:
+    call = pbg.AgentServiceStub(chan(c, tls)).AgentStream(None)
     # A refused caller may see the stream end before its hello is written.
     with contextlib.suppress(grpc.aio.AioRpcError):
         await call.write(hello(engine, role))
@@ -81,9 +81,18 @@ def register(engine: str = "D", tid: str = "t1") -> pb.RegisterDecodeBlocksReque
     )
 
 
-async def code_of(coro: object) -> grpc.StatusCode:
+async def received(
+    call: grpc.aio.StreamStreamCall[pb.AgentMessage, pb.CoordinatorMessage],
+) -> pb.CoordinatorMessage:
+    """The next message down an agent stream (the stream must not have ended)."""
+    msg = await call.read()
+    assert isinstance(msg, pb.CoordinatorMessage), "the stream ended"
+    return msg
+
+
+async def code_of(coro: Awaitable[object]) -> grpc.StatusCode:
     try:
-        await coro  # type: ignore[misc]
+        await coro
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
@@ -133,9 +142,9 @@ async def test_engine_acts_only_for_itself(coord: Coordinator, pki: Path) -> Non
     assert await code_of(spoof.read()) == grpc.StatusCode.PERMISSION_DENIED
     # ... but D's can, and P's can open P's.
     d_call = await open_agent(coord, d_tls, "D", pb.ROLE_DECODE)
-    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    assert (await received(d_call)).WhichOneof("kind") == "welcome"
     p_call = await open_agent(coord, p_tls, "P", pb.ROLE_PREFILL)
-    assert (await p_call.read()).WhichOneof("kind") == "welcome"
+    assert (await received(p_call)).WhichOneof("kind") == "welcome"
 
     p_stub = pbg.TransferServiceStub(chan(coord, p_tls))
     d_stub = pbg.TransferServiceStub(chan(coord, d_tls))
@@ -173,7 +182,7 @@ async def test_submit_authorizes_each_call_like_its_unary_rpc(
     coord: Coordinator, pki: Path
 ) -> None:
     d_call = await open_agent(coord, files(pki, "engine-D"), "D", pb.ROLE_DECODE)
-    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    assert (await received(d_call)).WhichOneof("kind") == "welcome"
     denied = grpc.StatusCode.PERMISSION_DENIED.value[0]
     ok = grpc.StatusCode.OK.value[0]
     as_p = pb.ReportPrefillDoneRequest(
@@ -221,7 +230,7 @@ async def test_a_relay_carries_submits_for_its_nodes_engine_only(
     """A node relay dialing with engine:D's certificate: the Submits it carries
     are authorized with that identity, call by call, as D's own would be."""
     d_call = await open_agent(coord, files(pki, "engine-D"), "D", pb.ROLE_DECODE)
-    assert (await d_call.read()).WhichOneof("kind") == "welcome"
+    assert (await received(d_call)).WhichOneof("kind") == "welcome"
     settings = RelaySettings(
         coordinators=f"localhost:{coord.port}", listen="127.0.0.1:0", tls=files(pki, "engine-D")
     )

@@ -223,6 +223,14 @@ class ScriptedCoordinator(pbg.AgentServiceServicer):
         while (msg := out.get()) is not None:
             yield msg
 
+    def NodeStream(
+        self, request_iterator: Iterator[pb.NodeUp], context: Any
+    ) -> Iterator[pb.NodeDown]:
+        """Not scripted: answered as the generated base class answers it."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details("Method not implemented!")
+        raise NotImplementedError("Method not implemented!")
+
 
 def _welcome(term: int, cid: str) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(

@@ -111,7 +111,7 @@ def wait_for(
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
-        events.cancel()
+        events.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs: RpcContext.cancel is unannotated
     return last
 
 

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
+from controlplane.domain import (
+    AgentRegistration,
+    EngineId,
+    KVLayout,
+    KVRegion,
+    Role,
+    State,
+    TransferId,
+)
 from controlplane.orders import mismatch, rank_targets, source_blocks
 from controlplane.registry import AgentRecord, EngineRecord
-from controlplane.transfer import Side, State, Transfer
+from controlplane.transfer import Side, Transfer
 
 HEAD = 4096  # bytes of one KV head in one block
 COMPAT = (("dtype", "float32"), ("head_size", "32"), ("model", "tiny"))
@@ -44,7 +52,7 @@ def engine(
 
 
 def transfer() -> Transfer:
-    t = Transfer("t", State.REGISTERED, 0.0, 0.0, 60.0, 0.0)  # type: ignore[arg-type]
+    t = Transfer(TransferId("t"), State.REGISTERED, 0.0, 0.0, 60.0, 0.0)
     t.decode = Side(EngineId("D"), ((5, 6),), 20)
     t.prefill = Side(EngineId("P"), ((1, 2),), 20)
     return t
@@ -213,7 +221,7 @@ def hybrid_transfer(
     decode: tuple[tuple[int, ...], ...], prefill: tuple[tuple[int, ...], ...]
 ) -> Transfer:
     """A 100-token transfer (7 blocks of 16) with two KV cache groups."""
-    t = Transfer("t", State.REGISTERED, 0.0, 0.0, 60.0, 0.0)  # type: ignore[arg-type]
+    t = Transfer(TransferId("t"), State.REGISTERED, 0.0, 0.0, 60.0, 0.0)
     t.decode = Side(EngineId("D"), decode, 100)
     t.prefill = Side(EngineId("P"), prefill, 100)
     return t
@@ -228,9 +236,11 @@ def test_sliding_window_group_pairs_the_same_token_positions() -> None:
     full_p, full_d = tuple(range(1, 9)), tuple(range(21, 28))  # prefill holds one extra block
     t = hybrid_transfer((full_d, (34, 35, 36)), (full_p, (11, 12, 13, 14)))
     assert mismatch(t, pe, de) == ""
+    assert t.prefill is not None and t.decode is not None
     assert source_blocks(t.prefill, t.decode, 16) == (tuple(range(1, 8)), (12, 13, 14))
     # A decode prefix hit leaves it fewer blocks in either group: still the tail.
     t = hybrid_transfer(((26, 27), (36,)), (full_p, (11, 12, 13, 14)))
+    assert t.prefill is not None and t.decode is not None
     assert source_blocks(t.prefill, t.decode, 16) == ((6, 7), (14,))
 
 

@@ -92,4 +92,4 @@ def test_a_late_handshake_is_waited_for(slow_address: str) -> None:
 def test_control_a_100ms_connect_timeout_fails_it(slow_address: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _check(slow_address, (*OPTIONS, ("grpc.min_reconnect_backoff_ms", 100)))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE

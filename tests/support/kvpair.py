@@ -83,7 +83,7 @@ def wait_state(
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
-        events.cancel()
+        events.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs: RpcContext.cancel is unannotated
     return last
 
 

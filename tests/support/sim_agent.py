@@ -81,7 +81,7 @@ def hello(
     nixl_metadata: bytes | None = None,
     kv_layout: pb.KVLayout | None = None,
 ) -> pb.AgentMessage:
-    role_pb = ROLES[role] if isinstance(role, str) else role
+    role_pb = ROLES[role] if isinstance(role, str) else pb.Role.ValueType(role)
     return pb.AgentMessage(
         hello=pb.AgentHello(
             protocol_version=protocol_version,
@@ -188,7 +188,7 @@ class SimAgent:
     async def start(self, timeout: float = DEFAULT_TIMEOUT) -> pb.Welcome:
         """Open the stream, send hello and wait for Welcome."""
         self._channel = grpc.aio.insecure_channel(self.address)
-        self._call = pbg.AgentServiceStub(self._channel).AgentStream()
+        self._call = pbg.AgentServiceStub(self._channel).AgentStream(None)
         await self._call.write(self.hello)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.welcome = await self.expect("welcome", timeout)
@@ -213,7 +213,7 @@ class SimAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         if self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
             self._channel = None
 
     async def __aenter__(self) -> SimAgent:
@@ -228,7 +228,7 @@ class SimAgent:
         try:
             while True:
                 msg = await self._call.read()
-                if msg is grpc.aio.EOF:
+                if msg is grpc.aio.EOF:  # type: ignore[attr-defined]  # grpc-stubs lacks aio.EOF
                     break
                 if msg.WhichOneof("kind") == "batch":
                     self.batches_seen += 1

@@ -40,7 +40,7 @@ class ToyLoad:
 
 
 @dataclass
-class ToyConnectorMetadata(KVConnectorMetadata):
+class ToyConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
     loads: list[ToyLoad] = field(default_factory=list)
 
 
@@ -51,7 +51,7 @@ class ToyCall:
     args: dict[str, Any]
 
 
-class ToyConnector(KVConnectorBase_V1):
+class ToyConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyped here
     """Records every scheduler-side hook call; loads remote-prefill requests async."""
 
     def __init__(
