@@ -37,7 +37,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.auth import Principal
 from controlplane.errors import PushKVError, ResourceExhausted
-from controlplane.runtime import AgentSession, Runtime, to_message
+from controlplane.runtime import AgentSession, Outgoing, Runtime, to_message
 from controlplane.status_map import outcome
 from wire.batching import MAX_BATCH_BYTES, Batcher
 
@@ -74,18 +74,28 @@ def split_batch(
     return [p.batch.messages[0] if len(p.batch.messages) == 1 else p for p in parts]
 
 
-async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessage]:
-    """What to send to an agent, in order, until its session ends: the welcome
-    alone, then what `AgentSession.take` batches (an AgentStream's, or a
-    NodeStream channel's), split under the byte bound. Here, not in
+def outgoing(
+    s: AgentSession, msg: Outgoing, welcomed: bool
+) -> tuple[list[pb.CoordinatorMessage], bool]:
+    """What one item of a session's outbox sends, and whether the session
+    ended with it: the welcome (the first item) alone, then what
+    `AgentSession.take` batches, split under the byte bound. An AgentStream
+    and a NodeStream channel send alike through this. Here, not in
     runtime.py: mypyc compiles that."""
-    msg = await s.outbox.get()
-    if msg is None:
-        return
-    yield to_message(msg)  # the welcome, always alone
+    if not welcomed:
+        return [to_message(msg)], False
+    out, ended = s.take(msg)
+    return split_batch(out), ended
+
+
+async def session_messages(s: AgentSession) -> AsyncIterator[pb.CoordinatorMessage]:
+    """What to send to an agent on its own AgentStream, in order, until its
+    session ends."""
+    welcomed = False
     while (msg := await s.outbox.get()) is not None:
-        out, ended = s.take(msg)
-        for part in split_batch(out):
+        parts, ended = outgoing(s, msg, welcomed)
+        welcomed = True
+        for part in parts:
             yield part
         if ended:
             return
@@ -206,7 +216,7 @@ class NodeChannels:
 
     def _flush(self, channel: int, ch: _Channel) -> None:
         """Move what the channel's session queued into `down`, as its own
-        stream would send it (session_messages); end the channel with it."""
+        stream would send it (`outgoing`); end the channel with it."""
         s = ch.session
         q = s.outbox
         ended = False
@@ -215,13 +225,11 @@ class NodeChannels:
                 msg = q.get_nowait()
                 if msg is None:
                     ended = True
-                elif not ch.welcomed:
-                    ch.welcomed = True
-                    self._down.put_nowait(pb.ChannelDown(channel=channel, message=to_message(msg)))
-                else:
-                    out, ended = s.take(msg)
-                    for part in split_batch(out):
-                        self._down.put_nowait(pb.ChannelDown(channel=channel, message=part))
+                    break
+                parts, ended = outgoing(s, msg, ch.welcomed)
+                ch.welcomed = True
+                for part in parts:
+                    self._down.put_nowait(pb.ChannelDown(channel=channel, message=part))
         except Exception:  # a bug here ends this channel, not the node's stream
             log.exception("node_channel_failed", agent=str(s.key), channel=channel)
             ended = True
