@@ -16,7 +16,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from controlplane import convert, logs, status_map
 from controlplane.auth import Authorizer, Kind, Principal
 from controlplane.domain import Effect
-from controlplane.errors import InvalidArgument, PermissionDenied
+from controlplane.errors import InvalidArgument, NoAgents, PermissionDenied
 from controlplane.runtime import Runtime
 from controlplane.transfer import Transfer
 
@@ -70,12 +70,18 @@ class TransferCalls:
         event: str,
     ) -> Transfer:
         """One side's report (an authorized caller): apply it to the core."""
-        t, effects = report(
-            request.transfer_id,
-            engine_id,
-            convert.blocks_from_pb(request.block_ids),
-            request.num_tokens,
-        )
+        try:
+            t, effects = report(
+                request.transfer_id,
+                engine_id,
+                convert.blocks_from_pb(request.block_ids),
+                request.num_tokens,
+            )
+        except NoAgents as exc:  # refused for good: the transfer ends with it
+            side = "decode registration" if event == "decode_registered" else "prefill report"
+            why = f"the {side} was refused: {exc}"
+            self._rt.apply(self._rt.core.side_refused(request.transfer_id, why))
+            raise
         self._rt.apply(effects)
         if logs.debug_enabled():
             log.debug(event, transfer_id=t.transfer_id, engine_id=engine_id)

@@ -27,6 +27,11 @@ class FailedPrecondition(PushKVError):
     """The request is well formed but the system is not in a state to accept it."""
 
 
+class NoAgents(FailedPrecondition):
+    """A side's engine has no registered agents, so that side cannot be served:
+    the transfer it names ends with it (Rendezvous.side_refused)."""
+
+
 class ResourceExhausted(PushKVError):
     pass
 

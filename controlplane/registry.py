@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from controlplane.domain import AgentKey, AgentRegistration, EngineId, Role
-from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound
+from controlplane.errors import FailedPrecondition, InvalidArgument, NoAgents, NotFound
 from wire.pairing import KVShape
 from wire.pp_map import merge_stages
 
@@ -82,9 +82,7 @@ class Registry:
     def require_engine(self, engine_id: EngineId, role: Role, *, field_name: str) -> EngineRecord:
         eng = self._engines.get(engine_id)
         if eng is None:
-            raise FailedPrecondition(
-                f"engine {engine_id!r} has no registered agents", field=field_name
-            )
+            raise NoAgents(f"engine {engine_id!r} has no registered agents", field=field_name)
         if eng.role is not role:
             raise FailedPrecondition(
                 f"engine {engine_id!r} registered as {eng.role.value}, not {role.value}",

@@ -361,6 +361,21 @@ class Rendezvous:
         return t, self._book.finish(t, State.CANCELLED, Reason.CANCELLED, detail)
 
     # ================================================================ time
+    def side_refused(self, transfer_id: str, why: str) -> list[Effect]:
+        """A side refused for good (NoAgents: its engine has no registered
+        agents, and its blocks are freed on that answer): its transfer ends
+        FAILED, so the other side learns now rather than at the rendezvous
+        deadline. An unknown id is recorded ended, for the side still to come."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            if not validation.valid_transfer_id(transfer_id, self.settings.max_id_len):
+                return []
+            t = self._book.create(TransferId(transfer_id), State.AWAITING, [], limits=False)
+            t.mark("begun", t.created_wall)
+        if t.state.terminal:
+            return []
+        return self._book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
+
     def tick(self) -> list[Effect]:
         now = self._clock.monotonic()
         effects: list[Effect] = []

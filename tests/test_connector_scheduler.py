@@ -577,12 +577,16 @@ async def test_decode_registration_refused_fails_the_load(
         assert num_free_blocks(eng.scheduler) == free0
         # The failed request also cancels the transfer (once: at the refusal,
         # or at its end), so a prefill side that reports later learns at once
-        # that nobody will take its KV.
+        # that nobody will take its KV. A registration refused for want of
+        # agents has ended the transfer at the coordinator already (FAILED,
+        # controlplane/calls.py): the first end wins.
         assert [c.kind for c in eng.spy.calls] == ["register", "cancel"]
-        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
         if why == "engine_not_registered":
-            assert t.detail.startswith("decode registration refused (FAILED_PRECONDITION"), t
+            t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_FAILED))
+            assert t.reason == pb.REASON_AGENT_LOST
+            assert t.detail.startswith("the decode registration was refused: decode_engine_id:")
         else:
+            t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
             assert t.detail == "client went away"  # the first cancel wins
 
 

@@ -60,16 +60,16 @@ async def cluster(coord: Coordinator) -> AsyncIterator[SimCluster]:
         yield c
 
 
-def transfers(ch: grpc.aio.Channel) -> pbg.TransferServiceStub:
+def transfers(ch: grpc.aio.Channel) -> pbg.TransferServiceAsyncStub:
     return pbg.TransferServiceStub(ch)
 
 
-def status(ch: grpc.aio.Channel) -> pbg.StatusServiceStub:
+def status(ch: grpc.aio.Channel) -> pbg.StatusServiceAsyncStub:
     return pbg.StatusServiceStub(ch)
 
 
 async def get(ch: grpc.aio.Channel, tid: str) -> pb.TransferStatus:
-    return await status(ch).GetTransfer(pb.GetTransferRequest(transfer_id=tid))  # type: ignore[no-any-return]
+    return await status(ch).GetTransfer(pb.GetTransferRequest(transfer_id=tid))
 
 
 async def rpc_error(awaitable: Awaitable[Any]) -> grpc.aio.AioRpcError:
@@ -78,13 +78,24 @@ async def rpc_error(awaitable: Awaitable[Any]) -> grpc.aio.AioRpcError:
     return exc.value
 
 
-def decode_req(tid: str, ids: list[int], num_tokens: int = 40, engine: str = "d0") -> Any:
+def error_details(err: grpc.aio.AioRpcError) -> str:
+    """The error's details, which every refusal here carries."""
+    text = err.details()
+    assert text is not None, err
+    return text
+
+
+def decode_req(
+    tid: str, ids: list[int], num_tokens: int = 40, engine: str = "d0"
+) -> pb.RegisterDecodeBlocksRequest:
     return pb.RegisterDecodeBlocksRequest(
         transfer_id=tid, decode_engine_id=engine, block_ids=blocks(ids), num_tokens=num_tokens
     )
 
 
-def prefill_req(tid: str, ids: list[int], num_tokens: int = 40, engine: str = "p0") -> Any:
+def prefill_req(
+    tid: str, ids: list[int], num_tokens: int = 40, engine: str = "p0"
+) -> pb.ReportPrefillDoneRequest:
     return pb.ReportPrefillDoneRequest(
         transfer_id=tid, prefill_engine_id=engine, block_ids=blocks(ids), num_tokens=num_tokens
     )
@@ -200,10 +211,10 @@ async def test_retried_arrival_returns_the_same_status_and_conflicts_name_the_fi
 
     err = await rpc_error(transfers(channel).RegisterDecodeBlocks(decode_req("t", [4, 6])))
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert err.details().startswith("block_ids:")
+    assert error_details(err).startswith("block_ids:")
     err = await rpc_error(transfers(channel).RegisterDecodeBlocks(decode_req("t", [4, 5], 41)))
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert err.details().startswith("num_tokens:")
+    assert error_details(err).startswith("num_tokens:")
 
     # A retried prefill report after the order never issues a second order.
     [p] = cluster.prefill
@@ -451,7 +462,9 @@ async def test_a_new_decode_incarnation_sends_peer_fenced_to_its_writers(
         got = {}
         for _ in range(3):
             msg = await p.next()
-            got[msg.WhichOneof("kind")] = getattr(msg, msg.WhichOneof("kind"))
+            kind = msg.WhichOneof("kind")
+            assert kind is not None, msg
+            got[kind] = getattr(msg, kind)
         assert set(got) == {"cancel_order", "notice", "peer_fenced"}
         assert got["cancel_order"].order_id == order.order_id
         assert got["notice"].reason == pb.REASON_AGENT_FENCED
@@ -512,15 +525,21 @@ async def test_list_transfers_filters_by_state_engine_and_limit(
         )
         assert await ids(min_age_ms=3_600_000) == ([], 0)
 
-        err = await rpc_error(status(channel).ListTransfers(pb.ListTransfersRequest(states=[99])))
+        err = await rpc_error(
+            status(channel).ListTransfers(
+                pb.ListTransfersRequest(states=[pb.TransferState.ValueType(99)])
+            )
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.details().startswith("states:")
+        assert error_details(err).startswith("states:")
 
 
-async def _next_event(call: Any) -> pb.TransferStatus:
+async def _next_event(
+    call: grpc.aio.UnaryStreamCall[pb.WatchTransfersRequest, pb.TransferEvent],
+) -> pb.TransferStatus:
     ev = await asyncio.wait_for(call.read(), WAIT)
-    assert ev is not grpc.aio.EOF
-    return ev.transfer  # type: ignore[no-any-return]
+    assert isinstance(ev, pb.TransferEvent), ev  # not grpc.aio.EOF: the stream goes on
+    return ev.transfer
 
 
 async def test_watch_streams_every_state_change(
@@ -534,7 +553,7 @@ async def test_watch_streams_every_state_change(
             # The replay of an existing transfer proves the watch is registered.
             assert (await _next_event(call)).transfer_id == "w0"
             await rendezvous(channel, "w1")
-            seen = []
+            seen: list[pb.TransferState.ValueType] = []
             while not seen or seen[-1] not in TERMINAL:
                 t = await _next_event(call)
                 assert t.transfer_id == "w1"
@@ -584,7 +603,9 @@ async def test_watch_replays_existing_then_filters_new_events(
         ]
 
         err = await rpc_error(
-            status(channel).WatchTransfers(pb.WatchTransfersRequest(states=[42])).read()
+            status(channel)
+            .WatchTransfers(pb.WatchTransfersRequest(states=[pb.TransferState.ValueType(42)]))
+            .read()
         )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -669,9 +690,42 @@ async def test_register_from_an_unknown_engine_is_a_failed_precondition(
 ) -> None:
     err = await rpc_error(transfers(channel).RegisterDecodeBlocks(decode_req("t", [1])))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert err.details().startswith("decode_engine_id:")
+    assert error_details(err).startswith("decode_engine_id:")
     err = await rpc_error(transfers(channel).ReportPrefillDone(prefill_req("t", [1, 2, 3])))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_side_whose_engine_has_no_agents_ends_the_transfer_at_once(
+    channel: grpc.aio.Channel, cluster: SimCluster
+) -> None:
+    """A prefill report from an engine with no registered agents (its agents
+    not back yet after a coordinator restart) is refused, and the engine frees
+    its blocks on that answer: the transfer ends FAILED with it, so the decode
+    side learns now instead of holding its blocks until the rendezvous
+    deadline (60 s). An id not seen yet is recorded ended, for the other side."""
+    [d] = cluster.decode
+    st = await transfers(channel).RegisterDecodeBlocks(decode_req("x", [7, 8]))
+    assert st.state == pb.TRANSFER_STATE_REGISTERED
+    err = await rpc_error(
+        transfers(channel).ReportPrefillDone(prefill_req("x", [1, 2], engine="p9"))
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no registered agents" in error_details(err)
+    n = await d.expect("notice")
+    assert (n.transfer_id, n.state, n.write_may_land) == ("x", pb.TRANSFER_STATE_FAILED, False)
+    got = await status(channel).GetTransfer(pb.GetTransferRequest(transfer_id="x"))
+    assert (got.state, got.reason) == (pb.TRANSFER_STATE_FAILED, pb.REASON_AGENT_LOST)
+    assert got.detail.startswith("the prefill report was refused: prefill_engine_id:"), got.detail
+
+    # The refused side first: the decode registration that follows is told.
+    err = await rpc_error(
+        transfers(channel).ReportPrefillDone(prefill_req("y", [1, 2], engine="p9"))
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    st = await transfers(channel).RegisterDecodeBlocks(decode_req("y", [7, 8]))
+    assert (st.state, st.write_may_land) == (pb.TRANSFER_STATE_FAILED, False)
+    n = await d.expect("notice")
+    assert (n.transfer_id, n.state) == ("y", pb.TRANSFER_STATE_FAILED)
 
 
 async def test_wrong_role_and_bad_blocks_name_the_field(
@@ -681,14 +735,14 @@ async def test_wrong_role_and_bad_blocks_name_the_field(
         transfers(channel).RegisterDecodeBlocks(decode_req("t", [1], engine="p0"))
     )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert err.details().startswith("decode_engine_id:")
+    assert error_details(err).startswith("decode_engine_id:")
     for ids, field in (([1, 1], "block_ids[0]"), ([5000], "block_ids[0]")):
         err = await rpc_error(transfers(channel).RegisterDecodeBlocks(decode_req("t", ids)))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.details().startswith(field + ":"), err.details()
+        assert error_details(err).startswith(field + ":"), error_details(err)
     err = await rpc_error(transfers(channel).RegisterDecodeBlocks(decode_req("a b", [1])))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith("transfer_id:")
+    assert error_details(err).startswith("transfer_id:")
 
 
 async def test_unknown_transfer_is_not_found(channel: grpc.aio.Channel) -> None:
