@@ -36,6 +36,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from bench.cluster_agents import LAG_TICK_S
 from bench.cluster_runs import ClusterBench, Result
 from bench.coordinator_report import header, row
 from bench.coordinator_server import cpu_split
@@ -162,6 +163,11 @@ def summary(res: Result, hosts: int) -> list[str]:
         out.append(
             f"  order latency at {h.offered:.0f}/s: p50 {percentile(h.order_ms, 50):.2f} ms, "
             f"p99 {percentile(h.order_ms, 99):.2f} ms ({len(h.order_ms)} transfers)"
+        )
+        out.append(
+            f"  of which the simulated agents' hosts: their event loops ran a "
+            f"{LAG_TICK_S * 1000:.0f} ms timer late by p50 {percentile(h.loop_lag_ms, 50):.2f} "
+            f"ms, p99 {percentile(h.loop_lag_ms, 99):.2f} ms meanwhile"
         )
     out.append(f"  leader RSS after the load {res.loaded_rss_mib:.0f} MiB")
     out.append(

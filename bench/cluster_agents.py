@@ -62,6 +62,17 @@ BACKOFF_MAX_S = 2.0
 MAX_OUT_BATCH = 256  # reports per AgentBatch, as agent/link.py
 SPOT_CHECK = 16
 HOST_NICE = 5
+LAG_TICK_S = 0.005  # the loop-lag sampler's timer
+
+
+async def sample_loop_lag(into: list[float]) -> None:
+    """Until cancelled: how late this loop runs a LAG_TICK_S timer, in ms.
+    Every order and report of the host's ranks waits behind the same ready
+    callbacks, so this is the host's own share of the latency it measures."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_TICK_S)  # a measurement tick, not synchronisation
+        into.append(max(time.monotonic() - t - LAG_TICK_S, 0.0) * 1000)
 
 
 @dataclass(frozen=True)
@@ -492,6 +503,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
                     errors[code_name.get(bad.code, str(bad.code))] += 1
 
         n = max(1, int(rate * duration))
+        lags: list[float] = []
+        sampler = asyncio.create_task(sample_loop_lag(lags))
         t0 = time.monotonic()
         issued = dropped = 0
         while issued + dropped < n:
@@ -514,7 +527,11 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         t_end = time.monotonic()
         if pending:
             await asyncio.wait(pending)
-        conn.send(ClientReport(t0, t_end, issued, dropped, sent, dict(errors), *counts))
+        sampler.cancel()
+        rpcs, calls = counts
+        conn.send(
+            ClientReport(t0, t_end, issued, dropped, sent, dict(errors), rpcs, calls, tuple(lags))
+        )
 
     async def spot_check(ends: dict[str, tuple[float, int]]) -> tuple[int, int]:
         """(asked, not COMPLETE per the leader) over a sample counted COMPLETE."""

@@ -37,6 +37,9 @@ class ClientReport(NamedTuple):
     errors: dict[str, int]  # status code name -> calls
     rpcs: int  # RPCs sent (unbatched: 2 per transfer)
     calls: int  # calls in them (batched: calls / rpcs = mean Submit size)
+    # How late the client's event loop ran a timer during the offer, in ms
+    # (bench/cluster: the simulated agents' share of the order latency).
+    loop_lag_ms: tuple[float, ...] = ()
 
 
 def client_main(
@@ -157,7 +160,8 @@ async def _client(conn: Connection, address: str, client_id: int, batch: int) ->
             await asyncio.wait(pending)
         for code, detail in first_detail.items():
             print(f"client {client_id}: {code}: {detail}", file=sys.stderr, flush=True)
-        report = ClientReport(t0, t_end, issued, dropped, dict(sent), dict(errors), *counts)
+        rpcs, calls = counts
+        report = ClientReport(t0, t_end, issued, dropped, dict(sent), dict(errors), rpcs, calls)
         conn.send(report)
 
     async def fill(prefix: str, count: int, concurrency: int) -> None:

@@ -31,6 +31,7 @@ class Step:
     unfinished: int = 0  # both calls accepted, not ended when the drain gave up
     errors: dict[str, int] = field(default_factory=dict)
     order_ms: list[float] = field(default_factory=list)
+    loop_lag_ms: list[float] = field(default_factory=list)  # the clients' (ClientReport)
     rpcs: int = 0
     calls: int = 0
     coord_cpu: float = 0.0
@@ -67,6 +68,7 @@ def measure_step(
         step.rpcs += r.rpcs
         step.calls += r.calls
         sent.update(r.sent)
+        step.loop_lag_ms.extend(r.loop_lag_ms)
         for k, v in r.errors.items():
             step.errors[k] = step.errors.get(k, 0) + v
     if not reports:

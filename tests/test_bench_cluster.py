@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+from typing import cast
 
 import pytest
 
@@ -100,6 +101,12 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
         assert step is not None
         assert step.completed > 0 and step.failed == 0 and step.drained, text
         assert step.check_failed == 0
+        # Each host sampled its event loop's lag for the whole offer (1 s, a
+        # 5 ms timer): about 200 samples per host, never negative.
+        assert len(step.loop_lag_ms) >= 2 * 20 and min(step.loop_lag_ms) >= 0, text
+    assert any(
+        line.startswith("  of which the simulated agents' hosts:") for line in text.splitlines()
+    )
     if relay:
         # The ranks' messages went up on the engines' NodeStreams (one per
         # engine, and at least one more each after the kill), several channels
@@ -128,7 +135,10 @@ def test_on_a_three_member_etcd_agents_follow_a_new_leader_after_kill_9() -> Non
         res = bench.run()
         assert isinstance(bench.etcd, EtcdCluster) and len(bench.etcd.live()) == 3
         urls = bench.etcd.urls
-        assert all(r.proc and urls in " ".join(r.proc.args) for r in bench.replicas), urls
+        # Popen.args is typed as any command form; the bench passes a list of str.
+        assert all(
+            r.proc and urls in " ".join(cast(list[str], r.proc.args)) for r in bench.replicas
+        ), urls
     finally:
         bench.stop()
     text = "\n".join([*summary(res, args.hosts), final_line(res)])
