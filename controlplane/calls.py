@@ -15,7 +15,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import convert, logs, status_map
 from controlplane.auth import Authorizer, Kind, Principal
-from controlplane.domain import Effect
+from controlplane.domain import Effect, Role
 from controlplane.errors import InvalidArgument, NoAgents, PermissionDenied
 from controlplane.runtime import Runtime
 from controlplane.transfer import Transfer
@@ -78,9 +78,13 @@ class TransferCalls:
                 request.num_tokens,
             )
         except NoAgents as exc:  # refused for good: the transfer ends with it
-            side = "decode registration" if event == "decode_registered" else "prefill report"
+            decode = event == "decode_registered"
+            role, side = (
+                (Role.DECODE, "decode registration") if decode else (Role.PREFILL, "prefill report")
+            )
             why = f"the {side} was refused: {exc}"
-            self._rt.apply(self._rt.core.side_refused(request.transfer_id, why))
+            ended = self._rt.core.side_refused(request.transfer_id, role, engine_id, why)
+            self._rt.apply(ended)
             raise
         self._rt.apply(effects)
         if logs.debug_enabled():

@@ -361,13 +361,20 @@ class Rendezvous:
         return t, self._book.finish(t, State.CANCELLED, Reason.CANCELLED, detail)
 
     # ================================================================ time
-    def side_refused(self, transfer_id: str, why: str) -> list[Effect]:
+    def side_refused(self, transfer_id: str, role: Role, engine: str, why: str) -> list[Effect]:
         """A side refused for good (NoAgents: its engine has no registered
         agents, and its blocks are freed on that answer): its transfer ends
         FAILED, so the other side learns now rather than at the rendezvous
-        deadline. An unknown id is recorded ended, for the side still to come."""
+        deadline. An unknown id is recorded ended, for the side still to come.
+        A transfer that has that side, or names another engine for it, is not
+        this engine's to end (its report would be a Conflict)."""
         t = self._transfers.get(transfer_id)
-        if t is None:
+        if t is not None:
+            decode = role is Role.DECODE
+            named = t.announced_decode if decode else t.announced_prefill
+            if (t.decode if decode else t.prefill) is not None or (named and named != engine):
+                return []
+        else:
             if not validation.valid_transfer_id(transfer_id, self.settings.max_id_len):
                 return []
             t = self._book.create(TransferId(transfer_id), State.AWAITING, [], limits=False)

@@ -727,6 +727,17 @@ async def test_a_side_whose_engine_has_no_agents_ends_the_transfer_at_once(
     n = await d.expect("notice")
     assert (n.transfer_id, n.state) == ("y", pb.TRANSFER_STATE_FAILED)
 
+    # Not another engine's transfer: one begun with p0 as its prefill side
+    # stays live when p9 reports for it.
+    begin = pb.BeginTransferRequest(transfer_id="z", prefill_engine_id="p0", decode_engine_id="d0")
+    await transfers(channel).BeginTransfer(begin)
+    err = await rpc_error(
+        transfers(channel).ReportPrefillDone(prefill_req("z", [1, 2], engine="p9"))
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    got = await status(channel).GetTransfer(pb.GetTransferRequest(transfer_id="z"))
+    assert got.state == pb.TRANSFER_STATE_AWAITING
+
 
 async def test_wrong_role_and_bad_blocks_name_the_field(
     channel: grpc.aio.Channel, cluster: SimCluster
