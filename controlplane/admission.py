@@ -8,8 +8,9 @@ import math
 from collections.abc import Sequence
 
 from controlplane import validation
-from controlplane.domain import AgentRegistration, Blocks, Role
+from controlplane.domain import AgentRegistration, Blocks, Effect, Reason, Role, State, TransferId
 from controlplane.errors import InvalidArgument
+from controlplane.inflight import InFlight
 from controlplane.registry import EngineRecord
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side
@@ -89,3 +90,28 @@ def differing_field(current: Side, side: Side, engine_field: str) -> str:
     if current.blocks != side.blocks:
         return "block_ids"
     return "num_tokens"
+
+
+def refused_side(
+    book: InFlight, transfer_id: str, role: Role, engine: str, why: str
+) -> list[Effect]:
+    """A side refused for good (NoAgents: its engine has no registered
+    agents, and its blocks are freed on that answer): its transfer ends
+    FAILED, so the other side learns now rather than at the rendezvous
+    deadline. An unknown id is recorded ended, for the side still to come.
+    A transfer that has that side, or names another engine for it, is not
+    this engine's to end (its report would be a Conflict)."""
+    t = book.transfers.get(transfer_id)
+    if t is not None:
+        decode = role is Role.DECODE
+        named = t.announced_decode if decode else t.announced_prefill
+        if (t.decode if decode else t.prefill) is not None or (named and named != engine):
+            return []
+    else:
+        if not validation.valid_transfer_id(transfer_id, book.settings.max_id_len):
+            return []
+        t = book.create(TransferId(transfer_id), State.AWAITING, [], limits=False)
+        t.mark("begun", t.created_wall)
+    if t.state.terminal:
+        return []
+    return book.finish(t, State.FAILED, Reason.AGENT_LOST, why)

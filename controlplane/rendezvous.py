@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 
 from controlplane import agent_loss, validation
-from controlplane.admission import check_hello, differing_field, side_blocks
+from controlplane.admission import check_hello, differing_field, refused_side, side_blocks
 from controlplane.adoption import (
     WHY_WRITTEN,
     UnclaimedArrivals,
@@ -83,14 +83,7 @@ from controlplane.orders import (
     record_arrivals,
 )
 from controlplane.registry import EngineRecord, Registry
-from controlplane.resubmission import (
-    WHY_FAILED,
-    WHY_NO_AGENTS,
-    WHY_WAIT,
-    WHY_WAIT_DECODE,
-    Verdict,
-    verdict,
-)
+from controlplane.resubmission import WHY_NO_AGENTS, resubmitted_side
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
@@ -362,26 +355,8 @@ class Rendezvous:
 
     # ================================================================ time
     def side_refused(self, transfer_id: str, role: Role, engine: str, why: str) -> list[Effect]:
-        """A side refused for good (NoAgents: its engine has no registered
-        agents, and its blocks are freed on that answer): its transfer ends
-        FAILED, so the other side learns now rather than at the rendezvous
-        deadline. An unknown id is recorded ended, for the side still to come.
-        A transfer that has that side, or names another engine for it, is not
-        this engine's to end (its report would be a Conflict)."""
-        t = self._transfers.get(transfer_id)
-        if t is not None:
-            decode = role is Role.DECODE
-            named = t.announced_decode if decode else t.announced_prefill
-            if (t.decode if decode else t.prefill) is not None or (named and named != engine):
-                return []
-        else:
-            if not validation.valid_transfer_id(transfer_id, self.settings.max_id_len):
-                return []
-            t = self._book.create(TransferId(transfer_id), State.AWAITING, [], limits=False)
-            t.mark("begun", t.created_wall)
-        if t.state.terminal:
-            return []
-        return self._book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
+        """A side refused for good (NoAgents): admission.refused_side."""
+        return refused_side(self._book, transfer_id, role, engine, why)
 
     def tick(self) -> list[Effect]:
         now = self._clock.monotonic()
@@ -575,33 +550,9 @@ class Rendezvous:
     def _resubmission(
         self, transfer_id: str, engine: str, prefill: bool = False
     ) -> tuple[Transfer, list[Effect]] | None:
-        """A resubmitted side (`prefill`: a prefill report): None if accepted
-        (applied as usual), else the transfer ended FAILED; raises Unavailable
-        within the rebuild window."""
-        s, now = self.settings, self._clock.monotonic()
-        eid = validation.engine_id(engine, field="engine_id", max_len=s.max_id_len)
-        t = self._transfers.get(transfer_id)
-        eng = self.registry.engine(eid)
-        decode_back = True
-        if prefill:  # only the decode engine's hellos say whether it was written
-            de = self.registry.engine(t.decode_engine) if t and t.decode_engine else None
-            decode_back = de is not None and de.ready
-        back = eng is not None and eng.ready
-        v = verdict(t, eid, back, now, self._rebuild_until, decode_back)
-        if v is Verdict.ACCEPT:
-            return None
-        if v is Verdict.WAIT:
-            left = self._rebuild_until - now
-            if back:
-                raise Unavailable(WHY_WAIT_DECODE.format(left=left))
-            raise Unavailable(WHY_WAIT.format(engine=eid, left=left))
-        if t is None:  # a tombstone: the other side's report learns it ended
-            tid = validation.transfer_id(transfer_id, s.max_id_len)
-            t = self._book.create(tid, State.AWAITING, [], limits=False)
-            t.mark("begun", t.created_wall)
-        return t, self._book.finish(
-            t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid)
-        )
+        """A resubmitted side: resubmission.resubmitted_side."""
+        now = self._clock.monotonic()
+        return resubmitted_side(self._book, transfer_id, engine, prefill, now, self._rebuild_until)
 
     def _adopt(self, reg: AgentRegistration, h: HeldTransfer) -> list[Effect]:
         """One transfer an agent re-sent in its hello (adoption.py)."""

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import enum
 
-from controlplane.domain import EngineId
+from controlplane import validation
+from controlplane.domain import Effect, EngineId, Reason, State
+from controlplane.errors import Unavailable
+from controlplane.inflight import InFlight
 from controlplane.transfer import Transfer
 
 WHY_FAILED = (
@@ -85,3 +88,33 @@ def verdict(
     if now < rebuild_until and not (engine_back and decode_back):
         return Verdict.WAIT
     return Verdict.FAIL
+
+
+def resubmitted_side(
+    book: InFlight, transfer_id: str, engine: str, prefill: bool, now: float, rebuild_until: float
+) -> tuple[Transfer, list[Effect]] | None:
+    """A resubmitted side (`prefill`: a prefill report) at monotonic `now`:
+    None if accepted (the rendezvous applies it as usual), else the transfer
+    ended FAILED; raises Unavailable within the rebuild window."""
+    s, registry = book.settings, book.registry
+    eid = validation.engine_id(engine, field="engine_id", max_len=s.max_id_len)
+    t = book.transfers.get(transfer_id)
+    eng = registry.engine(eid)
+    decode_back = True
+    if prefill:  # only the decode engine's hellos say whether it was written
+        de = registry.engine(t.decode_engine) if t and t.decode_engine else None
+        decode_back = de is not None and de.ready
+    back = eng is not None and eng.ready
+    v = verdict(t, eid, back, now, rebuild_until, decode_back)
+    if v is Verdict.ACCEPT:
+        return None
+    if v is Verdict.WAIT:
+        left = rebuild_until - now
+        if back:
+            raise Unavailable(WHY_WAIT_DECODE.format(left=left))
+        raise Unavailable(WHY_WAIT.format(engine=eid, left=left))
+    if t is None:  # a tombstone: the other side's report learns it ended
+        tid = validation.transfer_id(transfer_id, s.max_id_len)
+        t = book.create(tid, State.AWAITING, [], limits=False)
+        t.mark("begun", t.created_wall)
+    return t, book.finish(t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid))
