@@ -58,12 +58,13 @@ PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 # Long prompts for the decode-memory measurement (one per try, distinct so
 # that no try hits a cache the one before filled), and enough output tokens
 # that the request is still decoding when decode's metrics are read: 400 (about
-# a second of decoding) was too few for a CI run whose TP2 prefill workers held
-# both cores, so the pair serves a 2048-token context and each try ends its
-# request once it has read the metrics.
+# a second of decoding) and then 1,400 were too few for loaded CI runs (a
+# starved test process read the first token late), so the model and the pair
+# take an 8192-token context, and each try ends its request once it has read
+# the metrics (the rest is never decoded).
 LONG_PROMPTS = [serving.varied_prompts(seed, (600,))[0] for seed in (79, 80, 81)]
-MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
-LONG_OUTPUT = 1400  # 600 + 1400 within MAX_MODEL_LEN
+MAX_MODEL_LEN = 8192  # the model's max_position_embeddings (hybrid_model_dir)
+LONG_OUTPUT = 7000  # 600 + 7000 within MAX_MODEL_LEN: about 15-20 s of decoding
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
 GENERATED = "vllm:generation_tokens_total"  # output tokens vLLM generated
 TWO_GROUPS_LINE = f"kv cache group sizes ({BLOCK}, {BLOCK})"
@@ -87,7 +88,10 @@ def window_blocks(n: int) -> int:
 @pytest.fixture(scope="module")
 def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hybrid_model(
-        tmp_path_factory.mktemp("tiny_hybrid_model"), layers=LAYERS, sliding_window=WINDOW
+        tmp_path_factory.mktemp("tiny_hybrid_model"),
+        layers=LAYERS,
+        sliding_window=WINDOW,
+        max_positions=MAX_MODEL_LEN,
     )
 
 
