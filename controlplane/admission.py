@@ -102,16 +102,14 @@ def refused_side(
     A transfer that has that side, or names another engine for it, is not
     this engine's to end (its report would be a Conflict)."""
     t = book.transfers.get(transfer_id)
-    if t is not None:
-        decode = role is Role.DECODE
-        named = t.announced_decode if decode else t.announced_prefill
-        if (t.decode if decode else t.prefill) is not None or (named and named != engine):
-            return []
-    else:
+    if t is None:
         if not validation.valid_transfer_id(transfer_id, book.settings.max_id_len):
             return []
-        t = book.create(TransferId(transfer_id), State.AWAITING, [], limits=False)
-        t.mark("begun", t.created_wall)
+        return book.tombstone(TransferId(transfer_id), Reason.AGENT_LOST, why)[1]
+    decode = role is Role.DECODE
+    named = t.announced_decode if decode else t.announced_prefill
+    if (t.decode if decode else t.prefill) is not None or (named and named != engine):
+        return []
     if t.state.terminal:
         return []
     return book.finish(t, State.FAILED, Reason.AGENT_LOST, why)

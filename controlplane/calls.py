@@ -30,6 +30,11 @@ CALL_METHOD = {
 }
 
 
+# Per side: its debug log event, and its name in a refusal's detail.
+_EVENT = {Role.DECODE: "decode_registered", Role.PREFILL: "prefill_done"}
+_SIDE = {Role.DECODE: "decode registration", Role.PREFILL: "prefill report"}
+
+
 class TransferCalls:
     def __init__(self, rt: Runtime, authz: Authorizer) -> None:
         self._rt = rt
@@ -47,7 +52,7 @@ class TransferCalls:
         ) -> tuple[Transfer, list[Effect]]:
             return core.register_decode(tid, engine, blocks, n, resubmitted)
 
-        return self._side(report, request, request.decode_engine_id, "decode_registered")
+        return self._side(report, request, request.decode_engine_id, Role.DECODE)
 
     def prefill_done(
         self, p: Principal, request: pb.ReportPrefillDoneRequest, resubmitted: bool = False
@@ -60,14 +65,14 @@ class TransferCalls:
         ) -> tuple[Transfer, list[Effect]]:
             return core.prefill_done(tid, engine, blocks, n, finished, resubmitted)
 
-        return self._side(report, request, request.prefill_engine_id, "prefill_done")
+        return self._side(report, request, request.prefill_engine_id, Role.PREFILL)
 
     def _side(
         self,
         report: Callable[[str, str, list[tuple[int, ...]], int], tuple[Transfer, list[Effect]]],
         request: pb.RegisterDecodeBlocksRequest | pb.ReportPrefillDoneRequest,
         engine_id: str,
-        event: str,
+        role: Role,
     ) -> Transfer:
         """One side's report (an authorized caller): apply it to the core."""
         try:
@@ -78,17 +83,13 @@ class TransferCalls:
                 request.num_tokens,
             )
         except NoAgents as exc:  # refused for good: the transfer ends with it
-            decode = event == "decode_registered"
-            role, side = (
-                (Role.DECODE, "decode registration") if decode else (Role.PREFILL, "prefill report")
-            )
-            why = f"the {side} was refused: {exc}"
+            why = f"the {_SIDE[role]} was refused: {exc}"
             ended = self._rt.core.side_refused(request.transfer_id, role, engine_id, why)
             self._rt.apply(ended)
             raise
         self._rt.apply(effects)
         if logs.debug_enabled():
-            log.debug(event, transfer_id=t.transfer_id, engine_id=engine_id)
+            log.debug(_EVENT[role], transfer_id=t.transfer_id, engine_id=engine_id)
         return t
 
     def cancel(self, p: Principal, request: pb.CancelRequest) -> Transfer:

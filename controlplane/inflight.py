@@ -99,6 +99,15 @@ class InFlight:
         """The transfers not ended that name `engine`."""
         return [t for t in self.live.values() if engine in (t.prefill_engine, t.decode_engine)]
 
+    def tombstone(
+        self, tid: TransferId, reason: Reason, detail: str
+    ) -> tuple[Transfer, list[Effect]]:
+        """A transfer not seen here, recorded only to be ended FAILED: a side
+        that comes later is answered its end (no in-flight limit applies)."""
+        t = self.create(tid, State.AWAITING, [], limits=False)
+        t.mark("begun", t.created_wall)
+        return t, self.finish(t, State.FAILED, reason, detail)
+
     def finish(self, t: Transfer, state: State, reason: Reason, detail: str) -> list[Effect]:
         """Enter a terminal state: cancel open orders and tell both engines."""
         assert state.terminal and not t.state.terminal

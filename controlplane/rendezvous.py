@@ -353,11 +353,11 @@ class Rendezvous:
             return t, []
         return t, self._book.finish(t, State.CANCELLED, Reason.CANCELLED, detail)
 
-    # ================================================================ time
     def side_refused(self, transfer_id: str, role: Role, engine: str, why: str) -> list[Effect]:
         """A side refused for good (NoAgents): admission.refused_side."""
         return refused_side(self._book, transfer_id, role, engine, why)
 
+    # ================================================================ time
     def tick(self) -> list[Effect]:
         now = self._clock.monotonic()
         effects: list[Effect] = []

@@ -113,8 +113,8 @@ def resubmitted_side(
         if back:
             raise Unavailable(WHY_WAIT_DECODE.format(left=left))
         raise Unavailable(WHY_WAIT.format(engine=eid, left=left))
+    why = WHY_FAILED.format(engine=eid)
     if t is None:  # a tombstone: the other side's report learns it ended
         tid = validation.transfer_id(transfer_id, s.max_id_len)
-        t = book.create(tid, State.AWAITING, [], limits=False)
-        t.mark("begun", t.created_wall)
-    return t, book.finish(t, State.FAILED, Reason.AGENT_LOST, WHY_FAILED.format(engine=eid))
+        return book.tombstone(tid, Reason.AGENT_LOST, why)
+    return t, book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
