@@ -157,6 +157,7 @@ async def engine(
     role: str,
     *,
     register_agent: bool = True,
+    agent_role: str | None = None,
     window: int | None = None,
     **config: Any,
 ) -> AsyncIterator[Engine]:
@@ -167,7 +168,7 @@ async def engine(
     engine_id = f"{'dec' if role == 'kv_consumer' else 'pre'}-{uuid.uuid4().hex[:8]}"
     agent = None
     if register_agent:
-        agent_role = "decode" if role == "kv_consumer" else "prefill"
+        agent_role = agent_role or ("decode" if role == "kv_consumer" else "prefill")
         kv_layout = None
         if window is not None:  # the agent lists its regions once per group
             kv_layout = sim_layout()
@@ -940,6 +941,52 @@ async def test_prefill_done_refused_frees_the_blocks_at_once(
         step(eng.scheduler, connector_output=kv_output(finished_sending={"p3"}))
         assert "p3" not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
+
+
+async def test_a_refused_prefill_report_cancels_the_waiting_decode_side(
+    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
+) -> None:
+    """A prefill report refused for a reason other than missing agents (here a
+    configuration error: the engine's agent registered it as a decode engine)
+    records nothing, so no WRITE will come. The connector frees the blocks and
+    cancels, so the decode side already registered is told at once instead of
+    holding its blocks to the rendezvous deadline."""
+    tid = new_tid()
+    decode_engine = f"dec-{uuid.uuid4().hex[:8]}"
+    async with (
+        SimAgent(coord.address, decode_engine, "decode", heartbeat_interval=0.5) as dec,
+        engine(coord, tiny_model_dir, "kv_producer", agent_role="decode") as eng,
+    ):
+        await stubs.transfers.RegisterDecodeBlocks(
+            pb.RegisterDecodeBlocksRequest(
+                transfer_id=tid,
+                decode_engine_id=decode_engine,
+                block_ids=[pb.BlockIds(ids=[1, 2, 3])],
+                num_tokens=33,
+            ),
+            timeout=5,
+        )
+        req = make_request(
+            "p5",
+            prompt_tokens(33),
+            eng.config,
+            max_tokens=1,
+            kv_transfer_params=prefill_params(tid),
+        )
+        eng.scheduler.add_request(req)
+        step(eng.scheduler)
+        result = eng.wait_result("prefill_done")
+        assert result.refused and "FAILED_PRECONDITION" in result.error
+        assert "registered as decode" in result.error
+        sched_out, _ = step(eng.scheduler)
+        assert _meta(sched_out).free == [("p5", tid)]
+        assert [c.kind for c in eng.spy.calls] == ["prefill_done", "cancel"]
+        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+        assert t.detail.startswith("prefill report refused (FAILED_PRECONDITION:")
+        assert t.detail.endswith("; decode computes it")
+        # The decode engine's agent is told, so its side frees its blocks now.
+        n = await dec.expect("notice", DEADLINE_S)
+        assert (n.transfer_id, n.state) == (tid, pb.TRANSFER_STATE_CANCELLED)
 
 
 async def test_accepted_prefill_done_is_not_freed_early(

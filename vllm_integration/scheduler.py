@@ -347,6 +347,15 @@ class PushSchedulerHalf:
                     why,
                 )
                 self._meta.free.append((c.request_id, c.transfer_id))
+                if res.refused:
+                    # Nothing recorded for prefill, so no WRITE will come: a
+                    # decode side already registered (or still to come) fails
+                    # now and computes the prompt itself, instead of holding
+                    # its blocks to the rendezvous deadline. A refusal for
+                    # want of agents was ended by the coordinator itself: this
+                    # cancel is then answered with that end.
+                    reason = f"prefill report refused ({why[:300]}); decode computes it"
+                    self.client.submit(Call("cancel", c.request_id, c.transfer_id, reason=reason))
             elif not res.ok:
                 log.warning("coordinator %s for %s failed: %s", c.kind, c.transfer_id, res.error)
 
