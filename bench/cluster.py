@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replicas", type=int, default=2, help="coordinator replicas")
     p.add_argument(
+        "--leader-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas serve /metrics, as in production, and each step reads the "
+        "leader's own share of the order latency from it (order residence, event-loop lag)",
+    )
+    p.add_argument(
         "--lease-s",
         type=int,
         default=2,
@@ -169,6 +176,15 @@ def summary(res: Result, hosts: int) -> list[str]:
             f"{LAG_TICK_S * 1000:.0f} ms timer late by p50 {percentile(h.loop_lag_ms, 50):.2f} "
             f"ms, p99 {percentile(h.loop_lag_ms, 99):.2f} ms meanwhile"
         )
+        if h.leader is not None:
+            ld = h.leader
+            out.append(
+                f"  of which the leader (its /metrics): {ld.orders} orders waited in it "
+                f"p50 {ld.residence_p50_ms:.2f} ms, p99 {ld.residence_p99_ms:.2f} ms; its "
+                f"event loop ran a {LAG_TICK_S * 1000:.0f} ms timer late by p50 "
+                f"{ld.lag_p50_ms:.2f} ms, p99 {ld.lag_p99_ms:.2f} ms ({ld.lag_samples} samples; "
+                "estimated from histogram buckets)"
+            )
     out.append(f"  leader RSS after the load {res.loaded_rss_mib:.0f} MiB")
     out.append(
         f"  kill -9 of the leader {fo.old}: {fo.new} led after {fo.failover_s:.3f} s; "

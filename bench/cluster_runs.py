@@ -31,8 +31,10 @@ from bench.coordinator_load import ClientReport
 from bench.coordinator_server import cpu_seconds, cpu_split, rss_bytes
 from bench.coordinator_step import Step, measure_step
 from bench.coordinator_workload import CORE_SETTINGS
+from bench.leader_metrics import Buckets, leader_share, scrape
 from harness.coordinator import CoordinatorProcess, leadership
 from harness.etcd import EtcdCluster, EtcdServer
+from harness.vllm_server import free_port
 
 POLL_S = 0.005  # leadership polls after the kill (as bench/failover.py)
 WAIT_S = 0.05  # other polls of another process's state
@@ -129,6 +131,7 @@ class ClusterBench:
         self.coord_cpus, self.load_cpus = cpu_split()
         self.etcd: EtcdServer | EtcdCluster | None = None
         self.replicas: list[CoordinatorProcess] = []
+        self.metrics_ports: dict[int, int] = {}  # id(replica) -> its /metrics port
         self.procs: list[BaseProcess] = []
         self.hosts: list[Connection] = []
         self.leader: CoordinatorProcess | None = None
@@ -148,7 +151,13 @@ class ClusterBench:
             pin_all_threads(m.proc.pid if m.proc else 0, self.load_cpus)
         flags = ["--etcd", url, "--etcd-lease-s", str(a.lease_s)]
         flags += ["--log-level", "WARNING", *core_flags()]
-        self.replicas = [CoordinatorProcess(*flags).start() for _ in range(a.replicas)]
+        for _ in range(a.replicas):
+            port = free_port() if a.leader_metrics else 0
+            more = ["--metrics-port", str(port)] if port else []
+            r = CoordinatorProcess(*flags, *more).start()
+            self.replicas.append(r)
+            if port:
+                self.metrics_ports[id(r)] = port
         self.leader = self.find_leader(self.replicas)
         self.place()
 
@@ -215,6 +224,11 @@ class ClusterBench:
     def registered(self, address: str) -> int:
         return sum(regs.get(address, 0) for _, _, regs in self.stats())
 
+    def leader_metrics(self) -> dict[str, Buckets] | None:
+        """The leader's histograms now (None without --leader-metrics)."""
+        port = self.metrics_ports.get(id(self.leader))
+        return scrape(port) if port else None
+
     def host_cpu(self) -> float:
         return sum(cpu_seconds(p.pid) for p in self.procs if p.pid is not None)
 
@@ -273,11 +287,13 @@ class ClusterBench:
         a = self.a
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
+        m0 = self.leader_metrics()
         cpu0, h0, st0 = cpu_seconds(pid), self.host_cpu(), self.stats()
         share = rate / len(self.hosts)
         cap = a.max_outstanding
         reports: list[ClientReport] = self.ask("run", name, share, duration, cap, a.step_ms / 1000)
         cpu1, h1, wall1, st1 = cpu_seconds(pid), self.host_cpu(), time.monotonic(), self.stats()
+        m1 = self.leader_metrics()  # as the offer ends: its lag samples are the load's
         want = sum(len(r.sent) for r in reports)
         drained = True
         try:  # every admitted transfer ordered on every rank (or failed), nothing live
@@ -297,6 +313,8 @@ class ClusterBench:
             checked, wrong = checked + c, wrong + w
         s = measure_step(rate, reports, ordered, ends)
         s.drained = drained
+        if m0 is not None and m1 is not None:
+            s.leader = leader_share(m0, m1)
         s.checked, s.check_failed = checked, wrong
         t_start = min(r.t0 for r in reports)
         s.coord_cpu = (cpu1 - cpu0) / max(wall1 - t_start, 1e-9)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from bench.coordinator_load import ClientReport
 from bench.coordinator_workload import COMPLETE
+from bench.leader_metrics import LeaderShare
 
 SATURATED = 0.9  # completed/offered below this ratio = saturated
 
@@ -38,6 +39,7 @@ class Step:
     drained: bool = True
     checked: int = 0  # transfers counted COMPLETE that the coordinator was asked about
     check_failed: int = 0  # ... and that it did not call COMPLETE
+    leader: LeaderShare | None = None  # the leader's own share, from its /metrics
 
     @property
     def saturated(self) -> bool:

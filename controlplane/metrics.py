@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -87,6 +88,28 @@ FAST_BUCKETS = (
     0.001,
     0.0025,
     0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+# The event loop's lag is sampled on a timer of this period (while /metrics is served).
+LAG_TICK_S = 0.005
+# The coordinator's own queueing (order residence, loop lag): fine around the
+# 2 ms order-latency goal (docs/reliability.md).
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
     0.01,
     0.025,
     0.05,
@@ -324,6 +347,18 @@ class CoordinatorMetrics:
             "bytes of one prefill rank's WRITE (DONE reports)",
             BYTE_BUCKETS,
         )
+        self.order_residence = HistogramFamily(
+            "pushkv_order_residence_seconds",
+            "per order: from the step that issued it to its message built for the agent's "
+            "stream (the coordinator's own queueing; not gRPC's write or the network)",
+            LATENCY_BUCKETS,
+        )
+        self.loop_lag = HistogramFamily(
+            "pushkv_event_loop_lag_seconds",
+            "how late the event loop ran a 5 ms timer (what a message read now waits "
+            "before it is handled; up to 1 ms of it is epoll's millisecond timeout)",
+            LATENCY_BUCKETS,
+        )
         # Exported in this order (the order they were registered in before).
         self.families: tuple[CounterFamily | HistogramFamily, ...] = (
             self.started,
@@ -338,6 +373,8 @@ class CoordinatorMetrics:
             self.write_bytes,
             self.write_descriptors,
             self.write_size,
+            self.order_residence,
+            self.loop_lag,
         )
         # Pre-create the bounded label sets so dashboards see zeros, not gaps.
         for side in ("decode_first", "prefill_first"):
@@ -349,6 +386,9 @@ class CoordinatorMetrics:
         self._write_completion = self.write_completion.child()
         self._write_time = self.write_time.child()
         self._write_size = self.write_size.child()
+        self._loop_lag = self.loop_lag.child()
+        runtime.order_residence = self.order_residence.child().observe
+        self._lag_task: asyncio.Task[None] | None = None
         self.registry.register(_Collector(self))
         self._cursor = TimelineCursor(self._alive)
         self._state: dict[str, State] = {}  # last state of each non-terminal transfer
@@ -364,13 +404,26 @@ class CoordinatorMetrics:
         self._server, self._thread = server, thread
         bound: int = server.server_port
         log.info("metrics_listening", host=host, port=bound)
+        self._lag_task = self._loop.create_task(self._sample_lag(), name="loop-lag")
         return bound
+
+    async def _sample_lag(self) -> None:
+        loop, lag = self._loop, self._loop_lag
+        while True:
+            due = loop.time() + LAG_TICK_S
+            await asyncio.sleep(LAG_TICK_S)
+            lag.observe(max(loop.time() - due, 0.0))
 
     @property
     def port(self) -> int | None:
         return self._server.server_port if self._server is not None else None
 
     async def close(self) -> None:
+        task, self._lag_task = self._lag_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         server, self._server = self._server, None
         if server is not None:
             await asyncio.to_thread(server.shutdown)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -128,6 +129,9 @@ class NodeChannels:
         self._down: asyncio.Queue[pb.ChannelDown | None] = asyncio.Queue()
         # Channels whose sessions queued something since the last drain (in order).
         self._dirty: dict[int, None] = {}
+        # When the orders moved to `down` were issued (AgentSession.handoff):
+        # their residence ends when the NodeDown holding them goes to gRPC.
+        self._handoff: list[float] = []
 
     # ------------------------------------------------------------ up
     def _end(self, channel: int, exc: BaseException | None = None) -> None:
@@ -144,6 +148,8 @@ class NodeChannels:
         session = self._open_agent(first, self._principal, self._peer or "relay")
         self._channels[channel] = _Channel(session)
         session.notify = partial(self._mark, channel)
+        if session.residence is not None:
+            session.handoff = self._handoff
         self._mark(channel)  # its welcome is queued already
         log.info(
             "node_channel_opened",
@@ -190,6 +196,8 @@ class NodeChannels:
             async for up in requests:
                 for item in up.items:
                     self._on_item(item)
+                if self._dirty:  # what this message queued goes down now, not a callback later
+                    self._drain()
         except PushKVError as exc:  # an undecodable message ends the stream with its code
             broken.append(exc)
         finally:
@@ -239,6 +247,17 @@ class NodeChannels:
             self._rt.close_session(s)
             self._end(channel)
 
+    def _handed_off(self) -> None:
+        """The orders moved to `down` go to gRPC now: their residences. (A
+        NodeDown at its byte bound may leave some for the next: told a
+        message early.)"""
+        told = self._rt.order_residence
+        now = time.monotonic()
+        if told is not None:
+            for at in self._handoff:
+                told(now - at)
+        self._handoff.clear()
+
     async def serve(self, requests: AsyncIterator[pb.NodeUp]) -> AsyncIterator[pb.NodeDown]:
         log.info("node_stream_opened", peer=self._peer, principal=str(self._principal))
         broken: list[PushKVError] = []
@@ -251,6 +270,8 @@ class NodeChannels:
             # What the channels queued meanwhile goes as one NodeDown (never waits).
             while (batch := await batches.next()) is not None:
                 self._fence()
+                if self._handoff:
+                    self._handed_off()
                 yield pb.NodeDown(items=batch)
             if broken:
                 raise broken[0]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -90,6 +92,17 @@ class AgentSession:
     # channel moves its outbox then, with no task of its own (node_stream.py).
     # None: a stream's response task waits on the outbox instead.
     notify: Callable[[], None] | None = None
+    # Told each order's residence (seconds from its queueing here, in the
+    # core step that issued it, to its message being built for the stream),
+    # if set (the coordinator's metrics). `stamps` holds the queueing times
+    # of the orders in the outbox, oldest first: one per Order item.
+    residence: Callable[[float], None] | None = None
+    stamps: deque[float] = field(default_factory=deque)
+    # Set for a NodeStream channel: the taken orders' stamps go here, and the
+    # stream tells `residence` once it hands their message to gRPC (a queue
+    # hop later, node_stream.py). None: told at once (an AgentStream yields
+    # what it takes).
+    handoff: list[float] | None = None
 
     def take(self, first: Outgoing) -> tuple[pb.CoordinatorMessage, bool]:
         """What to send now, given the item just taken from the outbox, and
@@ -97,23 +110,49 @@ class AgentSession:
         queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
         term = self.term
+        orders = type(first) is not pb.CoordinatorMessage
         if not self.accepts_batches or q.empty():
+            if orders and self.stamps:
+                self._taken(1)
             return to_message(first, term), False
         nxt = q.get_nowait()
         if nxt is None:
+            if orders and self.stamps:
+                self._taken(1)
             return to_message(first, term), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
         _add(msgs, first, term)
         _add(msgs, nxt, term)
         n = 2
+        k = int(orders) + int(type(nxt) is not pb.CoordinatorMessage)
+        ended = False
         while n < MAX_OUT_BATCH and not q.empty():
             item = q.get_nowait()
             if item is None:
-                return out, True
+                ended = True
+                break
             _add(msgs, item, term)
+            if type(item) is not pb.CoordinatorMessage:
+                k += 1
             n += 1
-        return out, False
+        if k and self.stamps:
+            self._taken(k)
+        return out, ended
+
+    def _taken(self, k: int) -> None:
+        """`k` orders left the outbox: their residences, to `residence` (or
+        their stamps to `handoff`)."""
+        stamps, told, held = self.stamps, self.residence, self.handoff
+        n = min(k, len(stamps))
+        if held is not None:
+            held.extend(stamps.popleft() for _ in range(n))
+            return
+        now = time.monotonic()
+        for _ in range(n):
+            at = stamps.popleft()
+            if told is not None:
+                told(now - at)
 
     @property
     def key(self) -> AgentKey:
@@ -128,6 +167,8 @@ class AgentSession:
             log.error("agent_outbox_full", agent=str(self.key))
             self.close()
             return
+        if self.residence is not None and type(msg) is not pb.CoordinatorMessage:
+            self.stamps.append(time.monotonic())
         if self.notify is not None:
             self.notify()
 
@@ -161,6 +202,12 @@ class Runtime:
         self._ticker: asyncio.Task[None] | None = None
         # Metrics and tracing (controlplane/metrics.py, tracing.py), told of every change.
         self.observers: list[TransferObserver] = []
+        # While an agent's batch applies: the transfers it changed, told once
+        # each at the batch's end (the observers read every new timeline event
+        # then, so nothing is lost; a watcher sees the batch's last state).
+        self._batch_changed: dict[str, None] | None = None
+        # Given to every session opened from now on (AgentSession.residence).
+        self.order_residence: Callable[[float], None] | None = None
         # The leader's term (controlplane/leadership.py): set once, when this
         # replica is elected (a replica that loses the leadership ends), and
         # stamped on every welcome, order and cancel. 0 without --etcd.
@@ -197,6 +244,7 @@ class Runtime:
         for s in list(self._sessions.values()):
             while not s.outbox.empty():
                 s.outbox.get_nowait()
+            s.stamps.clear()
             s.close()
 
     async def _tick_loop(self) -> None:
@@ -211,10 +259,15 @@ class Runtime:
 
     # ---------------------------------------------------------------- effects
     def apply(self, effects: Sequence[Effect]) -> None:
+        deferred = self._batch_changed
         if len(effects) == 1 and type(effects[0]) is TransferChanged:
-            self._changed(effects[0].transfer_id)  # most reports change one transfer only
+            # Most reports change one transfer only.
+            if deferred is not None:
+                deferred[effects[0].transfer_id] = None
+            else:
+                self._changed(effects[0].transfer_id)
             return
-        changed: dict[str, None] = {}
+        changed: dict[str, None] = {} if deferred is None else deferred
         for e in effects:
             if isinstance(e, TransferChanged):
                 changed[e.transfer_id] = None
@@ -258,8 +311,9 @@ class Runtime:
                             )
                         )
                     )
-        for tid in changed:
-            self._changed(tid)
+        if deferred is None:
+            for tid in changed:
+                self._changed(tid)
 
     def _changed(self, transfer_id: str) -> None:
         """Tell the observers and the watchers about a changed transfer."""
@@ -307,7 +361,13 @@ class Runtime:
         old = self._sessions.get(reg.key)
         if old is not None:
             old.close()
-        s = AgentSession(reg, accepts_batches=accepts_batches, term=self.term, via=via)
+        s = AgentSession(
+            reg,
+            accepts_batches=accepts_batches,
+            term=self.term,
+            via=via,
+            residence=self.order_residence,
+        )
         self._sessions[reg.key] = s
         st = self.core.settings
         s.send(
@@ -361,14 +421,21 @@ class Runtime:
         if kind != "batch":
             self._on_item(s, msg, kind)
             return
-        for item in msg.batch.messages:
-            try:
-                kind = item.WhichOneof("kind")
-                if kind in {"batch", "hello"}:
-                    raise InvalidArgument("a batch holds no hello and no nested batch")
-                self._on_item(s, item, kind)
-            except Exception as exc:
-                log.warning("agent_message_rejected", agent=str(s.key), error=str(exc))
+        changed: dict[str, None] = {}
+        self._batch_changed = changed
+        try:
+            for item in msg.batch.messages:
+                try:
+                    kind = item.WhichOneof("kind")
+                    if kind in {"batch", "hello"}:
+                        raise InvalidArgument("a batch holds no hello and no nested batch")
+                    self._on_item(s, item, kind)
+                except Exception as exc:
+                    log.warning("agent_message_rejected", agent=str(s.key), error=str(exc))
+        finally:
+            self._batch_changed = None
+            for tid in changed:
+                self._changed(tid)
 
     def _on_item(self, s: AgentSession, msg: pb.AgentMessage, kind: str | None) -> None:
         key, inc = s.reg.key, s.reg.incarnation

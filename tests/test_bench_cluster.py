@@ -104,9 +104,17 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
         # Each host sampled its event loop's lag for the whole offer (1 s, a
         # 5 ms timer): about 200 samples per host, never negative.
         assert len(step.loop_lag_ms) >= 2 * 20 and min(step.loop_lag_ms) >= 0, text
-    assert any(
-        line.startswith("  of which the simulated agents' hosts:") for line in text.splitlines()
-    )
+        # The leader's own share, from its /metrics (the new leader's for
+        # the step after the kill): orders handed to gRPC during the offer,
+        # each of the step's rendezvous ordering 8 ranks, and its loop's lag.
+        ld = step.leader
+        assert ld is not None, text
+        assert 0 < ld.orders <= 8 * step.issued, text
+        assert 0 <= ld.residence_p50_ms <= ld.residence_p99_ms, text
+        assert ld.lag_samples >= 20 and 0 <= ld.lag_p50_ms <= ld.lag_p99_ms, text
+    lines = text.splitlines()
+    assert any(line.startswith("  of which the simulated agents' hosts:") for line in lines)
+    assert any(line.startswith("  of which the leader (its /metrics):") for line in lines)
     if relay:
         # The ranks' messages went up on the engines' NodeStreams (one per
         # engine, and at least one more each after the kill), several channels

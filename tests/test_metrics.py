@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ from controlplane.metric_families import CounterFamily, HistogramFamily, created
 from controlplane.server import Coordinator, ServerSettings, start
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import free_port
-from tests.support.sim_agent import SimAgent, SimCluster, blocks
+from relay.server import Relay, RelaySettings
+from tests.support.sim_agent import SimAgent, SimCluster, blocks, rendezvous, wait_terminal
 from tests.support.waits import wait_until
 from vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector, outcome_of
 from vllm_integration.router import Router, RouterSettings
@@ -236,6 +238,10 @@ async def test_coordinator_metrics_after_real_transfers(
         *("4.294967296e+09", "+Inf"),
     ]
     assert (size["4096.0"], size["16384.0"], size["65536.0"], size["+Inf"]) == (0, 0, 2, 2)
+    # One residence per order sent (one order per completed transfer at TP 1),
+    # each no longer than the test took.
+    assert value(s, "pushkv_order_residence_seconds_count") == 2
+    assert 0 <= value(s, "pushkv_order_residence_seconds_sum") < WAIT
     for side in ("decode_first", "prefill_first"):
         wait = [
             v
@@ -387,6 +393,63 @@ async def test_lease_gauges_follow_agents(coord: Coordinator) -> None:
         assert value(s, "pushkv_agents_connected", engine="d0", role="decode") == 1
         assert value(s, "pushkv_agents_registered", engine="d0", role="decode") == 2
         assert value(s, "pushkv_engine_ready", engine="d0", role="decode") == 0
+
+
+@pytest.mark.parametrize("path", ["agent_stream", "node_relay"])
+async def test_every_order_sent_has_its_residence(coord: Coordinator, path: str) -> None:
+    """One residence per order handed to gRPC, on an agent's own stream and
+    on a node relay's stream (a queue hop later), none longer than the test."""
+    relay = None
+    if path == "node_relay":
+        settings = RelaySettings(coordinators=coord.address, listen="127.0.0.1:0")
+        relay = await Relay(settings).start()
+    address = relay.address if relay is not None else coord.address
+    url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
+    try:
+        async with (
+            SimCluster(address, tp_size=2, batching=True) as cl,
+            grpc.aio.insecure_channel(coord.address) as ch,
+        ):
+            ids = [f"res-{i}" for i in range(6)]
+            await asyncio.gather(
+                *(rendezvous(ch, t, decode_first=i % 2 == 0) for i, t in enumerate(ids))
+            )
+            done = await wait_terminal(ch, ids, WAIT)
+            assert {st.state for st in done.values()} == {pb.TRANSFER_STATE_COMPLETE}
+            orders = sum(len(p.orders_seen) for p in cl.prefill)
+            assert orders == 2 * len(ids)  # one per prefill rank
+            _, s = await scrape(url)
+    finally:
+        if relay is not None:
+            await relay.stop()
+    assert value(s, "pushkv_order_residence_seconds_count") == orders
+    assert value(s, "pushkv_order_residence_seconds_bucket", le="+Inf") == orders
+    assert 0 < value(s, "pushkv_order_residence_seconds_sum") < WAIT
+
+
+async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
+    """The loop-lag sampler records how late its timer ran: a 60 ms stall of
+    the coordinator's loop (the test runs on it) lands above 25 ms."""
+    url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
+
+    def late() -> float:  # samples above 25 ms
+        return value(s, "pushkv_event_loop_lag_seconds_count") - value(
+            s, "pushkv_event_loop_lag_seconds_bucket", le="0.025"
+        )
+
+    _, s = await scrape(url)
+    before = late()
+    stall_until = time.monotonic() + 0.06
+    while time.monotonic() < stall_until:  # the stall: no await, the loop is held
+        pass
+    deadline = time.monotonic() + WAIT
+    while True:  # the late timer is recorded when the loop runs again
+        _, s = await scrape(url)
+        if late() > before:
+            break
+        assert time.monotonic() < deadline, "no lag sample above 25 ms"
+        await asyncio.sleep(0.005)  # poll, under the deadline
+    assert value(s, "pushkv_event_loop_lag_seconds_sum") >= 0.035
 
 
 async def test_metrics_are_off_unless_asked() -> None:
