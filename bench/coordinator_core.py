@@ -58,7 +58,7 @@ def _run(coro: Any) -> Any:
 
 
 async def _one_rep(
-    n: int, batch: int, with_metrics: bool, rep: int, tp: int = 1
+    n: int, batch: int, with_metrics: bool, rep: int, tp: int = 1, prefix: str = ""
 ) -> dict[str, float]:
     from controlplane import convert
     from controlplane.auth import Authorizer
@@ -101,7 +101,7 @@ async def _one_rep(
     gc.collect()
     while done < n:
         k = min(batch, n - done)
-        tids = [f"r{rep}-{done + i}" for i in range(k)]
+        tids = [f"{prefix}r{rep}-{done + i}" for i in range(k)]
         done += k
         reg_bytes = _submit_bytes(tids, lambda t: pb.TransferCall(register=decode_request(t)))
         pre_bytes = _submit_bytes(tids, lambda t: pb.TransferCall(prefill_done=prefill_request(t)))
@@ -199,7 +199,7 @@ async def _one_rep(
     return {p: ns / 1000 / n for p, ns in acc.items()}
 
 
-def _quiet_logs(level: str) -> None:
+def quiet_logs(level: str) -> None:
     from controlplane import logs
 
     saved = sys.stderr
@@ -211,7 +211,13 @@ def _quiet_logs(level: str) -> None:
 
 
 def run(
-    n: int, batch: int, reps: int, with_metrics: bool, default_gc: bool = False, tp: int = 1
+    n: int,
+    batch: int,
+    reps: int,
+    with_metrics: bool,
+    default_gc: bool = False,
+    tp: int = 1,
+    prefix: str = "",
 ) -> list[dict[str, float]]:
     from controlplane.server import tune_gc
 
@@ -219,7 +225,7 @@ def run(
         tune_gc()  # as `pushkv coordinator` does
     results = []
     for rep in range(reps):
-        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp)))
+        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, prefix)))
     return results
 
 
@@ -260,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-gc", action="store_true", help="keep Python's GC thresholds (no tune_gc)"
     )
     p.add_argument("--profile", default="", help="write cProfile stats of one repetition here")
+    p.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="K > 1: wall-clock rate of K processes with --n each, against one process "
+        "in the same repetition (bench/coordinator_partitions.py)",
+    )
     return p
 
 
@@ -268,7 +281,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp < 1:
         print("pushkv bench core: --tp must be at least 1", file=sys.stderr)
         return 2
-    _quiet_logs(args.log_level)
+    if args.partitions < 1:
+        print("pushkv bench core: --partitions must be at least 1", file=sys.stderr)
+        return 2
+    quiet_logs(args.log_level)
+    if args.partitions > 1:
+        from bench import coordinator_partitions as parts
+
+        print(core_build())
+        print(
+            f"{args.reps} repetitions: 1 process x {args.n} rendezvous, then "
+            f"{args.partitions} processes x {args.n}, at TP {args.tp}, batches of "
+            f"{args.batch}, metrics={'on' if args.metrics else 'off'}; "
+            f"{os.cpu_count()} CPUs"
+        )
+        parts.report(
+            args.partitions,
+            parts.run(args.partitions, args.n, args.batch, args.reps, args.tp, args.metrics),
+        )
+        return 0
     if args.profile:
         import cProfile
 

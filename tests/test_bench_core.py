@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import re
+
+import pytest
 
 from bench import coordinator_core as core
 
@@ -23,3 +26,20 @@ def test_every_rank_is_ordered_and_every_rendezvous_completes_at_tp_4() -> None:
 
 def test_tp_below_one_is_refused() -> None:
     assert core.main(["--tp", "0"]) == 2
+
+
+def test_partitions_run_side_by_side_with_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """--partitions 2: each repetition runs one process, then two together
+    (spawned, every transfer of each checked COMPLETE there: a child that
+    raises fails the run), and prints both rates and their ratio."""
+    assert core.main(["--partitions", "2", "--n", "64", "--batch", "16", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    reps = re.findall(r"rep \d: 1 process +(\d+)/s, 2 processes +(\d+)/s, ratio ([\d.]+)", out)
+    assert len(reps) == 2, out
+    assert all(float(one) > 0 and float(two) > 0 for one, two, _ in reps), out
+    m = re.search(r"^partitions=2 rendezvous_per_s=(\d+) one_process_per_s=(\d+) ratio=", out, re.M)
+    assert m is not None, out
+
+
+def test_partitions_below_one_are_refused() -> None:
+    assert core.main(["--partitions", "0"]) == 2
