@@ -349,8 +349,8 @@ class CoordinatorMetrics:
         )
         self.order_residence = HistogramFamily(
             "pushkv_order_residence_seconds",
-            "per order: from the step that issued it to its message built for the agent's "
-            "stream (the coordinator's own queueing; not gRPC's write or the network)",
+            "per order: from the step that issued it to its message handed to gRPC (the "
+            "coordinator's own queueing; not the write itself or the network)",
             LATENCY_BUCKETS,
         )
         self.loop_lag = HistogramFamily(

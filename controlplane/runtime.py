@@ -93,9 +93,9 @@ class AgentSession:
     # None: a stream's response task waits on the outbox instead.
     notify: Callable[[], None] | None = None
     # Told each order's residence (seconds from its queueing here, in the
-    # core step that issued it, to its message being built for the stream),
-    # if set (the coordinator's metrics). `stamps` holds the queueing times
-    # of the orders in the outbox, oldest first: one per Order item.
+    # core step that issued it, to its message handed to gRPC), if set (the
+    # coordinator's metrics). `stamps` holds the queueing times of the
+    # orders in the outbox, oldest first: one per Order item.
     residence: Callable[[float], None] | None = None
     stamps: deque[float] = field(default_factory=deque)
     # Set for a NodeStream channel: the taken orders' stamps go here, and the
