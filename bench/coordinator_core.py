@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default="", help="write cProfile stats of one repetition here")
     p.add_argument(
+        "--front-hop",
+        action="store_true",
+        help="instead: one report and its order between a front and a partition process "
+        "over a Unix socket, against the same work in one process (bench/front_hop.py)",
+    )
+    p.add_argument(
         "--partitions",
         type=int,
         default=1,
@@ -285,6 +291,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pushkv bench core: --partitions must be at least 1", file=sys.stderr)
         return 2
     quiet_logs(args.log_level)
+    if args.front_hop:
+        from bench import front_hop
+
+        print(
+            f"{args.reps} repetitions of {args.n} reports and orders, {args.batch} frames "
+            f"per write, a Unix socket between two processes; {os.cpu_count()} CPUs"
+        )
+        front_hop.report(
+            [front_hop.one_rep(args.n, args.batch) for _ in range(args.reps)], args.batch
+        )
+        return 0
     if args.partitions > 1:
         from bench import coordinator_partitions as parts
 

@@ -43,3 +43,32 @@ def test_partitions_run_side_by_side_with_one_process(capsys: pytest.CaptureFixt
 
 def test_partitions_below_one_are_refused() -> None:
     assert core.main(["--partitions", "0"]) == 2
+
+
+def test_front_hop_answers_every_report_with_its_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--front-hop: a partition process answers each of the front's reports
+    with an order over a Unix socket (the run raises if one is missing or the
+    partition fails), and the line gives both sides' CPU and the baseline."""
+    assert core.main(["--front-hop", "--n", "300", "--batch", "7", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"rep \d: front +[\d.]+ us, partition +[\d.]+ us", out)) == 2, out
+    m = re.search(
+        r"^front_hop: batch=7 front_us=([\d.]+) partition_us=([\d.]+) in_process_us=([\d.]+) "
+        r"added_us=-?[\d.]+ round_trips_per_s=(\d+)$",
+        out,
+        re.M,
+    )
+    assert m is not None, out
+    assert all(float(x) > 0 for x in m.groups()), out
+
+
+def test_frames_are_cut_whole_and_the_rest_kept() -> None:
+    from bench.front_hop import HEADER, take_frames
+
+    data = bytearray(HEADER.pack(3) + b"abc" + HEADER.pack(0) + HEADER.pack(5) + b"de")
+    assert take_frames(data) == [b"abc", b""]
+    assert data == bytearray(HEADER.pack(5) + b"de")  # a frame not yet whole stays
+    data += b"fgh"
+    assert take_frames(data) == [b"defgh"] and data == bytearray()
