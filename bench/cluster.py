@@ -36,12 +36,12 @@ import os
 import time
 from collections.abc import Sequence
 
-from bench.cluster_agents import LAG_TICK_S
 from bench.cluster_runs import ClusterBench, Result
 from bench.coordinator_report import header, row
 from bench.coordinator_server import cpu_split
 from bench.output import say
 from bench.stats import percentile
+from wire.event_loop import LAG_TICK_S
 
 GOALS = "goals (issue 20): >= 20000 rendezvous/s, order p99 <= 2 ms at half load, "
 GOALS += "every agent following a new leader within 5 s"

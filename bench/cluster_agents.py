@@ -51,6 +51,7 @@ from bench.coordinator_server import pin
 from bench.coordinator_workload import COMPLETE, RPC_TIMEOUT_S, agent_hello
 from bench.coordinator_workload import decode_request as _decode_request
 from bench.coordinator_workload import prefill_request as _prefill_request
+from wire.event_loop import sample_loop_lag
 from wire.leader import LeaderFollower
 
 if TYPE_CHECKING:
@@ -62,17 +63,6 @@ BACKOFF_MAX_S = 2.0
 MAX_OUT_BATCH = 256  # reports per AgentBatch, as agent/link.py
 SPOT_CHECK = 16
 HOST_NICE = 5
-LAG_TICK_S = 0.005  # the loop-lag sampler's timer
-
-
-async def sample_loop_lag(into: list[float]) -> None:
-    """Until cancelled: how late this loop runs a LAG_TICK_S timer, in ms.
-    Every order and report of the host's ranks waits behind the same ready
-    callbacks, so this is the host's own share of the latency it measures."""
-    while True:
-        t = time.monotonic()
-        await asyncio.sleep(LAG_TICK_S)  # a measurement tick, not synchronisation
-        into.append(max(time.monotonic() - t - LAG_TICK_S, 0.0) * 1000)
 
 
 @dataclass(frozen=True)
@@ -503,8 +493,11 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
                     errors[code_name.get(bad.code, str(bad.code))] += 1
 
         n = max(1, int(rate * duration))
+        # How late this host's loop runs a timer, in ms: every order and report
+        # of its ranks waits behind the same ready callbacks, so this is the
+        # host's own share of the latency it measures.
         lags: list[float] = []
-        sampler = asyncio.create_task(sample_loop_lag(lags))
+        sampler = asyncio.create_task(sample_loop_lag(lambda s: lags.append(s * 1000)))
         t0 = time.monotonic()
         issued = dropped = 0
         while issued + dropped < n:

@@ -33,6 +33,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from typing import Any, TextIO
 
+from bench.children import reap
+
 BARRIER_S = 120.0  # every process imported and warmed up within this
 RUN_S = 600.0  # and done this long after
 POLL_S = 0.2  # how often a wait for a partition checks that it still runs
@@ -86,11 +88,7 @@ def _together(k: int, n: int, batch: int, tp: int, metrics: bool) -> float:
                     raise TimeoutError("a partition process did not finish")
             spans.append(recv.recv())
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs, 10)
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise RuntimeError(f"partition processes failed: exit codes {bad}")

@@ -55,6 +55,7 @@ import numpy as np
 from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from agent.nixl_types import KVRegion, PeerKey, TransferState, WriteHandle
 from agent.write_plan import merge_runs
+from bench.children import reap
 from bench.dataplane_memory import KINDS, CudaMemory, Memory, Pool, describe, memory_for
 from bench.dataplane_target import FILL, WAIT_S, _target_main
 from harness.netlink import NetnsProcess, TwoNodeLink, format_rate, parse_rate
@@ -453,10 +454,7 @@ def _run_resized(args: argparse.Namespace) -> None:
                 rows += run_resized(bench, block_len, counts)
         conn.send(("exit",))
     finally:
-        target.join(WAIT_S)
-        if target.is_alive():
-            target.kill()
-            target.join(WAIT_S)
+        reap([target], WAIT_S)
     print(
         f"# resized NIXL WRITE (UCX, 2 processes, {os.environ.get('UCX_NET_DEVICES')}) vs "
         f"whole-block WRITE vs numpy copyto; regions={args.regions} cpus={os.cpu_count()} "
@@ -551,10 +549,7 @@ def _run_local(args: argparse.Namespace) -> list[Row]:
         rows = _run_sizes(_Bench(conn, args), args)
         conn.send(("exit",))
     finally:
-        target.join(WAIT_S)
-        if target.is_alive():
-            target.kill()
-            target.join(WAIT_S)
+        reap([target], WAIT_S)
     return rows
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
+from bench.children import reap
+
 HEADER = struct.Struct(">I")
 TP = 8
 DEADLINE_S = 120.0  # every wait of the run
@@ -216,10 +218,7 @@ def one_rep(n: int, batch: int) -> HopRep:
                 asyncio.wait_for(_front(path, reports, batch), DEADLINE_S)
             )
         finally:
-            proc.join(DEADLINE_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+            reap([proc], DEADLINE_S)
     if proc.exitcode != 0:
         raise RuntimeError(f"the partition process failed (exit code {proc.exitcode})")
     return HopRep(n, front, part, wall, base)

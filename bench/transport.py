@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from bench.children import reap
 from bench.coordinator_server import cpu_seconds, cpu_split, pin
 from bench.output import say
 
@@ -212,10 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pin(own_cpus)
         for _proc, conn, _ in servers.values():
             conn.send("stop")
-        for proc, _, _ in servers.values():
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+        reap([proc for proc, _, _ in servers.values()], 10)
     med = {
         loop: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for loop, rs in runs.items()
     }

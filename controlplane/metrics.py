@@ -51,6 +51,7 @@ from controlplane.timeline import (
     first,
 )
 from controlplane.transfer import Transfer
+from wire.event_loop import sample_loop_lag
 
 if TYPE_CHECKING:
     from controlplane.runtime import Runtime
@@ -95,27 +96,11 @@ FAST_BUCKETS = (
     0.25,
     1.0,
 )
-# The event loop's lag is sampled on a timer of this period (while /metrics is served).
-LAG_TICK_S = 0.005
-# The coordinator's own queueing (order residence, loop lag): fine around the
-# 2 ms order-latency goal (docs/reliability.md).
+# The coordinator's own queueing (order residence, loop lag): FAST_BUCKETS
+# made finer around the 2 ms order-latency goal (docs/reliability.md).
 LATENCY_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.00075,
-    0.001,
-    0.0015,
-    0.002,
-    0.003,
-    0.005,
-    0.0075,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
+    *(0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075),
+    *(b for b in FAST_BUCKETS if b >= 0.01),
 )
 WRITE_BUCKETS = (
     0.0005,
@@ -404,15 +389,9 @@ class CoordinatorMetrics:
         self._server, self._thread = server, thread
         bound: int = server.server_port
         log.info("metrics_listening", host=host, port=bound)
-        self._lag_task = self._loop.create_task(self._sample_lag(), name="loop-lag")
+        lag = sample_loop_lag(self._loop_lag.observe)
+        self._lag_task = self._loop.create_task(lag, name="loop-lag")
         return bound
-
-    async def _sample_lag(self) -> None:
-        loop, lag = self._loop, self._loop_lag
-        while True:
-            due = loop.time() + LAG_TICK_S
-            await asyncio.sleep(LAG_TICK_S)
-            lag.observe(max(loop.time() - due, 0.0))
 
     @property
     def port(self) -> int | None:

@@ -110,22 +110,20 @@ class AgentSession:
         queued behind `first` goes out with it (never waits for more)."""
         q = self.outbox
         term = self.term
-        orders = type(first) is not pb.CoordinatorMessage
+        k = int(type(first) is not pb.CoordinatorMessage)  # orders taken
         if not self.accepts_batches or q.empty():
-            if orders and self.stamps:
-                self._taken(1)
+            self._taken(k)
             return to_message(first, term), False
         nxt = q.get_nowait()
         if nxt is None:
-            if orders and self.stamps:
-                self._taken(1)
+            self._taken(k)
             return to_message(first, term), True
         out = pb.CoordinatorMessage()
         msgs = out.batch.messages
         _add(msgs, first, term)
         _add(msgs, nxt, term)
         n = 2
-        k = int(orders) + int(type(nxt) is not pb.CoordinatorMessage)
+        k += type(nxt) is not pb.CoordinatorMessage
         ended = False
         while n < MAX_OUT_BATCH and not q.empty():
             item = q.get_nowait()
@@ -133,18 +131,18 @@ class AgentSession:
                 ended = True
                 break
             _add(msgs, item, term)
-            if type(item) is not pb.CoordinatorMessage:
-                k += 1
+            k += type(item) is not pb.CoordinatorMessage
             n += 1
-        if k and self.stamps:
-            self._taken(k)
+        self._taken(k)
         return out, ended
 
     def _taken(self, k: int) -> None:
         """`k` orders left the outbox: their residences, to `residence` (or
-        their stamps to `handoff`)."""
+        their stamps to `handoff`). Nothing without metrics (no stamps)."""
         stamps, told, held = self.stamps, self.residence, self.handoff
         n = min(k, len(stamps))
+        if not n:
+            return
         if held is not None:
             held.extend(stamps.popleft() for _ in range(n))
             return

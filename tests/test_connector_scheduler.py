@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -902,18 +902,48 @@ async def test_a_leg_that_goes_on_decoding_fires_when_it_finishes(
         assert _meta(sched_out).send == [("pd", tid)]
 
 
-@pytest.mark.parametrize("why", ["cancelled_first", "engine_not_registered"])
+@pytest.mark.parametrize(
+    "why", ["cancelled_first", "engine_not_registered", "agent_registered_as_decode"]
+)
 async def test_prefill_done_refused_frees_the_blocks_at_once(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path, why: str
 ) -> None:
-    """No order will read the blocks and the agent is never told: free them now."""
+    """No order will read the blocks and the agent is never told: free them now.
+
+    A report refused for a reason other than missing agents (a configuration
+    error: the engine's agent registered it as a decode engine) records
+    nothing, so no WRITE will come: the connector also cancels, so the decode
+    side already registered is told at once instead of holding its blocks to
+    the rendezvous deadline."""
     tid = new_tid()
-    async with engine(
-        coord, tiny_model_dir, "kv_producer", register_agent=why == "cancelled_first"
-    ) as eng:
+    decode_engine = f"dec-{uuid.uuid4().hex[:8]}"
+    async with AsyncExitStack() as stack:
+        dec = None
+        if why == "agent_registered_as_decode":
+            dec = SimAgent(coord.address, decode_engine, "decode", heartbeat_interval=0.5)
+            await stack.enter_async_context(dec)
+        eng = await stack.enter_async_context(
+            engine(
+                coord,
+                tiny_model_dir,
+                "kv_producer",
+                register_agent=why != "engine_not_registered",
+                agent_role="decode" if dec is not None else None,
+            )
+        )
         if why == "cancelled_first":  # e.g. the router cancelled: client gone
             await stubs.transfers.Cancel(
                 pb.CancelRequest(transfer_id=tid, reason="client went away"), timeout=5
+            )
+        if dec is not None:
+            await stubs.transfers.RegisterDecodeBlocks(
+                pb.RegisterDecodeBlocksRequest(
+                    transfer_id=tid,
+                    decode_engine_id=decode_engine,
+                    block_ids=[pb.BlockIds(ids=[1, 2, 3])],
+                    num_tokens=33,
+                ),
+                timeout=5,
             )
         free0 = num_free_blocks(eng.scheduler)
         req = make_request(
@@ -932,61 +962,25 @@ async def test_prefill_done_refused_frees_the_blocks_at_once(
             assert not result.write_may_land
         else:
             assert result.refused and "FAILED_PRECONDITION" in result.error
+        if dec is not None:
+            assert "registered as decode" in result.error
 
         sched_out, _ = step(eng.scheduler)
         assert _meta(sched_out).send == [("p3", tid)]
         assert _meta(sched_out).free == [("p3", tid)]
+        if dec is not None:
+            assert [c.kind for c in eng.spy.calls] == ["prefill_done", "cancel"]
+            t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
+            assert t.detail.startswith("prefill report refused (FAILED_PRECONDITION:")
+            assert t.detail.endswith("; decode computes it")
+            # The decode engine's agent is told, so its side frees its blocks now.
+            n = await dec.expect("notice", DEADLINE_S)
+            assert (n.transfer_id, n.state) == (tid, pb.TRANSFER_STATE_CANCELLED)
         sched_out, _ = step(eng.scheduler)
         assert _meta(sched_out).free == []  # once
         step(eng.scheduler, connector_output=kv_output(finished_sending={"p3"}))
         assert "p3" not in eng.scheduler.requests
         assert num_free_blocks(eng.scheduler) == free0
-
-
-async def test_a_refused_prefill_report_cancels_the_waiting_decode_side(
-    coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
-) -> None:
-    """A prefill report refused for a reason other than missing agents (here a
-    configuration error: the engine's agent registered it as a decode engine)
-    records nothing, so no WRITE will come. The connector frees the blocks and
-    cancels, so the decode side already registered is told at once instead of
-    holding its blocks to the rendezvous deadline."""
-    tid = new_tid()
-    decode_engine = f"dec-{uuid.uuid4().hex[:8]}"
-    async with (
-        SimAgent(coord.address, decode_engine, "decode", heartbeat_interval=0.5) as dec,
-        engine(coord, tiny_model_dir, "kv_producer", agent_role="decode") as eng,
-    ):
-        await stubs.transfers.RegisterDecodeBlocks(
-            pb.RegisterDecodeBlocksRequest(
-                transfer_id=tid,
-                decode_engine_id=decode_engine,
-                block_ids=[pb.BlockIds(ids=[1, 2, 3])],
-                num_tokens=33,
-            ),
-            timeout=5,
-        )
-        req = make_request(
-            "p5",
-            prompt_tokens(33),
-            eng.config,
-            max_tokens=1,
-            kv_transfer_params=prefill_params(tid),
-        )
-        eng.scheduler.add_request(req)
-        step(eng.scheduler)
-        result = eng.wait_result("prefill_done")
-        assert result.refused and "FAILED_PRECONDITION" in result.error
-        assert "registered as decode" in result.error
-        sched_out, _ = step(eng.scheduler)
-        assert _meta(sched_out).free == [("p5", tid)]
-        assert [c.kind for c in eng.spy.calls] == ["prefill_done", "cancel"]
-        t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_CANCELLED))
-        assert t.detail.startswith("prefill report refused (FAILED_PRECONDITION:")
-        assert t.detail.endswith("; decode computes it")
-        # The decode engine's agent is told, so its side frees its blocks now.
-        n = await dec.expect("notice", DEADLINE_S)
-        assert (n.transfer_id, n.state) == (tid, pb.TRANSFER_STATE_CANCELLED)
 
 
 async def test_accepted_prefill_done_is_not_freed_early(

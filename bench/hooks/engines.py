@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.nixl_adapter import quiet_nixl_env
+from bench.children import reap
 from bench.hooks.config import (
     CONNECTORS,
     SCHED_HOOKS,
@@ -248,10 +249,7 @@ def _engine_loop(cfg: HookConfig, role: str, fig: EngineFigures) -> None:
         fig.steps = dict(steps)
         sched.shutdown()
     finally:
-        wproc.join(30)
-        if wproc.is_alive():
-            wproc.kill()
-            wproc.join(5)
+        reap([wproc], 30)
 
 
 def run_load(cfg: HookConfig) -> list[EngineFigures]:
@@ -269,10 +267,6 @@ def run_load(cfg: HookConfig) -> list[EngineFigures]:
         for _ in procs:
             figs.append(q.get(timeout=cfg.deadline_s + 120))
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs, 30)
     figs.sort(key=lambda f: f.role != "prefill")
     return figs
