@@ -71,7 +71,7 @@ async def _one_rep(
 
     rt = Runtime(CoreSettings(**CORE_SETTINGS), SystemClock())
     if with_metrics:
-        rt.observers.append(CoordinatorMetrics(rt))
+        rt.observers.append(CoordinatorMetrics(rt).events)
     rt.observers.append(TransferLog(rt.core.has_transfer))
     srv = TransferServicer(rt, Authorizer(tls_enabled=False))
 

@@ -20,6 +20,8 @@ CORE_MODULES = (
     "transfer_filter",
     "registry",
     "timeline",
+    "metric_families",
+    "transfer_metrics",
     "admission",
     "order_size",
     "orders",

@@ -58,7 +58,7 @@ class CountSeries:
     __slots__ = ("created", "value")
 
     def __init__(self) -> None:
-        self.value: float = 0
+        self.value: float = 0.0
         self.created = time.time()
 
     def copy(self) -> tuple[float, float]:

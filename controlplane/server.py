@@ -134,7 +134,10 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     runtime = Runtime(settings.core, clock or SystemClock(), limit)
     metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
     tracer = tracer_from_env(runtime)
-    runtime.observers += [o for o in (metrics, tracer) if o is not None]
+    if metrics is not None:
+        runtime.observers.append(metrics.events)
+    if tracer is not None:
+        runtime.observers.append(tracer)
     runtime.observers.append(TransferLog(runtime.core.has_transfer))
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -44,3 +44,29 @@ def test_importing_the_agent_and_the_connector_imports_no_coordinator_code() -> 
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_compiled_build_without_the_dependencies_says_what_is_missing() -> None:
+    """PUSHKV_MYPYC=1 in an environment that lacks what mypyc type-checks
+    against (pip's isolated build has none of it) stops before compiling,
+    naming the missing distributions and the commands that work."""
+    code = (
+        "import importlib.metadata as m, runpy, sys\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name in ('structlog', 'grpc-stubs'):\n"
+        "        raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.version = version\n"
+        "sys.argv = ['setup.py', '--name']\n"
+        "runpy.run_path('setup.py', run_name='__main__')\n"
+    )
+    env = {**os.environ, "PUSHKV_MYPYC": "1"}
+    cmd = [sys.executable, "-c", code]
+    out = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode != 0
+    assert "lacks structlog, grpc-stubs." in out.stderr, out.stderr
+    assert "pip install '.[compile]'" in out.stderr
+    assert "--no-build-isolation" in out.stderr

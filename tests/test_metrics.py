@@ -34,8 +34,8 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
-from controlplane import metrics as cmetrics
 from controlplane import tracing
+from controlplane import transfer_metrics as cmetrics
 from controlplane.core_build import core_build
 from controlplane.metric_families import CounterFamily, HistogramFamily, created_series
 from controlplane.server import Coordinator, ServerSettings, start
@@ -181,13 +181,15 @@ async def test_coordinator_metrics_after_real_transfers(
     assert coord.metrics_port and coord.metrics is not None
     # The observer's plain counters take no lock: it must only run on the loop's thread.
     threads: set[int] = set()
-    observe = coord.metrics.on_transfer_changed
+    events = coord.metrics.events
 
-    def on_changed(t: Any) -> None:
-        threads.add(threading.get_ident())
-        observe(t)
+    class OnLoop:
+        def on_transfer_changed(self, t: Any) -> None:
+            threads.add(threading.get_ident())
+            events.on_transfer_changed(t)
 
-    monkeypatch.setattr(coord.metrics, "on_transfer_changed", on_changed)
+    observers = [OnLoop() if o is events else o for o in coord.runtime.observers]
+    monkeypatch.setattr(coord.runtime, "observers", observers)
     async with grpc.aio.insecure_channel(coord.address) as ch:
         stub = pbg.TransferServiceStub(ch)
         await complete(ch, cluster, "m-decode-first", decode_first=True)
