@@ -54,7 +54,29 @@ def test_a_frozen_cycle_waits_for_the_full_collection() -> None:
     assert gc.get_freeze_count() > 0  # the survivors are parked again
 
 
-async def test_full_collections_run_on_their_interval() -> None:
+def test_a_full_collection_is_due_once_the_frozen_objects_doubled() -> None:
+    """Not on a clock: a heap whose long-lived part stays the same size (a
+    coordinator whose retention is full) is never paused by a full pass."""
+    gc.collect(1)
+    policy = gcpolicy.FullCollections(min_baseline=1_000)
+    start = gc.get_freeze_count()
+    assert policy.baseline == max(start, 1_000)
+    assert not policy.check() and policy.runs == 0
+    a, b = Node(), Node()
+    a.peer, b.peer = b, a
+    ref = weakref.ref(a)
+    keep = [Node() for _ in range(policy.baseline)]  # the long-lived part doubles
+    gc.collect(1)  # frozen, with the cycle
+    del a, b
+    assert policy.due(gc.get_freeze_count())
+    assert policy.check() and policy.runs == 1
+    assert ref() is None  # the frozen cycle was freed
+    assert policy.baseline >= len(keep)  # the next one waits for this heap to double
+    assert not policy.check() and policy.runs == 1
+    assert not policy.due(int(1.9 * policy.baseline)) and policy.due(2 * policy.baseline)
+
+
+async def test_full_collections_check_on_their_interval() -> None:
     full = asyncio.Event()
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
@@ -62,12 +84,15 @@ async def test_full_collections_run_on_their_interval() -> None:
             full.set()
 
     gc.callbacks.append(on_gc)
-    task = asyncio.create_task(gcpolicy.full_collections(0.01))
+    policy = gcpolicy.FullCollections(min_baseline=1)
+    policy.baseline = 0  # due at once
+    task = asyncio.create_task(gcpolicy.full_collections(0.01, policy))
     try:
         await asyncio.wait_for(full.wait(), WAIT)
     finally:
         task.cancel()
         gc.callbacks.remove(on_gc)
+    assert policy.runs >= 1
     assert gcpolicy.installed()
 
 
