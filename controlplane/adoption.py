@@ -44,7 +44,7 @@ from controlplane.domain import (
     Role,
     SendOrder,
 )
-from controlplane.orders import OpenOrders, rank_order
+from controlplane.orders import OpenOrders, rank_order, with_rank
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Transfer
 
@@ -159,7 +159,7 @@ def issue_adopted(
         oid = rec.order.order_id if rec is not None else next_id()
         order = rank_order(oid, t.transfer_id, t.decode, pe, de, rank, src, deadline_unix)
         for tgt in order.targets:
-            t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
+            t.expected[tgt.decode_rank] = with_rank(t.expected.get(tgt.decode_rank), rank)
         if rec is not None:  # posted before the failover: the agent holds it
             rec.order = order._replace(prefill_incarnation=rec.order.prefill_incarnation)
         elif rank in counted:  # written before the failover

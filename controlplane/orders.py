@@ -271,10 +271,29 @@ def issue(
         p_agent = pe.ranks[rank]
         t.orders[rank] = OrderRecord(order, p_agent.key)
         for tgt in order.targets:
-            t.expected[tgt.decode_rank] = t.expected.get(tgt.decode_rank, frozenset()) | {rank}
+            t.expected[tgt.decode_rank] = with_rank(t.expected.get(tgt.decode_rank), rank)
         open_orders.add(p_agent.key, p_agent.incarnation, t.transfer_id, rank)
         effects.append(SendOrder(p_agent.key, p_agent.incarnation, order))
     return effects
+
+
+# The sets of prefill ranks a decode rank expects are few and recur in every
+# transfer between the same TPs ({d} for decode rank d between equal TPs):
+# one shared frozenset each, not one per transfer, since each object a
+# retained transfer holds is one more for a full GC pass (gcpolicy.py).
+_RANK_SETS: dict[frozenset[int], frozenset[int]] = {}
+_MAX_RANK_SETS = 4096
+
+
+def with_rank(ranks: frozenset[int] | None, rank: int) -> frozenset[int]:
+    """`ranks` and `rank`, as the shared frozenset of those ranks."""
+    s = ranks | {rank} if ranks is not None else frozenset((rank,))
+    shared = _RANK_SETS.get(s)
+    if shared is not None:
+        return shared
+    if len(_RANK_SETS) < _MAX_RANK_SETS:
+        _RANK_SETS[s] = s
+    return s
 
 
 def order_by_id(t: Transfer | None, order_id: str) -> OrderRecord | None:

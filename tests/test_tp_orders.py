@@ -11,6 +11,7 @@ from controlplane.domain import (
     EngineId,
     KVLayout,
     KVRegion,
+    OrderId,
     Role,
     State,
     TransferId,
@@ -250,3 +251,50 @@ def test_decode_group_longer_than_the_prefill_window_is_refused() -> None:
     assert mismatch(t, pe, de) == (
         "KV group 1: prefill holds 2 of the prompt's last blocks, decode registered 4"
     )
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(2, 2), (4, 2), (2, 4)])
+def test_retained_transfers_share_their_expected_writer_sets(ptp: int, dtp: int) -> None:
+    """Each decode rank's set of expected prefill ranks is the same in every
+    transfer between the same engines: one shared frozenset, not one object per
+    retained transfer (each is one more for a full GC pass, gcpolicy.py)."""
+    from controlplane.order_size import MAX_ORDER_BYTES
+    from controlplane.orders import OpenOrders, issue
+
+    pe, de = engine("P", Role.PREFILL, ptp), engine("D", Role.DECODE, dtp)
+    ids = iter(range(1_000))
+    sets = []
+    for _ in range(2):
+        t = transfer()
+        issue(
+            t,
+            pe,
+            de,
+            ((1, 2),),
+            0.0,
+            False,
+            lambda: OrderId(f"o{next(ids)}"),
+            OpenOrders(),
+            MAX_ORDER_BYTES,
+        )
+        sets.append(t.expected)
+    first, second = sets
+    assert first == second and sorted(first) == list(range(dtp))
+    assert set().union(*first.values()) == set(range(ptp))  # every prefill rank writes
+    assert all(first[d] is second[d] for d in first)
+
+
+def test_the_shared_rank_sets_are_bounded_and_still_correct(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from controlplane import orders
+
+    monkeypatch.setattr(orders, "_RANK_SETS", {})
+    monkeypatch.setattr(orders, "_MAX_RANK_SETS", 2)
+    a = orders.with_rank(None, 0)
+    b = orders.with_rank(a, 1)
+    c = orders.with_rank(b, 2)  # past the bound: a set of its own
+    assert (a, b, c) == (frozenset({0}), frozenset({0, 1}), frozenset({0, 1, 2}))
+    assert orders.with_rank(None, 0) is a and orders.with_rank(a, 1) is b
+    assert orders.with_rank(b, 2) is not c and orders.with_rank(b, 2) == c
+    assert len(orders._RANK_SETS) == 2
