@@ -44,7 +44,7 @@ from controlplane.domain import (
     Role,
     SendOrder,
 )
-from controlplane.orders import OpenOrders, rank_order, with_rank
+from controlplane.orders import OpenOrders, rank_order, shared_ranks, with_rank
 from controlplane.registry import EngineRecord
 from controlplane.transfer import OrderRecord, Transfer
 
@@ -172,10 +172,7 @@ def issue_adopted(
     for d, ranks in t.early_arrivals.items():
         got = ranks & t.expected.get(d, frozenset())
         if got:
-            seen = t.arrived.get(d)
-            if seen is None:
-                seen = t.arrived[d] = set()
-            seen.update(got)
+            t.arrived[d] = shared_ranks(t.arrived.get(d, frozenset()) | got)
     t.early_arrivals = {}
     t.adopting = False
     return effects

@@ -18,8 +18,8 @@ Policy:
 - ``full_collections`` unfreezes and runs one full collection once the frozen
   objects have doubled since the last one (CPython's own rule for its oldest
   generation, at 100 % instead of 25 %). A pass costs about 22 ms per 100 000
-  objects here: 1.0 s at the 100 000 retained TP-8 transfers `max_terminal`
-  allows (4.9 million objects), with the loop, and the lease keeper's thread,
+  objects here: 0.96 s at the 100 000 retained TP-8 transfers `max_terminal`
+  allows (4.2 million objects), with the loop, and the lease keeper's thread,
   held throughout. Doubling amortises it over as many new long-lived objects,
   and garbage cycles never hold more than the live heap. A coordinator whose
   retention is full keeps a steady frozen count (transfers leave as new ones

@@ -277,23 +277,28 @@ def issue(
     return effects
 
 
-# The sets of prefill ranks a decode rank expects are few and recur in every
-# transfer between the same TPs ({d} for decode rank d between equal TPs):
-# one shared frozenset each, not one per transfer, since each object a
-# retained transfer holds is one more for a full GC pass (gcpolicy.py).
+# The sets of prefill ranks a decode rank expects, and has seen arrive, are
+# few and recur in every transfer between the same TPs ({d} for decode rank d
+# between equal TPs): one shared frozenset each, not one per transfer, since
+# each object a retained transfer holds is one more for a full GC pass
+# (gcpolicy.py).
 _RANK_SETS: dict[frozenset[int], frozenset[int]] = {}
 _MAX_RANK_SETS = 4096
 
 
-def with_rank(ranks: frozenset[int] | None, rank: int) -> frozenset[int]:
-    """`ranks` and `rank`, as the shared frozenset of those ranks."""
-    s = ranks | {rank} if ranks is not None else frozenset((rank,))
+def shared_ranks(s: frozenset[int]) -> frozenset[int]:
+    """The shared frozenset equal to `s` (`s` itself past the bound)."""
     shared = _RANK_SETS.get(s)
     if shared is not None:
         return shared
     if len(_RANK_SETS) < _MAX_RANK_SETS:
         _RANK_SETS[s] = s
     return s
+
+
+def with_rank(ranks: frozenset[int] | None, rank: int) -> frozenset[int]:
+    """`ranks` and `rank`, as the shared frozenset of those ranks."""
+    return shared_ranks(ranks | {rank} if ranks is not None else frozenset((rank,)))
 
 
 def order_by_id(t: Transfer | None, order_id: str) -> OrderRecord | None:
@@ -315,11 +320,10 @@ def record_arrivals(t: Transfer, decode_rank: int, prefill_ranks: Sequence[int])
             f"ranks {sorted(ranks - expected)} do not write into decode rank {decode_rank}",
             field="arrival.prefill_ranks",
         )
-    got = t.arrived.get(decode_rank)
-    if got is None:
-        got = t.arrived[decode_rank] = set()
+    got = t.arrived.get(decode_rank, frozenset())
     new = ranks - got
-    got.update(new)
+    if new:
+        t.arrived[decode_rank] = shared_ranks(got | new)
     return sorted(new)
 
 

@@ -82,7 +82,7 @@ class Transfer:
     orders: dict[int, OrderRecord]
     # decode rank -> prefill ranks expected to write into it / already arrived
     expected: dict[int, frozenset[int]]
-    arrived: dict[int, set[int]]
+    arrived: dict[int, frozenset[int]]  # shared sets (orders.shared_ranks)
     # (stage, unix seconds, rank or -1)
     timeline: list[tuple[str, float, int]]
     terminal_mono: float | None

@@ -254,16 +254,17 @@ def test_decode_group_longer_than_the_prefill_window_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(2, 2), (4, 2), (2, 4)])
-def test_retained_transfers_share_their_expected_writer_sets(ptp: int, dtp: int) -> None:
-    """Each decode rank's set of expected prefill ranks is the same in every
-    transfer between the same engines: one shared frozenset, not one object per
-    retained transfer (each is one more for a full GC pass, gcpolicy.py)."""
+def test_retained_transfers_share_their_writer_sets(ptp: int, dtp: int) -> None:
+    """Each decode rank's sets of expected and arrived prefill ranks are the
+    same in every transfer between the same engines: shared frozensets, not
+    objects of each retained transfer (each is one more for a full GC pass,
+    gcpolicy.py)."""
     from controlplane.order_size import MAX_ORDER_BYTES
-    from controlplane.orders import OpenOrders, issue
+    from controlplane.orders import OpenOrders, issue, record_arrivals
 
     pe, de = engine("P", Role.PREFILL, ptp), engine("D", Role.DECODE, dtp)
     ids = iter(range(1_000))
-    sets = []
+    done = []
     for _ in range(2):
         t = transfer()
         issue(
@@ -277,11 +278,20 @@ def test_retained_transfers_share_their_expected_writer_sets(ptp: int, dtp: int)
             OpenOrders(),
             MAX_ORDER_BYTES,
         )
-        sets.append(t.expected)
-    first, second = sets
-    assert first == second and sorted(first) == list(range(dtp))
-    assert set().union(*first.values()) == set(range(ptp))  # every prefill rank writes
-    assert all(first[d] is second[d] for d in first)
+        assert not t.all_arrived()
+        for d, writers in sorted(t.expected.items()):
+            first_half = sorted(writers)[: max(1, len(writers) // 2)]
+            assert record_arrivals(t, d, first_half) == first_half
+            assert record_arrivals(t, d, sorted(writers)) == sorted(set(writers) - set(first_half))
+            assert record_arrivals(t, d, sorted(writers)) == []  # counted once
+        assert t.all_arrived() and t.arrived_ranks() == set(range(ptp))
+        done.append(t)
+    a, b = done
+    assert a.expected == b.expected and sorted(a.expected) == list(range(dtp))
+    assert set().union(*a.expected.values()) == set(range(ptp))  # every prefill rank writes
+    for d in a.expected:
+        assert a.expected[d] is b.expected[d]
+        assert a.arrived[d] is b.arrived[d] is a.expected[d]
 
 
 def test_the_shared_rank_sets_are_bounded_and_still_correct(
