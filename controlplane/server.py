@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,7 +246,10 @@ async def serve(settings: ServerSettings) -> int:
 
     A replica that lost the leadership stops at once (EXIT_LEADERSHIP_LOST)."""
     tune_gc()
-    full_gc = asyncio.create_task(gcpolicy.full_collections())  # owned here
+    # On etcd a pause past a quarter TTL would cost the leadership (gcpolicy.py).
+    pause = settings.etcd_lease_s / 4 if settings.etcd else math.inf
+    policy = gcpolicy.FullCollections(max_pause_s=pause)
+    full_gc = asyncio.create_task(gcpolicy.full_collections(policy=policy))  # owned here
     try:
         coord = await start(settings)
         if settings.port_file:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -74,6 +75,30 @@ def test_a_full_collection_is_due_once_the_frozen_objects_doubled() -> None:
     assert policy.baseline >= len(keep)  # the next one waits for this heap to double
     assert not policy.check() and policy.runs == 1
     assert not policy.due(int(1.9 * policy.baseline)) and policy.due(2 * policy.baseline)
+
+
+def test_a_pass_longer_than_the_lease_allows_is_skipped() -> None:
+    """A replica on etcd would lose its leadership to a pause past the lease's
+    margin: a pass estimated longer than `max_pause_s` is skipped, and asked
+    again only once the heap doubled again."""
+    gc.collect(1)
+    policy = gcpolicy.FullCollections(min_baseline=1_000, max_pause_s=1e-9)
+    a, b = Node(), Node()
+    a.peer, b.peer = b, a
+    ref = weakref.ref(a)
+    keep = [Node() for _ in range(policy.baseline)]
+    gc.collect(1)
+    del a, b
+    frozen = gc.get_freeze_count()
+    assert policy.due(frozen)
+    assert not policy.check()
+    assert (policy.runs, policy.skipped) == (0, 1)
+    assert ref() is not None  # the frozen cycle waits
+    assert policy.baseline == frozen and not policy.check() and policy.skipped == 1
+    policy.max_pause_s = math.inf  # a single coordinator: no lease to keep
+    policy.baseline = len(keep) // 2
+    assert policy.check() and ref() is None
+    assert 0 < policy.s_per_object < 1e-3  # learned from the pass
 
 
 async def test_full_collections_check_on_their_interval() -> None:
