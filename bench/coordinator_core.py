@@ -58,8 +58,17 @@ def _run(coro: Any) -> Any:
 
 
 async def _one_rep(
-    n: int, batch: int, with_metrics: bool, rep: int, tp: int = 1, prefix: str = ""
+    n: int,
+    batch: int,
+    with_metrics: bool,
+    rep: int,
+    tp: int = 1,
+    prefix: str = "",
+    keep: list[Any] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, float]:
+    """One repetition; `keep` gets the Runtime, whose transfers stay retained
+    as `settings` (over CORE_SETTINGS) say."""
     from controlplane import convert
     from controlplane.auth import Authorizer
     from controlplane.clock import SystemClock
@@ -69,7 +78,7 @@ async def _one_rep(
     from controlplane.servicers import TransferServicer
     from controlplane.settings import CoreSettings
 
-    rt = Runtime(CoreSettings(**CORE_SETTINGS), SystemClock())
+    rt = Runtime(CoreSettings(**{**CORE_SETTINGS, **(settings or {})}), SystemClock())
     if with_metrics:
         rt.observers.append(CoordinatorMetrics(rt).events)
     rt.observers.append(TransferLog(rt.core.has_transfer))
@@ -196,6 +205,8 @@ async def _one_rep(
         raise RuntimeError(f"{wrong} transfers not COMPLETE")
     for s in (*sps, *sds):
         rt.close_session(s)
+    if keep is not None:
+        keep.append(rt)
     return {p: ns / 1000 / n for p, ns in acc.items()}
 
 
@@ -273,6 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
         "over a Unix socket, against the same work in one process (bench/front_hop.py)",
     )
     p.add_argument(
+        "--retained",
+        type=int,
+        default=0,
+        help="instead: N rendezvous kept as terminal transfers, as the status API keeps "
+        "them: GC-tracked objects each, RSS, and a full GC pass over them "
+        "(bench/coordinator_retained.py)",
+    )
+    p.add_argument(
         "--partitions",
         type=int,
         default=1,
@@ -301,6 +320,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         front_hop.report(
             [front_hop.one_rep(args.n, args.batch) for _ in range(args.reps)], args.batch
         )
+        return 0
+    if args.retained > 0:
+        from bench import coordinator_retained as retained
+
+        print(core_build())
+        print(
+            f"{args.retained} rendezvous at TP {args.tp} kept as terminal transfers, "
+            f"metrics={'on' if args.metrics else 'off'}, gc tuned"
+        )
+        retained.report(retained.run(args.retained, args.tp, args.batch, args.metrics))
         return 0
     if args.partitions > 1:
         from bench import coordinator_partitions as parts

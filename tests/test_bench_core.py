@@ -72,3 +72,25 @@ def test_frames_are_cut_whole_and_the_rest_kept() -> None:
     assert data == bytearray(HEADER.pack(5) + b"de")  # a frame not yet whole stays
     data += b"fgh"
     assert take_frames(data) == [b"defgh"] and data == bytearray()
+
+
+def test_retained_transfers_are_counted_and_a_full_pass_timed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--retained N: N rendezvous stay as terminal transfers (the run raises
+    if fewer are retained), and the line gives the objects each holds, the
+    RSS and the full GC passes over them; the process's GC policy is left as
+    it was."""
+    from controlplane import gcpolicy
+
+    before = gcpolicy.installed()  # other runs here install it (`pushkv bench core` does)
+    assert core.main(["--retained", "64", "--tp", "2", "--batch", "16"]) == 0
+    assert gcpolicy.installed() == before
+    out = capsys.readouterr().out
+    m = re.search(
+        r"^retained=64 objects_per_transfer=([\d.]+) rss_mib=(\d+) full_pass_ms=(\d+)$", out, re.M
+    )
+    assert m is not None, out
+    per, rss = float(m.group(1)), int(m.group(2))
+    assert 5 < per < 200 and rss > 0, out
+    assert re.search(r"a full GC pass \d+ ms median \(\d+, \d+, \d+\)", out), out
