@@ -15,6 +15,12 @@ leader adopt them (`CoordinatorAdoptedMsg`) instead of resolving them locally
 (`CoordinatorChangedMsg`: term 0, a single coordinator restarted, or the
 terms went back); one that does not marks its list `held_tell_only`, never
 adopted. docs/reliability.md, "Failover rebuild".
+
+A coordinator that says nothing for a whole lease is taken as gone, whatever
+its connection says: a frozen or cut-off process keeps its sockets open and
+silent, and a blocked read would wait on it for ever. The link's watchdog
+thread then cancels the stream and the link dials the next address
+(`SilenceWatch`).
 """
 
 from __future__ import annotations
@@ -79,6 +85,32 @@ SNAPSHOT_WAIT_S = 5.0
 # be refused at every reconnect. Those left out are not adopted: their
 # resubmissions fail cleanly once the new leader's rebuild window ends.
 HELLO_HELD_BYTES = 1 << 20
+# How often the watchdog looks at the stream (its detection's granularity).
+WATCH_S = 0.1
+
+
+class SilenceWatch:
+    """When the coordinator last said anything on the current stream.
+
+    A live coordinator answers each heartbeat (one per heartbeat interval,
+    shorter than the lease), and a hello within that too. A stream silent for
+    `limit_s` is `overdue`: its coordinator is frozen, cut off, or gone
+    without a reset. The link thread marks; the watchdog thread reads."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = limit_s
+        self._clock = clock
+        self._heard = clock()
+
+    def heard(self) -> None:
+        """A message came (or a stream starts: its hello has the limit to be answered)."""
+        self._heard = self._clock()
+
+    def silent_for(self) -> float:
+        return self._clock() - self._heard
+
+    def overdue(self) -> bool:
+        return self.silent_for() > self.limit_s
 
 
 def held_entries(
@@ -298,11 +330,16 @@ class CoordinatorLink:
         self._hb_sent: dict[int, float] = {}
         self._call: Any = None
         self._hello_sent = 0.0
+        # A stream silent past the lease is cancelled (the watchdog thread).
+        self._silence = SilenceWatch(self._lease_s)
+        self.silenced = 0  # streams cancelled for silence (a figure for tests and logs)
+        self._watchdog = threading.Thread(target=self._watch, name=name + "-watch", daemon=True)
         self._recent_arrivals: collections.deque[tuple[float, ArrivalMsg]] = collections.deque()
 
     # ------------------------------------------------------------ public
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -310,6 +347,7 @@ class CoordinatorLink:
         if call is not None:
             call.cancel()
         self._thread.join(timeout)
+        self._watchdog.join(timeout)
 
     @property
     def address(self) -> str:
@@ -323,7 +361,26 @@ class CoordinatorLink:
     def send(self, report: Outbound) -> None:
         self.outbox.put(report)
 
-    # ------------------------------------------------------------ thread
+    # ------------------------------------------------------------ threads
+    def _watch(self) -> None:
+        """The watchdog: cancel a stream whose coordinator fell silent (the
+        link thread then follows the next address, as after any lost stream)."""
+        while not self._stop.wait(WATCH_S):
+            call = self._call
+            if call is None or not self._silence.overdue():
+                continue
+            self.silenced += 1
+            log.warning(
+                "coordinator %s said nothing for %.1f s (the lease is %.1f s): "
+                "taking it as gone, trying %s",
+                self._follower.current,
+                self._silence.silent_for(),
+                self._silence.limit_s,
+                "another" if self._follower.several else "it again",
+            )
+            call.cancel()
+            self._silence.heard()  # once per stream: the link thread ends it now
+
     def _run(self) -> None:
         delay = self._backoff[0]
         while not self._stop.is_set():
@@ -395,10 +452,12 @@ class CoordinatorLink:
             self._hello.held.extend(entries)
         stub = pbg.AgentServiceStub(channel)
         done = threading.Event()
+        self._silence.heard()  # the hello's welcome is due within the limit too
         call: Any = stub.AgentStream(self._requests(done))
         self._call = call
         try:
             for msg in call:
+                self._silence.heard()
                 self._on_message(msg)
         except StaleLeaderError:
             call.cancel()
@@ -496,6 +555,8 @@ class CoordinatorLink:
                 self._deliver(TermMsg(w.term))
             self._lease_s = w.lease_ms / 1000 or self._lease_s
             self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s
+            # A heartbeat's answer is due each interval: a gap of two is no silence.
+            self._silence.limit_s = max(self._lease_s, 2 * self._hb_interval_s)
             lapsed = 0 < self._lease_until <= time.monotonic()  # the last welcome's lease
             self._lease_until = self._hello_sent + self._lease_s
             self.fatal_error = ""

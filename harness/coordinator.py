@@ -64,8 +64,20 @@ class CoordinatorProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def freeze(self) -> None:
+        """SIGSTOP: a process that stops running while its sockets stay open
+        (a long pause, a frozen VM): peers see silence, not a reset."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after `freeze`."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen one, too
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)

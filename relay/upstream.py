@@ -17,6 +17,12 @@ old channel can never land in a new one.
 waits for its answer on its generation (`pending`); a generation that ends
 answers what it still holds UNAVAILABLE, as a broken Submit RPC would (the
 calls are idempotent: the scheduler's client sends them again).
+
+A leader that says nothing on a busy stream for a whole lease (the lease its
+welcomes give the agents) is taken as gone, as an agent's link takes it
+(agent/link.py): a frozen or cut-off process keeps its connection open and
+silent. The stream ends UNAVAILABLE, every channel with it, and the relay
+dials the next address.
 """
 
 from __future__ import annotations
@@ -61,6 +67,14 @@ RELAY_BACKOFF_MAX_S = 0.5
 HEARTBEAT_HOLD_S = 0.25
 # Relayed Submits waiting for their answers, per stream: more are refused.
 MAX_PENDING_SUBMITS = 1024
+# Silence that ends a stream before any welcome told the lease: the
+# coordinator's default lease (controlplane/settings.py). How often it is checked.
+SILENCE_S = 5.0
+WATCH_S = 0.1
+
+
+class CoordinatorSilent(Exception):
+    """The leader said nothing on a stream that waited for it for a lease."""
 
 
 class RelayError(Exception):
@@ -82,6 +96,7 @@ class Channel:
     # The channel's first heartbeat goes at once: an agent welcomed back by
     # the same leader resumes posting only at its ack (agent/link.py).
     beat: bool = False
+    welcomed: bool = False  # its welcome went down (its lease was read)
 
     def send(self, msg: pb.AgentMessage) -> bool:
         """Queue an agent message for the coordinator; False once it cannot go.
@@ -130,6 +145,16 @@ class Generation:
     submits: int = 0  # relayed Submits sent on it
     pending: dict[int, asyncio.Future[pb.RelayedSubmitReply]] = field(default_factory=dict)
     _flusher: asyncio.TimerHandle | None = None
+    # When the leader last said anything (loop time; idle time counts as
+    # heard), and the silence that ends the stream, from the lease and
+    # heartbeat interval its welcomes told (0: none yet).
+    heard: float = 0.0
+    limit_s: float = 0.0
+
+    def waits(self) -> bool:
+        """Whether the leader owes an answer: to the stream itself, to a
+        channel's agent (it heartbeats each interval), or to a Submit."""
+        return not self.answered or bool(self.channels) or bool(self.pending)
 
     def hold(self, item: pb.ChannelUp) -> None:
         """A heartbeat: up with the next message, or HEARTBEAT_HOLD_S after the
@@ -166,6 +191,11 @@ class Generation:
         if item.ended:
             del self.channels[item.channel]
             ch.closed_up = True  # the coordinator closed it: nothing more goes up
+        elif not ch.welcomed and item.message.WhichOneof("kind") == "welcome":
+            ch.welcomed = True
+            w = item.message.welcome
+            # A heartbeat's answer is due each interval: a gap of two is no silence.
+            self.limit_s = max(w.lease_ms, 2 * w.heartbeat_interval_ms) / 1000 or self.limit_s
         try:
             ch.down.put_nowait(item)
         except asyncio.QueueFull:
@@ -225,8 +255,10 @@ class Upstream:
         backoff_min_s: float = 0.05,
         backoff_max_s: float = RELAY_BACKOFF_MAX_S,
         max_message_bytes: int = 4 << 20,
+        silence_s: float = SILENCE_S,
     ) -> None:
         self._follower = LeaderFollower(coordinators)
+        self._silence_s = silence_s
         self._tls = tls
         self._options = (
             *KEEPALIVE,
@@ -240,6 +272,7 @@ class Upstream:
         self.streams = 0  # NodeStreams opened (a figure for tests and logs)
         self.up_messages = 0  # NodeUp messages sent
         self.submits = 0  # relayed Submits sent (a figure for tests and logs)
+        self.silenced = 0  # streams ended for the leader's silence
         self.connected = asyncio.Event()  # set while a stream is answering
 
     @property
@@ -377,18 +410,27 @@ class Upstream:
         code, detail = grpc.StatusCode.UNAVAILABLE, f"relay: the stream to {address} ended"
         stopper = asyncio.ensure_future(stop.wait())
         reading = asyncio.ensure_future(self._read(call, gen))
+        watching = asyncio.ensure_future(self._watch(gen))
         try:
-            done, _ = await asyncio.wait((stopper, reading), return_when=asyncio.FIRST_COMPLETED)
-            if reading in done:
-                reading.result()  # raises what ended the stream
+            done, _ = await asyncio.wait(
+                (stopper, reading, watching), return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in (reading, watching):
+                if task in done:
+                    task.result()  # raises what ended the stream
         except grpc.aio.AioRpcError as exc:
             err, code, detail = exc, exc.code(), exc.details() or detail
+        except CoordinatorSilent as exc:
+            self.silenced += 1
+            log.warning("relay: %s", exc)
+            err, detail = exc, f"relay: {exc}"
         except Exception as exc:  # a bug here must not end the relay
             log.exception("relay: stream to %s failed", address)
             err = exc
         finally:
             stopper.cancel()
             reading.cancel()
+            watching.cancel()
             call.cancel()
             self.connected.clear()
             gen.close(code, detail)
@@ -402,8 +444,28 @@ class Upstream:
             self.up_messages += 1
             yield m
 
+    async def _watch(self, gen: Generation) -> None:
+        """Raise CoordinatorSilent once the leader owed `gen` an answer for a
+        whole lease (before any welcome, `silence_s`) and said nothing."""
+        loop = asyncio.get_running_loop()
+        gen.heard = loop.time()
+        while True:
+            await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
+            now = loop.time()
+            if not gen.waits():
+                gen.heard = now  # idle: nothing is owed
+                continue
+            limit = gen.limit_s or self._silence_s
+            if now - gen.heard > limit:
+                raise CoordinatorSilent(
+                    f"coordinator {gen.address} said nothing for {now - gen.heard:.1f} s "
+                    f"(the lease is {limit:g} s): taking it as gone"
+                )
+
     async def _read(self, call: Any, gen: Generation) -> None:
+        loop = asyncio.get_running_loop()
         async for down in call:
+            gen.heard = loop.time()
             if not gen.answered:
                 gen.answered = True
                 gen.takes_submit = down.takes_submit

@@ -263,6 +263,32 @@ def test_coordinator_lost_for_good_resolves_locally(rig: Rig) -> None:
     assert rig.d.call("check_canary", list(range(NB)), CANARY) == []
 
 
+def test_coordinator_frozen_past_the_give_up_resolves_locally_then_serves(rig: Rig) -> None:
+    """SIGSTOP: the coordinator stops answering with its connections open (a
+    long pause, a frozen VM). The agents take its silence for a lease as a
+    lost coordinator (agent/link.py, SilenceWatch), so the transfer in flight
+    resolves locally after give_up_s, nothing written. Thawed, it takes the
+    agents back and serves. Before the watchdog the agents waited on the open
+    streams for as long as it was frozen."""
+    rig.p.call("pause", True)
+    rig.d.call("expect", ["f9"])
+    rig.register("f9")
+    rig.done("f9")
+    rig.coord.freeze()
+    try:
+        assert rig.p.wait_event("f9", DEADLINE_S).kind is EventKind.BLOCKS_FREE
+        assert rig.d.wait_event("f9", DEADLINE_S).kind is EventKind.KV_FAILED
+    finally:
+        rig.coord.thaw()
+    rig.p.call("pause", False)
+    _wait_ready(rig)
+    assert rig.p.call("writes_posted") == 0
+    assert rig.d.call("check_canary", list(range(NB)), CANARY) == []
+    _failed(rig, "f9")  # the coordinator, thawed, found both agents' streams gone
+    rig.healthy_transfer("f9-after")
+    rig.nothing_held()
+
+
 def test_stream_cut_between_prefill_agent_and_coordinator(rig: Rig) -> None:
     assert rig.proxy is not None
     rig.p.call("pause", True)

@@ -230,6 +230,68 @@ def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None
         client.close()
 
 
+def test_router_and_scheduler_client_leave_a_frozen_leader(cluster: Cluster) -> None:
+    """A leader frozen by SIGSTOP keeps its connections open and silent: the
+    router's BeginTransfer and the scheduler client's calls are not answered
+    UNAVAILABLE but time out. Both move to the replica that leads next, within
+    their own deadline; the thawed leader, deposed, exits without ordering."""
+    import asyncio
+
+    from vllm_integration.router import Router, RouterSettings
+    from vllm_integration.router_engines import Engine
+
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    lead_first = f"{lead.address},{standby.address}"
+    lead.freeze()
+    try:
+        poll(
+            lambda: (
+                (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the standby leads after the leader froze",
+        )
+
+        async def router_begins() -> str:
+            # The frozen replica first: an attempt times out, GetLeadership
+            # moves off it, all within the default connect_timeout_s (10 s).
+            router = Router(RouterSettings(coordinator=lead_first))
+            try:
+                await router._begin("ha-frozen-1", Engine("P", "http://p"), Engine("D", "http://d"))
+                return router._follower.current
+            finally:
+                for ch in router._channels.values():
+                    await ch.close(None)
+
+        assert asyncio.run(router_begins()) == standby.address
+        with grpc.insecure_channel(standby.address) as ch:
+            t = pbg.StatusServiceStub(ch).GetTransfer(
+                pb.GetTransferRequest(transfer_id="ha-frozen-1"), timeout=5
+            )
+            assert t.state == pb.TRANSFER_STATE_AWAITING
+
+        # The connector's default deadline (rpc_timeout_s, 5 s, as long as the
+        # failover window): an attempt at the frozen leader must not spend it.
+        client = CoordinatorClient(lead_first)
+        try:
+            client.submit(Call("cancel", "r1", "ha-frozen-1", reason="test"))
+            res = client.wait_result(lambda r: r.call.transfer_id == "ha-frozen-1", DEADLINE_S)
+            assert res is not None and res.ok, res  # the new leader cancelled it
+            assert client._follower.current == standby.address
+        finally:
+            client.close()
+    finally:
+        lead.thaw()
+    assert lead.proc is not None
+    lead.proc.wait(DEADLINE_S)
+    assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
+    with grpc.insecure_channel(standby.address) as ch:
+        t = pbg.StatusServiceStub(ch).GetTransfer(
+            pb.GetTransferRequest(transfer_id="ha-frozen-1"), timeout=5
+        )
+    assert t.state == pb.TRANSFER_STATE_CANCELLED
+
+
 def test_a_standby_names_the_leader_to_many_aio_streams_at_once(cluster: Cluster) -> None:
     """grpc.aio clients (a node relay's NodeStream, the bench's agents) whose
     first send finds the call already refused report INTERNAL "Internal error
@@ -476,14 +538,20 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
         d.stop()
 
 
+@pytest.mark.parametrize("how", ["kill9", "freeze"])
 @pytest.mark.parametrize("via", ["direct", "relay"])
-def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
-    cluster: Cluster, via: str
+def test_in_flight_transfers_complete_through_the_new_leader(
+    cluster: Cluster, via: str, how: str
 ) -> None:
     """Failover rebuild: agents that rebuild re-send their live transfers, the
     new leader adopts them, and the transfers of every stage complete through
     it with their bytes verified and one WRITE each. With `relay`, both agents
-    dial one `pushkv relay` (given both replicas), which follows the leader."""
+    dial one `pushkv relay` (given both replicas), which follows the leader.
+
+    `kill9` crashes the leader (its peers' connections are reset). `freeze`
+    stops it with SIGSTOP (a long pause, a frozen VM): its connections stay
+    open and silent, so its clients must notice the silence themselves; once
+    thawed, the deposed leader orders nothing and exits."""
     lead = cluster.leader()
     (standby,) = cluster.standbys()
     both = f"{lead.address},{standby.address}"
@@ -524,7 +592,7 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
         old_term = _term(lead.address)
 
         killed = time.monotonic()
-        lead.kill()
+        lead.kill() if how == "kill9" else lead.freeze()
         _wait_ready(standby.address)
         followed = time.monotonic() - killed
         with grpc.insecure_channel(standby.address) as ch:
@@ -562,9 +630,16 @@ def test_in_flight_transfers_complete_through_the_new_leader_after_kill9(
             assert t.state == pb.TRANSFER_STATE_COMPLETE, (tid, t)
         completed_s = time.monotonic() - killed
         print(
-            f"agents registered with the new leader {followed:.3f} s after the kill -9; "
+            f"agents registered with the new leader {followed:.3f} s after the {how}; "
             f"the three transfers in flight complete {completed_s:.3f} s after it"
         )
+        if how == "freeze":  # the deposed leader, thawed, orders nothing and exits
+            lead.thaw()
+            assert lead.proc is not None
+            lead.proc.wait(DEADLINE_S)
+            assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
+            assert _events(lead, "leadership_lost")
+            assert p.call("term")[0] == d.call("term")[0] == _term(standby.address)
         assert p.call("writes_posted") == written + len(stages)  # one WRITE per transfer
         assert d.check([20, 21], seed=50) == []  # ha-written: not written again
         used = {20, 21} | {b for _, dst, _ in stages.values() for b in dst}

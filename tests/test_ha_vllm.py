@@ -1,5 +1,9 @@
-"""The leading coordinator killed (kill -9) mid-burst, with real vLLM engines
-behind the router (docs/reliability.md, "Replicated coordinators").
+"""The leading coordinator killed (kill -9), or frozen (SIGSTOP), mid-burst,
+with real vLLM engines behind the router (docs/reliability.md, "Replicated
+coordinators"). A frozen leader keeps its connections open and silent: the
+agents, the scheduler clients and the router must notice its silence
+themselves ("A silent leader is a lost leader"), and thawed, it must order
+nothing and exit.
 
 A real etcd, two coordinator replicas, a prefill and a decode engine and the
 router, each given both replicas' addresses (they follow the leader). A burst
@@ -59,6 +63,11 @@ ANSWER_S = 90.0  # every request answered within this (two engines on two cores)
 DEADLINE_S = 60.0
 BURST = serving.varied_prompts(31, (300, 250, 200, 150, 120, 100, 80, 60, 40, 30))
 FRESH = serving.varied_prompts(32, (90, 70, 50, 45, 44, 43, 42, 41, 39, 38, 37, 36))
+# The freeze's own prompts: one served before is a local prefix hit at decode.
+FROZEN_BURST = serving.varied_prompts(33, (290, 240, 190, 140, 110, 95, 75, 55, 35, 25))
+FROZEN_FRESH = serving.varied_prompts(34, (88, 68, 48, 46, 47, 49, 51, 52, 53, 54, 56, 57))
+PROMPTS = BURST + FRESH + FROZEN_BURST + FROZEN_FRESH
+EXIT_LEADERSHIP_LOST = 3
 MAX_TOKENS = 8
 
 
@@ -123,11 +132,11 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     ref = VllmServer(tiny_model_dir, "reference-ha", cpu_core=0).start()
     try:
         ref.wait_ready()
-        outputs = serving.one_by_one(ref.url, BURST + FRESH, MAX_TOKENS)
+        outputs = serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
     finally:
         ref.stop()
     assert len(set(outputs)) > 1, "the reference cannot tell answers apart"
-    reference = {tuple(p): o for p, o in zip(BURST + FRESH, outputs, strict=True)}
+    reference = {tuple(p): o for p, o in zip(PROMPTS, outputs, strict=True)}
     etcd = EtcdServer().start()
     replicas = [CoordinatorProcess("--etcd", etcd.url, *REPLICA) for _ in range(2)]
     servers: list[VllmServer] = []
@@ -164,9 +173,36 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def test_leader_killed_mid_burst(cluster: Cluster) -> None:
+    burst_through_a_failover(cluster, "kill -9", BURST, FRESH)
+
+
+def test_leader_frozen_mid_burst(cluster: Cluster) -> None:
+    # The replica killed before comes back as a standby (same address).
+    dead = [r for r in cluster.replicas if r.proc is None or r.proc.poll() is not None]
+    for r in dead:
+        r.start()
+    lead = poll("one leader", cluster.leader)
+    poll(
+        "every replica up, one leading",
+        lambda: all(leadership(r.address) is not None for r in cluster.replicas),
+    )
+    burst_through_a_failover(cluster, "freeze", FROZEN_BURST, FROZEN_FRESH)
+    # Thawed, the deposed leader finds its lease gone, orders nothing and exits.
+    assert lead.proc is not None
+    lead.proc.wait(DEADLINE_S)
+    assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
+
+
+def burst_through_a_failover(
+    cluster: Cluster, how: str, burst: list[list[int]], fresh_prompts: list[list[int]]
+) -> None:
+    """A burst in flight when the leader fails (`kill -9`, or `freeze`: SIGSTOP,
+    thawed once the new leader pushed a transfer): every request ends with the
+    reference's answer; a new transfer is pushed through the new leader; no
+    block stays held; a transfer in flight completes through it."""
     lead = poll("one leader", cluster.leader)
     # A pushed transfer first: the deployment works through the leader.
-    p = FRESH[0]
+    p = fresh_prompts[0]
     status, answer = cluster.complete(p)
     assert status == 200 and text(answer) == cluster.reference[tuple(p)]
     assert any(t.state == pb.TRANSFER_STATE_COMPLETE for t in cluster.transfers(lead))
@@ -175,18 +211,18 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     # transfers are all in flight at the kill (none is reported prefilled).
     cluster.hold.touch()
     try:
-        pool = ThreadPoolExecutor(len(BURST))
-        futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in BURST]
+        pool = ThreadPoolExecutor(len(burst))
+        futures: list[Future[tuple[int, Any]]] = [pool.submit(cluster.complete, q) for q in burst]
         pool.shutdown(wait=False)
 
         def in_flight() -> set[str]:
             live = {
                 t.transfer_id for t in cluster.transfers(lead) if t.state not in serving.TERMINAL
             }
-            return live if len(live) == len(BURST) else set()
+            return live if len(live) == len(burst) else set()
 
         inflight = poll("every transfer of the burst in flight at the leader", in_flight, 30)
-        lead.kill()
+        lead.kill() if how == "kill -9" else lead.freeze()
         killed = time.monotonic()
         new = poll("a standby leads", lambda: (r := cluster.leader()) is not lead and r)
         failover_s = time.monotonic() - killed
@@ -194,7 +230,7 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
         cluster.hold.unlink(missing_ok=True)
 
     # Every request of the burst ends with the reference's answer; none hangs.
-    for q, f in zip(BURST, futures, strict=True):
+    for q, f in zip(burst, futures, strict=True):
         status, answer = f.result(timeout=ANSWER_S)
         assert status == 200, answer
         assert text(answer) == cluster.reference[tuple(q)]
@@ -219,15 +255,17 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
         )
 
     # Each prompt once: one decode served before is a local prefix hit there.
-    fresh = iter(FRESH[1:])
+    fresh = iter(fresh_prompts[1:])
 
     def next_pushed() -> bool:
         q = next(fresh, None)
-        assert q is not None, f"not pushed again within {len(FRESH) - 1} fresh prompts"
+        assert q is not None, f"not pushed again within {len(fresh_prompts) - 1} fresh prompts"
         return pushed(q)
 
     poll("a pushed transfer through the new leader", next_pushed)
     pushing_s = time.monotonic() - killed
+    if how == "freeze":
+        lead.thaw()
     serving.wait_no_blocks_held(cluster.prefill, cluster.decode, timeout=DEADLINE_S)
 
     # Transfers live at the kill (an agent re-sent them: adopted by the new
@@ -245,9 +283,9 @@ def test_leader_killed_mid_burst(cluster: Cluster) -> None:
     ]
     ends = sorted(pb.TransferState.Name(t.state)[15:] for t in adopted.values())
     print(
-        f"\nleader kill -9 mid-burst: a standby led after {failover_s:.2f} s, "
-        f"pushing again after {pushing_s:.2f} s; {len(BURST)} requests all correct; "
-        f"{len(inflight)} transfers seen in flight just before the kill, {len(adopted)} "
+        f"\nleader {how} mid-burst: a standby led after {failover_s:.2f} s, "
+        f"pushing again after {pushing_s:.2f} s; {len(burst)} requests all correct; "
+        f"{len(inflight)} transfers seen in flight just before the {how}, {len(adopted)} "
         f"adopted, {len(pushed_through)} complete through the new leader (ends: {ends})"
     )
     assert pushed_through, (inflight, {tid: str(t) for tid, t in adopted.items()})

@@ -43,6 +43,10 @@ IDLE_WAKE_S = 1.0  # an idle client thread checks for close() at least this ofte
 # With several coordinator replicas, a call is retried (on the leader a standby
 # names, or the next address) for this long: a failover takes about one etcd TTL.
 FAILOVER_S = 5.0
+# With several replicas, one attempt waits this long at most (within
+# FAILOVER_S): a leader answers in milliseconds, and one that went silent
+# (frozen, cut off: its connection open, nothing refused) is left for the next.
+ATTEMPT_S = 2.0
 # Resubmissions answered UNAVAILABLE (the new leader waiting for the agents:
 # at most its --rebuild-window-s, 10 s by default) are retried every
 # RESUBMIT_RETRY_S for this long after the new term was seen; then they fail
@@ -260,13 +264,19 @@ class CoordinatorClient:
             channel = self._channels[address] = tls_channel(address, self._tls)
         return pbg.TransferServiceStub(channel)
 
+    def _attempt_s(self) -> float:
+        """One RPC's deadline: capped with several replicas (ATTEMPT_S)."""
+        return min(self._timeout, ATTEMPT_S) if self._follower.several else self._timeout
+
     def _retry(self, attempt: int, started: float, exc: BaseException) -> bool:
         """After a retryable failure: whether to try again (on which replica)."""
         if not self._follower.several:
             return attempt + 1 < self._attempts
+        # Move first, retried or not: the next call must not go back to a
+        # replica that timed out (a frozen leader answers nothing, ever).
+        named = self._follower.follow(exc)
         if time.monotonic() - started > self._failover_s:
             return False
-        named = self._follower.follow(exc)
         time.sleep(self._follower.delay(0 if named else attempt))  # jittered: no herd
         return True
 
@@ -458,7 +468,7 @@ class CoordinatorClient:
         details = ""
         for attempt in itertools.count():
             try:
-                reply = stub.Submit(request, timeout=self._timeout)
+                reply = stub.Submit(request, timeout=self._attempt_s())
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
@@ -502,11 +512,11 @@ class CoordinatorClient:
         for attempt in itertools.count():
             try:
                 if c.kind == "register":
-                    st = stub.RegisterDecodeBlocks(call.register, timeout=self._timeout)
+                    st = stub.RegisterDecodeBlocks(call.register, timeout=self._attempt_s())
                 elif c.kind == "prefill_done":
-                    st = stub.ReportPrefillDone(call.prefill_done, timeout=self._timeout)
+                    st = stub.ReportPrefillDone(call.prefill_done, timeout=self._attempt_s())
                 else:
-                    st = stub.Cancel(call.cancel, timeout=self._timeout)
+                    st = stub.Cancel(call.cancel, timeout=self._attempt_s())
                 return Result(c, st.state, write_may_land=st.write_may_land)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None

@@ -27,12 +27,17 @@ from vllm_integration.front_timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, 
 from vllm_integration.metrics import RouterMetrics, outcome_of
 from vllm_integration.router_engines import Engine, EngineDirectory
 from vllm_integration.router_failures import Failure, Stage, client_error
+from wire.codes import RETRYABLE
 from wire.leader import LeaderFollower
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.router")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# With several coordinator replicas, one BeginTransfer attempt waits this long
+# at most (within connect_timeout_s in all): a leader answers in milliseconds,
+# and one that went silent (frozen, cut off) is left for the next replica.
+BEGIN_ATTEMPT_S = 2.0
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -382,19 +387,29 @@ class Router:
             return await self._begin_once(transfer_id, p_eng, d_eng)
         deadline = time.monotonic() + self.settings.connect_timeout_s
         while True:
+            left = deadline - time.monotonic()
             try:
-                return await self._begin_once(transfer_id, p_eng, d_eng)
+                return await self._begin_once(
+                    transfer_id, p_eng, d_eng, max(0.05, min(left, BEGIN_ATTEMPT_S))
+                )
             except grpc.aio.AioRpcError as exc:
-                # UNAVAILABLE: a standby's refusal (nothing recorded) or a
-                # replica gone; the transfer id is new, so a retry is safe.
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                # BeginTransfer is idempotent (the same id with the same
+                # engines answers the same), so a retry is safe after either:
+                # UNAVAILABLE, a standby's refusal (nothing recorded) or a
+                # replica gone; DEADLINE_EXCEEDED, a replica that went silent
+                # (frozen, cut off) with its connection open.
+                if exc.code() not in RETRYABLE or time.monotonic() > deadline:
                     raise
-                self._follower.follow(exc)
-                self._use_current()
-                await asyncio.sleep(self._follower.delay(0))
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._follower.follow(exc)
+                    self._use_current()
+                    await asyncio.sleep(self._follower.delay(0))
+                # GetLeadership moves off a replica that does not answer.
                 await self._follow_leader()
 
-    async def _begin_once(self, transfer_id: str, p_eng: Engine, d_eng: Engine) -> None:
+    async def _begin_once(
+        self, transfer_id: str, p_eng: Engine, d_eng: Engine, timeout_s: float | None = None
+    ) -> None:
         begin = asyncio.ensure_future(
             self._transfers.BeginTransfer(
                 pb.BeginTransferRequest(
@@ -402,7 +417,7 @@ class Router:
                     prefill_engine_id=p_eng.engine_id,
                     decode_engine_id=d_eng.engine_id,
                 ),
-                timeout=self.settings.connect_timeout_s,
+                timeout=timeout_s or self.settings.connect_timeout_s,
             )
         )
         try:
