@@ -138,11 +138,14 @@ class InFlight:
                 self.open_orders.close(rec)
         if state is not State.COMPLETE or reason is not Reason.NONE:
             effects += self.notify(t)  # a clean COMPLETE is known to every rank already
+        if not t.write_may_land:
+            t.compact()  # retained for status only from here on
         return effects
 
     def released(self, t: Transfer) -> list[Effect]:
         """A terminal transfer's last WRITE may no longer land: both engines are told."""
         t.mark("released", self._clock.wall())
+        t.compact()
         return [TransferChanged(t.transfer_id), *self.notify(t)]
 
     def notify(self, t: Transfer) -> list[Effect]:

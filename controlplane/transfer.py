@@ -13,10 +13,15 @@ from controlplane.domain import (
     Reason,
     State,
     TransferId,
+    WriteTarget,
 )
 
 _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
 _NO_RANKS: frozenset[int] = frozenset()
+# A compacted order's targets (Transfer.compact): one shared target with no
+# blocks. Not empty, so that `arrived_ranks` still tells a rank that had
+# targets from one that never had any.
+SETTLED_TARGETS: tuple[WriteTarget, ...] = (WriteTarget(EngineId(""), -1, "", (), (), 0),)
 
 
 # The records below write their own __init__ (init=False): a dataclass-made
@@ -188,6 +193,18 @@ class Transfer:
             return heard
         start = self.timeline[0][1] if self.timeline else heard
         return min(max(reported, start), heard)
+
+    def compact(self) -> None:
+        """Once the transfer is terminal and no WRITE may land, its orders are
+        never sent, replayed or adopted again: drop their targets (a
+        WriteTarget and a tuple per rank: two of the five objects each rank
+        of a retained transfer holds for a full GC pass, gcpolicy.py). What
+        status shows of each rank (order id, state, detail, posts, arrival)
+        stays, and a late report still finds its order by id."""
+        for rec in self.orders.values():
+            o = rec.order
+            if o.targets and o.targets is not SETTLED_TARGETS:
+                rec.order = o._replace(targets=SETTLED_TARGETS)
 
     def mark(self, stage: str, wall: float, rank: int = -1) -> None:
         self.timeline.append((stage, wall, rank))

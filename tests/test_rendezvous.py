@@ -475,3 +475,69 @@ def test_prefill_finished_is_recorded_at_the_engines_time_once() -> None:
     assert [s for s, _, _ in t.timeline].count("prefill_finished") == 1
     t2, _ = rv.prefill_done("u", P, [[3]], 10)  # 0: not sent (an older connector)
     assert "prefill_finished" not in [s for s, _, _ in t2.timeline]
+
+
+def test_a_settled_transfer_drops_its_targets_and_keeps_its_status() -> None:
+    """Once a transfer is terminal and no WRITE may land, its orders lose
+    their targets (Transfer.compact: fewer objects per retained transfer for
+    a full GC pass). Not before: a WRITE still in flight keeps its order
+    whole. Status shows the same ranks after, and a late report still finds
+    its order (a duplicate, ignored)."""
+    from controlplane.convert import transfer_to_pb
+    from controlplane.transfer import SETTLED_TARGETS
+
+    def ranks(t: Transfer) -> list[tuple[int, str, int, bool, str]]:
+        return [
+            (r.prefill_rank, r.order_id, r.state, r.arrived, r.detail)
+            for r in transfer_to_pb(t, deadline_wall=0.0).ranks
+        ]
+
+    rv, _ = core(tp=2)
+    rv.register_decode("t", D, [[5, 6]], 20)
+    t, effects = rv.prefill_done("t", P, [[1, 2]], 20)
+    o0, o1 = orders(effects)
+    finish(rv, o0)  # rank 0 written and counted
+    rv.write_report(o1.to, "i1", o1.order.order_id, "t", WriteStatus.POSTED)
+    rv.cancel("t", "test")
+    assert state_of(t) is State.CANCELLED and may_land(t)  # rank 1's WRITE may land
+    assert all(
+        rec.order.targets and rec.order.targets is not SETTLED_TARGETS for rec in t.orders.values()
+    )
+    before = ranks(t)
+
+    rv.write_report(o1.to, "i1", o1.order.order_id, "t", WriteStatus.FAILED, "cancelled")
+    assert not may_land(t)
+    assert all(rec.order.targets is SETTLED_TARGETS for rec in t.orders.values())
+    after = ranks(t)
+    assert [r[:2] + r[3:4] for r in after] == [r[:2] + r[3:4] for r in before]
+    assert after[0][3] and not after[1][3]  # rank 0 arrived, rank 1 did not
+    assert t.outstanding_ranks() == [1]
+    assert rv.write_report(o1.to, "i1", o1.order.order_id, "t", WriteStatus.DONE) == []
+
+    # A clean COMPLETE is compacted at once.
+    rv.register_decode("u", D, [[7, 8]], 20)
+    u, effects = rv.prefill_done("u", P, [[3, 4]], 20)
+    for o in orders(effects):
+        finish(rv, o)
+    assert state_of(u) is State.COMPLETE
+    assert all(rec.order.targets is SETTLED_TARGETS for rec in u.orders.values())
+    assert [r[3] for r in ranks(u)] == [True, True]
+
+
+def test_compaction_keeps_a_rank_with_nothing_to_write_apart() -> None:
+    """A rank whose order never had a target (its heads written by another
+    replica) counts as arrived; a compacted rank with targets still needs its
+    arrival counted."""
+    from controlplane.domain import Order, OrderId, TransferId, WriteTarget
+    from controlplane.transfer import OrderRecord
+
+    t = Transfer(TransferId("t"), State.FAILED, 0.0, 0.0, 60.0, 0.0)
+    tgt = WriteTarget(D, 0, "i1", ((1,),), ((5,),), 1)
+    for rank, targets in ((0, (tgt,)), (1, ())):
+        o = Order(OrderId(f"o{rank}"), TransferId("t"), P, rank, "i1", targets, 0.0, 16)
+        t.orders[rank] = OrderRecord(o, AgentKey(P, rank), RankState.FAILED)
+    t.expected = {0: frozenset({0})}
+    assert t.arrived_ranks() == {1}
+    t.compact()
+    assert t.orders[1].order.targets == () and t.orders[0].order.targets
+    assert t.arrived_ranks() == {1} and t.outstanding_ranks() == [0, 1]
