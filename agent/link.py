@@ -87,30 +87,43 @@ SNAPSHOT_WAIT_S = 5.0
 HELLO_HELD_BYTES = 1 << 20
 # How often the watchdog looks at the stream (its detection's granularity).
 WATCH_S = 0.1
+# A stream not answered yet (the hello's welcome) gets this many limits: a
+# leader busy welcoming a whole cluster after a failover must not be left,
+# and dialed again, by every agent at once (a storm that would keep it busy).
+UNANSWERED_LIMITS = 4
 
 
 class SilenceWatch:
     """When the coordinator last said anything on the current stream.
 
     A live coordinator answers each heartbeat (one per heartbeat interval,
-    shorter than the lease), and a hello within that too. A stream silent for
+    shorter than the lease). A stream it answered and then left silent for
     `limit_s` is `overdue`: its coordinator is frozen, cut off, or gone
-    without a reset. The link thread marks; the watchdog thread reads."""
+    without a reset (one never answered: UNANSWERED_LIMITS times that). The
+    link thread marks; the watchdog thread reads."""
 
     def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit_s = limit_s
         self._clock = clock
         self._heard = clock()
+        self._answered = False
+
+    def started(self) -> None:
+        """A new stream: nothing answered on it yet."""
+        self._heard, self._answered = self._clock(), False
 
     def heard(self) -> None:
-        """A message came (or a stream starts: its hello has the limit to be answered)."""
-        self._heard = self._clock()
+        """A message came."""
+        self._heard, self._answered = self._clock(), True
 
     def silent_for(self) -> float:
         return self._clock() - self._heard
 
+    def limit(self) -> float:
+        return self.limit_s if self._answered else UNANSWERED_LIMITS * self.limit_s
+
     def overdue(self) -> bool:
-        return self.silent_for() > self.limit_s
+        return self.silent_for() > self.limit()
 
 
 def held_entries(
@@ -371,15 +384,15 @@ class CoordinatorLink:
                 continue
             self.silenced += 1
             log.warning(
-                "coordinator %s said nothing for %.1f s (the lease is %.1f s): "
+                "coordinator %s said nothing for %.1f s (the limit is %.1f s): "
                 "taking it as gone, trying %s",
                 self._follower.current,
                 self._silence.silent_for(),
-                self._silence.limit_s,
+                self._silence.limit(),
                 "another" if self._follower.several else "it again",
             )
             call.cancel()
-            self._silence.heard()  # once per stream: the link thread ends it now
+            self._silence.started()  # once per stream: the link thread ends it now
 
     def _run(self) -> None:
         delay = self._backoff[0]
@@ -452,7 +465,7 @@ class CoordinatorLink:
             self._hello.held.extend(entries)
         stub = pbg.AgentServiceStub(channel)
         done = threading.Event()
-        self._silence.heard()  # the hello's welcome is due within the limit too
+        self._silence.started()  # the hello's welcome is due within its limit too
         call: Any = stub.AgentStream(self._requests(done))
         self._call = call
         try:

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-spread-s", type=float, default=1.0, help="ranks start within this")
     p.add_argument("--deadline-s", type=float, default=60.0, help="bound of every wait")
     p.add_argument(
+        "--failure",
+        choices=("kill", "freeze"),
+        default="kill",
+        help="how the leader fails: kill -9, or freeze (SIGSTOP: its connections stay "
+        "open and silent, so the agents leave it after a lease of silence; it is "
+        "thawed once they followed, and must exit without ordering)",
+    )
+    p.add_argument(
         "--relay",
         action="store_true",
         help="each engine's ranks reach the coordinators through one node relay "
@@ -186,12 +194,18 @@ def summary(res: Result, hosts: int) -> list[str]:
                 "estimated from histogram buckets)"
             )
     out.append(f"  leader RSS after the load {res.loaded_rss_mib:.0f} MiB")
+    how = "kill -9" if fo.how == "kill" else "SIGSTOP (frozen)"
     out.append(
-        f"  kill -9 of the leader {fo.old}: {fo.new} led after {fo.failover_s:.3f} s; "
+        f"  {how} of the leader {fo.old}: {fo.new} led after {fo.failover_s:.3f} s; "
         f"{fo.followed}/{res.agents} agents registered with it, the last after "
         f"{fo.followed_s:.3f} s (median {fo.follow_p50_s:.3f} s); {fo.hellos} streams "
         f"opened meanwhile, {fo.refused} refused or failed (jittered backoff)"
     )
+    if fo.how == "freeze":
+        out.append(
+            f"  frozen leader: {fo.silenced} agent streams left for its silence; thawed, "
+            f"it exited with status {fo.old_exit} (3: its leadership was lost)"
+        )
     if res.relay:
         out.append(
             f"  relay: {res.node_streams} NodeStreams, {res.up_messages} NodeUp messages for "

@@ -106,6 +106,9 @@ class Stats:
     node_streams: int = 0  # --relay: NodeStreams the Upstreams opened
     up_messages: int = 0  # --relay: NodeUp messages they sent (carrying the writes)
     relayed_submits: int = 0  # --relay: Submits they carried
+    # Streams a rank left for the coordinator's silence (--relay: NodeStreams
+    # an Upstream ended for it, relay/upstream.py).
+    silenced: int = 0
 
 
 def grpc_eof() -> Any:
@@ -116,6 +119,12 @@ def grpc_eof() -> Any:
 
 UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE's code
 RELAY_HELLO_WAIT_S = 10.0  # relay/server.py RelaySettings.hello_wait_s
+# agent/link.py's silence rule: a stream the coordinator said nothing on for
+# a lease (the welcome's, at least two heartbeat intervals; the agents'
+# default before one) is left; checked this often by the host's watchdog.
+SILENCE_S = 5.0
+WATCH_S = 0.1
+UNANSWERED_LIMITS = 4  # a stream not welcomed yet gets this many limits
 
 
 class ChannelEnded(Exception):
@@ -208,6 +217,14 @@ class Rank:
         self.welcomed_by = ""  # the address that sent it
         self.registered = False
         self.hb_interval_s = 1.0
+        # The silence rule (direct streams; a relay's Upstream has its own):
+        # the current call, when it last said anything, its limit, and
+        # whether the watchdog cancelled it.
+        self.call: Any = None
+        self.welcomed_on_call = False
+        self.heard = 0.0
+        self.silence_s = SILENCE_S
+        self.silenced = False
 
     def put(self, msgs: list[Any]) -> None:
         if self.registered:  # reports for a dead stream are dropped, as no WRITE ran
@@ -231,19 +248,27 @@ class Rank:
                     self.peer = self.follower.current
                     await self._session(StreamCall(pbg.AgentServiceStub(channel).AgentStream))
                 delay = BACKOFF_MIN_S
+            except asyncio.CancelledError:
+                if not self.silenced:  # the task itself is cancelled
+                    raise
             except grpc.aio.AioRpcError as exc:
                 self.host.stats.refused += 1
                 # To the leader a standby named (backoff to its minimum, unless it
                 # is the address that just failed), else the next.
-                if self.follower.follow(exc):
+                if not self.silenced and self.follower.follow(exc):
                     delay = BACKOFF_MIN_S
                 delay = min(delay, self.follower.retry_cap(delay))
             except ChannelEnded:
                 self.host.stats.refused += 1  # the Upstream follows the leader itself
             finally:
                 self.registered = False
+                self.call = None
                 if channel is not None:
                     await channel.close()
+            if self.silenced:  # as the link after its watchdog's cancel: the next address
+                self.silenced = False
+                self.host.stats.silenced += 1
+                self.follower.follow()
             await asyncio.sleep(delay * (0.5 + rng.random()))  # jitter spreads reconnects
             delay = min(delay * 2, self.follower.retry_cap(BACKOFF_MAX_S))
 
@@ -288,6 +313,9 @@ class Rank:
 
         stats.hellos += 1
         stats.writes += 1
+        self.heard = time.monotonic()  # the welcome is due within the limit too
+        if self.upstream is None:
+            self.call, self.welcomed_on_call = call, False
         await call.write(pb.AgentMessage(hello=self.hello))
         tasks = [asyncio.create_task(writer()), asyncio.create_task(self._heartbeats(queue))]
         try:
@@ -314,7 +342,7 @@ class Rank:
         kind = msg.WhichOneof("kind")
         items = msg.batch.messages if kind == "batch" else (msg,)
         host.stats.received += len(items)
-        now = time.monotonic()
+        now = self.heard = time.monotonic()
         out: dict[Rank, list[Any]] = {}
         for m in items:
             k = m.WhichOneof("kind")
@@ -327,7 +355,10 @@ class Rank:
             elif k == "welcome":
                 w = m.welcome
                 self.hb_interval_s = w.heartbeat_interval_ms / 1000 or self.hb_interval_s
+                limit = max(w.lease_ms, 2 * w.heartbeat_interval_ms) / 1000
+                self.silence_s = limit or self.silence_s
                 self.welcomed_at, self.welcomed_by = now, self.peer
+                self.welcomed_on_call = True
                 self.follower.reached()
                 self.registered = True
         for rank, msgs in out.items():
@@ -391,6 +422,19 @@ class Host:
         return ordered, ends
 
 
+async def _watch_silence(host: Host) -> None:
+    """agent/link.py's watchdog for every rank of the host at once: cancel a
+    stream whose coordinator said nothing for its limit (the rank follows on)."""
+    while True:
+        await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
+        now = time.monotonic()
+        for r in host.ranks.values():
+            limit = r.silence_s * (1 if r.welcomed_on_call else UNANSWERED_LIMITS)
+            if r.call is not None and not r.silenced and now - r.heard > limit:
+                r.silenced = True
+                r.call.cancel()
+
+
 def host_main(conn: Connection, spec: HostSpec, cpus: set[int] | None) -> None:
     """Process entry: serve the controller's commands until "quit"."""
     pin(cpus)
@@ -425,6 +469,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         for r in range(spec.tp):
             host.ranks[(engine, r)] = Rank(host, engine, pb.ROLE_DECODE, r)
     tasks = [asyncio.create_task(r.run()) for r in host.ranks.values()]
+    if not spec.relay:
+        tasks.append(asyncio.create_task(_watch_silence(host)))
     client: dict[str, Any] = {}  # address -> (channel, TransferService stub)
     code_name = {c.value[0]: c.name for c in grpc.StatusCode}
 
@@ -553,6 +599,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
             host.stats.node_streams = sum(u.streams for u in host.upstreams.values())
             host.stats.up_messages = sum(u.up_messages for u in host.upstreams.values())
             host.stats.relayed_submits = sum(u.submits for u in host.upstreams.values())
+            if host.upstreams:  # the Upstreams apply the silence rule, not the ranks
+                host.stats.silenced = sum(u.silenced for u in host.upstreams.values())
             conn.send((sum(regs.values()), host.stats, dict(regs)))
         elif cmd[0] == "followed":  # (address, since): welcome times of the ranks there
             conn.send(host.followed(cmd[1], cmd[2]))

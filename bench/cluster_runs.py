@@ -69,6 +69,9 @@ class Failover:
     refused: int = 0  # ... of which ended in an error (refused by a standby or dead)
     old: str = ""
     new: str = ""
+    how: str = "kill"  # or "freeze" (--failure)
+    silenced: int = 0  # freeze: streams the ranks left for the old leader's silence
+    old_exit: int | None = None  # freeze: the old leader's exit status once thawed
 
 
 @dataclass
@@ -349,8 +352,9 @@ class ClusterBench:
         res.half = self.step("half", res.saturation.completed_per_s / 2, a.duration, "half-sat")
 
     def failover(self) -> Failover:
-        """kill -9 the leader; time until a standby leads and until every rank
-        registered with it."""
+        """kill -9 (or freeze, --failure) the leader; time until a standby leads
+        and until every rank registered with it. A frozen leader is thawed
+        after, and its exit status kept (3: it found its leadership lost)."""
         a = self.a
         old = self.leader
         assert old is not None
@@ -364,20 +368,32 @@ class ClusterBench:
         poll(agreed, "the standbys name the leader", a.deadline_s)
         before = self.stats()
         t_kill = time.monotonic()
-        old.kill()
-        new = self.find_leader(others)
-        fo = Failover(failover_s=time.monotonic() - t_kill, old=old.address, new=new.address)
-        self.leader = new
-        self.replicas.remove(old)
-        self.place()
-        times: list[float] = []
+        frozen = a.failure == "freeze"
+        old.freeze() if frozen else old.kill()
+        self.replicas.remove(old)  # no longer stopped with the others: below
+        try:
+            new = self.find_leader(others)
+            fo = Failover(failover_s=time.monotonic() - t_kill, old=old.address, new=new.address)
+            fo.how = a.failure
+            self.leader = new
+            self.place()
+            times: list[float] = []
 
-        def all_followed() -> bool:
-            times[:] = [t for part in self.ask("followed", new.address, t_kill) for t in part]
-            return len(times) >= want
+            def all_followed() -> bool:
+                times[:] = [t for part in self.ask("followed", new.address, t_kill) for t in part]
+                return len(times) >= want
 
-        with contextlib.suppress(TimeoutError):
-            poll(all_followed, f"{want} ranks registered with {new.address}", a.deadline_s)
+            with contextlib.suppress(TimeoutError):
+                poll(all_followed, f"{want} ranks registered with {new.address}", a.deadline_s)
+        finally:
+            if frozen:
+                old.thaw()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    assert old.proc is not None
+                    old.proc.wait(a.deadline_s)  # it finds its lease gone and exits
+            old.stop()
+        if frozen and old.proc is not None:
+            fo.old_exit = old.proc.returncode
         after = self.stats()
         fo.followed = len(times)
         if times:
@@ -387,6 +403,7 @@ class ClusterBench:
                 fo.followed_s = rel[-1]
         fo.hellos = sum(s.hellos for _, s, _ in after) - sum(s.hellos for _, s, _ in before)
         fo.refused = sum(s.refused for _, s, _ in after) - sum(s.refused for _, s, _ in before)
+        fo.silenced = sum(s.silenced for _, s, _ in after) - sum(s.silenced for _, s, _ in before)
         return fo
 
     def run(self) -> Result:

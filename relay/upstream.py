@@ -71,6 +71,9 @@ MAX_PENDING_SUBMITS = 1024
 # coordinator's default lease (controlplane/settings.py). How often it is checked.
 SILENCE_S = 5.0
 WATCH_S = 0.1
+# A stream not accepted yet gets this many limits (agent/link.py's rule): a
+# leader slow to accept after a failover is not dialed again by every relay.
+UNANSWERED_LIMITS = 4
 
 
 class CoordinatorSilent(Exception):
@@ -446,7 +449,8 @@ class Upstream:
 
     async def _watch(self, gen: Generation) -> None:
         """Raise CoordinatorSilent once the leader owed `gen` an answer for a
-        whole lease (before any welcome, `silence_s`) and said nothing."""
+        whole lease (before any welcome, `silence_s`; before it accepted the
+        stream, UNANSWERED_LIMITS times that) and said nothing."""
         loop = asyncio.get_running_loop()
         gen.heard = loop.time()
         while True:
@@ -456,10 +460,12 @@ class Upstream:
                 gen.heard = now  # idle: nothing is owed
                 continue
             limit = gen.limit_s or self._silence_s
+            if not gen.answered:
+                limit *= UNANSWERED_LIMITS
             if now - gen.heard > limit:
                 raise CoordinatorSilent(
                     f"coordinator {gen.address} said nothing for {now - gen.heard:.1f} s "
-                    f"(the lease is {limit:g} s): taking it as gone"
+                    f"(the limit is {limit:g} s): taking it as gone"
                 )
 
     async def _read(self, call: Any, gen: Generation) -> None:

@@ -128,6 +128,38 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
     assert FINAL.match(final_line(res)), final_line(res)
 
 
+@pytest.mark.faults
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "through-node-relays"])
+def test_small_cluster_follows_a_frozen_leader(relay: bool) -> None:
+    """`--failure freeze`: the leader is stopped with SIGSTOP, its connections
+    open and silent. Every agent (or, with `--relay`, every NodeStream) leaves
+    it after a lease of silence (agent/link.py's rule, relay/upstream.py's)
+    and re-registers with the new leader; thawed, the old one exits 3."""
+    require_etcd()
+    args = build_parser().parse_args(
+        [
+            *("--engines", "4", "--tp", "4", "--hosts", "1", "--failure", "freeze"),
+            *(("--relay",) if relay else ()),
+            *("--lease-s", "4", "--max-steps", "0", "--idle-s", "0.5", "--deadline-s", "60"),
+        ]
+    )
+    bench = ClusterBench(args, row)
+    try:
+        res = bench.run()
+    finally:
+        bench.stop()
+    text = "\n".join([*summary(res, args.hosts), final_line(res)])
+    print(text)
+    fo = res.failover
+    assert fo.how == "freeze" and fo.new and fo.new != fo.old, text
+    assert fo.followed == res.agents == 16, text
+    # Each of the 16 ranks' streams (with --relay: each of the 4 engines'
+    # NodeStreams) was left for the silence, none kept waiting on it.
+    assert fo.silenced >= (4 if relay else 16), text
+    assert fo.old_exit == 3, text
+    assert any(line.startswith("  frozen leader: ") for line in text.splitlines()), text
+
+
 def test_on_a_three_member_etcd_agents_follow_a_new_leader_after_kill_9() -> None:
     """`--etcd-members 3`: the replicas get all three members' URLs; the
     election and the failover run through a real three-member etcd."""
