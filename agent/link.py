@@ -20,7 +20,7 @@ A coordinator that says nothing for a whole lease is taken as gone, whatever
 its connection says: a frozen or cut-off process keeps its sockets open and
 silent, and a blocked read would wait on it for ever. The link's watchdog
 thread then cancels the stream and the link dials the next address
-(`SilenceWatch`).
+(`wire/silence.py`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 from agent.snapshot import HeldItem
 from wire.codes import PERMANENT
 from wire.leader import LeaderFollower
+from wire.silence import WATCH_S, SilenceWatch
 
 log = logging.getLogger("pushkv.agent")
 
@@ -85,45 +86,6 @@ SNAPSHOT_WAIT_S = 5.0
 # be refused at every reconnect. Those left out are not adopted: their
 # resubmissions fail cleanly once the new leader's rebuild window ends.
 HELLO_HELD_BYTES = 1 << 20
-# How often the watchdog looks at the stream (its detection's granularity).
-WATCH_S = 0.1
-# A stream not answered yet (the hello's welcome) gets this many limits: a
-# leader busy welcoming a whole cluster after a failover must not be left,
-# and dialed again, by every agent at once (a storm that would keep it busy).
-UNANSWERED_LIMITS = 4
-
-
-class SilenceWatch:
-    """When the coordinator last said anything on the current stream.
-
-    A live coordinator answers each heartbeat (one per heartbeat interval,
-    shorter than the lease). A stream it answered and then left silent for
-    `limit_s` is `overdue`: its coordinator is frozen, cut off, or gone
-    without a reset (one never answered: UNANSWERED_LIMITS times that). The
-    link thread marks; the watchdog thread reads."""
-
-    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limit_s = limit_s
-        self._clock = clock
-        self._heard = clock()
-        self._answered = False
-
-    def started(self) -> None:
-        """A new stream: nothing answered on it yet."""
-        self._heard, self._answered = self._clock(), False
-
-    def heard(self) -> None:
-        """A message came."""
-        self._heard, self._answered = self._clock(), True
-
-    def silent_for(self) -> float:
-        return self._clock() - self._heard
-
-    def limit(self) -> float:
-        return self.limit_s if self._answered else UNANSWERED_LIMITS * self.limit_s
-
-    def overdue(self) -> bool:
-        return self.silent_for() > self.limit()
 
 
 def held_entries(
@@ -568,8 +530,7 @@ class CoordinatorLink:
                 self._deliver(TermMsg(w.term))
             self._lease_s = w.lease_ms / 1000 or self._lease_s
             self._hb_interval_s = w.heartbeat_interval_ms / 1000 or self._hb_interval_s
-            # A heartbeat's answer is due each interval: a gap of two is no silence.
-            self._silence.limit_s = max(self._lease_s, 2 * self._hb_interval_s)
+            self._silence.told(w.lease_ms, w.heartbeat_interval_ms)
             lapsed = 0 < self._lease_until <= time.monotonic()  # the last welcome's lease
             self._lease_until = self._hello_sent + self._lease_s
             self.fatal_error = ""

@@ -53,6 +53,7 @@ from bench.coordinator_workload import decode_request as _decode_request
 from bench.coordinator_workload import prefill_request as _prefill_request
 from wire.event_loop import sample_loop_lag
 from wire.leader import LeaderFollower
+from wire.silence import WATCH_S, SilenceWatch
 
 if TYPE_CHECKING:
     from relay.upstream import Channel, Upstream
@@ -119,12 +120,6 @@ def grpc_eof() -> Any:
 
 UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE's code
 RELAY_HELLO_WAIT_S = 10.0  # relay/server.py RelaySettings.hello_wait_s
-# agent/link.py's silence rule: a stream the coordinator said nothing on for
-# a lease (the welcome's, at least two heartbeat intervals; the agents'
-# default before one) is left; checked this often by the host's watchdog.
-SILENCE_S = 5.0
-WATCH_S = 0.1
-UNANSWERED_LIMITS = 4  # a stream not welcomed yet gets this many limits
 
 
 class ChannelEnded(Exception):
@@ -217,13 +212,11 @@ class Rank:
         self.welcomed_by = ""  # the address that sent it
         self.registered = False
         self.hb_interval_s = 1.0
-        # The silence rule (direct streams; a relay's Upstream has its own):
-        # the current call, when it last said anything, its limit, and
-        # whether the watchdog cancelled it.
+        # The link's silence rule (wire/silence.py; direct streams, a relay's
+        # Upstream has its own): the current call, its watch, and whether the
+        # host's watchdog cancelled it.
         self.call: Any = None
-        self.welcomed_on_call = False
-        self.heard = 0.0
-        self.silence_s = SILENCE_S
+        self.silence = SilenceWatch()
         self.silenced = False
 
     def put(self, msgs: list[Any]) -> None:
@@ -313,9 +306,9 @@ class Rank:
 
         stats.hellos += 1
         stats.writes += 1
-        self.heard = time.monotonic()  # the welcome is due within the limit too
+        self.silence.started()  # the welcome is due within its limit too
         if self.upstream is None:
-            self.call, self.welcomed_on_call = call, False
+            self.call = call
         await call.write(pb.AgentMessage(hello=self.hello))
         tasks = [asyncio.create_task(writer()), asyncio.create_task(self._heartbeats(queue))]
         try:
@@ -342,7 +335,8 @@ class Rank:
         kind = msg.WhichOneof("kind")
         items = msg.batch.messages if kind == "batch" else (msg,)
         host.stats.received += len(items)
-        now = self.heard = time.monotonic()
+        now = time.monotonic()
+        self.silence.heard()
         out: dict[Rank, list[Any]] = {}
         for m in items:
             k = m.WhichOneof("kind")
@@ -355,10 +349,8 @@ class Rank:
             elif k == "welcome":
                 w = m.welcome
                 self.hb_interval_s = w.heartbeat_interval_ms / 1000 or self.hb_interval_s
-                limit = max(w.lease_ms, 2 * w.heartbeat_interval_ms) / 1000
-                self.silence_s = limit or self.silence_s
+                self.silence.told(w.lease_ms, w.heartbeat_interval_ms)
                 self.welcomed_at, self.welcomed_by = now, self.peer
-                self.welcomed_on_call = True
                 self.follower.reached()
                 self.registered = True
         for rank, msgs in out.items():
@@ -427,10 +419,8 @@ async def _watch_silence(host: Host) -> None:
     stream whose coordinator said nothing for its limit (the rank follows on)."""
     while True:
         await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
-        now = time.monotonic()
         for r in host.ranks.values():
-            limit = r.silence_s * (1 if r.welcomed_on_call else UNANSWERED_LIMITS)
-            if r.call is not None and not r.silenced and now - r.heard > limit:
+            if r.call is not None and not r.silenced and r.silence.overdue():
                 r.silenced = True
                 r.call.cancel()
 

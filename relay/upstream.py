@@ -40,6 +40,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from wire.batching import Batcher
 from wire.leader import LeaderFollower
+from wire.silence import DEFAULT_LIMIT_S, WATCH_S, SilenceWatch
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.relay")
@@ -67,13 +68,6 @@ RELAY_BACKOFF_MAX_S = 0.5
 HEARTBEAT_HOLD_S = 0.25
 # Relayed Submits waiting for their answers, per stream: more are refused.
 MAX_PENDING_SUBMITS = 1024
-# Silence that ends a stream before any welcome told the lease: the
-# coordinator's default lease (controlplane/settings.py). How often it is checked.
-SILENCE_S = 5.0
-WATCH_S = 0.1
-# A stream not accepted yet gets this many limits (agent/link.py's rule): a
-# leader slow to accept after a failover is not dialed again by every relay.
-UNANSWERED_LIMITS = 4
 
 
 class CoordinatorSilent(Exception):
@@ -148,11 +142,9 @@ class Generation:
     submits: int = 0  # relayed Submits sent on it
     pending: dict[int, asyncio.Future[pb.RelayedSubmitReply]] = field(default_factory=dict)
     _flusher: asyncio.TimerHandle | None = None
-    # When the leader last said anything (loop time; idle time counts as
-    # heard), and the silence that ends the stream, from the lease and
-    # heartbeat interval its welcomes told (0: none yet).
-    heard: float = 0.0
-    limit_s: float = 0.0
+    # When the leader last said anything (idle time counts as heard), and
+    # the limit its welcomes told (wire/silence.py).
+    silence: SilenceWatch = field(default_factory=SilenceWatch)
 
     def waits(self) -> bool:
         """Whether the leader owes an answer: to the stream itself, to a
@@ -197,8 +189,7 @@ class Generation:
         elif not ch.welcomed and item.message.WhichOneof("kind") == "welcome":
             ch.welcomed = True
             w = item.message.welcome
-            # A heartbeat's answer is due each interval: a gap of two is no silence.
-            self.limit_s = max(w.lease_ms, 2 * w.heartbeat_interval_ms) / 1000 or self.limit_s
+            self.silence.told(w.lease_ms, w.heartbeat_interval_ms)
         try:
             ch.down.put_nowait(item)
         except asyncio.QueueFull:
@@ -258,7 +249,7 @@ class Upstream:
         backoff_min_s: float = 0.05,
         backoff_max_s: float = RELAY_BACKOFF_MAX_S,
         max_message_bytes: int = 4 << 20,
-        silence_s: float = SILENCE_S,
+        silence_s: float = DEFAULT_LIMIT_S,  # before any welcome told the lease
     ) -> None:
         self._follower = LeaderFollower(coordinators)
         self._silence_s = silence_s
@@ -405,6 +396,7 @@ class Upstream:
         """One NodeStream, until it ends or `stop`: whether the coordinator
         answered on it, and the error that ended it (None: it closed)."""
         gen = Generation(address)
+        gen.silence.limit_s = self._silence_s
         channel = aio_channel(address, self._tls, self._options)
         call: Any = pbg.AgentServiceStub(channel).NodeStream(self._count(gen.items()))
         self.streams += 1
@@ -451,27 +443,22 @@ class Upstream:
         """Raise CoordinatorSilent once the leader owed `gen` an answer for a
         whole lease (before any welcome, `silence_s`; before it accepted the
         stream, UNANSWERED_LIMITS times that) and said nothing."""
-        loop = asyncio.get_running_loop()
-        gen.heard = loop.time()
+        watch = gen.silence
+        watch.started()
         while True:
             await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
-            now = loop.time()
             if not gen.waits():
-                gen.heard = now  # idle: nothing is owed
+                watch.heard()  # idle (so already answered): nothing is owed
                 continue
-            limit = gen.limit_s or self._silence_s
-            if not gen.answered:
-                limit *= UNANSWERED_LIMITS
-            if now - gen.heard > limit:
+            if watch.overdue():
                 raise CoordinatorSilent(
-                    f"coordinator {gen.address} said nothing for {now - gen.heard:.1f} s "
-                    f"(the limit is {limit:g} s): taking it as gone"
+                    f"coordinator {gen.address} said nothing for {watch.silent_for():.1f} s "
+                    f"(the limit is {watch.limit():g} s): taking it as gone"
                 )
 
     async def _read(self, call: Any, gen: Generation) -> None:
-        loop = asyncio.get_running_loop()
         async for down in call:
-            gen.heard = loop.time()
+            gen.silence.heard()
             if not gen.answered:
                 gen.answered = True
                 gen.takes_submit = down.takes_submit

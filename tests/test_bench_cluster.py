@@ -7,6 +7,7 @@ no figure is asserted."""
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import re
@@ -65,6 +66,18 @@ def test_final_line_format() -> None:
     assert line.startswith("agents=1000 rendezvous_per_s=95 ")
 
 
+def run_cluster(args: argparse.Namespace) -> tuple[Result, str]:
+    """One bench run, stopped after; its result and its printed summary."""
+    bench = ClusterBench(args, row)
+    try:
+        res = bench.run()
+    finally:
+        bench.stop()
+    text = "\n".join([*summary(res, args.hosts), final_line(res)])
+    print(text)
+    return res, text
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("relay", [False, True], ids=["direct", "through-node-relays"])
 def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
@@ -83,13 +96,7 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
             *("--duration", "1", "--idle-s", "0.5", "--drain-s", "20", "--deadline-s", "60"),
         ]
     )
-    bench = ClusterBench(args, row)
-    try:
-        res = bench.run()
-    finally:
-        bench.stop()
-    text = "\n".join([*summary(res, args.hosts), final_line(res)])
-    print(text)
+    res, text = run_cluster(args)
     fo = res.failover
     assert res.agents == 64 and res.relay == relay
     # Every agent re-registered with the new leader after the kill -9.
@@ -143,13 +150,7 @@ def test_small_cluster_follows_a_frozen_leader(relay: bool) -> None:
             *("--lease-s", "4", "--max-steps", "0", "--idle-s", "0.5", "--deadline-s", "60"),
         ]
     )
-    bench = ClusterBench(args, row)
-    try:
-        res = bench.run()
-    finally:
-        bench.stop()
-    text = "\n".join([*summary(res, args.hosts), final_line(res)])
-    print(text)
+    res, text = run_cluster(args)
     fo = res.failover
     assert fo.how == "freeze" and fo.new and fo.new != fo.old, text
     assert fo.followed == res.agents == 16, text
