@@ -67,7 +67,7 @@ from agent.write_plan import (
 
 __all__ = ["DEFAULT_UCX_PARAMS", "NixlEndpoint", "quiet_nixl_env"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("pushkv.agent.nixl")
 
 #: UCX backend parameters used unless the caller overrides them.  Error mode
 #: "none" lets a WRITE carrying a notification complete on the initiator's

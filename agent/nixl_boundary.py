@@ -29,7 +29,7 @@ __all__ = [
     "translate",
 ]
 
-_log = logging.getLogger("agent.nixl_adapter")
+_log = logging.getLogger("pushkv.agent.nixl")
 
 REASON_BY_EXC_NAME: Final[Mapping[str, FailureReason]] = {
     "nixlRemoteDisconnectError": FailureReason.PEER_DISCONNECTED,

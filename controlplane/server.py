@@ -38,7 +38,7 @@ from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
 from wire.event_loop import event_loop_name
 from wire.port_file import write_port_file
-from wire.tls import TLSFiles
+from wire.tls import SERVER_PING_OPTIONS, TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -143,9 +143,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     opts = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *SERVER_PING_OPTIONS,
     ]
     authz = Authorizer(tls_enabled=settings.tls.enabled)
     # With --etcd a replica starts as a standby: nothing is written before it is elected.

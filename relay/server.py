@@ -34,7 +34,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from relay.upstream import CODES, Channel, RelayError, Upstream
 from wire.event_loop import event_loop_name
 from wire.port_file import write_port_file
-from wire.tls import TLSFiles
+from wire.tls import SERVER_PING_OPTIONS, TLSFiles
 
 log = logging.getLogger("pushkv.relay")
 
@@ -209,6 +209,11 @@ class Relay:
         opts = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            *SERVER_PING_OPTIONS,
+            # Its clients are this node's own ranks: no ping of theirs ends
+            # their streams (gRPC's BDP pings have drawn "too_many_pings"
+            # from servers at their defaults, grpc/grpc-java#5188).
+            ("grpc.http2.max_ping_strikes", 0),
         ]
         self._server = grpc.aio.server(options=opts)
         pbg.add_AgentServiceServicer_to_server(

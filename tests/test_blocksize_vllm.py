@@ -104,7 +104,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
 
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
     why = serving.why_not_loaded(
-        pair.coord.address, set(), pair.prefill.log_tail(400), pair.decode.log_tail(400)
+        pair.coord.address, set(), pair.prefill.log_text(), pair.decode.log_text()
     )
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     assert loaded == sum(len(p) for p in PROMPTS), f"decode recomputed instead of loading:\n{why}"

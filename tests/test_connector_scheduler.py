@@ -623,6 +623,15 @@ def test_an_unknown_on_transfer_failure_is_refused() -> None:
         )
 
 
+def test_a_log_level_logging_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match="log_level 'LOUD' is not one of"):
+        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "log_level": "LOUD"})
+    quiet = ConnectorSettings.from_extra_config(
+        {"coordinator": "127.0.0.1:1", "log_level": "warning"}
+    )
+    assert quiet.log_level == "WARNING"
+
+
 async def test_failed_load_with_recompute_policy_recomputes_without_registering_again(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
 ) -> None:

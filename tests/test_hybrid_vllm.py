@@ -201,7 +201,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
 
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
     why = serving.why_not_loaded(
-        pair.coord.address, set(), pair.prefill.log_tail(400), pair.decode.log_tail(400)
+        pair.coord.address, set(), pair.prefill.log_text(), pair.decode.log_text()
     )
     # HMA on, prompts at a window edge (here 127, 255, 383 and 511 tokens) are
     # computed by decode; every other prompt's KV is loaded.

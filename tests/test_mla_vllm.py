@@ -256,7 +256,7 @@ def burst(pair: Pair, reference: Reference) -> Burst:
         ]
     listed = serving.settled(pair.coord.address, len(prompts), earlier)
     why = serving.why_not_loaded(
-        pair.coord.address, earlier, pair.prefill.log_tail(400), pair.decode.log_tail(400)
+        pair.coord.address, earlier, pair.prefill.log_text(), pair.decode.log_text()
     )
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     return Burst(outputs, listed, loaded, why)

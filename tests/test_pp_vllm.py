@@ -166,7 +166,7 @@ def test_pp2_prefill_into_tp1_decode(pair: Pair, reference: list[str]) -> None:
 
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
     why = serving.why_not_loaded(
-        pair.coord.address, set(), pair.prefill.log_tail(400), pair.decode.log_tail(400)
+        pair.coord.address, set(), pair.prefill.log_text(), pair.decode.log_text()
     )
     edge = [len(p) for p in PROMPTS if c.hybrid and window_edge(len(p))]
     loaded = serving.external_tokens(pair.decode.metrics()) - before

@@ -13,6 +13,7 @@ reference engine is stopped once its outputs are computed."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,19 @@ def test_engines_register_every_rank(tp2_cluster: Cluster) -> None:
         assert relay["prefill-tp2"] != relay["decode-tp2"]
 
 
+def test_each_worker_rank_logs_in_the_engine_log(tp2_cluster: Cluster) -> None:
+    """pushkv's lines reach vLLM's log in its format, named by their logger
+    (vllm_integration/logs.py): each worker rank's agent says it is ready."""
+    c = tp2_cluster
+    for server, engine in ((c.prefill, "prefill-tp2"), (c.decode, "decode-tp2")):
+        text = server.log_text()
+        for rank in (0, 1):
+            source = r"\[pushkv\.connector worker\.py:\d+\]"
+            process = rf"\(Worker_TP{rank} pid=\d+\)"
+            line = rf"{process} INFO \S+ \S+ {source} pushkv agent {engine}-r{rank}-"
+            assert re.search(line, text), f"no ready line of {engine} rank {rank}"
+
+
 def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
     c = tp2_cluster
     before = serving.external_tokens(c.decode.metrics())
@@ -128,7 +142,12 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
 
     listed = serving.settled(c.coord.address, len(PROMPTS), earlier)
     why = serving.why_not_loaded(
-        c.coord.address, earlier, c.prefill.log_tail(400), c.decode.log_tail(400)
+        c.coord.address,
+        earlier,
+        c.prefill.log_text(),
+        c.decode.log_text(),
+        *(r.log_text() for r in c.relays),
+        c.coord.log_text(),
     )
     loaded = serving.external_tokens(c.decode.metrics()) - before
     assert loaded == sum(len(p) for p in PROMPTS), f"decode recomputed instead of loading:\n{why}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_integration import compat, kv_checks
+from vllm_integration import compat, kv_checks, logs
 from vllm_integration.compat import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -37,6 +37,7 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(tc.kv_connector_extra_config)
+        logs.route_to_engine_log(self.settings.log_level)
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(
                 f"PushKVConnector needs kv_role kv_producer (prefill) or kv_consumer "

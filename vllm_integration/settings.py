@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_integration.logs import check_level
 from wire.tls import TLSFiles
 
 # on_transfer_failure values; each is also the vLLM kv_load_failure_policy it sets.
@@ -67,6 +68,11 @@ class ConnectorSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # The level of pushkv's lines in the engine's log (DEBUG, INFO, WARNING,
+    # ERROR); empty: vLLM's own (VLLM_LOGGING_LEVEL, INFO by default). Each
+    # line names its logger, e.g. [pushkv.agent link.py:N]
+    # (vllm_integration/logs.py). Unset under VLLM_CONFIGURE_LOGGING=0.
+    log_level: str = ""
 
     @property
     def tls(self) -> TLSFiles:
@@ -101,6 +107,11 @@ class ConnectorSettings:
                 "kv_connector_extra_config.on_transfer_failure: "
                 f"{out.on_transfer_failure!r} is not one of {list(FAILURE_POLICIES)}"
             )
+        if out.log_level:
+            try:
+                out = dataclasses.replace(out, log_level=check_level(out.log_level))
+            except ValueError as exc:
+                raise ValueError(f"kv_connector_extra_config.{exc}") from None
         if out.tls.enabled or out.tls_key:
             out.tls.check()
         return out

@@ -68,6 +68,18 @@ OPTIONS = (
 )
 
 
+# Every pushkv server (the coordinator, a node relay) pings an idle client
+# every 10 s, so a dead peer is found without waiting on TCP, and lets a
+# client ping it as often as every 5 s: gRPC's default allows one ping in
+# 5 minutes without data and answers more with a GOAWAY ("too_many_pings")
+# that ends every stream on the connection.
+SERVER_PING_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
 def channel(address: str, tls: TLSFiles | None = None) -> grpc.Channel:
     if tls is not None and tls.enabled:
         return grpc.secure_channel(address, tls.channel_credentials(), options=OPTIONS)

@@ -131,22 +131,35 @@ def settled(
 
 def why_not_loaded(coordinator: str, skip: set[str], *logs: str) -> str:
     """For an assertion message: how the transfers not in `skip` ended (state,
-    reason, per-rank states, timeline stages) and the pushkv lines of the
-    engines' logs, so that a run where decode recomputed says why."""
-    lines = []
+    reason, per-rank states, timeline stages), those that did not complete
+    first, then the pushkv, warning and error lines of the logs given (whole
+    logs: a link lost early is far from their tails), then the completed
+    transfers, so that a run where decode recomputed says why even where the
+    message is cut in the middle."""
+    failed: list[str] = []
+    complete: list[str] = []
     for t in transfers(coordinator):
         if t.transfer_id in skip:
             continue
         ranks = [(r.prefill_rank, pb.RankState.Name(r.state), r.arrived) for r in t.ranks]
         stages = [(e.stage, e.rank) for e in t.timeline]
-        lines.append(
+        line = (
             f"{t.transfer_id} {pb.TransferState.Name(t.state)} {pb.Reason.Name(t.reason)}"
             f" {t.detail!r} ranks={ranks} timeline={stages}"
         )
+        (complete if t.state == pb.TRANSFER_STATE_COMPLETE else failed).append(line)
+    lines = [f"{len(failed)} not complete, {len(complete)} complete", *failed]
     for text in logs:
-        picked = [ln for ln in text.splitlines() if "pushkv" in ln or "WARN" in ln]
-        lines.extend(picked[-30:])
+        picked = [ln for ln in text.splitlines() if any(w in ln for w in LOG_MARKS)]
+        lines.extend(picked[-40:])
+    lines.extend(complete)
     return "\n".join(lines)
+
+
+# The log lines why_not_loaded keeps: vLLM's warnings and errors, pushkv's
+# lines in an engine's log (vllm_integration/logs.py names the pushkv logger on
+# each), tracebacks, a relay's lines, and the coordinator's JSON warnings and errors.
+LOG_MARKS = ("pushkv", "WARN", "ERROR", "Traceback", "relay:", '"warning"', '"error"')
 
 
 def wait_no_blocks_held(*servers: VllmServer, timeout: float = 60.0) -> None:
