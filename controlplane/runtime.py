@@ -399,13 +399,16 @@ class Runtime:
         s.close()
         if self._sessions.get(s.key) is s:
             del self._sessions[s.key]
-            self.apply(
-                self.core.agent_disconnected(s.key, s.reg.incarnation, link_lost=s.link_lost)
-            )
-            log.info(
+            effects = self.core.agent_disconnected(s.key, s.reg.incarnation, link_lost=s.link_lost)
+            failed = len({e.transfer_id for e in effects if type(e) is TransferChanged})
+            self.apply(effects)
+            # A loss that failed transfers is a warning: an operator running at
+            # WARNING sees which agent's stream ended and what it cost.
+            (log.warning if failed else log.info)(
                 "agent_disconnected",
                 engine_id=s.key.engine_id,
                 rank=s.key.rank,
+                transfers_failed=failed,
                 **({"relay_lost": s.via} if s.link_lost else {}),
             )
 

@@ -7,6 +7,7 @@ coordinator, and a fresh transfer then succeeds. Lease: 2 s.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -136,6 +137,12 @@ def _failed(rig: Rig, tid: str) -> pb.TransferStatus:
     return t
 
 
+def _losses_logged(rig: Rig, engine: str) -> list[dict[str, object]]:
+    """The coordinator's agent_disconnected lines for `engine` (JSON, one a line)."""
+    lines = [json.loads(ln) for ln in rig.coord.log_text().splitlines() if ln.startswith("{")]
+    return [ln for ln in lines if ln["event"] == "agent_disconnected" and ln["engine_id"] == engine]
+
+
 def _released(rig: Rig, tid: str) -> None:
     # decode blocks come back only when no WRITE can land any more: the agent
     # tells KV_FAILED on the coordinator's write_may_land=false notice.
@@ -167,6 +174,10 @@ def test_prefill_killed_after_registration_before_done(rig: Rig) -> None:
     rig.register("f2")
     rig.p.kill()
     assert _failed(rig, "f2").reason == pb.REASON_AGENT_LOST
+    # Logged before the status showed it (one loop callback): a loss that
+    # failed a transfer is a warning that says how many.
+    [loss] = _losses_logged(rig, "P")
+    assert (loss["level"], loss["rank"], loss["transfers_failed"]) == ("warning", 0, 1)
     _released(rig, "f2")
     rig.replace("P")
     rig.healthy_transfer("f2-after")
