@@ -20,7 +20,9 @@ A coordinator that says nothing for a whole lease is taken as gone, whatever
 its connection says: a frozen or cut-off process keeps its sockets open and
 silent, and a blocked read would wait on it for ever. The link's watchdog
 thread then cancels the stream and the link dials the next address
-(`wire/silence.py`).
+(`wire/silence.py`). A hello left unanswered for a lease, with several
+replicas, makes the watchdog ask another replica which one leads (and again
+each lease of the wait): named elsewhere, the link goes there at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from agent.link_messages import (
+    HELLO_HELD_BYTES,
+    held_entries,
+    order_from_pb,
+    peer_from_pb,
+    report_to_pb,
+)
 from agent.messages import (
     ArrivalMsg,
     CancelMsg,
@@ -50,28 +59,17 @@ from agent.messages import (
     LeaseLapsedMsg,
     LeftOutMsg,
     NoticeMsg,
-    OrderMsg,
     Outbound,
-    PeerMsg,
-    ReportStatus,
-    Target,
     TermMsg,
     WriteReportMsg,
 )
-from agent.nixl_types import BlockResize, KVRegion, MemoryKind
 from agent.snapshot import HeldItem
 from wire.codes import PERMANENT
 from wire.leader import LeaderFollower
-from wire.silence import WATCH_S, SilenceWatch
+from wire.silence import ASK_S, WATCH_S, SilenceWatch
 
 log = logging.getLogger("pushkv.agent")
 
-_STATUS = {
-    ReportStatus.POSTED: pb.WRITE_STATUS_POSTED,
-    ReportStatus.DONE: pb.WRITE_STATUS_DONE,
-    ReportStatus.FAILED: pb.WRITE_STATUS_FAILED,
-    ReportStatus.DROPPED: pb.WRITE_STATUS_DROPPED,
-}
 ARRIVAL_REPLAY_S = 30.0
 # At most this many queued reports go out as one AgentMessage.batch.
 MAX_OUT_BATCH = 256
@@ -81,167 +79,11 @@ ChannelFactory = Callable[[str], grpc.Channel]
 Snapshot = Callable[[float], tuple[HeldItem, ...] | None]
 # How long a hello waits for that snapshot (the NIXL thread steps every <= 50 ms).
 SNAPSHOT_WAIT_S = 5.0
-# A hello's held list stops at about this many bytes: the coordinator
-# receives at most its --max-message-bytes (4 MiB), and a hello over it would
-# be refused at every reconnect. Those left out are not adopted: their
-# resubmissions fail cleanly once the new leader's rebuild window ends.
-HELLO_HELD_BYTES = 1 << 20
-
-
-def held_entries(
-    items: tuple[HeldItem, ...], budget: int = HELLO_HELD_BYTES
-) -> tuple[list[pb.HeldTransfer], list[str]]:
-    """The hello's held list within `budget` bytes, and the transfers it
-    leaves out. Those whose WRITEs may land (posted) or that a decode rank
-    counted go first: a new leader must know them to never write twice."""
-    ranked = sorted(items, key=lambda h: (not h.posted, not (h.counted or h.ready)))
-    out: list[pb.HeldTransfer] = []
-    left: list[str] = []
-    size = 0
-    for h in ranked:
-        entry = pb.HeldTransfer(
-            transfer_id=h.transfer_id,
-            posted_order_ids=h.posted,
-            unposted_order_ids=h.unposted,
-            counted_prefill_ranks=h.counted,
-            ready=h.ready,
-        )
-        n = entry.ByteSize() + 4  # its tag and length in the hello
-        if size + n > budget:
-            left.append(h.transfer_id)
-            continue
-        size += n
-        out.append(entry)
-    return out, left
 
 
 class StaleLeaderError(Exception):
     """A coordinator welcomed the agent with an older term than the newest it
     has seen: it no longer leads (term fencing). The link tries another."""
-
-
-def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
-    targets = []
-    error = ""
-    for t in o.targets:
-        if o.armed:
-            # Armed: the fire fills src (agent/armed.py) from each group's length.
-            if any(g.ids for g in t.src_blocks):
-                error = "an armed order names src_blocks"
-            elif t.resize_tokens:
-                error = "an armed order with a token range (different block sizes)"
-        elif len(t.src_blocks) != len(t.dst_blocks):
-            error = "src_blocks and dst_blocks name different numbers of KV groups"
-        if t.slice_offset and not t.slice_len:
-            error = "slice_offset without slice_len"
-        groups: tuple[int, ...] = ()
-        src: tuple[int, ...]
-        if o.armed:
-            src = ()
-            dst = tuple([b for g in t.dst_blocks for b in g.ids])
-            groups = tuple([len(g.ids) for g in t.dst_blocks])
-        elif len(t.src_blocks) == 1:  # one KV group: the common case
-            src = tuple(t.src_blocks[0].ids)
-            dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
-        else:
-            # Several KV groups (vLLM's hybrid KV cache manager): one block pool,
-            # each block id in one group, every group's block b in every region
-            # (AgentConfig.kv_groups), so the groups' blocks are written as one
-            # list, paired position by position within each group.
-            src = tuple([b for g in t.src_blocks for b in g.ids])
-            dst = tuple([b for g in t.dst_blocks for b in g.ids])
-            if any(
-                len(s.ids) != len(d.ids) for s, d in zip(t.src_blocks, t.dst_blocks, strict=False)
-            ):
-                error = "a KV group's src_blocks and dst_blocks differ in length"
-        resize = resize_from_pb(t)
-        if resize is not None and t.slice_len:
-            error = "a token range (different block sizes) with a head slice is not supported"
-        if resize is not None and len(t.src_blocks) > 1:
-            error = "a token range (different block sizes) with several KV groups is not supported"
-        targets.append(
-            Target(
-                t.decode_engine_id,
-                t.decode_rank,
-                t.decode_incarnation,
-                src,
-                dst,
-                max(1, t.expected_writers),
-                t.slice_offset,
-                t.slice_len,
-                resize,
-                tuple(t.dst_regions),
-                groups,
-            )
-        )
-    return OrderMsg(
-        o.order_id,
-        o.transfer_id,
-        o.prefill_rank,
-        tuple(targets),
-        o.deadline_unix_ms / 1000,
-        error,
-        o.term,
-        o.num_tokens,
-        o.armed,
-    )
-
-
-def resize_from_pb(t: pb.WriteTarget) -> BlockResize | None:
-    """The target's token range between blocks of different sizes, or None."""
-    if not t.resize_tokens:
-        return None
-    return BlockResize(
-        t.src_tokens_per_block,
-        t.dst_tokens_per_block,
-        t.kv_heads,
-        t.first_token,
-        t.resize_tokens,
-        tuple(t.head_span_units),
-    )
-
-
-def peer_from_pb(p: pb.PeerInfo) -> PeerMsg:
-    # A peer with several KV groups lists its regions once per group (the same
-    # memory: AgentConfig.kv_groups); NIXL pairs group 0's by index.
-    regions = tuple(
-        KVRegion(r.base_addr, r.block_len, r.num_blocks, r.device_id)
-        for r in p.layout.regions
-        if r.group == 0
-    )
-    memory = MemoryKind.VRAM if p.layout.memory_kind == "VRAM" else MemoryKind.DRAM
-    return PeerMsg(
-        p.identity.engine_id,
-        p.identity.pp_rank * p.identity.tp_size + p.identity.tp_rank,
-        p.identity.incarnation,
-        p.nixl_agent_name,
-        p.nixl_metadata,
-        regions,
-        memory,
-    )
-
-
-def report_to_pb(r: Outbound) -> pb.AgentMessage:
-    if isinstance(r, ArrivalMsg):
-        return pb.AgentMessage(
-            arrival=pb.ArrivalReport(
-                transfer_id=r.transfer_id,
-                prefill_ranks=r.prefill_ranks,
-                at_unix_us=int(r.at_unix * 1e6),
-            )
-        )
-    return pb.AgentMessage(
-        write=pb.WriteReport(
-            order_id=r.order_id,
-            transfer_id=r.transfer_id,
-            status=_STATUS[r.status],
-            detail=r.detail,
-            bytes=r.nbytes,
-            descriptors=r.descriptors,
-            posts=r.posts,
-            at_unix_us=int(r.at_unix * 1e6),
-        )
-    )
 
 
 class CoordinatorLink:
@@ -308,6 +150,10 @@ class CoordinatorLink:
         # A stream silent past the lease is cancelled (the watchdog thread).
         self._silence = SilenceWatch(self._lease_s)
         self.silenced = 0  # streams cancelled for silence (a figure for tests and logs)
+        # Unanswered hellos left because another replica named the leader
+        # elsewhere; the link thread dials `_redirect` next.
+        self.redirected = 0
+        self._redirect = ""
         self._watchdog = threading.Thread(target=self._watch, name=name + "-watch", daemon=True)
         self._recent_arrivals: collections.deque[tuple[float, ArrivalMsg]] = collections.deque()
 
@@ -339,22 +185,66 @@ class CoordinatorLink:
     # ------------------------------------------------------------ threads
     def _watch(self) -> None:
         """The watchdog: cancel a stream whose coordinator fell silent (the
-        link thread then follows the next address, as after any lost stream)."""
+        link thread then follows the next address, as after any lost stream),
+        or whose hello another replica says went to the wrong one."""
+        asked: Any = None  # the stream whose wait was last asked about
+        ask_at = 0.0  # the silence at which to ask (again)
         while not self._stop.wait(WATCH_S):
             call = self._call
-            if call is None or not self._silence.overdue():
+            if call is None:
                 continue
-            self.silenced += 1
+            if self._silence.overdue():
+                self.silenced += 1
+                log.warning(
+                    "coordinator %s said nothing for %.1f s (the limit is %.1f s): "
+                    "taking it as gone, trying %s",
+                    self._follower.current,
+                    self._silence.silent_for(),
+                    self._silence.limit(),
+                    "another" if self._follower.several else "it again",
+                )
+                call.cancel()
+                self._silence.started()  # once per stream: the link thread ends it now
+                continue
+            if self._silence.answered or not self._follower.several:
+                continue
+            if call is not asked:
+                asked, ask_at = call, self._silence.limit_s
+            if self._silence.silent_for() < ask_at:
+                continue
+            ask_at += self._silence.limit_s
+            leader = self._ask_leader()
+            if not leader or leader == self._follower.current or self._call is not call:
+                continue  # none named, the one dialed (slow, not gone), or moved on
+            self.redirected += 1
             log.warning(
-                "coordinator %s said nothing for %.1f s (the limit is %.1f s): "
-                "taking it as gone, trying %s",
+                "coordinator %s has not answered the hello in %.1f s and another "
+                "replica names %s as the leader: going there",
                 self._follower.current,
                 self._silence.silent_for(),
-                self._silence.limit(),
-                "another" if self._follower.several else "it again",
+                leader,
             )
+            self._redirect = leader
             call.cancel()
-            self._silence.started()  # once per stream: the link thread ends it now
+
+    def _ask_leader(self) -> str:
+        """The leader another replica names (GetLeadership, ASK_S each), or ""
+        when none answers or none knows one."""
+        for address in self._follower.addresses:
+            if address == self._follower.current or self._stop.is_set():
+                continue
+            channel = self._channel_factory(address)
+            try:
+                view = pbg.StatusServiceStub(channel).GetLeadership(
+                    pb.GetLeadershipRequest(), timeout=ASK_S
+                )
+            except grpc.RpcError:
+                continue
+            finally:
+                channel.close()
+            if view.leader:
+                return str(view.leader)
+        return ""
 
     def _run(self) -> None:
         delay = self._backoff[0]
@@ -381,15 +271,20 @@ class CoordinatorLink:
                         self._follower.current,
                         code,
                     )
+                    redirect, self._redirect = self._redirect, ""
+                    if redirect:  # the leader another replica named (_watch)
+                        self._follower.move_to(redirect)
+                        delay = self._backoff[0]
                     # Several replicas: to the leader a standby named (at once,
                     # jittered, unless it is the address that just failed), else
                     # to the next address with the usual backoff.
-                    if self._follower.follow(exc):
+                    elif self._follower.follow(exc):
                         delay = self._backoff[0]
                     delay = min(delay, self._follower.retry_cap(delay))
             except Exception:
                 log.exception("coordinator link failed; reconnecting")
             finally:
+                self._redirect = ""  # used above, or stale: the next stream asks anew
                 self._back_pending = False  # the next welcome decides again
                 if self.registered.is_set() and not self._stop.is_set():
                     self._lost = True

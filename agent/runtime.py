@@ -287,6 +287,14 @@ class Agent:
         return self._lease_ok()
 
     @property
+    def link_counts(self) -> tuple[int, int]:
+        """Streams the link left for the coordinator's silence, and unanswered
+        hellos it left because another replica named the leader elsewhere."""
+        if self._link is None:
+            return (0, 0)
+        return (self._link.silenced, self._link.redirected)
+
+    @property
     def orders_refused(self) -> int:
         """Orders refused for an older leader term (term fencing)."""
         return self._dataplane.orders_refused

@@ -273,6 +273,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 reply = (agent.leader_term, agent.orders_refused)
             elif cmd == "lease_held":  # acknowledged by the coordinator within the lease
                 reply = agent.lease_held
+            elif cmd == "link":  # (streams left for silence, hellos redirected)
+                reply = agent.link_counts
             conn.send(("reply", reply))
     finally:
         agent.close()

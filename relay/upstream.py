@@ -22,7 +22,9 @@ A leader that says nothing on a busy stream for a whole lease (the lease its
 welcomes give the agents) is taken as gone, as an agent's link takes it
 (agent/link.py): a frozen or cut-off process keeps its connection open and
 silent. The stream ends UNAVAILABLE, every channel with it, and the relay
-dials the next address.
+dials the next address. A stream the leader has not accepted after a limit,
+with several replicas, makes the relay ask another which one leads (again
+after each limit of the wait): named elsewhere, it goes there at once.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from wire.batching import Batcher
 from wire.leader import LeaderFollower
-from wire.silence import DEFAULT_LIMIT_S, WATCH_S, SilenceWatch
+from wire.silence import ASK_S, DEFAULT_LIMIT_S, WATCH_S, SilenceWatch
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.relay")
@@ -72,6 +74,15 @@ MAX_PENDING_SUBMITS = 1024
 
 class CoordinatorSilent(Exception):
     """The leader said nothing on a stream that waited for it for a lease."""
+
+
+class LeaderElsewhere(Exception):
+    """Another replica names another leader than the one dialed, which has
+    not accepted the stream."""
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(leader)
+        self.leader = leader
 
 
 class RelayError(Exception):
@@ -267,6 +278,7 @@ class Upstream:
         self.up_messages = 0  # NodeUp messages sent
         self.submits = 0  # relayed Submits sent (a figure for tests and logs)
         self.silenced = 0  # streams ended for the leader's silence
+        self.redirected = 0  # unaccepted streams left for the leader another replica named
         self.connected = asyncio.Event()  # set while a stream is answering
 
     @property
@@ -379,7 +391,11 @@ class Upstream:
                 attempt = 0
                 self._follower.reached()
             # To a named leader: soon (a short jittered delay); else backing off.
-            at_once = self._follower.follow(err)
+            if isinstance(err, LeaderElsewhere):
+                self._follower.move_to(err.leader)
+                at_once = True
+            else:
+                at_once = self._follower.follow(err)
             delay = self._follower.delay(0 if at_once else attempt, *self._backoff)
             attempt += 1
             log.info(
@@ -419,6 +435,16 @@ class Upstream:
             self.silenced += 1
             log.warning("relay: %s", exc)
             err, detail = exc, f"relay: {exc}"
+        except LeaderElsewhere as exc:
+            self.redirected += 1
+            log.warning(
+                "relay: coordinator %s has not accepted the stream in %.1f s and another "
+                "replica names %s as the leader: going there",
+                address,
+                gen.silence.silent_for(),
+                exc.leader,
+            )
+            err, detail = exc, f"relay: the leader is {exc.leader}"
         except Exception as exc:  # a bug here must not end the relay
             log.exception("relay: stream to %s failed", address)
             err = exc
@@ -442,9 +468,12 @@ class Upstream:
     async def _watch(self, gen: Generation) -> None:
         """Raise CoordinatorSilent once the leader owed `gen` an answer for a
         whole lease (before any welcome, `silence_s`; before it accepted the
-        stream, UNANSWERED_LIMITS times that) and said nothing."""
+        stream, UNANSWERED_LIMITS times that) and said nothing; LeaderElsewhere
+        when, with several replicas, another names another leader after a
+        limit of waiting for the stream's acceptance (asked again each limit)."""
         watch = gen.silence
         watch.started()
+        ask_at = watch.limit_s
         while True:
             await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
             if not gen.waits():
@@ -455,6 +484,31 @@ class Upstream:
                     f"coordinator {gen.address} said nothing for {watch.silent_for():.1f} s "
                     f"(the limit is {watch.limit():g} s): taking it as gone"
                 )
+            if gen.answered or not self._follower.several or watch.silent_for() < ask_at:
+                continue
+            ask_at += watch.limit_s
+            leader = await self._ask_leader(gen.address)
+            if leader and leader != gen.address and not gen.answered:
+                raise LeaderElsewhere(leader)
+
+    async def _ask_leader(self, dialed: str) -> str:
+        """The leader another replica than `dialed` names (GetLeadership, ASK_S
+        each), or "" when none answers or none knows one."""
+        for address in self._follower.addresses:
+            if address == dialed:
+                continue
+            channel = aio_channel(address, self._tls)
+            try:
+                view = await pbg.StatusServiceStub(channel).GetLeadership(
+                    pb.GetLeadershipRequest(), timeout=ASK_S
+                )
+            except grpc.aio.AioRpcError:
+                continue
+            finally:
+                await channel.close(None)
+            if view.leader:
+                return str(view.leader)
+        return ""
 
     async def _read(self, call: Any, gen: Generation) -> None:
         async for down in call:

@@ -17,7 +17,8 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.link import CoordinatorLink, report_to_pb
+from agent.link import CoordinatorLink
+from agent.link_messages import report_to_pb
 from agent.messages import ArrivalMsg, Inbound, OrderMsg, PeerMsg, ReportStatus, WriteReportMsg
 from controlplane.domain import AgentKey
 from controlplane.server import Coordinator

@@ -195,7 +195,7 @@ def test_orders_carry_the_token_range_to_the_agent() -> None:
     """The coordinator's order, through the contract, as the agent reads it."""
     from pushkv.v1 import pushkv_pb2 as pb
 
-    from agent.link import order_from_pb
+    from agent.link_messages import order_from_pb
     from agent.nixl_types import BlockResize
     from controlplane.convert import fill_order
 

@@ -292,6 +292,55 @@ def test_router_and_scheduler_client_leave_a_frozen_leader(cluster: Cluster) -> 
     assert t.state == pb.TRANSFER_STATE_CANCELLED
 
 
+@pytest.mark.parametrize("via", ["direct", "relay"])
+def test_an_agent_starting_leaves_a_frozen_replica_for_the_leader_another_names(
+    cluster: Cluster, via: str
+) -> None:
+    """An agent (or, with `relay`, the node relay it dials) that starts while
+    the replica first in its list is frozen (a host that is down looks the
+    same: a connection that never answers) asks the other replica which one
+    leads once its hello (the relay's stream) has waited a limit, and goes
+    there. Without that it would wait out an unanswered stream's four limits
+    (20 s before any welcome) or gRPC's 20 s connect timeout: the agent's
+    start bound, 14 s, is under both."""
+    lead = cluster.leader()
+    (standby,) = cluster.standbys()
+    lead.freeze()
+    relay: RelayProcess | None = None
+    try:
+        poll(
+            lambda: (
+                (v := leadership(standby.address)) is not None and v.role == pb.LEADER_ROLE_LEADER
+            ),
+            "the standby leads after the leader froze",
+        )
+        both = f"{lead.address},{standby.address}"  # the frozen replica first
+        relay = RelayProcess(both).start() if via == "relay" else None
+        dial = relay.address if relay else both
+        p = KVHost(HostSpec(dial, "P", "prefill", num_blocks=NB, give_up_s=GIVE_UP_S))
+        try:
+            started = time.monotonic()
+            p.start(timeout=14.0)
+            print(f"{via}: registered {time.monotonic() - started:.2f} s after the host's start")
+            # The relay's agent has one address, the relay's: it asks no one.
+            assert p.call("link") == ((0, 0) if relay else (0, 1))
+            if relay:
+                said = f"another replica names {standby.address} as the leader: going there"
+                assert said in relay.log_text()
+            with grpc.insecure_channel(standby.address) as ch:
+                engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=5)
+            assert [e.engine_id for e in engines.engines] == ["P"]
+        finally:
+            p.stop()
+    finally:
+        lead.thaw()
+        if relay:
+            relay.stop()
+    assert lead.proc is not None
+    lead.proc.wait(DEADLINE_S)
+    assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
+
+
 def test_a_standby_names_the_leader_to_many_aio_streams_at_once(cluster: Cluster) -> None:
     """grpc.aio clients (a node relay's NodeStream, the bench's agents) whose
     first send finds the call already refused report INTERNAL "Internal error

@@ -19,7 +19,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.events import EventKind
-from agent.link import HELLO_HELD_BYTES, held_entries
+from agent.link_messages import HELLO_HELD_BYTES, held_entries
 from agent.snapshot import HeldItem
 from harness.kvhost import HostSpec, KVHost
 from tests.test_term_fencing import (

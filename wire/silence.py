@@ -6,7 +6,11 @@ blocked read would wait on it for ever. A stream it answered and then left
 silent for a lease (the lease its welcome told, at least two heartbeat
 intervals) is taken as gone; one never answered gets UNANSWERED_LIMITS times
 that, so a leader busy welcoming a whole cluster after a failover is not left,
-and dialed again, by every client at once. Used by the agent's link
+and dialed again, by every client at once. An agent's link or a relay with
+several replicas asks another, after each limit of that wait, which one leads: a
+replica that never answers, frozen or on a host that is down, is left as soon
+as another names a different leader, and a slow leader that the others name
+is waited for. Used by the agent's link
 (agent/link.py), a node relay's NodeStream (relay/upstream.py) and the cluster
 bench's simulated agents.
 """
@@ -22,6 +26,8 @@ WATCH_S = 0.1
 UNANSWERED_LIMITS = 4
 # The limit before any welcome told one: the coordinator's default lease.
 DEFAULT_LIMIT_S = 5.0
+# How long asking another replica which one leads (GetLeadership) may take.
+ASK_S = 1.0
 
 
 def welcome_limit_s(lease_ms: int, heartbeat_interval_ms: int) -> float:
@@ -56,6 +62,11 @@ class SilenceWatch:
 
     def silent_for(self) -> float:
         return self._clock() - self._heard
+
+    @property
+    def answered(self) -> bool:
+        """Whether anything came on the current stream."""
+        return self._answered
 
     def limit(self) -> float:
         return self.limit_s if self._answered else UNANSWERED_LIMITS * self.limit_s
