@@ -20,9 +20,10 @@ A coordinator that says nothing for a whole lease is taken as gone, whatever
 its connection says: a frozen or cut-off process keeps its sockets open and
 silent, and a blocked read would wait on it for ever. The link's watchdog
 thread then cancels the stream and the link dials the next address
-(`wire/silence.py`). A hello left unanswered for a lease, with several
-replicas, makes the watchdog ask another replica which one leads (and again
-each lease of the wait): named elsewhere, the link goes there at once.
+(`wire/silence.py`). With several replicas the watchdog also asks another
+replica which one leads, after two heartbeat intervals of silence (a hello
+left unanswered: after a lease), and again each step: named elsewhere (with
+a newer term, once welcomed), the link goes there at once.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class CoordinatorLink:
         # A stream silent past the lease is cancelled (the watchdog thread).
         self._silence = SilenceWatch(self._lease_s)
         self.silenced = 0  # streams cancelled for silence (a figure for tests and logs)
-        # Unanswered hellos left because another replica named the leader
-        # elsewhere; the link thread dials `_redirect` next.
+        # Streams left because another replica named the leader elsewhere;
+        # the link thread dials `_redirect` next.
         self.redirected = 0
         self._redirect = ""
         self._watchdog = threading.Thread(target=self._watch, name=name + "-watch", daemon=True)
@@ -186,9 +187,7 @@ class CoordinatorLink:
     def _watch(self) -> None:
         """The watchdog: cancel a stream whose coordinator fell silent (the
         link thread then follows the next address, as after any lost stream),
-        or whose hello another replica says went to the wrong one."""
-        asked: Any = None  # the stream whose wait was last asked about
-        ask_at = 0.0  # the silence at which to ask (again)
+        or one that another replica says no longer goes to the leader."""
         while not self._stop.wait(WATCH_S):
             call = self._call
             if call is None:
@@ -206,30 +205,31 @@ class CoordinatorLink:
                 call.cancel()
                 self._silence.started()  # once per stream: the link thread ends it now
                 continue
-            if self._silence.answered or not self._follower.several:
+            if not self._follower.several or not self._silence.ask_due():
                 continue
-            if call is not asked:
-                asked, ask_at = call, self._silence.limit_s
-            if self._silence.silent_for() < ask_at:
-                continue
-            ask_at += self._silence.limit_s
-            leader = self._ask_leader()
+            answered = self._silence.answered
+            leader, term = self._ask_leader()
             if not leader or leader == self._follower.current or self._call is not call:
                 continue  # none named, the one dialed (slow, not gone), or moved on
+            if answered and term <= self.term:
+                continue  # no newer leader than the one this stream follows
             self.redirected += 1
             log.warning(
-                "coordinator %s has not answered the hello in %.1f s and another "
-                "replica names %s as the leader: going there",
+                "coordinator %s has %s in %.1f s and another replica names %s "
+                "(term %d) as the leader: going there",
                 self._follower.current,
+                "said nothing" if answered else "not answered the hello",
                 self._silence.silent_for(),
                 leader,
+                term,
             )
             self._redirect = leader
             call.cancel()
+            self._silence.started()
 
-    def _ask_leader(self) -> str:
-        """The leader another replica names (GetLeadership, ASK_S each), or ""
-        when none answers or none knows one."""
+    def _ask_leader(self) -> tuple[str, int]:
+        """The leader another replica names and its term (GetLeadership, ASK_S
+        each), or ("", 0) when none answers or none knows one."""
         for address in self._follower.addresses:
             if address == self._follower.current or self._stop.is_set():
                 continue
@@ -243,8 +243,8 @@ class CoordinatorLink:
             finally:
                 channel.close()
             if view.leader:
-                return str(view.leader)
-        return ""
+                return str(view.leader), int(view.term)
+        return "", 0
 
     def _run(self) -> None:
         delay = self._backoff[0]

@@ -203,8 +203,9 @@ def summary(res: Result, hosts: int) -> list[str]:
     )
     if fo.how == "freeze":
         out.append(
-            f"  frozen leader: {fo.silenced} agent streams left for its silence; thawed, "
-            f"it exited with status {fo.old_exit} (3: its leadership was lost)"
+            f"  frozen leader: {fo.redirected} agent streams left for the leader another "
+            f"replica named, {fo.silenced} for its silence; thawed, it exited with status "
+            f"{fo.old_exit} (3: its leadership was lost)"
         )
     if res.relay:
         out.append(

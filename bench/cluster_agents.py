@@ -53,7 +53,7 @@ from bench.coordinator_workload import decode_request as _decode_request
 from bench.coordinator_workload import prefill_request as _prefill_request
 from wire.event_loop import sample_loop_lag
 from wire.leader import LeaderFollower
-from wire.silence import WATCH_S, SilenceWatch
+from wire.silence import ASK_S, WATCH_S, SilenceWatch
 
 if TYPE_CHECKING:
     from relay.upstream import Channel, Upstream
@@ -110,6 +110,9 @@ class Stats:
     # Streams a rank left for the coordinator's silence (--relay: NodeStreams
     # an Upstream ended for it, relay/upstream.py).
     silenced: int = 0
+    # Streams a rank left, while the coordinator was silent, for the leader
+    # another replica named (wire/silence.py, ask_due; --relay: the Upstreams').
+    redirected: int = 0
 
 
 def grpc_eof() -> Any:
@@ -218,6 +221,8 @@ class Rank:
         self.call: Any = None
         self.silence = SilenceWatch()
         self.silenced = False
+        self.redirect = ""  # the leader another replica named (the call is cancelled)
+        self.term = 0  # the leader term its welcomes told
 
     def put(self, msgs: list[Any]) -> None:
         if self.registered:  # reports for a dead stream are dropped, as no WRITE ran
@@ -260,8 +265,13 @@ class Rank:
                     await channel.close()
             if self.silenced:  # as the link after its watchdog's cancel: the next address
                 self.silenced = False
-                self.host.stats.silenced += 1
-                self.follower.follow()
+                if self.redirect:  # or the leader another replica named
+                    self.host.stats.redirected += 1
+                    self.follower.move_to(self.redirect)
+                    self.redirect = ""
+                else:
+                    self.host.stats.silenced += 1
+                    self.follower.follow()
             await asyncio.sleep(delay * (0.5 + rng.random()))  # jitter spreads reconnects
             delay = min(delay * 2, self.follower.retry_cap(BACKOFF_MAX_S))
 
@@ -350,6 +360,7 @@ class Rank:
                 w = m.welcome
                 self.hb_interval_s = w.heartbeat_interval_ms / 1000 or self.hb_interval_s
                 self.silence.told(w.lease_ms, w.heartbeat_interval_ms)
+                self.term = max(self.term, w.term)
                 self.welcomed_at, self.welcomed_by = now, self.peer
                 self.follower.reached()
                 self.registered = True
@@ -367,6 +378,15 @@ class Host:
     ordered: dict[str, float] = field(default_factory=dict)  # tid -> its last order received
     failed: dict[str, tuple[float, int]] = field(default_factory=dict)
     upstreams: dict[str, Upstream] = field(default_factory=dict)  # --relay: per engine
+    channels: dict[str, Any] = field(default_factory=dict)  # address -> its GetLeadership channel
+
+    def channel(self, address: str) -> Any:
+        """One aio channel per replica for the ranks' GetLeadership questions."""
+        import grpc
+
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address)
+        return self.channels[address]
 
     def on_order(self, rank: Rank, o: Any, now: float, out: dict[Rank, list[Any]]) -> None:
         from pushkv.v1 import pushkv_pb2 as pb
@@ -416,13 +436,49 @@ class Host:
 
 async def _watch_silence(host: Host) -> None:
     """agent/link.py's watchdog for every rank of the host at once: cancel a
-    stream whose coordinator said nothing for its limit (the rank follows on)."""
+    stream whose coordinator said nothing for its limit (the rank follows on),
+    or, with several replicas, one that another replica says no longer goes
+    to the leader (asked at each step of the silence, each rank on its own)."""
+    asking: dict[Rank, asyncio.Task[None]] = {}
     while True:
         await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
         for r in host.ranks.values():
-            if r.call is not None and not r.silenced and r.silence.overdue():
+            if r.call is None or r.silenced:
+                continue
+            if r.silence.overdue():
                 r.silenced = True
                 r.call.cancel()
+            elif r not in asking and r.follower.several and r.silence.ask_due():
+                asking[r] = asyncio.create_task(_ask_leader(host, r, r.call))
+        for r in [r for r, t in asking.items() if t.done()]:
+            del asking[r]  # asked: the rank may ask again at its next step
+
+
+async def _ask_leader(host: Host, r: Rank, call: Any) -> None:
+    """The link's `_ask_leader` for one rank: GetLeadership at the other
+    replicas (ASK_S each); a leader named elsewhere (newer, once welcomed)
+    cancels the rank's call for it."""
+    import grpc
+    from pushkv.v1 import pushkv_pb2 as pb
+    from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+    answered = r.silence.answered
+    for address in r.follower.addresses:
+        if address == r.follower.current:
+            continue
+        try:
+            view = await pbg.StatusServiceStub(host.channel(address)).GetLeadership(
+                pb.GetLeadershipRequest(), timeout=ASK_S
+            )
+        except grpc.aio.AioRpcError:
+            continue
+        if not view.leader:
+            continue
+        newer = not answered or view.term > r.term
+        if view.leader != r.follower.current and newer and r.call is call and not r.silenced:
+            r.redirect, r.silenced = view.leader, True
+            call.cancel()
+        return
 
 
 def host_main(conn: Connection, spec: HostSpec, cpus: set[int] | None) -> None:
@@ -591,6 +647,7 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
             host.stats.relayed_submits = sum(u.submits for u in host.upstreams.values())
             if host.upstreams:  # the Upstreams apply the silence rule, not the ranks
                 host.stats.silenced = sum(u.silenced for u in host.upstreams.values())
+                host.stats.redirected = sum(u.redirected for u in host.upstreams.values())
             conn.send((sum(regs.values()), host.stats, dict(regs)))
         elif cmd[0] == "followed":  # (address, since): welcome times of the ranks there
             conn.send(host.followed(cmd[1], cmd[2]))
@@ -613,5 +670,7 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
     stop.set()  # each Upstream ends its NodeStream and returns
     await asyncio.gather(*up_tasks, return_exceptions=True)
     for ch, _ in client.values():
+        await ch.close()
+    for ch in host.channels.values():  # the ranks' GetLeadership channels
         await ch.close()
     print(f"host {spec.index}: stopped", file=sys.stderr, flush=True)

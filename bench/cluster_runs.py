@@ -71,6 +71,7 @@ class Failover:
     new: str = ""
     how: str = "kill"  # or "freeze" (--failure)
     silenced: int = 0  # freeze: streams the ranks left for the old leader's silence
+    redirected: int = 0  # freeze: and for the new leader a replica named meanwhile
     old_exit: int | None = None  # freeze: the old leader's exit status once thawed
 
 
@@ -404,6 +405,9 @@ class ClusterBench:
         fo.hellos = sum(s.hellos for _, s, _ in after) - sum(s.hellos for _, s, _ in before)
         fo.refused = sum(s.refused for _, s, _ in after) - sum(s.refused for _, s, _ in before)
         fo.silenced = sum(s.silenced for _, s, _ in after) - sum(s.silenced for _, s, _ in before)
+        fo.redirected = sum(s.redirected for _, s, _ in after) - sum(
+            s.redirected for _, s, _ in before
+        )
         return fo
 
     def run(self) -> Result:

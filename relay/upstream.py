@@ -22,9 +22,10 @@ A leader that says nothing on a busy stream for a whole lease (the lease its
 welcomes give the agents) is taken as gone, as an agent's link takes it
 (agent/link.py): a frozen or cut-off process keeps its connection open and
 silent. The stream ends UNAVAILABLE, every channel with it, and the relay
-dials the next address. A stream the leader has not accepted after a limit,
-with several replicas, makes the relay ask another which one leads (again
-after each limit of the wait): named elsewhere, it goes there at once.
+dials the next address. With several replicas the relay also asks another
+which one leads while the leader is silent (wire/silence.py, `ask_due`):
+named elsewhere (a newer term, once it accepted the stream), it goes there
+at once.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class CoordinatorSilent(Exception):
 
 
 class LeaderElsewhere(Exception):
-    """Another replica names another leader than the one dialed, which has
-    not accepted the stream."""
+    """Another replica names another leader than the one dialed, which is
+    silent (and, if it accepted the stream, a newer one)."""
 
     def __init__(self, leader: str) -> None:
         super().__init__(leader)
@@ -156,6 +157,7 @@ class Generation:
     # When the leader last said anything (idle time counts as heard), and
     # the limit its welcomes told (wire/silence.py).
     silence: SilenceWatch = field(default_factory=SilenceWatch)
+    term: int = 0  # the leader's term its welcomes told
 
     def waits(self) -> bool:
         """Whether the leader owes an answer: to the stream itself, to a
@@ -201,6 +203,7 @@ class Generation:
             ch.welcomed = True
             w = item.message.welcome
             self.silence.told(w.lease_ms, w.heartbeat_interval_ms)
+            self.term = max(self.term, w.term)
         try:
             ch.down.put_nowait(item)
         except asyncio.QueueFull:
@@ -278,7 +281,7 @@ class Upstream:
         self.up_messages = 0  # NodeUp messages sent
         self.submits = 0  # relayed Submits sent (a figure for tests and logs)
         self.silenced = 0  # streams ended for the leader's silence
-        self.redirected = 0  # unaccepted streams left for the leader another replica named
+        self.redirected = 0  # streams left for the leader another replica named
         self.connected = asyncio.Event()  # set while a stream is answering
 
     @property
@@ -438,9 +441,10 @@ class Upstream:
         except LeaderElsewhere as exc:
             self.redirected += 1
             log.warning(
-                "relay: coordinator %s has not accepted the stream in %.1f s and another "
-                "replica names %s as the leader: going there",
+                "relay: coordinator %s has %s in %.1f s and another replica names %s "
+                "as the leader: going there",
                 address,
+                "said nothing" if gen.answered else "not accepted the stream",
                 gen.silence.silent_for(),
                 exc.leader,
             )
@@ -468,12 +472,12 @@ class Upstream:
     async def _watch(self, gen: Generation) -> None:
         """Raise CoordinatorSilent once the leader owed `gen` an answer for a
         whole lease (before any welcome, `silence_s`; before it accepted the
-        stream, UNANSWERED_LIMITS times that) and said nothing; LeaderElsewhere
-        when, with several replicas, another names another leader after a
-        limit of waiting for the stream's acceptance (asked again each limit)."""
+        stream, UNANSWERED_LIMITS times that) and said nothing; with several
+        replicas, LeaderElsewhere as soon as another names another leader
+        while it is silent (a newer one, once it accepted the stream), asked
+        at each step of the silence (wire/silence.py, `ask_due`)."""
         watch = gen.silence
         watch.started()
-        ask_at = watch.limit_s
         while True:
             await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
             if not gen.waits():
@@ -484,16 +488,19 @@ class Upstream:
                     f"coordinator {gen.address} said nothing for {watch.silent_for():.1f} s "
                     f"(the limit is {watch.limit():g} s): taking it as gone"
                 )
-            if gen.answered or not self._follower.several or watch.silent_for() < ask_at:
+            if not self._follower.several or not watch.ask_due():
                 continue
-            ask_at += watch.limit_s
-            leader = await self._ask_leader(gen.address)
-            if leader and leader != gen.address and not gen.answered:
-                raise LeaderElsewhere(leader)
+            answered = gen.answered
+            leader, term = await self._ask_leader(gen.address)
+            if not leader or leader == gen.address or gen.answered != answered:
+                continue  # none named, the one dialed (slow, not gone), or it answered
+            if answered and term <= gen.term:
+                continue  # no newer leader than the one this stream goes to
+            raise LeaderElsewhere(leader)
 
-    async def _ask_leader(self, dialed: str) -> str:
-        """The leader another replica than `dialed` names (GetLeadership, ASK_S
-        each), or "" when none answers or none knows one."""
+    async def _ask_leader(self, dialed: str) -> tuple[str, int]:
+        """The leader another replica than `dialed` names and its term
+        (GetLeadership, ASK_S each), or ("", 0) when none answers or knows one."""
         for address in self._follower.addresses:
             if address == dialed:
                 continue
@@ -507,8 +514,8 @@ class Upstream:
             finally:
                 await channel.close(None)
             if view.leader:
-                return str(view.leader)
-        return ""
+                return str(view.leader), int(view.term)
+        return "", 0
 
     async def _read(self, call: Any, gen: Generation) -> None:
         async for down in call:

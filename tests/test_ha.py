@@ -341,6 +341,52 @@ def test_an_agent_starting_leaves_a_frozen_replica_for_the_leader_another_names(
     assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
 
 
+@pytest.mark.parametrize("via", ["direct", "relay"])
+def test_agents_leave_a_frozen_leader_once_another_replica_leads(
+    etcd: EtcdServer,  # noqa: F811
+    via: str,
+) -> None:
+    """Agents of a leader frozen by SIGSTOP, whose lease (10 s here) would
+    keep them on it that long, ask the standby which replica leads after two
+    heartbeat intervals (0.5 s each) of silence and each interval after: once
+    it leads (an etcd lease, 1 s, after the freeze) and names itself with a
+    newer term, they (with `relay`, their node relay) go there, well within
+    the lease. The thawed leader exits 3."""
+    with running_replicas(etcd, "--lease-s", "10") as cluster:
+        lead = cluster.leader()
+        (standby,) = cluster.standbys()
+        both = f"{lead.address},{standby.address}"
+        relay = RelayProcess(both).start() if via == "relay" else None
+        p, d = rebuilding_hosts(relay.address if relay else both)
+        try:
+            p.start()
+            d.start()
+            _wait_ready(lead.address)
+            lead.freeze()
+            try:
+                took = poll(
+                    lambda: _ready_at(standby.address),
+                    "P and D ready at the standby within half the lease",
+                    deadline_s=5.0,
+                )
+                print(f"{via}: agents registered with the new leader {took:.2f} s after the freeze")
+                if relay:
+                    said = f"another replica names {standby.address} as the leader: going there"
+                    assert said in relay.log_text()
+                else:
+                    assert p.call("link") == d.call("link") == (0, 1)
+            finally:
+                lead.thaw()
+            assert lead.proc is not None
+            lead.proc.wait(DEADLINE_S)
+            assert lead.proc.returncode == EXIT_LEADERSHIP_LOST, lead.log_text()[-4000:]
+        finally:
+            p.stop()
+            d.stop()
+            if relay:
+                relay.stop()
+
+
 def test_a_standby_names_the_leader_to_many_aio_streams_at_once(cluster: Cluster) -> None:
     """grpc.aio clients (a node relay's NodeStream, the bench's agents) whose
     first send finds the call already refused report INTERNAL "Internal error
@@ -745,16 +791,18 @@ def _term(address: str) -> int:
     return view.term
 
 
-def _wait_ready(address: str) -> None:
-    def ready() -> bool:
-        with grpc.insecure_channel(address) as ch:
-            try:
-                engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-        return sorted(e.engine_id for e in engines.engines if e.ready) == ["D", "P"]
+def _ready_at(address: str) -> bool:
+    """Whether both engines' agents are registered (and ready) at `address`."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return sorted(e.engine_id for e in engines.engines if e.ready) == ["D", "P"]
 
-    poll(ready, f"P and D ready at {address}")
+
+def _wait_ready(address: str) -> None:
+    poll(lambda: _ready_at(address), f"P and D ready at {address}")
 
 
 def _register_and_done(

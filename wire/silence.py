@@ -6,13 +6,19 @@ blocked read would wait on it for ever. A stream it answered and then left
 silent for a lease (the lease its welcome told, at least two heartbeat
 intervals) is taken as gone; one never answered gets UNANSWERED_LIMITS times
 that, so a leader busy welcoming a whole cluster after a failover is not left,
-and dialed again, by every client at once. An agent's link or a relay with
-several replicas asks another, after each limit of that wait, which one leads: a
-replica that never answers, frozen or on a host that is down, is left as soon
-as another names a different leader, and a slow leader that the others name
-is waited for. Used by the agent's link
-(agent/link.py), a node relay's NodeStream (relay/upstream.py) and the cluster
-bench's simulated agents.
+and dialed again, by every client at once.
+
+With several replicas the wait is also cut short by asking another replica
+which one leads (GetLeadership, `ask_due`): on an answered stream after two
+heartbeat intervals of silence (an answer was due in each) and then each
+interval, on one not answered yet after each limit. Named elsewhere (and, on an answered stream,
+with a newer term than the one followed), the client goes there at once: a
+frozen leader is left once a standby has taken over (about the etcd lease),
+not a whole agent lease after its last answer; a replica that never answers
+a hello (frozen, or on a host that is down) is left for the leader another
+names; a slow leader that the others name is waited for. The agent's link
+(agent/link.py) and a node relay's NodeStream (relay/upstream.py) ask; the
+cluster bench's simulated agents use the silence rule alone.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ UNANSWERED_LIMITS = 4
 DEFAULT_LIMIT_S = 5.0
 # How long asking another replica which one leads (GetLeadership) may take.
 ASK_S = 1.0
+# The heartbeat interval before any welcome told one: the coordinator's default.
+DEFAULT_HEARTBEAT_S = 1.0
 
 
 def welcome_limit_s(lease_ms: int, heartbeat_interval_ms: int) -> float:
@@ -44,9 +52,15 @@ class SilenceWatch:
         self, limit_s: float = DEFAULT_LIMIT_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.limit_s = limit_s
+        # On an answered stream, asked after two heartbeat intervals of
+        # silence (an answer was due in each), then after each interval.
+        self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self._clock = clock
         self._heard = clock()
         self._answered = False
+        # The watchdog's own: the silence (since `_asked_from`) it last asked in.
+        self._asked_from = self._heard
+        self._asked = 0
 
     def started(self) -> None:
         """A new stream: nothing answered on it yet."""
@@ -59,6 +73,7 @@ class SilenceWatch:
     def told(self, lease_ms: int, heartbeat_interval_ms: int) -> None:
         """A welcome's lease and heartbeat interval set the limit."""
         self.limit_s = welcome_limit_s(lease_ms, heartbeat_interval_ms) or self.limit_s
+        self.heartbeat_s = heartbeat_interval_ms / 1000 or self.heartbeat_s
 
     def silent_for(self) -> float:
         return self._clock() - self._heard
@@ -73,3 +88,20 @@ class SilenceWatch:
 
     def overdue(self) -> bool:
         return self.silent_for() > self.limit()
+
+    def ask_due(self) -> bool:
+        """Whether to ask another replica which one leads now: on an answered
+        stream after two heartbeat intervals of silence, then after each
+        interval; on one not answered yet after each limit. A message heard
+        starts the count again."""
+        heard = self._heard
+        if heard != self._asked_from:
+            self._asked_from, self._asked = heard, 0
+        if self._answered:
+            due = (self._asked + 2) * self.heartbeat_s
+        else:
+            due = (self._asked + 1) * self.limit_s
+        if self.silent_for() < due:
+            return False
+        self._asked += 1
+        return True
