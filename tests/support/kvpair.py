@@ -70,15 +70,22 @@ def wait_state(
     status: pbg.StatusServiceStub, tid: str, state: int, timeout: float = 10
 ) -> pb.TransferStatus:
     """Watch the transfer until it reaches `state`; return its last status."""
+    return wait_states(status, tid, {state}, timeout)
+
+
+def wait_states(
+    status: pbg.StatusServiceStub, tid: str, states: set[int], timeout: float = 10
+) -> pb.TransferStatus:
+    """Watch the transfer until it reaches one of `states`; its last status."""
     last = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-    if last.state == state:
+    if last.state in states:
         return last
     events = status.WatchTransfers(pb.WatchTransfersRequest(include_existing=True), timeout=timeout)
     try:
         for ev in events:
             if ev.transfer.transfer_id == tid:
                 last = ev.transfer
-                if last.state == state:
+                if last.state in states:
                     break
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
