@@ -66,8 +66,9 @@ from agent.messages import (
 )
 from agent.snapshot import HeldItem
 from wire.codes import PERMANENT
-from wire.leader import LeaderFollower
-from wire.silence import ASK_S, WATCH_S, SilenceWatch
+from wire.leader import LeaderFollower, go_to
+from wire.leader_ask import ask
+from wire.silence import WATCH_S, SilenceWatch
 
 log = logging.getLogger("pushkv.agent")
 
@@ -208,11 +209,21 @@ class CoordinatorLink:
             if not self._follower.several or not self._silence.ask_due():
                 continue
             answered = self._silence.answered
-            leader, term = self._ask_leader()
-            if not leader or leader == self._follower.current or self._call is not call:
-                continue  # none named, the one dialed (slow, not gone), or moved on
-            if answered and term <= self.term:
-                continue  # no newer leader than the one this stream follows
+            named, named_term = ask(
+                self._follower.addresses,
+                self._follower.current,
+                self._channel_factory,
+                self._stop.is_set,
+            )
+            leader = go_to(
+                named,
+                named_term,
+                dialed=self._follower.current,
+                answered=answered,
+                term=self.term,
+            )
+            if not leader or self._call is not call:
+                continue  # stay (wire/leader.go_to), or the stream moved on meanwhile
             self.redirected += 1
             log.warning(
                 "coordinator %s has %s in %.1f s and another replica names %s "
@@ -221,30 +232,11 @@ class CoordinatorLink:
                 "said nothing" if answered else "not answered the hello",
                 self._silence.silent_for(),
                 leader,
-                term,
+                named_term,
             )
             self._redirect = leader
             call.cancel()
             self._silence.started()
-
-    def _ask_leader(self) -> tuple[str, int]:
-        """The leader another replica names and its term (GetLeadership, ASK_S
-        each), or ("", 0) when none answers or none knows one."""
-        for address in self._follower.addresses:
-            if address == self._follower.current or self._stop.is_set():
-                continue
-            channel = self._channel_factory(address)
-            try:
-                view = pbg.StatusServiceStub(channel).GetLeadership(
-                    pb.GetLeadershipRequest(), timeout=ASK_S
-                )
-            except grpc.RpcError:
-                continue
-            finally:
-                channel.close()
-            if view.leader:
-                return str(view.leader), int(view.term)
-        return "", 0
 
     def _run(self) -> None:
         delay = self._backoff[0]

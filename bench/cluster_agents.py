@@ -52,8 +52,8 @@ from bench.coordinator_workload import COMPLETE, RPC_TIMEOUT_S, agent_hello
 from bench.coordinator_workload import decode_request as _decode_request
 from bench.coordinator_workload import prefill_request as _prefill_request
 from wire.event_loop import sample_loop_lag
-from wire.leader import LeaderFollower
-from wire.silence import ASK_S, WATCH_S, SilenceWatch
+from wire.leader import LeaderFollower, go_to
+from wire.silence import WATCH_S, SilenceWatch
 
 if TYPE_CHECKING:
     from relay.upstream import Channel, Upstream
@@ -455,30 +455,17 @@ async def _watch_silence(host: Host) -> None:
 
 
 async def _ask_leader(host: Host, r: Rank, call: Any) -> None:
-    """The link's `_ask_leader` for one rank: GetLeadership at the other
-    replicas (ASK_S each); a leader named elsewhere (newer, once welcomed)
-    cancels the rank's call for it."""
-    import grpc
-    from pushkv.v1 import pushkv_pb2 as pb
-    from pushkv.v1 import pushkv_pb2_grpc as pbg
+    """The link's question for one rank (wire/leader_ask.py, on the host's
+    shared channels); a leader named elsewhere (wire/leader.go_to) cancels
+    the rank's call for it."""
+    from wire.leader_ask import ask_aio  # grpc only in the hosts' processes
 
-    answered = r.silence.answered
-    for address in r.follower.addresses:
-        if address == r.follower.current:
-            continue
-        try:
-            view = await pbg.StatusServiceStub(host.channel(address)).GetLeadership(
-                pb.GetLeadershipRequest(), timeout=ASK_S
-            )
-        except grpc.aio.AioRpcError:
-            continue
-        if not view.leader:
-            continue
-        newer = not answered or view.term > r.term
-        if view.leader != r.follower.current and newer and r.call is call and not r.silenced:
-            r.redirect, r.silenced = view.leader, True
-            call.cancel()
-        return
+    dialed, answered = r.follower.current, r.silence.answered
+    named, named_term = await ask_aio(r.follower.addresses, dialed, host.channel, owned=False)
+    leader = go_to(named, named_term, dialed=dialed, answered=answered, term=r.term)
+    if leader and r.call is call and not r.silenced:
+        r.redirect, r.silenced = leader, True
+        call.cancel()
 
 
 def host_main(conn: Connection, spec: HostSpec, cpus: set[int] | None) -> None:

@@ -42,8 +42,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from wire.batching import Batcher
-from wire.leader import LeaderFollower
-from wire.silence import ASK_S, DEFAULT_LIMIT_S, WATCH_S, SilenceWatch
+from wire.leader import LeaderFollower, go_to
+from wire.leader_ask import ask_aio
+from wire.silence import DEFAULT_LIMIT_S, WATCH_S, SilenceWatch
 from wire.tls import TLSFiles, aio_channel
 
 log = logging.getLogger("pushkv.relay")
@@ -491,31 +492,14 @@ class Upstream:
             if not self._follower.several or not watch.ask_due():
                 continue
             answered = gen.answered
-            leader, term = await self._ask_leader(gen.address)
-            if not leader or leader == gen.address or gen.answered != answered:
-                continue  # none named, the one dialed (slow, not gone), or it answered
-            if answered and term <= gen.term:
-                continue  # no newer leader than the one this stream goes to
-            raise LeaderElsewhere(leader)
-
-    async def _ask_leader(self, dialed: str) -> tuple[str, int]:
-        """The leader another replica than `dialed` names and its term
-        (GetLeadership, ASK_S each), or ("", 0) when none answers or knows one."""
-        for address in self._follower.addresses:
-            if address == dialed:
-                continue
-            channel = aio_channel(address, self._tls)
-            try:
-                view = await pbg.StatusServiceStub(channel).GetLeadership(
-                    pb.GetLeadershipRequest(), timeout=ASK_S
-                )
-            except grpc.aio.AioRpcError:
-                continue
-            finally:
-                await channel.close(None)
-            if view.leader:
-                return str(view.leader), int(view.term)
-        return "", 0
+            named, named_term = await ask_aio(
+                self._follower.addresses,
+                gen.address,
+                lambda a: aio_channel(a, self._tls),
+            )
+            leader = go_to(named, named_term, dialed=gen.address, answered=answered, term=gen.term)
+            if leader and gen.answered == answered:  # else stay, or it answered meanwhile
+                raise LeaderElsewhere(leader)
 
     async def _read(self, call: Any, gen: Generation) -> None:
         async for down in call:

@@ -185,6 +185,28 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
         assert lead.address in row and str(view.term) in row
     assert sum(" leader " in row for row in rows) == 1
 
+    # Asking "who leads?" (wire/leader_ask.py): the standby names the leader
+    # and its term; an address that refuses, and the one dialed, are passed.
+    import asyncio
+
+    from wire.leader_ask import ask, ask_aio
+
+    opened: list[str] = []
+
+    def channel_for(address: str) -> grpc.Channel:
+        opened.append(address)
+        return grpc.insecure_channel(address)
+
+    dead = "127.0.0.1:1"
+    addrs = [dead, lead.address, standby.address]
+    assert ask(addrs, lead.address, channel_for) == (lead.address, view.term)
+    assert opened == [dead, standby.address]
+    assert ask([standby.address], standby.address, channel_for) == ("", 0)
+    assert ask(addrs, lead.address, channel_for, stop=lambda: True) == ("", 0)
+    assert opened == [dead, standby.address]
+    aio = asyncio.run(ask_aio(addrs, lead.address, grpc.aio.insecure_channel))
+    assert aio == (lead.address, view.term)
+
 
 def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None:
     import asyncio

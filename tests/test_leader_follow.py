@@ -17,6 +17,7 @@ from wire.leader import (
     STANDBY_WAIT_S,
     LeaderFollower,
     addresses,
+    go_to,
     leader_hint,
 )
 
@@ -86,6 +87,18 @@ def test_a_standby_naming_the_leader_that_just_failed_is_where_to_wait() -> None
     # left in turn, as before.
     g = LeaderFollower("a:1,b:2")
     assert g.follow(Refusal("")) is False and g.current == "b:2"
+
+
+def test_a_silent_streams_client_goes_to_a_leader_named_elsewhere_newer_once_answered() -> None:
+    # Named elsewhere, on a stream not answered yet: go, whatever the term.
+    assert go_to("b:2", 0, dialed="a:1", answered=False, term=7) == "b:2"
+    # None named, or the one dialed (slow, not gone): stay.
+    assert go_to("", 9, dialed="a:1", answered=False, term=0) == ""
+    assert go_to("a:1", 9, dialed="a:1", answered=True, term=3) == ""
+    # On an answered stream: only for a newer term than the one followed.
+    assert go_to("b:2", 3, dialed="a:1", answered=True, term=3) == ""
+    assert go_to("b:2", 2, dialed="a:1", answered=True, term=3) == ""
+    assert go_to("b:2", 4, dialed="a:1", answered=True, term=3) == "b:2"
 
 
 def test_leader_hint_reads_trailing_metadata_only() -> None:

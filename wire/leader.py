@@ -150,3 +150,20 @@ class LeaderFollower:
         """Jittered exponential backoff: many clients moving at once spread out."""
         step: float = min(self.retry_cap(cap_s), base_s * 2.0 ** min(attempt, 16))
         return step * (0.5 + self._rng.random())
+
+
+def go_to(named: str, named_term: int, *, dialed: str, answered: bool, term: int) -> str:
+    """Where a client whose coordinator `dialed` is silent goes on another
+    replica's answer to "who leads?" (GetLeadership: `named` and its
+    `named_term`): that leader, or "" to stay (wire/silence.py, `ask_due`).
+
+    It stays when none is named, or the one dialed is (slow, not gone); on a
+    stream the coordinator answered (`answered`, following `term`), also for
+    a term no newer than its own: a standby's stale view must not pull a
+    client off a live leader. A stream not answered yet has no term to lose.
+    """
+    if not named or named == dialed:
+        return ""
+    if answered and named_term <= term:
+        return ""
+    return named
