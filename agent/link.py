@@ -156,6 +156,12 @@ class CoordinatorLink:
         # the link thread dials `_redirect` next.
         self.redirected = 0
         self._redirect = ""
+        # Streams that ended since the last welcome, and when the first did:
+        # the first is logged at INFO, the rest at DEBUG, and the welcome
+        # that ends the run says how many and how long (a failover's refused
+        # hellos are one line each, not one per attempt).
+        self.failed_attempts = 0
+        self._failing_since = 0.0
         self._watchdog = threading.Thread(target=self._watch, name=name + "-watch", daemon=True)
         self._recent_arrivals: collections.deque[tuple[float, ArrivalMsg]] = collections.deque()
 
@@ -258,7 +264,10 @@ class CoordinatorLink:
                     log.error("coordinator rejected this agent: %s", self.fatal_error)
                     delay = self._backoff[1]
                 elif not self._stop.is_set():
-                    log.info(
+                    if not self.failed_attempts:
+                        self._failing_since = time.monotonic()
+                    self.failed_attempts += 1
+                    (log.info if self.failed_attempts == 1 else log.debug)(
                         "coordinator stream to %s ended (%s); reconnecting",
                         self._follower.current,
                         code,
@@ -422,6 +431,15 @@ class CoordinatorLink:
             self._lease_until = self._hello_sent + self._lease_s
             self.fatal_error = ""
             self.connects += 1
+            if self.failed_attempts:
+                log.info(
+                    "welcomed by coordinator %s after %d stream%s that ended in %.1f s",
+                    self._follower.current,
+                    self.failed_attempts,
+                    "" if self.failed_attempts == 1 else "s",
+                    time.monotonic() - self._failing_since,
+                )
+                self.failed_attempts = 0
             if self.coordinator_id and w.coordinator_id != self.coordinator_id:
                 if self._rebuild and 0 < previous < w.term:
                     log.info("leader term %d adopts this agent's transfers", w.term)

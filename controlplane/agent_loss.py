@@ -1,13 +1,23 @@
 """An agent incarnation gone: the transfers of its engine end, its orders are
 resolved, and every agent learns the incarnation is fenced. Plain Python, no
 gRPC; the rendezvous state machine (rendezvous.py) calls these on a hello that
-replaces a live incarnation (`fenced`), a lapsed lease (`lost`), and a
-replaced incarnation's lease running out (`resolve_orders`).
+replaces a live incarnation (`fenced`), a lapsed lease (`lost`), a closed
+stream not reopened within the reconnect grace (`Away`, `disconnected`), and
+a replaced incarnation's lease running out (`resolve_orders`).
 """
 
 from __future__ import annotations
 
-from controlplane.domain import AgentKey, Effect, RankState, Reason, State
+from controlplane.domain import (
+    MOVING,
+    AgentKey,
+    AgentNotBack,
+    Effect,
+    RankState,
+    Reason,
+    State,
+    TransferChanged,
+)
 from controlplane.inflight import InFlight
 from controlplane.notices import peer_fenced
 from controlplane.registry import AgentRecord
@@ -25,6 +35,46 @@ def fenced(book: InFlight, old: AgentRecord) -> list[Effect]:
         )
     effects += peer_fenced(book.registry, old.key, old.incarnation, tell_same_key=False)
     return effects
+
+
+def disconnected(book: InFlight, key: AgentKey, incarnation: str, why: str) -> list[Effect]:
+    """Agent `key`'s stream closed and it is taken as gone: its engine's
+    moving transfers fail (its lease, and so its registration, runs on: the
+    same incarnation may still come back; what it still reports is taken)."""
+    effects: list[Effect] = []
+    for t in book.of_engine(key.engine_id):
+        if t.state in MOVING:
+            effects += book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
+    failed = len({e.transfer_id for e in effects if type(e) is TransferChanged})
+    effects.append(AgentNotBack(key, incarnation, failed))
+    return effects
+
+
+class Away:
+    """Agents whose stream closed, until they say hello again (`back`) or
+    their reconnect grace ends (`due`): (key, incarnation) -> the deadline."""
+
+    def __init__(self) -> None:
+        self._until: dict[tuple[AgentKey, str], float] = {}
+
+    def left(self, key: AgentKey, incarnation: str, until: float) -> None:
+        self._until[(key, incarnation)] = until
+
+    def back(self, key: AgentKey) -> None:
+        """A hello from `key` (any incarnation: a new one fences the old)."""
+        if self._until:
+            for k in [k for k in self._until if k[0] == key]:
+                del self._until[k]
+
+    def due(self, now: float) -> list[tuple[AgentKey, str]]:
+        """The agents whose grace is over, forgotten here."""
+        over = [k for k, until in self._until.items() if until <= now]
+        for k in over:
+            del self._until[k]
+        return over
+
+    def earliest(self) -> float | None:
+        return min(self._until.values(), default=None)
 
 
 def lost(book: InFlight, rec: AgentRecord) -> list[Effect]:

@@ -47,6 +47,8 @@ class State(enum.Enum):
 
 
 _TERMINAL = frozenset({State.COMPLETE, State.FAILED, State.CANCELLED, State.EXPIRED})
+# Ordered or armed, not ended: a lost agent of either engine fails these.
+MOVING = (State.ARMED, State.ORDERED, State.WRITING)
 for _st in State:
     _st.terminal = _st in _TERMINAL
 
@@ -274,4 +276,15 @@ class TransferChanged:
         self.transfer_id = transfer_id
 
 
-Effect = SendOrder | SendCancelOrder | SendNotice | SendPeerFenced | TransferChanged
+@dataclass(slots=True)
+class AgentNotBack:
+    """An agent whose stream closed did not say hello again within the
+    reconnect grace: its engine's moving transfers failed (a line for the
+    operator; the TransferChanged effects carry the failures)."""
+
+    key: AgentKey
+    incarnation: str
+    transfers_failed: int
+
+
+Effect = SendOrder | SendCancelOrder | SendNotice | SendPeerFenced | TransferChanged | AgentNotBack

@@ -17,6 +17,9 @@ class AgentRecord:
     connected: bool
     last_seen: float
     lease_deadline: float
+    # Its stream closed and its reconnect grace runs (rendezvous.py): orders
+    # to it wait for its hello (they are sent again then), as if connected.
+    returning: bool = False
 
     @property
     def key(self) -> AgentKey:
@@ -60,6 +63,17 @@ class EngineRecord:
             return False
         for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)
             if not a.connected:
+                return False
+        return True
+
+    @property
+    def orderable(self) -> bool:
+        """Every rank registered, and connected or within its reconnect
+        grace: orders may be issued (a returning rank's wait for its hello)."""
+        if len(self.ranks) != self.size:
+            return False
+        for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)
+            if not (a.connected or a.returning):
                 return False
         return True
 

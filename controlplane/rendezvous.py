@@ -48,6 +48,7 @@ from controlplane.adoption import (
 )
 from controlplane.clock import Clock
 from controlplane.domain import (
+    MOVING,
     AgentKey,
     AgentRegistration,
     Blocks,
@@ -89,7 +90,6 @@ from controlplane.transfer import Side, Transfer
 from controlplane.transfer_filter import TransferFilter
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
-_MOVING = (State.ARMED, State.ORDERED, State.WRITING)
 _RANK_OF_REPORT = {
     WriteStatus.DONE: RankState.DONE,
     WriteStatus.FAILED: RankState.FAILED,
@@ -119,6 +119,8 @@ class Rendezvous:
         self._rebuild_until = 0.0
         # Arrivals replayed before a hello named their transfer (adoption.py).
         self._unclaimed = UnclaimedArrivals()
+        # Agents whose stream closed, within their reconnect grace (agent_loss.py).
+        self._away = agent_loss.Away()
 
     def lead(self) -> None:
         """This replica starts leading a new term: the agents' hellos (adopted
@@ -165,6 +167,7 @@ class Rendezvous:
         check_hello(reg, self.settings)
         now = self._clock.monotonic()
         fenced = self.registry.hello(reg, now)
+        self._away.back(reg.key)  # back within its grace: nothing fails
         effects: list[Effect] = []
         if fenced is not None:
             effects += agent_loss.fenced(self._book, fenced)
@@ -182,20 +185,23 @@ class Rendezvous:
     def agent_disconnected(
         self, key: AgentKey, incarnation: str, *, link_lost: bool = False
     ) -> list[Effect]:
-        """`link_lost`: the stream ended with its node relay's, not by the
-        agent; its transfers then wait for its lease, as without
-        `fail_on_disconnect`, so a relay back within it loses nothing."""
+        """With `fail_on_disconnect`, the engine's moving transfers fail
+        unless the same incarnation says hello again within
+        `reconnect_grace_s` (its open orders are then sent again: a stream
+        that blipped loses nothing). `link_lost`: the stream ended with its
+        node relay's, not by the agent; its transfers then wait for its
+        lease, as without `fail_on_disconnect`, so a relay back within it
+        loses nothing."""
         if not self.registry.disconnected(key, incarnation):
             return []
         if link_lost or not self.settings.fail_on_disconnect:
             return []
-        effects: list[Effect] = []
-        for t in self._book.of_engine(key.engine_id):
-            if t.state in _MOVING:
-                effects += self._book.finish(
-                    t, State.FAILED, Reason.AGENT_LOST, f"agent {key} disconnected"
-                )
-        return effects
+        grace = self.settings.reconnect_grace_s
+        if grace > 0:
+            self.registry.require_agent(key).returning = True
+            self._away.left(key, incarnation, self._clock.monotonic() + grace)
+            return []
+        return agent_loss.disconnected(self._book, key, incarnation, f"agent {key} disconnected")
 
     def write_report(
         self,
@@ -236,7 +242,7 @@ class Rendezvous:
         rec.posts = posts
         self._open_orders.close(rec)
         t.mark(_WRITE_STAGE[rec.state], wall, rank)
-        if t.state in _MOVING:
+        if t.state in MOVING:
             if status is WriteStatus.FAILED:
                 why = f"prefill rank {rank}: {detail or 'WRITE failed'}"
                 effects += self._book.finish(t, State.FAILED, Reason.WRITE_FAILED, why)
@@ -281,7 +287,7 @@ class Rendezvous:
         for p in new:
             t.mark("arrived", wall, p)
         effects: list[Effect] = [TransferChanged(t.transfer_id)]
-        if t.state in _MOVING:
+        if t.state in MOVING:
             effects += self._maybe_complete(t)
         return effects
 
@@ -364,6 +370,15 @@ class Rendezvous:
         lost, gone = self.registry.expire(now)
         for rec in lost:
             effects += agent_loss.lost(self._book, rec)
+        for key, inc in self._away.due(now):
+            away = self.registry.agent(key)
+            if away is not None and away.incarnation == inc and away.returning:
+                away.returning = False
+                why = (
+                    f"agent {key} disconnected and not back within "
+                    f"{self.settings.reconnect_grace_s:g} s"
+                )
+                effects += agent_loss.disconnected(self._book, key, inc, why)
         for key, inc in gone:
             effects += agent_loss.resolve_orders(
                 self._book, key, inc, "replaced incarnation's lease over"
@@ -380,7 +395,11 @@ class Rendezvous:
     def next_wakeup(self) -> float | None:
         """Monotonic time of the next deadline or lease expiry, if any."""
         candidates: list[float] = []
-        for nxt in (self._deadlines.earliest(), self.registry.next_deadline()):
+        for nxt in (
+            self._deadlines.earliest(),
+            self.registry.next_deadline(),
+            self._away.earliest(),
+        ):
             if nxt is not None:
                 candidates.append(nxt)
         return min(candidates, default=None)
@@ -459,8 +478,8 @@ class Rendezvous:
         assert t.decode is not None and t.prefill is not None
         pe = self.registry.engine(t.prefill.engine_id)
         de = self.registry.engine(t.decode.engine_id)
-        if pe is None or de is None or not pe.ready or not de.ready:
-            missing = t.prefill.engine_id if pe is None or not pe.ready else t.decode.engine_id
+        if pe is None or de is None or not pe.orderable or not de.orderable:
+            missing = t.prefill.engine_id if pe is None or not pe.orderable else t.decode.engine_id
             return self._book.finish(
                 t, State.FAILED, Reason.AGENT_LOST, f"engine {missing} not ready"
             )
@@ -508,7 +527,9 @@ class Rendezvous:
             return False
         pe = self.registry.engine(t.announced_prefill)
         de = self.registry.engine(t.decode.engine_id)
-        if pe is None or de is None or not pe.ready or not de.ready or arm_problem(t, pe, de):
+        if pe is None or de is None or not pe.orderable or not de.orderable:
+            return False
+        if arm_problem(t, pe, de):
             return False
         # Posted no later than the moment this transfer stops waiting for prefill.
         now, wall = self._clock.monotonic(), self._clock.wall()

@@ -20,6 +20,7 @@ from controlplane import convert, logs
 from controlplane.clock import Clock
 from controlplane.domain import (
     AgentKey,
+    AgentNotBack,
     AgentRegistration,
     Effect,
     HeldTransfer,
@@ -295,6 +296,17 @@ class Runtime:
                 s = self._session(e.to, e.incarnation)
                 if s is not None:
                     s.send(pb.CoordinatorMessage(notice=convert.notice_to_pb(e.notice)))
+            elif isinstance(e, AgentNotBack):
+                # A loss that failed transfers is a warning: an operator running
+                # at WARNING sees which agent's stream ended and what it cost.
+                (log.warning if e.transfers_failed else log.info)(
+                    "agent_not_back",
+                    engine_id=e.key.engine_id,
+                    rank=e.key.rank,
+                    incarnation=e.incarnation,
+                    transfers_failed=e.transfers_failed,
+                    reconnect_grace_s=self.core.settings.reconnect_grace_s,
+                )
             elif isinstance(e, SendPeerFenced):
                 s = self._session(e.to, e.incarnation)
                 peer = (e.peer, e.peer_incarnation)
@@ -400,15 +412,11 @@ class Runtime:
         if self._sessions.get(s.key) is s:
             del self._sessions[s.key]
             effects = self.core.agent_disconnected(s.key, s.reg.incarnation, link_lost=s.link_lost)
-            failed = len({e.transfer_id for e in effects if type(e) is TransferChanged})
-            self.apply(effects)
-            # A loss that failed transfers is a warning: an operator running at
-            # WARNING sees which agent's stream ended and what it cost.
-            (log.warning if failed else log.info)(
+            self.apply(effects)  # with a reconnect grace, none yet (agent_not_back)
+            log.info(
                 "agent_disconnected",
                 engine_id=s.key.engine_id,
                 rank=s.key.rank,
-                transfers_failed=failed,
                 **({"relay_lost": s.via} if s.link_lost else {}),
             )
 

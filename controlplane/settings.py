@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# Settings whose 0 means "none" (every other number must be > 0).
+_MAY_BE_ZERO = ("reconnect_grace_s",)
+
 
 @dataclass(frozen=True, slots=True)
 class CoreSettings:
@@ -28,8 +31,16 @@ class CoreSettings:
     # holds both sides', then fits gRPC's 4 MiB message (2 x 262,144 ids of
     # at most 5 bytes), and so do its orders between equal TPs (order_size.py).
     max_blocks_per_side: int = 262_144
-    # Fail ordered transfers at once when an involved agent's stream closes.
+    # Fail ordered transfers when an involved agent's stream closes and the
+    # agent does not say hello again within reconnect_grace_s.
     fail_on_disconnect: bool = True
+    # With fail_on_disconnect: how long an agent whose stream closed may take
+    # to come back (the same incarnation; its open orders are sent again)
+    # before its engine's moving transfers fail. A stream that blips (a
+    # connection reset, a proxy's idle timeout, a relay's channel) then loses
+    # nothing; a dead agent fails them this much later. 0: at once. Past the
+    # lease (lease_s) the agent is lost anyway.
+    reconnect_grace_s: float = 1.0
     # Arm orders: when decode registers before prefill is done, send the
     # announced prefill engine's agents their orders at once; each fires its
     # own at the request's last prefill forward, with no round trip here
@@ -46,9 +57,10 @@ class CoreSettings:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
-            if isinstance(value, int | float) and value <= 0:
-                raise ValueError(f"{f.name} must be > 0, got {value}")
+            zero_ok = f.name in _MAY_BE_ZERO
+            if value < 0 or (value == 0 and not zero_ok):
+                raise ValueError(f"{f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
         if self.heartbeat_interval_s >= self.lease_s:
             raise ValueError("heartbeat_interval_s must be shorter than lease_s")

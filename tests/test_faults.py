@@ -138,9 +138,9 @@ def _failed(rig: Rig, tid: str) -> pb.TransferStatus:
 
 
 def _losses_logged(rig: Rig, engine: str) -> list[dict[str, object]]:
-    """The coordinator's agent_disconnected lines for `engine` (JSON, one a line)."""
-    lines = [json.loads(ln) for ln in rig.coord.log_text().splitlines() if ln.startswith("{")]
-    return [ln for ln in lines if ln["event"] == "agent_disconnected" and ln["engine_id"] == engine]
+    """The coordinator's agent_not_back lines for `engine`: its agent's
+    stream closed and it did not come back within the reconnect grace."""
+    return _coordinator_events(rig.coord, "agent_not_back", engine)
 
 
 def _released(rig: Rig, tid: str) -> None:
@@ -178,6 +178,7 @@ def test_prefill_killed_after_registration_before_done(rig: Rig) -> None:
     # failed a transfer is a warning that says how many.
     [loss] = _losses_logged(rig, "P")
     assert (loss["level"], loss["rank"], loss["transfers_failed"]) == ("warning", 0, 1)
+    assert "not back within 1 s" in _failed(rig, "f2").detail
     _released(rig, "f2")
     rig.replace("P")
     rig.healthy_transfer("f2-after")
@@ -340,3 +341,59 @@ def _wait_ready(rig: Rig, timeout: float = 15.0) -> None:
             return
         time.sleep(0.05)  # polling the operator API under a deadline
     raise AssertionError(f"engines not ready after {timeout} s: {ready}")
+
+
+# ---------------------------------------------------------------- a blip
+
+
+def _coordinator_events(
+    coord: CoordinatorProcess, event: str, engine: str
+) -> list[dict[str, object]]:
+    lines = [json.loads(ln) for ln in coord.log_text().splitlines() if ln.startswith("{")]
+    return [ln for ln in lines if ln["event"] == event and ln.get("engine_id") == engine]
+
+
+def test_a_stream_blip_within_the_reconnect_grace_loses_nothing() -> None:
+    """The prefill agent's connection is reset (cut and restored at once) while
+    it holds an order: it says hello again within the grace, the order is sent
+    again, and the transfer completes with its bytes; nothing failed."""
+    import time
+
+    coord = CoordinatorProcess(
+        *("--lease-s", "10", "--heartbeat-interval-s", "0.5", "--write-timeout-s", "15"),
+        *("--reconnect-grace-s", "5", "--log-level", "INFO"),
+    ).start()
+    proxy = CuttableProxy("127.0.0.1", coord.port)
+    p = KVHost(HostSpec(proxy.address, "P", "prefill", num_blocks=NB, give_up_s=GIVE_UP_S))
+    d = KVHost(HostSpec(coord.address, "D", "decode", num_blocks=NB, give_up_s=GIVE_UP_S))
+    rig = Rig(coord, p, d, proxy)
+    try:
+        p.start()
+        d.start()
+        p.fill([5, 6], seed=7)
+        p.call("pause", True)  # the order waits at the prefill agent
+        d.call("expect", ["b1"])
+        rig.register("b1", [1, 2])
+        assert rig.done("b1", [5, 6]).state == pb.TRANSFER_STATE_ORDERED
+        proxy.cut()
+        proxy.restore()
+        deadline = time.monotonic() + DEADLINE_S
+        while len(_coordinator_events(coord, "agent_registered", "P")) < 2:
+            assert time.monotonic() < deadline, "the prefill agent did not come back"
+            time.sleep(0.05)  # polling a log under a deadline
+        assert len(_coordinator_events(coord, "agent_disconnected", "P")) == 1
+        t = rig.status.GetTransfer(pb.GetTransferRequest(transfer_id="b1"), timeout=5)
+        assert t.state == pb.TRANSFER_STATE_ORDERED, t  # not failed while it was away
+        p.call("pause", False)
+        assert d.wait_event("b1", DEADLINE_S).kind is EventKind.KV_READY
+        assert d.check([1, 2], seed=7) == []
+        assert p.call("writes_posted") == 1  # the order sent again was posted once
+        t = wait_state(rig.status, "b1", pb.TRANSFER_STATE_COMPLETE, timeout=DEADLINE_S)
+        assert t.state == pb.TRANSFER_STATE_COMPLETE, t
+        assert _coordinator_events(coord, "agent_not_back", "P") == []
+        rig.nothing_held()
+    finally:
+        for h in (p, d):
+            h.stop()
+        proxy.close()
+        coord.stop()

@@ -10,6 +10,7 @@ import pytest
 from controlplane.clock import FakeClock
 from controlplane.domain import (
     AgentKey,
+    AgentNotBack,
     AgentRegistration,
     Effect,
     EngineId,
@@ -366,8 +367,8 @@ def test_lost_agent_fails_its_transfers() -> None:
         rv.prefill_done("t2", P, [[1]], 10)
 
 
-def test_disconnect_fails_moving_transfers_at_once() -> None:
-    rv, _ = core()
+def test_disconnect_fails_moving_transfers_at_once_without_a_reconnect_grace() -> None:
+    rv, _ = core(reconnect_grace_s=0)
     rv.register_decode("t", D, [[1]], 10)
     _, effects = rv.prefill_done("t", P, [[3]], 10)
     [o] = orders(effects)
@@ -375,10 +376,101 @@ def test_disconnect_fails_moving_transfers_at_once() -> None:
     effects = rv.agent_disconnected(AgentKey(P, 0), "i1")
     t = rv.get("t")
     assert t.state is State.FAILED and t.reason is Reason.AGENT_LOST
+    assert t.detail == f"agent {AgentKey(P, 0)} disconnected"
     assert t.orders[0].state is RankState.POSTED and t.write_may_land
+    assert [e for e in effects if isinstance(e, AgentNotBack)] == [
+        AgentNotBack(AgentKey(P, 0), "i1", 1)
+    ]
     # On reconnect with the same incarnation the agent is told to drop it.
     effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
     assert [e.order_id for e in effects if isinstance(e, SendCancelOrder)] == [o.order.order_id]
+
+
+def test_an_agent_back_within_its_reconnect_grace_loses_nothing() -> None:
+    """A stream that blips: the same incarnation says hello again within
+    the grace; its open order is sent again and the transfer completes."""
+    rv, clock = core(reconnect_grace_s=1.0)
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.POSTED)
+    assert rv.agent_disconnected(AgentKey(P, 0), "i1") == []
+    assert rv.get("t").state is State.WRITING
+    # Meanwhile a new transfer is ordered, not failed "not ready": its order
+    # waits for the agent's hello too.
+    rv.register_decode("t2", D, [[2]], 10)
+    t2, effects = rv.prefill_done("t2", P, [[4]], 10)
+    [o2] = orders(effects)
+    assert t2.state is State.ORDERED
+    clock.advance(0.9)
+    assert rv.tick() == []
+    effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
+    sent_again = sorted(e.order.order_id for e in orders(effects))
+    assert sent_again == sorted([o.order.order_id, o2.order.order_id])
+    clock.advance(5.0)  # past the grace, and a lease renewed below
+    rv.agent_seen(AgentKey(P, 0), "i1")
+    rv.agent_seen(AgentKey(D, 0), "i1")
+    assert not [e for e in rv.tick() if isinstance(e, AgentNotBack)]
+    finish(rv, o)
+    finish(rv, o2)
+    assert rv.get("t").state is State.COMPLETE and rv.get("t2").state is State.COMPLETE
+
+
+def test_an_agent_not_back_within_its_reconnect_grace_fails_its_engines_moving_transfers() -> None:
+    rv, clock = core(reconnect_grace_s=1.0)
+    rv.register_decode("t", D, [[1]], 10)
+    rv.register_decode("waiting", D, [[2]], 10)  # not moving: it waits for prefill
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    assert rv.agent_disconnected(AgentKey(P, 0), "i1") == []
+    assert rv.next_wakeup() == pytest.approx(clock.monotonic() + 1.0)
+    clock.advance(0.5)
+    rv.begin("t2", P, D)
+    rv.register_decode("t2", D, [[4]], 10)  # armed on the away agent meanwhile
+    assert rv.get("t2").state is State.ARMED
+    clock.advance(0.49)
+    assert rv.tick() == [] and rv.get("t").state is State.ORDERED
+    clock.advance(0.02)
+    effects = rv.tick()
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_LOST
+    assert t.detail == f"agent {AgentKey(P, 0)} disconnected and not back within 1 s"
+    assert rv.get("t2").state is State.FAILED
+    assert [e for e in effects if isinstance(e, AgentNotBack)] == [
+        AgentNotBack(AgentKey(P, 0), "i1", 2)
+    ]
+    told = sorted(n.notice.transfer_id for n in notices(effects, AgentKey(D, 0)))
+    assert told == ["t", "t2"]
+    # Not orderable any more: a transfer whose sides meet now fails at once.
+    rv.register_decode("t3", D, [[5]], 10)
+    t3, _ = rv.prefill_done("t3", P, [[6]], 10)
+    assert t3.state is State.FAILED and "not ready" in t3.detail
+    assert rv.get("waiting").state is State.REGISTERED
+    # The same incarnation back later: told to drop both orders, nothing revived.
+    effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
+    dropped = {e.transfer_id for e in effects if isinstance(e, SendCancelOrder)}
+    assert dropped == {"t", "t2"} and o.order.transfer_id == "t"
+    assert rv.get("t").state is State.FAILED
+
+
+def test_a_new_incarnation_within_the_grace_fences_the_old_one_at_once() -> None:
+    rv, clock = core(reconnect_grace_s=1.0)
+    rv.register_decode("t", D, [[1]], 10)
+    rv.prefill_done("t", P, [[3]], 10)
+    assert rv.agent_disconnected(AgentKey(P, 0), "i1") == []
+    rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i2"))  # the process restarted
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_FENCED
+    clock.advance(2.0)
+    assert not [e for e in rv.tick() if isinstance(e, AgentNotBack)]
+
+
+def test_the_reconnect_grace_may_be_zero_but_not_negative() -> None:
+    assert CoreSettings(reconnect_grace_s=0).reconnect_grace_s == 0
+    with pytest.raises(ValueError, match="reconnect_grace_s must be >= 0"):
+        CoreSettings(reconnect_grace_s=-1)
+    with pytest.raises(ValueError, match="lease_s must be > 0"):
+        CoreSettings(lease_s=0)
 
 
 def test_a_reconnecting_agent_is_told_again_of_what_ended_while_its_stream_was_lost() -> None:
@@ -387,7 +479,7 @@ def test_a_reconnecting_agent_is_told_again_of_what_ended_while_its_stream_was_l
     it was away. Its hello to the same leader re-sends what it expects; the
     ended transfer is told again (released: the decode side may fail it), the
     live one is neither adopted nor told, and an unknown one is ignored."""
-    rv, _ = core()
+    rv, _ = core(reconnect_grace_s=0)
     rv.register_decode("t", D, [[1]], 10)
     rv.register_decode("live", D, [[2]], 10)
     _, effects = rv.prefill_done("t", P, [[3]], 10)

@@ -343,7 +343,8 @@ async def test_cancel_after_the_order_fences_decode_blocks_until_dropped(
 async def test_a_stream_that_closes_mid_transfer_fails_it(
     make_coord: MakeCoord, graceful: bool
 ) -> None:
-    coord = await make_coord(lease_s=1.0, heartbeat_interval_s=0.2)
+    # The grace (the agent does not come back) ends well within the lease.
+    coord = await make_coord(lease_s=1.0, heartbeat_interval_s=0.2, reconnect_grace_s=0.2)
     async with (
         grpc.aio.insecure_channel(coord.address) as ch,
         SimCluster(coord.address, auto_complete=False, heartbeat_interval=0.2) as c,
