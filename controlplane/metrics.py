@@ -127,7 +127,7 @@ class _Collector:
         )
         ready = GaugeMetricFamily(
             "pushkv_engine_ready",
-            "1 when every rank is registered and leased",
+            "1 when every rank is registered and connected (or within its reconnect grace)",
             labels=["engine", "role"],
         )
         connected = GaugeMetricFamily(

@@ -59,17 +59,9 @@ class EngineRecord:
 
     @property
     def ready(self) -> bool:
-        if len(self.ranks) != self.size:
-            return False
-        for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)
-            if not a.connected:
-                return False
-        return True
-
-    @property
-    def orderable(self) -> bool:
-        """Every rank registered, and connected or within its reconnect
-        grace: orders may be issued (a returning rank's wait for its hello)."""
+        """Every rank registered, and connected or within its reconnect grace
+        (`returning`): the coordinator orders transfers for it (a returning
+        rank's orders wait for its hello)."""
         if len(self.ranks) != self.size:
             return False
         for a in self.ranks.values():  # noqa: SIM110 (all() over a generator is slower)

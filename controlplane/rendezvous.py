@@ -478,8 +478,8 @@ class Rendezvous:
         assert t.decode is not None and t.prefill is not None
         pe = self.registry.engine(t.prefill.engine_id)
         de = self.registry.engine(t.decode.engine_id)
-        if pe is None or de is None or not pe.orderable or not de.orderable:
-            missing = t.prefill.engine_id if pe is None or not pe.orderable else t.decode.engine_id
+        if pe is None or de is None or not pe.ready or not de.ready:
+            missing = t.prefill.engine_id if pe is None or not pe.ready else t.decode.engine_id
             return self._book.finish(
                 t, State.FAILED, Reason.AGENT_LOST, f"engine {missing} not ready"
             )
@@ -527,7 +527,7 @@ class Rendezvous:
             return False
         pe = self.registry.engine(t.announced_prefill)
         de = self.registry.engine(t.decode.engine_id)
-        if pe is None or de is None or not pe.orderable or not de.orderable:
+        if pe is None or de is None or not pe.ready or not de.ready:
             return False
         if arm_problem(t, pe, de):
             return False

@@ -396,6 +396,9 @@ def test_an_agent_back_within_its_reconnect_grace_loses_nothing() -> None:
     rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.POSTED)
     assert rv.agent_disconnected(AgentKey(P, 0), "i1") == []
     assert rv.get("t").state is State.WRITING
+    prefill = rv.registry.engine(P)
+    assert prefill is not None and prefill.ready  # within the grace
+    assert not prefill.ranks[0].connected  # what the status shows for the rank
     # Meanwhile a new transfer is ordered, not failed "not ready": its order
     # waits for the agent's hello too.
     rv.register_decode("t2", D, [[2]], 10)
@@ -441,7 +444,9 @@ def test_an_agent_not_back_within_its_reconnect_grace_fails_its_engines_moving_t
     ]
     told = sorted(n.notice.transfer_id for n in notices(effects, AgentKey(D, 0)))
     assert told == ["t", "t2"]
-    # Not orderable any more: a transfer whose sides meet now fails at once.
+    # Not ready any more: a transfer whose sides meet now fails at once.
+    prefill = rv.registry.engine(P)
+    assert prefill is not None and not prefill.ready
     rv.register_decode("t3", D, [[5]], 10)
     t3, _ = rv.prefill_done("t3", P, [[6]], 10)
     assert t3.state is State.FAILED and "not ready" in t3.detail
