@@ -296,12 +296,16 @@ def test_coordinator_frozen_past_the_give_up_resolves_locally_then_serves(rig: R
     _wait_ready(rig)
     assert rig.p.call("writes_posted") == 0
     assert rig.d.call("check_canary", list(range(NB)), CANARY) == []
-    # Thawed, the coordinator ends f9 with whatever its loop takes first: both
-    # agents' streams gone (FAILED, agent lost) or the write deadline that
-    # passed while it was frozen (EXPIRED; seen once in a fresh-clone run).
-    # Either way nothing was written and no WRITE may land.
+    # Thawed, the coordinator ends f9 with whatever its loop takes first: the
+    # write deadline that passed while it was frozen (EXPIRED) or, past the
+    # reconnect grace, the agents' streams gone (FAILED, agent lost). Its order
+    # stays open (a WRITE may land) until the prefill agent, back, reports it
+    # dropped: the order sent again at the hello is answered from the agent's
+    # record of finished orders. Nothing was written.
     over: set[int] = {pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_EXPIRED}
     t = wait_states(rig.status, "f9", over, timeout=DEADLINE_S)
+    assert t.state in over, t
+    t = _wait_settled(rig, "f9")
     assert t.state in over and not t.write_may_land, t
     rig.healthy_transfer("f9-after")
     rig.nothing_held()
@@ -326,6 +330,18 @@ def test_stream_cut_between_prefill_agent_and_coordinator(rig: Rig) -> None:
     rig.nothing_held()
 
 
+def _wait_settled(rig: Rig, tid: str, timeout: float = DEADLINE_S) -> pb.TransferStatus:
+    """`tid` once no WRITE of it may land (its orders all resolved)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        t = rig.status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=2)
+        if not t.write_may_land or time.monotonic() >= deadline:
+            return t
+        time.sleep(0.05)  # polling the operator API under a deadline
+
+
 def _wait_ready(rig: Rig, timeout: float = 15.0) -> None:
     import time
 
@@ -334,7 +350,11 @@ def _wait_ready(rig: Rig, timeout: float = 15.0) -> None:
     while time.monotonic() < deadline:
         try:
             engines = rig.status.ListEngines(pb.ListEnginesRequest(), timeout=2).engines
-            ready = sorted(e.engine_id for e in engines if e.ready)
+            # Connected: an engine is ready within a rank's reconnect grace
+            # too, before the rank said hello again.
+            ready = sorted(
+                e.engine_id for e in engines if e.ready and all(r.connected for r in e.ranks)
+            )
         except grpc.RpcError:
             ready = []
         if ready == ["D", "P"]:

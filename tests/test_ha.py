@@ -814,13 +814,15 @@ def _term(address: str) -> int:
 
 
 def _ready_at(address: str) -> bool:
-    """Whether both engines' agents are registered (and ready) at `address`."""
+    """Whether both engines' agents are registered and connected at `address`."""
     with grpc.insecure_channel(address) as ch:
         try:
             engines = pbg.StatusServiceStub(ch).ListEngines(pb.ListEnginesRequest(), timeout=2)
         except grpc.RpcError:
             return False
-    return sorted(e.engine_id for e in engines.engines if e.ready) == ["D", "P"]
+    # Connected too: an engine stays ready while a rank is within its reconnect grace.
+    ready = (e for e in engines.engines if e.ready and all(r.connected for r in e.ranks))
+    return sorted(e.engine_id for e in ready) == ["D", "P"]
 
 
 def _wait_ready(address: str) -> None:

@@ -1870,7 +1870,9 @@ class EngineStatus(_message.Message):
     role: Global___Role.ValueType
     tp_size: _builtins.int
     ready: _builtins.bool
-    """every rank registered and leased"""
+    """Every rank registered, leased, and connected or within its reconnect
+    grace (a stream that blipped; its orders wait for its hello).
+    """
     inflight_transfers: _builtins.int
     tokens_per_block: _builtins.int
     api_url: _builtins.str
