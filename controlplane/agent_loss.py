@@ -52,26 +52,38 @@ def disconnected(book: InFlight, key: AgentKey, incarnation: str, why: str) -> l
 
 class Away:
     """Agents whose stream closed, until they say hello again (`back`) or
-    their reconnect grace ends (`due`): (key, incarnation) -> the deadline."""
+    their reconnect grace ends (`due`): (key, incarnation) -> the deadline,
+    and whether the agent's engine's moving transfers then fail."""
 
     def __init__(self) -> None:
         self._until: dict[tuple[AgentKey, str], float] = {}
+        self._fails: set[tuple[AgentKey, str]] = set()
 
-    def left(self, key: AgentKey, incarnation: str, until: float) -> None:
+    def left(self, key: AgentKey, incarnation: str, until: float, *, fails: bool) -> None:
         self._until[(key, incarnation)] = until
+        if fails:
+            self._fails.add((key, incarnation))
+        else:
+            self._fails.discard((key, incarnation))
 
     def back(self, key: AgentKey) -> None:
         """A hello from `key` (any incarnation: a new one fences the old)."""
         if self._until:
             for k in [k for k in self._until if k[0] == key]:
                 del self._until[k]
+                self._fails.discard(k)
 
-    def due(self, now: float) -> list[tuple[AgentKey, str]]:
-        """The agents whose grace is over, forgotten here."""
+    def due(self, now: float) -> list[tuple[AgentKey, str, bool]]:
+        """The agents whose grace is over, forgotten here, and whether each
+        fails its engine's moving transfers."""
         over = [k for k, until in self._until.items() if until <= now]
+        due: list[tuple[AgentKey, str, bool]] = []
         for k in over:
             del self._until[k]
-        return over
+            fails = k in self._fails
+            self._fails.discard(k)
+            due.append((k[0], k[1], fails))
+        return due
 
     def earliest(self) -> float | None:
         return min(self._until.values(), default=None)

@@ -279,8 +279,10 @@ class TransferChanged:
 @dataclass(slots=True)
 class AgentNotBack:
     """An agent whose stream closed did not say hello again within the
-    reconnect grace: its engine's moving transfers failed (a line for the
-    operator; the TransferChanged effects carry the failures)."""
+    reconnect grace: its engine is not ready, and its moving transfers failed
+    unless they wait for its lease (`transfers_failed` 0: a node relay's
+    stream lost, or no fail_on_disconnect). A line for the operator; the
+    TransferChanged effects carry the failures."""
 
     key: AgentKey
     incarnation: str

@@ -50,6 +50,7 @@ from controlplane.clock import Clock
 from controlplane.domain import (
     MOVING,
     AgentKey,
+    AgentNotBack,
     AgentRegistration,
     Blocks,
     Effect,
@@ -185,21 +186,23 @@ class Rendezvous:
     def agent_disconnected(
         self, key: AgentKey, incarnation: str, *, link_lost: bool = False
     ) -> list[Effect]:
-        """With `fail_on_disconnect`, the engine's moving transfers fail
-        unless the same incarnation says hello again within
-        `reconnect_grace_s` (its open orders are then sent again: a stream
-        that blipped loses nothing). `link_lost`: the stream ended with its
-        node relay's, not by the agent; its transfers then wait for its
-        lease, as without `fail_on_disconnect`, so a relay back within it
-        loses nothing."""
+        """The agent is `returning` for `reconnect_grace_s`: its engine stays
+        ready, and if the same incarnation says hello again within it, its
+        open orders are sent again (a stream that blipped loses nothing).
+        Past it the engine is not ready and, with `fail_on_disconnect`, its
+        moving transfers fail. `link_lost`: the stream ended with its node
+        relay's, not by the agent; its transfers then wait for its lease, as
+        without `fail_on_disconnect`, so a relay back within it loses
+        nothing."""
         if not self.registry.disconnected(key, incarnation):
             return []
-        if link_lost or not self.settings.fail_on_disconnect:
-            return []
+        fails = self.settings.fail_on_disconnect and not link_lost
         grace = self.settings.reconnect_grace_s
         if grace > 0:
             self.registry.require_agent(key).returning = True
-            self._away.left(key, incarnation, self._clock.monotonic() + grace)
+            self._away.left(key, incarnation, self._clock.monotonic() + grace, fails=fails)
+            return []
+        if not fails:
             return []
         return agent_loss.disconnected(self._book, key, incarnation, f"agent {key} disconnected")
 
@@ -370,10 +373,13 @@ class Rendezvous:
         lost, gone = self.registry.expire(now)
         for rec in lost:
             effects += agent_loss.lost(self._book, rec)
-        for key, inc in self._away.due(now):
+        for key, inc, fails in self._away.due(now):
             away = self.registry.agent(key)
             if away is not None and away.incarnation == inc and away.returning:
                 away.returning = False
+                if not fails:  # its transfers wait for its lease
+                    effects.append(AgentNotBack(key, inc, 0))
+                    continue
                 why = (
                     f"agent {key} disconnected and not back within "
                     f"{self.settings.reconnect_grace_s:g} s"

@@ -34,12 +34,14 @@ class CoreSettings:
     # Fail ordered transfers when an involved agent's stream closes and the
     # agent does not say hello again within reconnect_grace_s.
     fail_on_disconnect: bool = True
-    # With fail_on_disconnect: how long an agent whose stream closed may take
-    # to come back (the same incarnation; its open orders are sent again)
-    # before its engine's moving transfers fail. A stream that blips (a
-    # connection reset, a proxy's idle timeout, a relay's channel) then loses
-    # nothing; a dead agent fails them this much later. 0: at once. Past the
-    # lease (lease_s) the agent is lost anyway.
+    # How long an agent whose stream closed may take to come back (the same
+    # incarnation; its open orders are sent again). Meanwhile its engine stays
+    # ready (new transfers are ordered; their orders wait for the hello); past
+    # it the engine is not ready and, with fail_on_disconnect, its moving
+    # transfers fail. A stream that blips (a connection reset, a proxy's idle
+    # timeout, a node relay's stream) then loses nothing; a dead agent fails
+    # them this much later. 0: at once. Past the lease (lease_s) the agent is
+    # lost anyway.
     reconnect_grace_s: float = 1.0
     # Arm orders: when decode registers before prefill is done, send the
     # announced prefill engine's agents their orders at once; each fires its

@@ -458,6 +458,50 @@ def test_an_agent_not_back_within_its_reconnect_grace_fails_its_engines_moving_t
     assert rv.get("t").state is State.FAILED
 
 
+@pytest.mark.parametrize(
+    ("link_lost", "fail_on_disconnect"),
+    [(True, True), (False, False)],
+    ids=["its-node-relay-lost", "without-fail-on-disconnect"],
+)
+def test_a_stream_that_does_not_fail_stays_ready_for_the_grace_then_waits_for_the_lease(
+    link_lost: bool, fail_on_disconnect: bool
+) -> None:
+    """A rank cut off with its node relay (or any, without
+    fail_on_disconnect): its transfers wait for its lease, and its engine
+    stays ready for the reconnect grace, so a relay that blips fails no new
+    transfer either; past the grace it is not ready, nothing failed."""
+    rv, clock = core(reconnect_grace_s=1.0, lease_s=5.0, fail_on_disconnect=fail_on_disconnect)
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    assert rv.agent_disconnected(AgentKey(P, 0), "i1", link_lost=link_lost) == []
+    prefill = rv.registry.engine(P)
+    assert prefill is not None and prefill.ready and not prefill.ranks[0].connected
+    rv.register_decode("t2", D, [[2]], 10)
+    t2, effects = rv.prefill_done("t2", P, [[4]], 10)
+    [o2] = orders(effects)
+    assert t2.state is State.ORDERED  # not failed "engine not ready"
+    clock.advance(1.01)
+    effects = rv.tick()
+    assert [e for e in effects if isinstance(e, AgentNotBack)] == [
+        AgentNotBack(AgentKey(P, 0), "i1", 0)
+    ]
+    assert not notices(effects)
+    assert rv.get("t").state is State.ORDERED and rv.get("t2").state is State.ORDERED
+    assert not prefill.ready
+    rv.register_decode("t3", D, [[5]], 10)
+    t3, _ = rv.prefill_done("t3", P, [[6]], 10)
+    assert t3.state is State.FAILED and "not ready" in t3.detail
+    # Back within the lease: both orders are sent again, the engine is ready.
+    effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
+    sent_again = sorted(e.order.order_id for e in orders(effects))
+    assert sent_again == sorted([o.order.order_id, o2.order.order_id])
+    assert prefill.ready
+    finish(rv, o)
+    finish(rv, o2)
+    assert rv.get("t").state is State.COMPLETE and rv.get("t2").state is State.COMPLETE
+
+
 def test_a_new_incarnation_within_the_grace_fences_the_old_one_at_once() -> None:
     rv, clock = core(reconnect_grace_s=1.0)
     rv.register_decode("t", D, [[1]], 10)
