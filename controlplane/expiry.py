@@ -35,8 +35,20 @@ class Deadlines:
             out.append(t)
         return out
 
-    def earliest(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
+    def earliest(self, transfers: dict[str, Transfer]) -> float | None:
+        """The earliest deadline still binding a live transfer. The stale
+        entries before it (a transfer ended, or its deadline set again) are
+        dropped here: under load there are many, due within milliseconds of
+        each other, and each would wake the clock for nothing."""
+        heap = self._heap
+        while heap:
+            deadline, version, tid = heap[0]
+            t = transfers.get(tid)
+            if t is None or t.state.terminal or t.deadline_version != version:
+                heapq.heappop(heap)
+                continue
+            return deadline
+        return None
 
 
 class Retention:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -77,6 +78,10 @@ class Registry:
         # Incarnations replaced or lost while their process may still run:
         # (key, incarnation) -> the moment its lease is certainly over.
         self._ghosts: dict[tuple[AgentKey, str], float] = {}
+        # At most the earliest lease or ghost deadline: every one set lowers
+        # it, and `expire` scans the agents only once it has passed (the tick
+        # runs every few ms under load, and 1,000 agents take a scan).
+        self._check_at = math.inf
 
     # ------------------------------------------------------------- queries
     def engines(self) -> Iterator[EngineRecord]:
@@ -158,8 +163,10 @@ class Registry:
         old = eng.ranks.get(rank)
         rec = AgentRecord(reg, True, now, now + self._lease_s)
         eng.ranks[rank] = rec
+        self._check_at = min(self._check_at, rec.lease_deadline)
         if old is not None and old.incarnation != reg.incarnation:
             self._ghosts[(old.key, old.incarnation)] = old.lease_deadline
+            self._check_at = min(self._check_at, old.lease_deadline)
             return old
         return None
 
@@ -168,7 +175,8 @@ class Registry:
         if rec is None or rec.incarnation != incarnation:
             return False
         rec.last_seen = now
-        rec.lease_deadline = now + self._lease_s
+        rec.lease_deadline = deadline = now + self._lease_s
+        self._check_at = min(self._check_at, deadline)
         rec.connected = True
         return True
 
@@ -183,23 +191,32 @@ class Registry:
         """Drop agents whose lease ran out; return them and the ghosts now surely gone."""
         lost: list[AgentRecord] = []
         gone: list[tuple[AgentKey, str]] = []
+        if now < self._check_at:
+            return lost, gone
+        earliest = math.inf
         for eng in list(self._engines.values()):
             for rank, rec in list(eng.ranks.items()):
                 if rec.lease_deadline <= now:
                     del eng.ranks[rank]
                     lost.append(rec)
+                elif rec.lease_deadline < earliest:
+                    earliest = rec.lease_deadline
             if not eng.ranks:
                 del self._engines[eng.engine_id]
         for ghost, deadline in list(self._ghosts.items()):
             if deadline <= now:
                 del self._ghosts[ghost]
                 gone.append(ghost)
+            elif deadline < earliest:
+                earliest = deadline
+        self._check_at = earliest
         return lost, gone
 
     def next_deadline(self) -> float | None:
-        deadlines = [r.lease_deadline for e in self._engines.values() for r in e.ranks.values()]
-        deadlines.extend(self._ghosts.values())
-        return min(deadlines, default=None)
+        """No later than the earliest lease or ghost deadline (a renewal since
+        the last scan may have moved it on: the tick then scans, finds none due,
+        and learns the next)."""
+        return None if self._check_at == math.inf else self._check_at
 
     def require_agent(self, key: AgentKey) -> AgentRecord:
         rec = self.agent(key)

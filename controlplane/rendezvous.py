@@ -402,7 +402,7 @@ class Rendezvous:
         """Monotonic time of the next deadline or lease expiry, if any."""
         candidates: list[float] = []
         for nxt in (
-            self._deadlines.earliest(),
+            self._deadlines.earliest(self._transfers),
             self.registry.next_deadline(),
             self._away.earliest(),
         ):

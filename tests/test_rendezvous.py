@@ -682,3 +682,57 @@ def test_compaction_keeps_a_rank_with_nothing_to_write_apart() -> None:
     t.compact()
     assert t.orders[1].order.targets == () and t.orders[0].order.targets
     assert t.arrived_ranks() == {1} and t.outstanding_ranks() == [0, 1]
+
+
+def test_the_clock_wakes_for_live_deadlines_only() -> None:
+    """A transfer that ended leaves its deadline behind in the heap: the next
+    wakeup is the live transfer's deadline or a lease, never the stale one
+    (under load those come every few ms and woke the tick loop for nothing)."""
+    rv, clock = core(lease_s=30.0, write_timeout_s=2.0)
+    t0 = clock.monotonic()
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    assert rv.next_wakeup() == pytest.approx(t0 + 2.0)  # t's write deadline
+    finish(rv, o)
+    assert rv.get("t").state is State.COMPLETE
+    assert rv.next_wakeup() == pytest.approx(t0 + 30.0)  # the leases, not t's deadline
+    clock.advance(1.0)
+    rv.register_decode("t2", D, [[2]], 10)
+    rv.prefill_done("t2", P, [[4]], 10)
+    assert rv.next_wakeup() == pytest.approx(t0 + 3.0)
+    clock.advance(2.01)
+    rv.tick()
+    assert rv.get("t2").state is State.EXPIRED
+    assert rv.next_wakeup() == pytest.approx(t0 + 30.0)
+
+
+def test_leases_expire_on_time_whatever_renewed_since_the_last_look() -> None:
+    rv, clock = core(lease_s=5.0)
+    t0 = clock.monotonic()
+    clock.advance(4.0)
+    rv.agent_seen(AgentKey(P, 0), "i1")  # P's lease now ends at 9, D's at 5
+    wake = rv.next_wakeup()
+    assert wake is not None and wake <= t0 + 5.0
+    clock.advance(1.01)
+    rv.tick()
+    assert rv.registry.engine(D) is None and rv.registry.engine(P) is not None
+    wake = rv.next_wakeup()
+    assert wake is not None and t0 + 5.01 < wake <= t0 + 9.0
+    rv.agent_seen(AgentKey(P, 0), "i1")  # at 5.01: now 10.01
+    clock.advance(4.0)
+    rv.tick()  # at 9.01, past the deadline the clock last knew of
+    assert rv.registry.engine(P) is not None
+    rv.agent_hello(reg(D, Role.DECODE, 0, 1, inc="i2"))  # at 9.01: ends at 14.01
+    clock.advance(1.01)
+    rv.tick()  # at 10.02
+    assert rv.registry.engine(P) is None and rv.registry.engine(D) is not None
+    assert rv.next_wakeup() == pytest.approx(t0 + 14.01)
+    # A replaced incarnation's lease (its ghost) bounds the wakeup too.
+    clock.advance(1.0)
+    rv.agent_hello(reg(D, Role.DECODE, 0, 1, inc="i3"))  # fences i2, lease to 14.01
+    assert rv.registry.may_still_act(AgentKey(D, 0), "i2", clock.monotonic())
+    assert rv.next_wakeup() == pytest.approx(t0 + 14.01)
+    clock.advance(3.0)
+    rv.tick()
+    assert not rv.registry.may_still_act(AgentKey(D, 0), "i2", clock.monotonic())
