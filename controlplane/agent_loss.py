@@ -2,7 +2,7 @@
 resolved, and every agent learns the incarnation is fenced. Plain Python, no
 gRPC; the rendezvous state machine (rendezvous.py) calls these on a hello that
 replaces a live incarnation (`fenced`), a lapsed lease (`lost`), a closed
-stream not reopened within the reconnect grace (`Away`, `disconnected`), and
+stream not reopened within the reconnect grace (`Away`, `grace_over`), and
 a replaced incarnation's lease running out (`resolve_orders`).
 """
 
@@ -48,6 +48,21 @@ def disconnected(book: InFlight, key: AgentKey, incarnation: str, why: str) -> l
     failed = len({e.transfer_id for e in effects if type(e) is TransferChanged})
     effects.append(AgentNotBack(key, incarnation, failed))
     return effects
+
+
+def grace_over(
+    book: InFlight, key: AgentKey, incarnation: str, fails: bool, grace_s: float
+) -> list[Effect]:
+    """Agent `key`'s reconnect grace ended without its hello: its engine is
+    not ready, and its moving transfers fail (`fails`) or wait for its lease."""
+    rec = book.registry.agent(key)
+    if rec is None or rec.incarnation != incarnation or not rec.returning:
+        return []
+    rec.returning = False
+    if not fails:
+        return [AgentNotBack(key, incarnation, 0)]
+    why = f"agent {key} disconnected and not back within {grace_s:g} s"
+    return disconnected(book, key, incarnation, why)
 
 
 class Away:

@@ -50,7 +50,6 @@ from controlplane.clock import Clock
 from controlplane.domain import (
     MOVING,
     AgentKey,
-    AgentNotBack,
     AgentRegistration,
     Blocks,
     Effect,
@@ -374,17 +373,8 @@ class Rendezvous:
         for rec in lost:
             effects += agent_loss.lost(self._book, rec)
         for key, inc, fails in self._away.due(now):
-            away = self.registry.agent(key)
-            if away is not None and away.incarnation == inc and away.returning:
-                away.returning = False
-                if not fails:  # its transfers wait for its lease
-                    effects.append(AgentNotBack(key, inc, 0))
-                    continue
-                why = (
-                    f"agent {key} disconnected and not back within "
-                    f"{self.settings.reconnect_grace_s:g} s"
-                )
-                effects += agent_loss.disconnected(self._book, key, inc, why)
+            grace_s = self.settings.reconnect_grace_s
+            effects += agent_loss.grace_over(self._book, key, inc, fails, grace_s)
         for key, inc in gone:
             effects += agent_loss.resolve_orders(
                 self._book, key, inc, "replaced incarnation's lease over"
