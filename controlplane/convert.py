@@ -294,6 +294,7 @@ def engine_to_pb(
             incarnation=rec.incarnation,
             nixl_agent_name=rec.reg.nixl_agent_name,
             connected=rec.connected,
+            returning=rec.returning and not rec.connected,
             lease_expires_unix_us=_us(rec.lease_deadline + wall_offset),
             last_seen_unix_us=_us(rec.last_seen + wall_offset),
             inflight_orders=open_orders.get(rec.key.rank, 0),

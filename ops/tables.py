@@ -87,6 +87,11 @@ def rank_text(e: pb.EngineStatus, r: pb.RankLease) -> str:
     return f"pp{r.pp_rank}/{e.pp_size}.tp{r.tp_rank % max(1, e.tp_size)}/{e.tp_size}"
 
 
+def _connected(r: pb.RankLease) -> str:
+    """yes; no; or grace: not connected, within its reconnect grace."""
+    return "yes" if r.connected else "grace" if r.returning else "no"
+
+
 def engines_table(engines: Sequence[pb.EngineStatus]) -> str:
     rows = []
     for e in engines:
@@ -97,7 +102,7 @@ def engines_table(engines: Sequence[pb.EngineStatus]) -> str:
                     pb.Role.Name(e.role).removeprefix("ROLE_").lower(),
                     rank_text(e, r),
                     r.incarnation,
-                    "yes" if r.connected else "no",
+                    _connected(r),
                     "yes" if e.ready else "no",
                     str(r.inflight_orders),
                     str(e.inflight_transfers),
@@ -273,7 +278,7 @@ def engine_leases_table(engines: Sequence[pb.EngineStatus], now_us: int) -> str:
                     pb.Role.Name(e.role).removeprefix("ROLE_").lower(),
                     rank_text(e, r),
                     r.incarnation,
-                    "yes" if r.connected else "no",
+                    _connected(r),
                     "yes" if e.ready else "no",
                     f"{(now_us - r.last_seen_unix_us) / 1e6:.1f}",
                     f"{(r.lease_expires_unix_us - now_us) / 1e6:.1f}",

@@ -650,6 +650,8 @@ async def test_list_engines_shows_ranks_leases_and_connection(
             r = await status(channel).ListEngines(pb.ListEnginesRequest(role=pb.ROLE_PREFILL))
             [p] = r.engines
             assert [lease.connected for lease in p.ranks] == [True, False]
+            # Ready exactly while the rank is within its grace (shown `returning`).
+            assert [lease.returning for lease in p.ranks] == [False, p.ready]
             if not p.ready:
                 break
             assert time.monotonic() < deadline, "still ready past the grace"

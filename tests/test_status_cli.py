@@ -206,6 +206,24 @@ def test_engines_table_and_json(addr: str, capsys: pytest.CaptureFixture[str]) -
     assert [e.engine_id for e in resp.engines] == ["p0"] and resp.engines[0].ready
 
 
+def test_a_rank_within_its_reconnect_grace_shows_grace() -> None:
+    """CONNECTED: yes; grace (its stream closed, the same agent may still say
+    hello again: its engine stays READY); no."""
+    from ops import tables
+
+    ranks = [
+        pb.RankLease(tp_rank=0, incarnation="i1", connected=True),
+        pb.RankLease(tp_rank=1, incarnation="i1", returning=True),
+        pb.RankLease(tp_rank=2, incarnation="i1"),
+    ]
+    e = pb.EngineStatus(engine_id="p0", role=pb.ROLE_PREFILL, tp_size=3, ready=True, ranks=ranks)
+    for table in (tables.engines_table([e]), tables.engine_leases_table([e], 0)):
+        column = rows(table)[0].index("yes")  # CONNECTED, before READY
+        header = table.splitlines()[0].split()
+        assert header[column] == "CONNECTED", table
+        assert [r[column] for r in rows(table)] == ["yes", "grace", "no"], table
+
+
 # ---------------------------------------------------------------- watch
 
 

@@ -1816,6 +1816,7 @@ class RankLease(_message.Message):
     INFLIGHT_ORDERS_FIELD_NUMBER: _builtins.int
     PP_RANK_FIELD_NUMBER: _builtins.int
     RELAY_FIELD_NUMBER: _builtins.int
+    RETURNING_FIELD_NUMBER: _builtins.int
     tp_rank: _builtins.int
     incarnation: _builtins.str
     nixl_agent_name: _builtins.str
@@ -1831,6 +1832,11 @@ class RankLease(_message.Message):
     """The node relay whose NodeStream carries this rank's stream (its peer
     address as the coordinator sees it); empty: the agent's own AgentStream.
     """
+    returning: _builtins.bool
+    """Not connected, within its reconnect grace (--reconnect-grace-s): its
+    stream closed and the same incarnation may still say hello again; orders
+    to it wait for that hello, and its engine stays ready meanwhile.
+    """
     def __init__(
         self,
         *,
@@ -1843,10 +1849,11 @@ class RankLease(_message.Message):
         inflight_orders: _builtins.int = ...,
         pp_rank: _builtins.int = ...,
         relay: _builtins.str = ...,
+        returning: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "pp_rank", b"pp_rank", "relay", b"relay", "tp_rank", b"tp_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["connected", b"connected", "incarnation", b"incarnation", "inflight_orders", b"inflight_orders", "last_seen_unix_us", b"last_seen_unix_us", "lease_expires_unix_us", b"lease_expires_unix_us", "nixl_agent_name", b"nixl_agent_name", "pp_rank", b"pp_rank", "relay", b"relay", "returning", b"returning", "tp_rank", b"tp_rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
