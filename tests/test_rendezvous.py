@@ -488,7 +488,8 @@ def test_a_stream_that_does_not_fail_stays_ready_for_the_grace_then_waits_for_th
     ]
     assert not notices(effects)
     assert rv.get("t").state is State.ORDERED and rv.get("t2").state is State.ORDERED
-    assert not prefill.ready
+    prefill = rv.registry.engine(P)
+    assert prefill is not None and not prefill.ready
     rv.register_decode("t3", D, [[5]], 10)
     t3, _ = rv.prefill_done("t3", P, [[6]], 10)
     assert t3.state is State.FAILED and "not ready" in t3.detail
@@ -496,7 +497,8 @@ def test_a_stream_that_does_not_fail_stays_ready_for_the_grace_then_waits_for_th
     effects = rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
     sent_again = sorted(e.order.order_id for e in orders(effects))
     assert sent_again == sorted([o.order.order_id, o2.order.order_id])
-    assert prefill.ready
+    prefill = rv.registry.engine(P)
+    assert prefill is not None and prefill.ready
     finish(rv, o)
     finish(rv, o2)
     assert rv.get("t").state is State.COMPLETE and rv.get("t2").state is State.COMPLETE
