@@ -52,6 +52,7 @@ class InFlight:
         # up to max_terminal): what an agent's loss scans, per agent.
         self.live: dict[str, Transfer] = {}
         self.count = 0
+        self.begun = 0  # transfers created, ever (the GC policy's sign of work)
         self.by_engine: dict[EngineId, int] = {}
         self.deadlines = Deadlines()
         self.retention = Retention(settings)
@@ -81,6 +82,7 @@ class InFlight:
         self.transfers[tid] = t
         self.live[tid] = t
         self.count += 1
+        self.begun += 1
         for e in engines:
             self.count_engine(t, e)
         self.deadlines.set(t, s.rendezvous_timeout_s, now)

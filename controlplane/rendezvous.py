@@ -153,6 +153,10 @@ class Rendezvous:
     def inflight(self) -> int:
         return self._book.count
 
+    @property
+    def transfers_begun(self) -> int:
+        return self._book.begun
+
     def open_orders_of(self, key: AgentKey, incarnation: str) -> int:
         return self._open_orders.count(key, incarnation)
 

@@ -250,6 +250,8 @@ async def serve(settings: ServerSettings) -> int:
     full_gc = asyncio.create_task(gcpolicy.full_collections(policy=policy))  # owned here
     try:
         coord = await start(settings)
+        # A due full pass waits for a quiet second (gcpolicy.py).
+        policy.activity = lambda: coord.runtime.core.transfers_begun
         if settings.port_file:
             write_port_file(settings.port_file, coord.port)
         stop = asyncio.Event()
