@@ -30,8 +30,9 @@ Policy:
   waits behind the pause (0.33 s at 550 000 frozen objects on the bench's
   loaded leader, which found 35 objects to free: `pushkv bench cluster`,
   docs/benchmarks.md), nor behind the frozen count itself (CPython walks
-  the frozen list to count it: 12 ms at 2 million objects). A load that
-  never pauses for a second is looked at every `MAX_DEFER_S`;
+  the frozen list to count it: 12 ms at 2 million objects). It looks at a
+  quiet check at most every `LOOK_S`, and under a load that never pauses
+  for a second every `MAX_DEFER_S`;
 - a replica on etcd skips a pass it estimates (from the last pass's time per
   object) to take longer than a quarter of its lease TTL: a pause past the
   lease's margin would end its leadership (docs/reliability.md). The skip is
@@ -59,8 +60,10 @@ THRESHOLDS = (2_000, 1, 10)
 CHECK_INTERVAL_S = 1.0
 MIN_BASELINE = 250_000
 GROWTH = 2.0
-# While busy (a transfer begun since the previous check), the frozen count is
-# read, and a due pass run, at most this often.
+# The frozen count is read, and a due pass run, at a quiet check at most
+# every LOOK_S; while busy (a transfer begun since the previous check), every
+# MAX_DEFER_S.
+LOOK_S = 10.0
 MAX_DEFER_S = 600.0
 # A full pass's seconds per frozen object until one was timed (220-230 ns
 # measured here).
@@ -107,8 +110,8 @@ class FullCollections:
     """When a full collection is due: the frozen objects doubled since the last,
     and the pass fits `max_pause_s` by the last pass's time per object. Both
     are looked at only at a quiet check (`activity`, a count of the work a
-    pause would hold up, did not move since the check before), or when
-    `max_defer_s` passed since they were last looked at."""
+    pause would hold up, did not move since the check before) `look_s` after
+    the last look, or when `max_defer_s` passed since it."""
 
     def __init__(
         self,
@@ -116,12 +119,14 @@ class FullCollections:
         growth: float = GROWTH,
         max_pause_s: float = math.inf,
         max_defer_s: float = MAX_DEFER_S,
+        look_s: float = LOOK_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.min_baseline = min_baseline
         self.growth = growth
         self.max_pause_s = max_pause_s
         self.max_defer_s = max_defer_s
+        self.look_s = look_s
         self.baseline = max(gc.get_freeze_count(), min_baseline)
         self.s_per_object = FIRST_S_PER_OBJECT
         self.runs = 0
@@ -131,7 +136,7 @@ class FullCollections:
         self.activity: Callable[[], int] | None = None
         self._clock = clock
         self._seen: int | None = None
-        self._looked_at = clock()
+        self._looked_at = -math.inf  # the first check looks
 
     def due(self, frozen: int) -> bool:
         return frozen >= self.growth * self.baseline
@@ -144,13 +149,14 @@ class FullCollections:
         return seen == self._seen
 
     def check(self) -> bool:
-        """Run one full collection if the moment is quiet (or `max_defer_s`
-        passed since the last look), it is due, and it fits; whether it ran."""
+        """Run one full collection if it is time to look (quiet and `look_s`
+        since the last look, or `max_defer_s` since it), it is due, and it
+        fits; whether it ran."""
         quiet = self._quiet()
         now = self._clock()
         waited = now - self._looked_at
-        if not quiet and waited < self.max_defer_s:
-            self.busy += 1
+        if waited < (self.look_s if quiet else self.max_defer_s):
+            self.busy += not quiet
             return False
         self._looked_at = now
         frozen = gc.get_freeze_count()  # a walk over the frozen objects

@@ -59,7 +59,7 @@ def test_a_full_collection_is_due_once_the_frozen_objects_doubled() -> None:
     """Not on a clock: a heap whose long-lived part stays the same size (a
     coordinator whose retention is full) is never paused by a full pass."""
     gc.collect(1)
-    policy = gcpolicy.FullCollections(min_baseline=1_000)
+    policy = gcpolicy.FullCollections(min_baseline=1_000, look_s=0)  # looks at every check
     start = gc.get_freeze_count()
     assert policy.baseline == max(start, 1_000)
     assert not policy.check() and policy.runs == 0
@@ -82,7 +82,7 @@ def test_a_pass_longer_than_the_lease_allows_is_skipped() -> None:
     margin: a pass estimated longer than `max_pause_s` is skipped, and asked
     again only once the heap doubled again."""
     gc.collect(1)
-    policy = gcpolicy.FullCollections(min_baseline=1_000, max_pause_s=1e-9)
+    policy = gcpolicy.FullCollections(min_baseline=1_000, max_pause_s=1e-9, look_s=0)
     a, b = Node(), Node()
     a.peer, b.peer = b, a
     ref = weakref.ref(a)
@@ -131,33 +131,38 @@ def test_uninstall_restores_the_defaults() -> None:
 def test_while_transfers_flow_the_policy_looks_every_max_defer_s_only() -> None:
     """Transfers flowing (the count moved since the previous check): no pass,
     and not even the frozen count (CPython walks the frozen objects to count
-    them), so no rendezvous waits behind either; a quiet check looks and runs
-    a due pass, and a load that never pauses is looked at every `max_defer_s`."""
+    them), so no rendezvous waits behind either; a quiet check `look_s` after
+    the last look runs a due pass, and a load that never pauses is looked at
+    every `max_defer_s`."""
     now = [0.0]
     begun = [0]
     gc.collect(1)
-    policy = gcpolicy.FullCollections(min_baseline=1_000, max_defer_s=60.0, clock=lambda: now[0])
+    policy = gcpolicy.FullCollections(
+        min_baseline=1_000, max_defer_s=60.0, look_s=10.0, clock=lambda: now[0]
+    )
     policy.activity = lambda: begun[0]
+    assert not policy.check()  # the first check looks: nothing due
     keep = [Node() for _ in range(2 * policy.baseline)]
     gc.collect(1)
     assert policy.due(gc.get_freeze_count())
-    for _ in range(3):  # busy: a transfer began between each two checks
+    for _ in range(9):  # busy: a transfer began between each two checks
         begun[0] += 1
         now[0] += 1.0
         assert not policy.check()
-    assert (policy.runs, policy.busy) == (0, 3)
-    now[0] += 1.0
-    assert policy.check() and policy.runs == 1  # quiet: nothing began since
+    assert (policy.runs, policy.busy) == (0, 9)
+    now[0] += 0.5
+    assert not policy.check()  # quiet, but within look_s of the last look
+    now[0] += 0.5
+    assert policy.check() and policy.runs == 1  # quiet, 10 s since: looks, runs
     assert policy.baseline >= len(keep)
 
     more = [Node() for _ in range(2 * policy.baseline)]
     gc.collect(1)
+    for _ in range(59):  # due again, and busy for a minute
+        begun[0] += 1
+        now[0] += 1.0
+        assert not policy.check()
     begun[0] += 1
-    assert not policy.check()  # due again (looked at 4 s), busy
-    now[0] += 59.0
-    begun[0] += 1
-    assert not policy.check() and policy.runs == 1
     now[0] += 1.0
-    begun[0] += 1
     assert policy.check() and policy.runs == 2  # busy still, but 60 s since the last look
     assert len(more) > len(keep)
