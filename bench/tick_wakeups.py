@@ -27,7 +27,6 @@ from typing import Any
 
 TP = 8
 ENGINES = 125  # 62 prefill + 63 decode engines of 8 ranks: 1,000 agents
-TICK_MIN_S, TICK_MAX_S = 0.005, 0.25  # as runtime._tick_loop
 STEP_S = 0.001
 
 
@@ -44,6 +43,7 @@ def _one_rep(rate: float, seconds: float, warmup: float) -> dict[str, float]:
         WriteStatus,
     )
     from controlplane.rendezvous import Rendezvous
+    from controlplane.runtime import TICK_MAX_S, TICK_MIN_S
     from controlplane.settings import CoreSettings
 
     clock = FakeClock()

@@ -71,37 +71,27 @@ class Away:
     and whether the agent's engine's moving transfers then fail."""
 
     def __init__(self) -> None:
-        self._until: dict[tuple[AgentKey, str], float] = {}
-        self._fails: set[tuple[AgentKey, str]] = set()
+        self._until: dict[tuple[AgentKey, str], tuple[float, bool]] = {}
 
     def left(self, key: AgentKey, incarnation: str, until: float, *, fails: bool) -> None:
-        self._until[(key, incarnation)] = until
-        if fails:
-            self._fails.add((key, incarnation))
-        else:
-            self._fails.discard((key, incarnation))
+        self._until[(key, incarnation)] = (until, fails)
 
     def back(self, key: AgentKey) -> None:
         """A hello from `key` (any incarnation: a new one fences the old)."""
         if self._until:
             for k in [k for k in self._until if k[0] == key]:
                 del self._until[k]
-                self._fails.discard(k)
 
     def due(self, now: float) -> list[tuple[AgentKey, str, bool]]:
         """The agents whose grace is over, forgotten here, and whether each
         fails its engine's moving transfers."""
-        over = [k for k, until in self._until.items() if until <= now]
-        due: list[tuple[AgentKey, str, bool]] = []
-        for k in over:
+        over = [(k, fails) for k, (until, fails) in self._until.items() if until <= now]
+        for k, _ in over:
             del self._until[k]
-            fails = k in self._fails
-            self._fails.discard(k)
-            due.append((k[0], k[1], fails))
-        return due
+        return [(k[0], k[1], fails) for k, fails in over]
 
     def earliest(self) -> float | None:
-        return min(self._until.values(), default=None)
+        return min((until for until, _ in self._until.values()), default=None)
 
 
 def lost(book: InFlight, rec: AgentRecord) -> list[Effect]:

@@ -40,6 +40,9 @@ from controlplane.timeline import TransferObserver
 from controlplane.transfer import Transfer
 from controlplane.transfer_filter import TransferFilter
 
+# The tick loop sleeps until the next deadline, within these bounds.
+TICK_MIN_S, TICK_MAX_S = 0.005, 0.25
+
 log = structlog.get_logger("pushkv.coordinator")
 
 OUTBOX_LIMIT = 100_000
@@ -253,7 +256,8 @@ class Runtime:
             except Exception:
                 log.exception("tick_failed")
             nxt = self.core.next_wakeup()
-            delay = 0.25 if nxt is None else min(max(nxt - self.clock.monotonic(), 0.005), 0.25)
+            soon = TICK_MAX_S if nxt is None else nxt - self.clock.monotonic()
+            delay = min(max(soon, TICK_MIN_S), TICK_MAX_S)
             await asyncio.sleep(delay)
 
     # ---------------------------------------------------------------- effects
