@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import grpc
 from pushkv.v1 import pushkv_pb2 as pb
@@ -120,14 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = args.blocks * block_len * args.regions
     t_start = time.monotonic()
     results: dict[str, list[float]] = {}
-    logdir = Path(tempfile.mkdtemp(prefix="pushkv-bench-link-"))
     with TwoNodeLink(args.rate_bit) as link:
         coord = CoordinatorProcess(
             "--host",
             link.coordinator_host,
             "--log-level",
             "WARNING",
-            log_path=str(logdir / "coordinator.log"),
         ).start()
         addr = f"{link.coordinator_host}:{coord.port}"
         kw = {"num_blocks": 2 * args.blocks, "block_len": block_len, "num_regions": args.regions}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Self
 
@@ -23,6 +25,9 @@ class CoordinatorProcess:
         self._flags = flags
         self.host = host
         self._dir = Path(tempfile.mkdtemp(prefix="pushkv-coord-"))
+        # The object owns its folder (port file, default log): freed with it,
+        # or at exit, not at stop, since a test reads the log after stopping.
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._port_file = self._dir / "port"
         self._log_path = Path(log_path) if log_path else self._dir / "coordinator.log"
         self.port = port

@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,15 @@ def free_port(low: int = 10000) -> int:
         s.bind(("127.0.0.1", 0))
         chosen: int = s.getsockname()[1]
         return chosen
+
+
+def _owned_log(owner: object, prefix: str) -> Path:
+    """A log file that lives as long as `owner` (read after a stop, for a
+    failure's message; removed with the object or at exit)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    weakref.finalize(owner, Path(name).unlink, missing_ok=True)
+    return Path(name)
 
 
 @dataclass
@@ -149,7 +159,7 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(workers))
         elif self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
-        self.log_path = Path(tempfile.mkstemp(prefix=f"vllm-{self.name}-", suffix=".log")[1])
+        self.log_path = _owned_log(self, f"vllm-{self.name}-")
         with open(self.log_path, "wb") as log:
             if self.pin_process and self.cpu_core is not None:
                 cmd = ["taskset", "-c", str(self.cpu_core), *cmd]  # children inherit it
@@ -299,7 +309,7 @@ class RouterProcess:
         self.flags = flags  # more `pushkv router` flags
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="pushkv-router-", suffix=".log")[1])
+        self.log_path = _owned_log(self, "pushkv-router-")
 
     @property
     def url(self) -> str:
