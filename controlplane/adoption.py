@@ -64,7 +64,8 @@ def join(
     named = t.prefill_engine if prefill else t.decode_engine
     if named is not None and named != reg.engine_id:
         return False
-    t.adopted_from.add(reg.engine_id)
+    if reg.engine_id not in t.adopted_from:
+        t.adopted_from = (*t.adopted_from, reg.engine_id)
     if prefill:
         t.announced_prefill = t.announced_prefill or reg.engine_id
     else:

@@ -95,7 +95,7 @@ class InFlight:
         if limit and self.by_engine.get(engine, 0) >= most:
             raise ResourceExhausted(f"engine {engine} has {most} transfers in flight")
         self.by_engine[engine] = self.by_engine.get(engine, 0) + 1
-        t.counted.add(engine)
+        t.counted = (*t.counted, engine)
 
     def of_engine(self, engine: EngineId) -> list[Transfer]:
         """The transfers not ended that name `engine`."""

@@ -93,16 +93,19 @@ class Transfer:
     terminal_mono: float | None
     # Bumped on every deadline change so stale heap entries are ignored.
     deadline_version: int
-    # Engines whose in-flight count includes this transfer.
-    counted: set[EngineId]
+    # Engines whose in-flight count includes this transfer. At most two: a
+    # tuple, which the GC stops tracking once it holds only strings (a set
+    # stays tracked: one object more per retained transfer, gcpolicy.py).
+    counted: tuple[EngineId, ...]
     # Adopted from agents' hellos after a failover and not ordered by this
     # leader yet (controlplane/adoption.py); and, until then, the prefill
     # ranks each decode rank counted (its hello, its arrival reports).
     adopting: bool
     early_arrivals: dict[int, set[int]]
     # Engines one of whose agents re-sent this transfer in a hello to this
-    # leader: only their resubmitted sides are accepted (resubmission.py).
-    adopted_from: set[EngineId]
+    # leader: only their resubmitted sides are accepted (resubmission.py). A
+    # tuple, as `counted`.
+    adopted_from: tuple[EngineId, ...]
     # Decode ranks whose hello said the transfer was written in full before
     # the failover (HeldTransfer.ready; all of them: COMPLETE, adoption.py).
     ready_ranks: frozenset[int]
@@ -126,10 +129,10 @@ class Transfer:
         self.timeline = []
         self.terminal_mono = None
         self.deadline_version = 0
-        self.counted = set()
+        self.counted = ()
         self.adopting = False
         self.early_arrivals = {}
-        self.adopted_from = set()
+        self.adopted_from = ()
         self.ready_ranks = _NO_RANKS
 
     @property

@@ -92,5 +92,7 @@ def test_retained_transfers_are_counted_and_a_full_pass_timed(
     )
     assert m is not None, out
     per, rss = float(m.group(1)), int(m.group(2))
-    assert 5 < per < 200 and rss > 0, out
+    # Two per rank (its record and its order) and about 8 for the transfer
+    # (12.2 at TP 2; 14.3 while its engine sets were sets, not tuples).
+    assert 5 < per < 2 * 2 + 9 and rss > 0, out
     assert re.search(r"a full GC pass \d+ ms median \(\d+, \d+, \d+\)", out), out
