@@ -59,7 +59,7 @@ def free_port(low: int = 10000) -> int:
         return chosen
 
 
-def _owned_log(owner: object, prefix: str) -> Path:
+def owned_log(owner: object, prefix: str) -> Path:
     """A log file that lives as long as `owner` (read after a stop, for a
     failure's message; removed with the object or at exit)."""
     fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
@@ -159,7 +159,7 @@ class VllmServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(workers))
         elif self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
-        self.log_path = _owned_log(self, f"vllm-{self.name}-")
+        self.log_path = owned_log(self, f"vllm-{self.name}-")
         with open(self.log_path, "wb") as log:
             if self.pin_process and self.cpu_core is not None:
                 cmd = ["taskset", "-c", str(self.cpu_core), *cmd]  # children inherit it
@@ -309,7 +309,7 @@ class RouterProcess:
         self.flags = flags  # more `pushkv router` flags
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = _owned_log(self, "pushkv-router-")
+        self.log_path = owned_log(self, "pushkv-router-")
 
     @property
     def url(self) -> str:

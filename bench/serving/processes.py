@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from harness.vllm_server import metric_value
+from harness.vllm_server import metric_value, owned_log
 from vllm_integration.metrics import read_schedstat
 
 
@@ -36,7 +35,7 @@ class ChildProcess:
         self.cmd = cmd
         self.health_url = health_url
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")[1])
+        self.log_path = owned_log(self, f"bench-{name}-")
 
     def start(self, timeout: float = 60.0) -> ChildProcess:
         with open(self.log_path, "wb") as log:
