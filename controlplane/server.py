@@ -69,6 +69,8 @@ class ServerSettings:
     core: CoreSettings = field(default_factory=CoreSettings)
     # Prometheus /metrics over HTTP on `host`: None = off, 0 = any free port.
     metrics_port: int | None = None
+    # The per-rank pushkv_agent_* series beside the per-engine ones (--rank-metrics).
+    rank_metrics: bool = True
     # Replicated coordinators (docs/reliability.md): etcd client URLs; empty =
     # the single in-memory coordinator, with no election.
     etcd: str = ""
@@ -133,7 +135,11 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         )
     limit = max_order_bytes(settings.max_message_bytes)
     runtime = Runtime(settings.core, clock or SystemClock(), limit)
-    metrics = CoordinatorMetrics(runtime) if settings.metrics_port is not None else None
+    metrics = (
+        CoordinatorMetrics(runtime, rank_series=settings.rank_metrics)
+        if settings.metrics_port is not None
+        else None
+    )
     tracer = tracer_from_env(runtime)
     if metrics is not None:
         runtime.observers.append(metrics.events)

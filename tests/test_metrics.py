@@ -34,6 +34,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
+from cli.main import build_parser
 from controlplane import tracing
 from controlplane import transfer_metrics as cmetrics
 from controlplane.core_build import core_build
@@ -271,6 +272,12 @@ async def test_coordinator_metrics_after_real_transfers(
         lease = value(s, "pushkv_agent_lease_remaining_seconds", engine=engine, rank="0")
         assert 0 < lease <= 5.0  # CoreSettings.lease_s
         assert value(s, "pushkv_agent_open_orders", engine=engine, rank="0") == 0
+        # The per-engine aggregates of the same scrape (one rank: its values).
+        assert value(s, "pushkv_engine_open_orders", engine=engine, role=role) == 0
+        seen_max = value(s, "pushkv_engine_agent_last_seen_max_seconds", engine=engine, role=role)
+        assert seen_max == value(s, "pushkv_agent_last_seen_seconds", engine=engine, rank="0")
+        left_min = "pushkv_engine_agent_lease_remaining_min_seconds"
+        assert value(s, left_min, engine=engine, role=role) == lease
     assert value(s, "pushkv_engine_inflight_transfers", engine="d0", role="decode") == 1
     assert value(s, "pushkv_engine_inflight_transfers", engine="p0", role="prefill") == 0
     info = [k for k in s if k[0] == "pushkv_coordinator_info"]
@@ -394,6 +401,12 @@ async def test_lease_gauges_follow_agents(coord: Coordinator) -> None:
         _, s = await scrape(url)
         assert value(s, "pushkv_agents_connected", engine="d0", role="decode") == 1
         assert value(s, "pushkv_agents_registered", engine="d0", role="decode") == 2
+        # The engine's aggregates: its most silent rank, its first lease to expire.
+        seen = [value(s, "pushkv_agent_last_seen_seconds", engine="d0", rank=r) for r in "01"]
+        left = [value(s, "pushkv_agent_lease_remaining_seconds", engine="d0", rank=r) for r in "01"]
+        d0 = {"engine": "d0", "role": "decode"}
+        assert value(s, "pushkv_engine_agent_last_seen_max_seconds", **d0) == max(seen)
+        assert value(s, "pushkv_engine_agent_lease_remaining_min_seconds", **d0) == min(left)
         # Not ready once the rank's reconnect grace is over (within it the
         # engine stays ready: tests/test_rendezvous.py).
         deadline = time.monotonic() + 10.0
@@ -459,6 +472,36 @@ async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
         assert time.monotonic() < deadline, "no lag sample above 25 ms"
         await asyncio.sleep(0.005)  # poll, under the deadline
     assert value(s, "pushkv_event_loop_lag_seconds_sum") >= 0.035
+
+
+async def test_without_rank_series_the_engine_aggregates_stay() -> None:
+    """--rank-metrics false: no pushkv_agent_* series (three per rank), the
+    per-engine aggregates as before; an open order counts on its engine."""
+    c = await start(ServerSettings(port=0, metrics_port=0, rank_metrics=False))
+    try:
+        async with SimCluster(c.address, tp_size=2, auto_complete=False) as cl:
+            async with grpc.aio.insecure_channel(c.address) as ch:
+                stub = pbg.TransferServiceStub(ch)
+                await stub.RegisterDecodeBlocks(dec_req("m-agg"))
+                await stub.ReportPrefillDone(pre_req("m-agg"))
+            for p in cl.prefill:
+                await p.expect("order", WAIT, skip=("peer", "notice"))
+            text, s = await scrape(f"http://127.0.0.1:{c.metrics_port}/metrics")
+    finally:
+        await c.stop(0)
+    assert value(s, "pushkv_engine_open_orders", engine="p0", role="prefill") == 2
+    assert value(s, "pushkv_engine_open_orders", engine="d0", role="decode") == 0
+    assert value(s, "pushkv_agents_connected", engine="p0", role="prefill") == 2
+    left = value(s, "pushkv_engine_agent_lease_remaining_min_seconds", engine="p0", role="prefill")
+    assert 0 < left <= 5.0
+    per_rank = {"pushkv_agent_last_seen_seconds", "pushkv_agent_lease_remaining_seconds"}
+    per_rank.add("pushkv_agent_open_orders")
+    scraped = set(scraped_families(text))
+    assert not [k for k in s if k[0].startswith("pushkv_agent_")]
+    assert not scraped & per_rank
+    assert scraped == set(documented_coordinator_metrics()) - per_rank
+    flag = build_parser()[0].parse_args(["coordinator", "--rank-metrics", "false"])
+    assert flag.rank_metrics is False
 
 
 async def test_metrics_are_off_unless_asked() -> None:
