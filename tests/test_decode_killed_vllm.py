@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
-from tests.support import serving
+from tests.support import serving, waits
 from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
@@ -75,16 +74,9 @@ def router_decode(c: Cluster) -> list[str]:
         return list(json.load(exc)["decode"])
 
 
-def poll(what: str, check: Any, timeout: float = DEADLINE_S) -> Any:
-    """Poll `check` (other processes' state) until truthy; its value."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.05)  # polling other processes under a deadline
-    raise AssertionError(f"{what} not within {timeout} s (last: {last!r})")
+def poll(what: str, check: Callable[[], Any], timeout: float = DEADLINE_S) -> Any:
+    """waits.poll with this module's deadline."""
+    return waits.poll(what, check, timeout)
 
 
 @dataclass

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 DEADLINE_S = 10.0
+T = TypeVar("T")
 
 
 def wait_until(
@@ -18,3 +20,17 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {deadline_s} s: {what}")
         time.sleep(every_s)
+
+
+def poll(what: str, check: Callable[[], T], timeout: float) -> T:
+    """Poll `check` (another process's state) every 50 ms until it returns a
+    truthy value, and return that; fail with `what` and the last value once
+    `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.05)  # polling other processes under a deadline
+    raise AssertionError(f"{what} not within {timeout} s (last: {last!r})")
