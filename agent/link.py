@@ -24,6 +24,10 @@ thread then cancels the stream and the link dials the next address
 replica which one leads, after two heartbeat intervals of silence (a hello
 left unanswered: after a lease), and again each step: named elsewhere (with
 a newer term, once welcomed), the link goes there at once.
+
+The watchdog also tells a process that starves the agent (its wakes come late:
+a core oversubscribed, a C call holding the GIL) from a silent coordinator,
+and logs each such stall (`agent/starvation.py`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from agent.messages import (
     WriteReportMsg,
 )
 from agent.snapshot import HeldItem
+from agent.starvation import StarvationWatch
 from wire.codes import PERMANENT
 from wire.leader import LeaderFollower, go_to
 from wire.leader_ask import ask
@@ -103,6 +108,7 @@ class CoordinatorLink:
         give_up_s: float = 30.0,
         snapshot: Snapshot | None = None,
         rebuild: bool = True,
+        hang_dump_s: float = 0.0,
     ) -> None:
         self._give_up_s = give_up_s
         self._snapshot = snapshot  # set: hellos re-send the live transfers
@@ -163,6 +169,9 @@ class CoordinatorLink:
         self.failed_attempts = 0
         self._failing_since = 0.0
         self._watchdog = threading.Thread(target=self._watch, name=name + "-watch", daemon=True)
+        # The watchdog's own: whether this process lets the agent's threads run.
+        self.starvation = StarvationWatch(WATCH_S, dump_after_s=hang_dump_s)
+        self._last_ack = 0.0  # when the last heartbeat ack came (for the lapse's log)
         self._recent_arrivals: collections.deque[tuple[float, ArrivalMsg]] = collections.deque()
 
     # ------------------------------------------------------------ public
@@ -195,54 +204,71 @@ class CoordinatorLink:
         """The watchdog: cancel a stream whose coordinator fell silent (the
         link thread then follows the next address, as after any lost stream),
         or one that another replica says no longer goes to the leader."""
-        while not self._stop.wait(WATCH_S):
-            call = self._call
-            if call is None:
-                continue
-            if self._silence.overdue():
-                self.silenced += 1
-                log.warning(
-                    "coordinator %s said nothing for %.1f s (the limit is %.1f s): "
-                    "taking it as gone, trying %s",
-                    self._follower.current,
-                    self._silence.silent_for(),
-                    self._silence.limit(),
-                    "another" if self._follower.several else "it again",
-                )
-                call.cancel()
-                self._silence.started()  # once per stream: the link thread ends it now
-                continue
-            if not self._follower.several or not self._silence.ask_due():
-                continue
-            answered = self._silence.answered
-            named, named_term = ask(
-                self._follower.addresses,
-                self._follower.current,
-                self._channel_factory,
-                self._stop.is_set,
-            )
-            leader = go_to(
-                named,
-                named_term,
-                dialed=self._follower.current,
-                answered=answered,
-                term=self.term,
-            )
-            if not leader or self._call is not call:
-                continue  # stay (wire/leader.go_to), or the stream moved on meanwhile
-            self.redirected += 1
+        try:
+            while not self._stop.wait(WATCH_S):
+                self._watch_step()
+                self.starvation.stepped()  # asking a replica is not a stall
+        finally:
+            self.starvation.close()
+
+    def _watch_step(self) -> None:
+        late = self.starvation.tick()
+        if late:
             log.warning(
-                "coordinator %s has %s in %.1f s and another replica names %s "
-                "(term %d) as the leader: going there",
-                self._follower.current,
-                "said nothing" if answered else "not answered the hello",
-                self._silence.silent_for(),
-                leader,
-                named_term,
+                "the agent's threads could not run for %.1f s: this process starved them "
+                "(its cores oversubscribed, or a C call holding the GIL); the coordinator "
+                "hears no heartbeat meanwhile, and a stall past its lease (%.1f s) drops "
+                "the orders held here",
+                late,
+                self._lease_s,
             )
-            self._redirect = leader
+        call = self._call
+        if call is None:
+            return
+        if self._silence.overdue():
+            self.silenced += 1
+            log.warning(
+                "coordinator %s said nothing for %.1f s (the limit is %.1f s): "
+                "taking it as gone, trying %s",
+                self._follower.current,
+                self._silence.silent_for(),
+                self._silence.limit(),
+                "another" if self._follower.several else "it again",
+            )
             call.cancel()
-            self._silence.started()
+            self._silence.started()  # once per stream: the link thread ends it now
+            return
+        if not self._follower.several or not self._silence.ask_due():
+            return
+        answered = self._silence.answered
+        named, named_term = ask(
+            self._follower.addresses,
+            self._follower.current,
+            self._channel_factory,
+            self._stop.is_set,
+        )
+        leader = go_to(
+            named,
+            named_term,
+            dialed=self._follower.current,
+            answered=answered,
+            term=self.term,
+        )
+        if not leader or self._call is not call:
+            return  # stay (wire/leader.go_to), or the stream moved on meanwhile
+        self.redirected += 1
+        log.warning(
+            "coordinator %s has %s in %.1f s and another replica names %s "
+            "(term %d) as the leader: going there",
+            self._follower.current,
+            "said nothing" if answered else "not answered the hello",
+            self._silence.silent_for(),
+            leader,
+            named_term,
+        )
+        self._redirect = leader
+        call.cancel()
+        self._silence.started()
 
     def _run(self) -> None:
         delay = self._backoff[0]
@@ -449,12 +475,21 @@ class CoordinatorLink:
                     self._deliver(CoordinatorChangedMsg(self._lease_s))
             elif self._lost:
                 if lapsed:  # before any order this welcome's lease brings
+                    log.warning(
+                        "welcomed back by coordinator %s after this agent's lease lapsed "
+                        "(no heartbeat answered for %.1f s, the lease is %.1f s): "
+                        "dropping the orders held unposted",
+                        self._follower.current,
+                        time.monotonic() - self._last_ack,
+                        self._lease_s,
+                    )
                     self._deliver(LeaseLapsedMsg())
                 self._deliver_left_out()
                 self._back_pending = True  # CoordinatorBackMsg at the next heartbeat ack
                 self._hb_now.set()
                 self.outbox.put(None)  # the request stream sends it now
             self._lost = False
+            self._last_ack = max(self._last_ack, self._hello_sent)  # the welcome's lease
             self.coordinator_id = w.coordinator_id
             self._follower.reached()
             self.registered.set()
@@ -462,6 +497,7 @@ class CoordinatorLink:
             if self._back_pending:  # every message the welcome-back called for is in
                 self._back_pending = False
                 self._deliver(CoordinatorBackMsg())
+            self._last_ack = time.monotonic()
             sent = self._hb_sent.pop(msg.heartbeat_ack.seq, None)
             if sent is not None:
                 lease = msg.heartbeat_ack.lease_ms / 1000 or self._lease_s

@@ -77,6 +77,9 @@ class AgentConfig:
     # scheduler client resubmits its open transfers to a new leader (without
     # that, an adopted transfer waits for its rendezvous deadline).
     rebuild_on_failover: bool = False
+    # > 0: if no agent thread runs for this long, every Python thread's stack
+    # goes to stderr (agent/starvation.py); 0: off.
+    hang_dump_s: float = 0.0
 
     @property
     def rank(self) -> int:
@@ -192,6 +195,7 @@ class Agent:
             give_up_s=c.give_up_s,
             snapshot=self._snapshot,
             rebuild=c.rebuild_on_failover,
+            hang_dump_s=c.hang_dump_s,
         )
         self._link.start()
         if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):

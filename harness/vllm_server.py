@@ -242,7 +242,14 @@ def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> 
         "kv_connector_module_path": "vllm_integration.connector",
         "kv_role": role,
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"coordinator": coordinator, "api_url": api_url},
+        "kv_connector_extra_config": {
+            "coordinator": coordinator,
+            "api_url": api_url,
+            # A worker stalled this long dumps its threads' stacks into its log:
+            # what starved an agent (agent/starvation.py; tests/support/serving.py
+            # shows the first dump when a test's transfers failed).
+            "hang_dump_s": 10.0,
+        },
     }
 
 

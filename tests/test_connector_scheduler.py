@@ -632,6 +632,15 @@ def test_a_log_level_logging_lacks_is_refused() -> None:
     assert quiet.log_level == "WARNING"
 
 
+def test_a_negative_hang_dump_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"hang_dump_s: -1\.0 must be >= 0"):
+        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": "-1"})
+    with pytest.raises(ValueError, match="hang_dump_s: bad value 'soon'"):
+        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": "soon"})
+    on = ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": "2.5"})
+    assert on.hang_dump_s == 2.5
+
+
 async def test_failed_load_with_recompute_policy_recomputes_without_registering_again(
     coord: CoordinatorProcess, stubs: Stubs, tiny_model_dir: Path
 ) -> None:

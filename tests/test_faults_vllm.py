@@ -22,11 +22,13 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from agent.starvation import STARVED_S
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
-from tests.support.serving import post_status
+from tests.support.serving import STALL_LINE, post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.waits import poll
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
@@ -116,6 +118,53 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> N
     serving.wait_no_blocks_held(cluster.prefill, cluster.decode)
     status, out = complete(cluster)
     assert status == 200 and out["choices"][0]["text"]
+
+
+def test_prefill_engine_frozen_past_its_lease_names_its_own_process(cluster: Cluster) -> None:
+    """SIGSTOP stands for a worker its own process keeps from running (a
+    starved core, a C call holding the GIL), held past the agent's lease (2 s)
+    and the stall the agent reports (STARVED_S), then let go. The worker's
+    agent logs the stall as its process's, finds at the welcome back that its
+    lease lapsed (so it posts nothing it held), and the engine pushes again."""
+    c = cluster
+    assert c.prefill.proc is not None
+    os.killpg(c.prefill.proc.pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:  # the fault's length: past the lease (the rank gone) and the stall's mark
+        poll(
+            "the frozen prefill rank's lease expired",
+            lambda: (
+                "prefill-0" not in serving.engines(c.coord.address)
+                and time.monotonic() - frozen_at > STARVED_S + 0.5
+            ),
+            60,
+        )
+    finally:
+        os.killpg(c.prefill.proc.pid, signal.SIGCONT)
+
+    def stalled_and_lapsed() -> str:
+        text = c.prefill.log_text()
+        return text if STALL_LINE in text and "lease lapsed" in text else ""
+
+    log = poll("the stall and the lapsed lease in the prefill log", stalled_and_lapsed, 60)
+    [stall] = [ln for ln in log.splitlines() if STALL_LINE in ln]
+    assert "[pushkv.agent link.py:" in stall and "this process starved them" in stall
+    assert float(stall.split("could not run for ")[1].split()[0]) >= STARVED_S, stall
+    assert "welcomed back by coordinator" in log
+    poll(
+        "prefill-0 ready again",
+        lambda: (e := serving.engines(c.coord.address).get("prefill-0")) is not None and e.ready,
+        60,
+    )
+    [prompt] = serving.varied_prompts(1234, (50,))  # no prefix cached on decode
+    before = serving.external_tokens(c.decode.metrics())
+    status, out = post(
+        c.router.url + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+    )
+    assert status == 200 and out["choices"][0]["text"], out
+    assert serving.external_tokens(c.decode.metrics()) - before == len(prompt)  # pushed
+    serving.wait_no_blocks_held(c.prefill, c.decode)
 
 
 def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:

@@ -73,6 +73,13 @@ class ConnectorSettings:
     # line names its logger, e.g. [pushkv.agent link.py:N]
     # (vllm_integration/logs.py). Unset under VLLM_CONFIGURE_LOGGING=0.
     log_level: str = ""
+    # Diagnosing a stalled engine: > 0 writes every Python thread's stack of
+    # a worker to its stderr (the engine's log) when its pushkv agent's
+    # watchdog thread has not run for this many seconds (a core oversubscribed, or a C
+    # call holding the GIL; docs/operations.md, "A starved agent"). The
+    # stall is logged either way; 0: no dump. One timer per process
+    # (Python's faulthandler), so off by default.
+    hang_dump_s: float = 0.0
 
     @property
     def tls(self) -> TLSFiles:
@@ -106,6 +113,10 @@ class ConnectorSettings:
             raise ValueError(
                 "kv_connector_extra_config.on_transfer_failure: "
                 f"{out.on_transfer_failure!r} is not one of {list(FAILURE_POLICIES)}"
+            )
+        if not out.hang_dump_s >= 0:
+            raise ValueError(
+                f"kv_connector_extra_config.hang_dump_s: {out.hang_dump_s!r} must be >= 0 (0: off)"
             )
         if out.log_level:
             try:

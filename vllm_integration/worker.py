@@ -276,6 +276,7 @@ class PushWorkerHalf:
             tls=TLSFiles() if relay else self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
             rebuild_on_failover=self.settings.rebuild_on_failover,
+            hang_dump_s=self.settings.hang_dump_s,
             kv_groups=self.kv_groups,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,

@@ -6,7 +6,12 @@ The workers busy-poll vLLM's shared-memory queues on oversubscribed cores.
   heartbeat from failing every transfer of its engine. 20 s was seen to lapse
   once in a full CI run (a decode rank's agent silent for 20 s while 4 TP
   workers shared the 2 cores), and once with the PP2 prefill's 2 workers and
-  the decode worker, so the TP2-into-TP2 and PP2 modules take 60 s.
+  the decode worker, so the TP2-into-TP2 and PP2 modules take 60 s. 60 s
+  lapsed once too (a TP2 prefill rank's agent, in a fresh-clone run of the
+  whole suite): the mapping tests then let by the transfers a lapse failed,
+  only where the prefill agent logged that its process starved it
+  (tests/support/serving.split_starved), and the engines dump their threads'
+  stacks after 10 s of such a stall (harness/vllm_server.pushkv_config).
 - A write timeout longer than the default 15 s does the same for a starved
   rank's DONE report.
 - The rendezvous timeout (default 60 s) bounds how long an armed transfer

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import IO, TypeVar
 
 DEADLINE_S = 10.0
 T = TypeVar("T")
@@ -34,3 +36,36 @@ def poll(what: str, check: Callable[[], T], timeout: float) -> T:
             return last
         time.sleep(0.05)  # polling other processes under a deadline
     raise AssertionError(f"{what} not within {timeout} s (last: {last!r})")
+
+
+class Lines:
+    """A child's text stream read line by line on a thread of its own, so
+    that a wait for a line has a deadline (a pipe's readline has none)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put(None)  # end of stream
+
+    def until(self, marker: str, timeout: float = DEADLINE_S) -> str:
+        """Every line up to and including the first holding `marker`; fails
+        once `timeout` has passed or the stream ended without one."""
+        deadline = time.monotonic() + timeout
+        seen: list[str] = []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"no line with {marker!r} within {timeout} s: {seen}"
+                ) from None
+            if line is None:
+                raise AssertionError(f"the stream ended with no line with {marker!r}: {seen}")
+            seen.append(line)
+            if marker in line:
+                return "".join(seen)

@@ -1,0 +1,157 @@
+"""An agent whose host process keeps its threads from running says so
+(agent/starvation.py): the link's watchdog logs each stall, and with a hang
+dump asked for, faulthandler's own thread writes every Python thread's stack
+while the stall lasts.
+
+The stalls here are real: the test holds the GIL in a C call (ctypes.PyDLL
+calls keep it) blocked on a pipe, as a C extension that keeps the GIL while
+it waits would."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from agent.link import CoordinatorLink
+from agent.messages import Inbound
+from agent.starvation import STARVED_S, StarvationWatch
+from controlplane.server import Coordinator
+from tests.support.sim_agent import hello
+from tests.support.waits import Lines, wait_until
+from wire.silence import WATCH_S
+
+WAIT_S = 30.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_wake_on_time_is_no_stall_and_a_late_one_is_measured() -> None:
+    clock = FakeClock()
+    watch = StarvationWatch(0.1, clock=clock)
+    for _ in range(5):
+        clock.now += 0.1 + 0.05  # a little late: a loaded machine, not a stall
+        assert watch.tick() == 0.0
+    clock.now += 0.1 + 3.0
+    assert watch.tick() == pytest.approx(3.0)
+    clock.now += 0.1 + 2.5
+    assert watch.tick() == pytest.approx(2.5)
+    assert watch.stalls == 2 and watch.longest_s == pytest.approx(3.0)
+
+
+def test_a_long_step_of_the_watchdog_is_not_a_stall() -> None:
+    """Asking another replica who leads may block the watchdog's step:
+    `stepped` starts the next wait after it."""
+    clock = FakeClock()
+    watch = StarvationWatch(0.1, clock=clock)
+    clock.now += 0.1
+    assert watch.tick() == 0.0
+    clock.now += STARVED_S * 2  # the step itself
+    watch.stepped()
+    clock.now += 0.1
+    assert watch.tick() == 0.0 and watch.stalls == 0
+
+
+def stall_this_process(seconds: float) -> None:
+    """Keep every other thread of this process from running for `seconds`:
+    block in read(2) on a pipe that a child writes to after them, without
+    releasing the GIL (ctypes.PyDLL calls keep it). Blocks its caller too,
+    event loop included: that is the fault."""
+    buf = ctypes.create_string_buffer(1)
+    with subprocess.Popen(["sh", "-c", f"sleep {seconds}; printf x"], stdout=subprocess.PIPE) as w:
+        assert w.stdout is not None
+        assert ctypes.PyDLL(None).read(w.stdout.fileno(), buf, 1) == 1
+
+
+async def test_the_link_logs_a_process_that_starved_it(
+    coord: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pushkv.agent")
+    inbound: list[Inbound] = []
+    link = CoordinatorLink(coord.address, hello("p0", "prefill").hello, inbound.append)
+    try:
+        link.start()
+        assert await asyncio.to_thread(link.registered.wait, WAIT_S)
+        stall_this_process(STARVED_S + 0.5)  # the fault's length, not a wait
+        # The watchdog's next wake (WATCH_S after the GIL is back) sees it.
+        await asyncio.to_thread(
+            wait_until, lambda: link.starvation.stalls > 0, "the stall seen", WAIT_S, WATCH_S
+        )
+    finally:
+        await asyncio.to_thread(link.stop)
+    assert link.starvation.stalls == 1
+    assert link.starvation.longest_s >= STARVED_S + 0.5 - WATCH_S
+    [line] = [
+        r.getMessage()
+        for r in caplog.records
+        if "the agent's threads could not run for" in r.getMessage()
+    ]
+    assert "this process starved them" in line
+
+
+CHILD = textwrap.dedent(
+    """
+    import ctypes, sys, threading
+    from agent.starvation import StarvationWatch
+    watch = StarvationWatch(0.05, dump_after_s=1.0, starved_s=0.5)
+    stop, ticked = threading.Event(), threading.Event()
+    def watchdog():
+        while not stop.wait(0.05):
+            late = watch.tick()  # the first tick arms the dump
+            ticked.set()
+            if late:
+                print(f"stalled {late:.1f}", flush=True)
+                stop.set()
+        watch.close()
+    def held_in_c(fd):  # a frame the dump must show
+        buf = ctypes.create_string_buffer(1)
+        ctypes.PyDLL(None).read(fd, buf, 1)
+    t = threading.Thread(target=watchdog, name="watchdog")
+    t.start()
+    assert ticked.wait(30)
+    print("holding", flush=True)
+    held_in_c(sys.stdin.fileno())
+    t.join(30)
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
+    """The dump comes from faulthandler's thread while the GIL is still held
+    (the parent lets the child go only once it read the dump), then the
+    watchdog, running again, logs the stall."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    out, err = Lines(child.stdout), Lines(child.stderr)
+    try:
+        out.until("holding", WAIT_S)
+        # Before the child is let go: written while the GIL is held.
+        dump = err.until("held_in_c", WAIT_S)
+        assert "Thread 0x" in dump and "in watchdog" in dump, dump
+        child.stdin.write("x")
+        child.stdin.flush()
+        stalled = out.until("stalled", WAIT_S)
+        assert float(stalled.split()[-1]) >= 0.5, stalled
+        out.until("done", WAIT_S)
+        assert child.wait(WAIT_S) == 0
+    finally:
+        child.kill()
+        child.wait(WAIT_S)
