@@ -36,7 +36,7 @@ from controlplane.servicers import AgentServicer, StatusServicer, TransferServic
 from controlplane.settings import CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
-from wire.event_loop import event_loop_name
+from wire.event_loop import event_loop_name, report_stalls
 from wire.port_file import write_port_file
 from wire.tls import SERVER_PING_OPTIONS, TLSFiles
 
@@ -102,6 +102,7 @@ class Coordinator:
     # Set when this replica led and lost the leadership (the process should end).
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # health updates
+    stall_task: asyncio.Task[None] | None = None  # logs a stalled event loop
 
     @property
     def address(self) -> str:
@@ -112,6 +113,8 @@ class Coordinator:
         return self.metrics.port if self.metrics is not None else None
 
     async def stop(self, grace: float | None = None) -> None:
+        if self.stall_task is not None:
+            self.stall_task.cancel()
         if self.election is not None:
             await self.election.resign()  # a standby leads at once
         if self.election_task is not None:
@@ -182,6 +185,9 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     if metrics is not None:
         metrics.registry.register(LeadershipCollector(gate))
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
+    coord.stall_task = asyncio.get_running_loop().create_task(
+        report_stalls(_log_stall), name="stall-report"
+    )
     if settings.etcd:
         _start_election(coord, settings)
     log.info(
@@ -194,6 +200,16 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         event_loop=event_loop_name(),
     )
     return coord
+
+
+def _log_stall(seconds: float) -> None:
+    log.warning(
+        "coordinator_stalled",
+        seconds=round(seconds, 1),
+        detail="this process did not run its event loop for that long (its host paused, "
+        "its cores oversubscribed, or a call blocked the loop): agents and clients heard "
+        "nothing meanwhile",
+    )
 
 
 def _health(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import subprocess
 import sys
 import textwrap
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.link import CoordinatorLink
 from agent.messages import Inbound
 from agent.starvation import STARVED_S, StarvationWatch
 from controlplane.server import Coordinator
+from harness.coordinator import CoordinatorProcess
+from tests.support import serving
 from tests.support.sim_agent import hello
-from tests.support.waits import Lines, wait_until
+from tests.support.waits import Lines, poll, wait_until
+from wire.event_loop import STALL_S
 from wire.silence import WATCH_S
 
 WAIT_S = 30.0
@@ -155,3 +162,60 @@ def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
     finally:
         child.kill()
         child.wait(WAIT_S)
+
+
+def _listed(complete: int, starved: int) -> list[pb.TransferStatus]:
+    done = [
+        pb.TransferStatus(transfer_id=f"c{i}", state=pb.TRANSFER_STATE_COMPLETE, num_tokens=10)
+        for i in range(complete)
+    ]
+    lapsed = [
+        pb.TransferStatus(
+            transfer_id=f"s{i}",
+            state=pb.TRANSFER_STATE_FAILED,
+            detail=f"prefill rank 0 dropped the order: {serving.STARVED} while ...",
+            num_tokens=7,
+        )
+        for i in range(starved)
+    ]
+    return done + lapsed
+
+
+def test_mapping_tests_let_by_lapses_only_with_the_stall_logged() -> None:
+    """tests/support/serving.split_starved, which the vLLM mapping tests use."""
+    stall = f"(Worker_TP0 pid=1) WARNING [pushkv.agent link.py:9] {serving.STALL_LINE} 61.0 s"
+    assert serving.split_starved(_listed(3, 0), "why") == (_listed(3, 0), 0)
+    with pytest.warns(UserWarning, match="2 of 5 transfers failed"):
+        kept, tokens = serving.split_starved(_listed(3, 2), "why", "other line", stall)
+    assert (len(kept), tokens) == (3, 14)
+    with pytest.raises(AssertionError, match="no stall logged"):
+        serving.split_starved(_listed(3, 2), "why", "other line")
+    with pytest.raises(AssertionError, match="3 of 5 starved"):
+        serving.split_starved(_listed(2, 3), "why", stall)
+
+
+def test_a_coordinator_kept_from_running_logs_the_stall() -> None:
+    """The coordinator's side (wire/event_loop.report_stalls): frozen for
+    longer than STALL_S (a paused host looks the same), then let go, it logs
+    how long its event loop did not run."""
+    coord = CoordinatorProcess("--log-level", "WARNING").start()
+    try:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(coord.address))
+        health.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+        coord.freeze()
+        try:  # the fault's length: a call to it unanswered for STALL_S + 0.5 s
+            with pytest.raises(grpc.RpcError) as err:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=STALL_S + 0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            coord.thaw()
+
+        def stalls() -> list[dict[str, object]]:
+            lines = [json.loads(ln) for ln in coord.log_text().splitlines() if ln.startswith("{")]
+            return [ln for ln in lines if ln["event"] == "coordinator_stalled"]
+
+        [stall] = poll("the coordinator's stall in its log", stalls, WAIT_S)
+        assert stall["level"] == "warning" and float(str(stall["seconds"])) >= STALL_S
+        assert "heard nothing meanwhile" in str(stall["detail"])
+    finally:
+        coord.stop()
