@@ -32,7 +32,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from relay.upstream import CODES, Channel, RelayError, Upstream
-from wire.event_loop import event_loop_name
+from wire.event_loop import event_loop_name, report_stalls
 from wire.port_file import write_port_file
 from wire.tls import SERVER_PING_OPTIONS, TLSFiles
 
@@ -206,6 +206,7 @@ class Relay:
         self.port = 0
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Future[None]] = []
+        self._stalls: asyncio.Future[None] | None = None  # logs a stalled event loop
         opts = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -240,6 +241,7 @@ class Relay:
             asyncio.ensure_future(self.upstream.run(self._stop)),
             asyncio.ensure_future(_track_health(self.upstream, self._health, self._stop)),
         ]
+        self._stalls = asyncio.ensure_future(report_stalls(_log_stall))
         log.info(
             "relay: listening on %s, coordinators %s, event loop %s",
             self.address,
@@ -250,6 +252,8 @@ class Relay:
 
     async def stop(self) -> None:
         self._stop.set()
+        if self._stalls is not None:
+            self._stalls.cancel()
         # The upstream first: its stream ends with the channels still open, so
         # the leader takes the agents as cut off (their transfers wait for the
         # agents' lease, for a relay that comes back), not as gone, which a
@@ -260,6 +264,15 @@ class Relay:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.stop(1.0)
+
+
+def _log_stall(seconds: float) -> None:
+    log.warning(
+        "relay: this process did not run its event loop for %.1f s (its host paused, its "
+        "cores oversubscribed, or a call blocked the loop): its agents and the leader "
+        "heard nothing through it meanwhile",
+        seconds,
+    )
 
 
 async def serve(settings: RelaySettings) -> int:

@@ -26,7 +26,7 @@ from agent.link import CoordinatorLink
 from agent.messages import Inbound
 from agent.starvation import STARVED_S, StarvationWatch
 from controlplane.server import Coordinator
-from harness.coordinator import CoordinatorProcess
+from harness.coordinator import CoordinatorProcess, RelayProcess
 from tests.support import serving
 from tests.support.sim_agent import hello
 from tests.support.waits import Lines, poll, wait_until
@@ -194,21 +194,26 @@ def test_mapping_tests_let_by_lapses_only_with_the_stall_logged() -> None:
         serving.split_starved(_listed(2, 3), "why", stall)
 
 
+def freeze_past_stall(proc: CoordinatorProcess) -> None:
+    """SIGSTOP `proc` for longer than STALL_S (a paused host looks the same):
+    the fault's length is a health call to it left unanswered that long."""
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(proc.address))
+    health.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+    proc.freeze()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            health.Check(health_pb2.HealthCheckRequest(), timeout=STALL_S + 0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        proc.thaw()
+
+
 def test_a_coordinator_kept_from_running_logs_the_stall() -> None:
-    """The coordinator's side (wire/event_loop.report_stalls): frozen for
-    longer than STALL_S (a paused host looks the same), then let go, it logs
-    how long its event loop did not run."""
+    """The coordinator's side (wire/event_loop.report_stalls): frozen, then
+    let go, it logs how long its event loop did not run."""
     coord = CoordinatorProcess("--log-level", "WARNING").start()
     try:
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(coord.address))
-        health.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
-        coord.freeze()
-        try:  # the fault's length: a call to it unanswered for STALL_S + 0.5 s
-            with pytest.raises(grpc.RpcError) as err:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=STALL_S + 0.5)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        finally:
-            coord.thaw()
+        freeze_past_stall(coord)
 
         def stalls() -> list[dict[str, object]]:
             lines = [json.loads(ln) for ln in coord.log_text().splitlines() if ln.startswith("{")]
@@ -218,4 +223,22 @@ def test_a_coordinator_kept_from_running_logs_the_stall() -> None:
         assert stall["level"] == "warning" and float(str(stall["seconds"])) >= STALL_S
         assert "heard nothing meanwhile" in str(stall["detail"])
     finally:
+        coord.stop()
+
+
+def test_a_relay_kept_from_running_logs_the_stall() -> None:
+    coord = CoordinatorProcess("--log-level", "WARNING").start()
+    relay = RelayProcess(coord.address).start()
+    try:
+        freeze_past_stall(relay)
+        mark = "relay: this process did not run its event loop for "
+
+        def stalls() -> list[str]:
+            return [ln for ln in relay.log_text().splitlines() if mark in ln]
+
+        [stall] = poll("the relay's stall in its log", stalls, WAIT_S)
+        assert float(stall.split(mark)[1].split()[0]) >= STALL_S, stall
+        assert "WARNING" in stall
+    finally:
+        relay.stop()
         coord.stop()

@@ -180,7 +180,13 @@ def hang_dump(text: str, limit: int = 150) -> list[str]:
 # Lines why_not_loaded puts first: an agent starved by its process, its lease
 # lapsed, a coordinator taken as gone or itself stalled (agent/link.py,
 # agent/starvation.py, wire/event_loop.report_stalls).
-KEY_MARKS = ("could not run for", "lease lapsed", "said nothing for", "coordinator_stalled")
+KEY_MARKS = (
+    "could not run for",
+    "lease lapsed",
+    "said nothing for",
+    "coordinator_stalled",
+    "did not run its event loop",
+)
 
 
 # The log lines why_not_loaded keeps: vLLM's warnings and errors, pushkv's
