@@ -115,6 +115,8 @@ class Coordinator:
     async def stop(self, grace: float | None = None) -> None:
         if self.stall_task is not None:
             self.stall_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.stall_task
         if self.election is not None:
             await self.election.resign()  # a standby leads at once
         if self.election_task is not None:

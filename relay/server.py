@@ -254,6 +254,7 @@ class Relay:
         self._stop.set()
         if self._stalls is not None:
             self._stalls.cancel()
+            await asyncio.gather(self._stalls, return_exceptions=True)
         # The upstream first: its stream ends with the channels still open, so
         # the leader takes the agents as cut off (their transfers wait for the
         # agents' lease, for a relay that comes back), not as gone, which a

@@ -147,15 +147,21 @@ def test_prefill_engine_frozen_past_its_lease_names_its_own_process(cluster: Clu
         return text if STALL_LINE in text and "lease lapsed" in text else ""
 
     log = poll("the stall and the lapsed lease in the prefill log", stalled_and_lapsed, 60)
-    [stall] = [ln for ln in log.splitlines() if STALL_LINE in ln]
+    # The freeze's stall is the longest (a loaded machine may have logged others).
+    stall = max(
+        (ln for ln in log.splitlines() if STALL_LINE in ln),
+        key=lambda ln: float(ln.split("could not run for ")[1].split()[0]),
+    )
     assert "[pushkv.agent link.py:" in stall and "this process starved them" in stall
     assert float(stall.split("could not run for ")[1].split()[0]) >= STARVED_S, stall
     assert "welcomed back by coordinator" in log
+    # Ready at the coordinator, then paired by the router (it refreshes each 1 s).
     poll(
         "prefill-0 ready again",
         lambda: (e := serving.engines(c.coord.address).get("prefill-0")) is not None and e.ready,
         60,
     )
+    poll("the router pairing prefill-0 again", lambda: "prefill-0" in router_prefill(c), 60)
     [prompt] = serving.varied_prompts(1234, (50,))  # no prefix cached on decode
     before = serving.external_tokens(c.decode.metrics())
     status, out = post(
@@ -165,6 +171,15 @@ def test_prefill_engine_frozen_past_its_lease_names_its_own_process(cluster: Clu
     assert status == 200 and out["choices"][0]["text"], out
     assert serving.external_tokens(c.decode.metrics()) - before == len(prompt)  # pushed
     serving.wait_no_blocks_held(c.prefill, c.decode)
+
+
+def router_prefill(c: Cluster) -> list[str]:
+    """The prefill engines the router pairs requests with (its /health)."""
+    try:
+        with urllib.request.urlopen(c.router.url + "/health", timeout=10) as resp:
+            return list(json.load(resp)["prefill"])
+    except urllib.error.HTTPError as exc:  # 503: no pair (its body lists the same)
+        return list(json.load(exc)["prefill"])
 
 
 def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:

@@ -97,14 +97,15 @@ async def test_the_link_logs_a_process_that_starved_it(
         )
     finally:
         await asyncio.to_thread(link.stop)
-    assert link.starvation.stalls == 1
+    # At least this stall (a loaded machine may add one of its own).
+    assert link.starvation.stalls >= 1
     assert link.starvation.longest_s >= STARVED_S + 0.5 - WATCH_S
-    [line] = [
+    lines = [
         r.getMessage()
         for r in caplog.records
         if "the agent's threads could not run for" in r.getMessage()
     ]
-    assert "this process starved them" in line
+    assert lines and all("this process starved them" in ln for ln in lines), lines
 
 
 CHILD = textwrap.dedent(
@@ -219,7 +220,10 @@ def test_a_coordinator_kept_from_running_logs_the_stall() -> None:
             lines = [json.loads(ln) for ln in coord.log_text().splitlines() if ln.startswith("{")]
             return [ln for ln in lines if ln["event"] == "coordinator_stalled"]
 
-        [stall] = poll("the coordinator's stall in its log", stalls, WAIT_S)
+        stall = max(
+            poll("the coordinator's stall in its log", stalls, WAIT_S),
+            key=lambda ln: float(str(ln["seconds"])),
+        )
         assert stall["level"] == "warning" and float(str(stall["seconds"])) >= STALL_S
         assert "heard nothing meanwhile" in str(stall["detail"])
     finally:
@@ -236,7 +240,8 @@ def test_a_relay_kept_from_running_logs_the_stall() -> None:
         def stalls() -> list[str]:
             return [ln for ln in relay.log_text().splitlines() if mark in ln]
 
-        [stall] = poll("the relay's stall in its log", stalls, WAIT_S)
+        found = poll("the relay's stall in its log", stalls, WAIT_S)
+        stall = max(found, key=lambda ln: float(ln.split(mark)[1].split()[0]))
         assert float(stall.split(mark)[1].split()[0]) >= STALL_S, stall
         assert "WARNING" in stall
     finally:
