@@ -77,8 +77,8 @@ class AgentConfig:
     # scheduler client resubmits its open transfers to a new leader (without
     # that, an adopted transfer waits for its rendezvous deadline).
     rebuild_on_failover: bool = False
-    # > 0: if no agent thread runs for this long, every Python thread's stack
-    # goes to stderr (agent/starvation.py); 0: off.
+    # > 0: if the link's watchdog does not run for this long, every Python
+    # thread's stack goes to stderr (agent/starvation.py); 0: off.
     hang_dump_s: float = 0.0
 
     @property

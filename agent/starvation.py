@@ -27,6 +27,15 @@ from collections.abc import Callable
 STARVED_S = 2.0
 # How often the hang-dump timer is pushed back (each push starts a C thread).
 REARM_S = 1.0
+# The longest hang dump wait taken (faulthandler's timer refuses far longer ones).
+MAX_DUMP_AFTER_S = 86400.0
+
+
+def check_dump_after(seconds: float) -> float:
+    """`seconds` if it is a hang-dump wait this module takes (0: off), else ValueError."""
+    if not 0 <= seconds <= MAX_DUMP_AFTER_S:  # NaN too
+        raise ValueError(f"{seconds!r} is not within 0 (off) and {MAX_DUMP_AFTER_S:.0f} s")
+    return seconds
 
 
 class StarvationWatch:
@@ -42,7 +51,7 @@ class StarvationWatch:
     ) -> None:
         self._period_s = period_s
         self._starved_s = starved_s
-        self._dump_after_s = dump_after_s
+        self._dump_after_s = check_dump_after(dump_after_s)
         self._clock = clock
         self._last = clock()
         self._armed_at = -REARM_S
@@ -75,4 +84,4 @@ class StarvationWatch:
             faulthandler.cancel_dump_traceback_later()
 
 
-__all__ = ["STARVED_S", "StarvationWatch"]
+__all__ = ["MAX_DUMP_AFTER_S", "STARVED_S", "StarvationWatch", "check_dump_after"]

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from agent.starvation import check_dump_after
 from vllm_integration.logs import check_level
 from wire.tls import TLSFiles
 
@@ -73,12 +74,12 @@ class ConnectorSettings:
     # line names its logger, e.g. [pushkv.agent link.py:N]
     # (vllm_integration/logs.py). Unset under VLLM_CONFIGURE_LOGGING=0.
     log_level: str = ""
-    # Diagnosing a stalled engine: > 0 writes every Python thread's stack of
-    # a worker to its stderr (the engine's log) when its pushkv agent's
-    # watchdog thread has not run for this many seconds (a core oversubscribed, or a C
-    # call holding the GIL; docs/operations.md, "A starved agent"). The
-    # stall is logged either way; 0: no dump. One timer per process
-    # (Python's faulthandler), so off by default.
+    # Diagnosing a stalled engine: > 0 (at most 86400) writes every Python
+    # thread's stack of a worker to its stderr (the engine's log) when its
+    # pushkv agent's watchdog thread has not run for this many seconds (a core
+    # oversubscribed, or a C call holding the GIL; docs/operations.md, "A
+    # starved agent"). The stall is logged either way; 0: no dump. One timer
+    # per process (Python's faulthandler), so off by default.
     hang_dump_s: float = 0.0
 
     @property
@@ -114,10 +115,10 @@ class ConnectorSettings:
                 "kv_connector_extra_config.on_transfer_failure: "
                 f"{out.on_transfer_failure!r} is not one of {list(FAILURE_POLICIES)}"
             )
-        if not out.hang_dump_s >= 0:
-            raise ValueError(
-                f"kv_connector_extra_config.hang_dump_s: {out.hang_dump_s!r} must be >= 0 (0: off)"
-            )
+        try:
+            check_dump_after(out.hang_dump_s)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.hang_dump_s: {exc}") from None
         if out.log_level:
             try:
                 out = dataclasses.replace(out, log_level=check_level(out.log_level))
