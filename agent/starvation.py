@@ -13,8 +13,10 @@ watchdog also keeps faulthandler's C-level timer armed: if the watchdog does
 not run for that long, the timer's own thread (which needs no GIL) writes
 every Python thread's stack to stderr, the engine's log. That says what held
 the process, which nothing written after the stall can. It is process-wide
-(one timer per process), so it is off unless asked for; the test harness
-asks.
+(one timer per process), and each push back (once a second) cancels the
+last timer and waits, holding the GIL, for its thread to end: on a starved
+core that wait is a short stall of its own. So it is off unless asked for
+(the test harness asks with PUSHKV_TEST_HANG_DUMP_S set).
 """
 
 from __future__ import annotations

@@ -245,12 +245,16 @@ def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> 
         "kv_connector_extra_config": {
             "coordinator": coordinator,
             "api_url": api_url,
-            # A worker stalled this long dumps its threads' stacks into its log:
-            # what starved an agent (agent/starvation.py; tests/support/serving.py
-            # shows the first dump when a test's transfers failed).
-            "hang_dump_s": 10.0,
+            # With PUSHKV_TEST_HANG_DUMP_S set, a worker stalled that long dumps
+            # its threads' stacks into its log: what starved an agent
+            # (agent/starvation.py; tests/support/serving.py shows the first
+            # dump beside a test's failed transfers). Off by default, as for users.
+            "hang_dump_s": float(os.environ.get(HANG_DUMP_ENV) or 0),
         },
     }
+
+
+HANG_DUMP_ENV = "PUSHKV_TEST_HANG_DUMP_S"
 
 
 class ServerOptions(TypedDict, total=False):

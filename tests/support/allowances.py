@@ -11,7 +11,8 @@ The workers busy-poll vLLM's shared-memory queues on oversubscribed cores.
   whole suite): the mapping tests then let by the transfers a lapse failed,
   only where the prefill agent logged that its process starved it
   (tests/support/serving.split_starved), and the engines dump their threads'
-  stacks after 10 s of such a stall (harness/vllm_server.pushkv_config).
+  stacks after such a stall with PUSHKV_TEST_HANG_DUMP_S set
+  (harness/vllm_server.pushkv_config).
 - A write timeout longer than the default 15 s does the same for a starved
   rank's DONE report.
 - The rendezvous timeout (default 60 s) bounds how long an armed transfer
