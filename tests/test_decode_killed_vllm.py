@@ -22,11 +22,8 @@ fired at it, then killed: no decode rank counted them). What must hold:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,11 +64,7 @@ def body(prompt: list[int]) -> dict[str, Any]:
 
 def router_decode(c: Cluster) -> list[str]:
     """The decode engines the router pairs requests with (its /health)."""
-    try:
-        with urllib.request.urlopen(c.router.url + "/health", timeout=10) as resp:
-            return list(json.load(resp)["decode"])
-    except urllib.error.HTTPError as exc:  # 503: no pair (its body lists the same)
-        return list(json.load(exc)["decode"])
+    return serving.router_engines(c.router.url, "decode")
 
 
 def poll(what: str, check: Callable[[], Any], timeout: float = DEADLINE_S) -> Any:

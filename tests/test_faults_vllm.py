@@ -161,7 +161,11 @@ def test_prefill_engine_frozen_past_its_lease_names_its_own_process(cluster: Clu
         lambda: (e := serving.engines(c.coord.address).get("prefill-0")) is not None and e.ready,
         60,
     )
-    poll("the router pairing prefill-0 again", lambda: "prefill-0" in router_prefill(c), 60)
+    poll(
+        "the router pairing prefill-0 again",
+        lambda: "prefill-0" in serving.router_engines(c.router.url, "prefill"),
+        60,
+    )
     [prompt] = serving.varied_prompts(1234, (50,))  # no prefix cached on decode
     before = serving.external_tokens(c.decode.metrics())
     status, out = post(
@@ -171,15 +175,6 @@ def test_prefill_engine_frozen_past_its_lease_names_its_own_process(cluster: Clu
     assert status == 200 and out["choices"][0]["text"], out
     assert serving.external_tokens(c.decode.metrics()) - before == len(prompt)  # pushed
     serving.wait_no_blocks_held(c.prefill, c.decode)
-
-
-def router_prefill(c: Cluster) -> list[str]:
-    """The prefill engines the router pairs requests with (its /health)."""
-    try:
-        with urllib.request.urlopen(c.router.url + "/health", timeout=10) as resp:
-            return list(json.load(resp)["prefill"])
-    except urllib.error.HTTPError as exc:  # 503: no pair (its body lists the same)
-        return list(json.load(exc)["prefill"])
 
 
 def test_hung_then_killed_prefill_engine(cluster: Cluster) -> None:

@@ -78,6 +78,16 @@ def one_by_one(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]
     return out
 
 
+def router_engines(router_url: str, role: str) -> list[str]:
+    """The engines of `role` ("prefill" or "decode") a router pairs requests
+    with (its /health; a 503, no pair, lists the same)."""
+    try:
+        with urllib.request.urlopen(router_url + "/health", timeout=10) as resp:
+            return list(json.load(resp)[role])
+    except urllib.error.HTTPError as exc:
+        return list(json.load(exc)[role])
+
+
 def external_tokens(metrics_text: str) -> float:
     """Prompt tokens an engine loaded through its KV connector (not computed)."""
     return metric_value(metrics_text, EXTERNAL, 'source="external_kv_transfer"')
