@@ -160,6 +160,7 @@ class VllmServer:
         elif self.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
         self.log_path = owned_log(self, f"vllm-{self.name}-")
+        track(self)
         with open(self.log_path, "wb") as log:
             if self.pin_process and self.cpu_core is not None:
                 cmd = ["taskset", "-c", str(self.cpu_core), *cmd]  # children inherit it
@@ -200,6 +201,7 @@ class VllmServer:
             return text
 
     def stop(self, timeout: float = 20.0) -> None:
+        untrack(self)
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -214,11 +216,11 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def kill_process(self, title: str) -> int:
-        """SIGKILL the one process of this server whose title (vLLM's
-        setproctitle, e.g. "VLLM::Worker_TP1") is `title`; its pid."""
+    def processes(self) -> dict[int, str]:
+        """Every live process of this server (its process group): pid -> title
+        (vLLM's setproctitle, e.g. "VLLM::Worker_TP1", or the command)."""
         assert self.proc is not None
-        found = []
+        found: dict[int, str] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -228,12 +230,36 @@ class VllmServer:
                 argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             except (OSError, ProcessLookupError):
                 continue
-            if argv0.strip() == title:
-                found.append(int(entry.name))
+            found[int(entry.name)] = argv0.strip()
+        return found
+
+    def kill_process(self, title: str) -> int:
+        """SIGKILL the one process of this server whose title (vLLM's
+        setproctitle, e.g. "VLLM::Worker_TP1") is `title`; its pid."""
+        found = [pid for pid, name in self.processes().items() if name == title]
         if len(found) != 1:
             raise LookupError(f"{self.name}: {len(found)} processes titled {title!r}")
         os.kill(found[0], signal.SIGKILL)
         return found[0]
+
+
+# Servers started and not stopped, for a failed test's report
+# (tests/support/failure_report.py): id -> a weak reference.
+_LIVE: dict[int, weakref.ref[VllmServer]] = {}
+
+
+def track(server: VllmServer) -> None:
+    """`server` is running (its start): a failed test reports on it."""
+    _LIVE[id(server)] = weakref.ref(server)
+
+
+def untrack(server: VllmServer) -> None:
+    _LIVE.pop(id(server), None)
+
+
+def live_servers() -> list[VllmServer]:
+    """The servers started and not stopped yet, oldest first."""
+    return [s for ref in list(_LIVE.values()) if (s := ref()) is not None]
 
 
 def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> dict[str, Any]:

@@ -1,17 +1,21 @@
 """Fixtures shared by the test modules: an in-process coordinator (real gRPC
 server, default settings) and a node relay in front of it. A module that
 needs another coordinator (a child process, TLS, other settings) defines its
-own `coord`, which takes precedence over this one."""
+own `coord`, which takes precedence over this one. A failed test that left
+vLLM engines running reports their logs' key lines and their stacks
+(tests/support/failure_report.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 
 import pytest
+from pytest import TestReport
 
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.settings import CoreSettings
 from relay.server import Relay, RelaySettings
+from tests.support.failure_report import engines_report
 
 
 @pytest.fixture
@@ -26,3 +30,18 @@ async def relay(coord: Coordinator) -> AsyncIterator[Relay]:
     r = await Relay(RelaySettings(coordinators=coord.address, listen="127.0.0.1:0")).start()
     yield r
     await r.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, TestReport, TestReport]:
+    """A failed test (or setup) that left vLLM engines running reports their
+    key log lines and every process's stack, taken before any fixture stops
+    them: a hung request is then seen where it hangs."""
+    report = yield
+    if report.when in ("setup", "call") and report.failed:
+        text = engines_report()
+        if text:
+            report.sections.append(("vLLM engines still running at the failure", text))
+    return report
