@@ -24,6 +24,7 @@ from agent.link import ChannelFactory, CoordinatorLink
 from agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg, SnapshotMsg
 from agent.nixl_adapter import NixlEndpoint
 from agent.nixl_types import KVRegion, MemoryKind
+from agent.placement import placed
 from agent.snapshot import HeldItem
 from wire.tls import TLSFiles
 from wire.tls import channel as tls_channel
@@ -80,6 +81,9 @@ class AgentConfig:
     # > 0: if the link's watchdog does not run for this long, every Python
     # thread's stack goes to stderr (agent/starvation.py); 0: off.
     hang_dump_s: float = 0.0
+    # The CPUs the agent's threads run on (agent/placement.py: resolve);
+    # None: the starting thread's.
+    cpus: frozenset[int] | None = None
 
     @property
     def rank(self) -> int:
@@ -147,7 +151,15 @@ class Agent:
 
     # ------------------------------------------------------------ lifecycle
     def start(self, *, wait_registered_s: float = 0.0) -> None:
-        """Start both threads. With wait_registered_s > 0, wait for the first Welcome."""
+        """Start both threads, on config.cpus. With wait_registered_s > 0, wait
+        for the first Welcome."""
+        with placed(self.config.cpus):  # the threads started here inherit it
+            self._start_threads()
+        if wait_registered_s > 0 and not self.wait_registered(wait_registered_s):
+            why = (self._link.fatal_error if self._link else None) or "no answer"
+            raise TimeoutError(f"agent not registered within {wait_registered_s} s: {why}")
+
+    def _start_threads(self) -> None:
         c = self.config
         metadata = self._dataplane.start()
         hello = pb.AgentHello(
@@ -198,9 +210,6 @@ class Agent:
             hang_dump_s=c.hang_dump_s,
         )
         self._link.start()
-        if wait_registered_s > 0 and not self._link.registered.wait(wait_registered_s):
-            why = self._link.fatal_error or "no answer"
-            raise TimeoutError(f"agent not registered within {wait_registered_s} s: {why}")
 
     def close(self) -> None:
         if self._link is not None:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -74,6 +75,11 @@ class HostSpec:
     layers: tuple[int, ...] = ()
     # Failover rebuild (AgentConfig.rebuild_on_failover).
     rebuild: bool = False
+    # The starting thread's CPUs before the agent starts, as vLLM-CPU binds a
+    # worker's engine thread to its compute cores (() = unchanged), and where
+    # the agent's threads go (the connector's thread_cpus; agent/placement.py).
+    bound_to: tuple[int, ...] = ()
+    thread_cpus: str = "auto"
 
 
 def region_key(spec: HostSpec, region: int) -> int:
@@ -139,6 +145,7 @@ def pattern(seed: int, position: int, region: int, block_len: int) -> np.ndarray
 def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
     from agent.nixl_types import KVRegion
+    from agent.placement import resolve, thread_cpus
     from agent.runtime import Agent, AgentConfig, AgentRole
     from wire.tls import TLSFiles
 
@@ -178,6 +185,10 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
         give_up_s=spec.give_up_s,
         rebuild_on_failover=spec.rebuild,
     )
+    if spec.bound_to:
+        os.sched_setaffinity(0, spec.bound_to)
+    before = set(thread_cpus())  # the threads the agent did not start
+    cfg = dataclasses.replace(cfg, cpus=resolve(spec.thread_cpus))
     agent = Agent(cfg)
     try:
         agent.start(wait_registered_s=30)
@@ -275,6 +286,10 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
                 reply = agent.lease_held
             elif cmd == "link":  # (streams left for silence, hellos redirected)
                 reply = agent.link_counts
+            elif cmd == "threads":  # (this thread's CPUs, {thread the agent started: CPUs})
+                now = thread_cpus()
+                mine = now[threading.get_native_id()]
+                reply = (sorted(mine), {t: sorted(c) for t, c in now.items() if t not in before})
             conn.send(("reply", reply))
     finally:
         agent.close()

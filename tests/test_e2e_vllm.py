@@ -23,6 +23,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from agent.placement import cgroup_cpus
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import (
     RouterProcess,
@@ -187,6 +188,20 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
         if "armed" in stages:
             assert "ordered" not in stages, timeline(t)
             assert stages.index("decode_registered") < stages.index("armed"), timeline(t)
+
+
+def test_pushkv_threads_run_off_the_compute_core(cluster: Cluster) -> None:
+    """vLLM binds each worker's engine thread to its core (here one each);
+    the connector's default thread_cpus ("auto") gives pushkv's threads in
+    the worker every CPU of the cgroup instead (agent/placement.py;
+    tests/test_placement.py reads each thread's CPUs)."""
+    every = sorted(cgroup_cpus())
+    if len(every) < 2:
+        pytest.fail(f"this test needs 2 CPUs, the cgroup allows {every}")
+    for server, core in ((cluster.prefill, 0), (cluster.decode, 1)):
+        lines = [ln for ln in server.log_text().splitlines() if "pushkv threads of" in ln]
+        assert len(lines) == 1, lines
+        assert f"on CPUs {every} (thread_cpus auto; the engine thread's: [{core}])" in lines[0]
 
 
 def test_decode_first_is_armed_and_pushed_in_chunks(cluster: Cluster) -> None:

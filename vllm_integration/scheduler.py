@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from agent.messages import FireMsg
+from agent.placement import placed, resolve
 from vllm_integration import compat, fault_hooks
 from vllm_integration.client import Call, CoordinatorClient, needs_engine
 from vllm_integration.metadata import PushKVMetadata, RecvSpec
@@ -81,13 +82,14 @@ class PushSchedulerHalf:
         self.windows = windows
         self.progressive = settings.progressive_push
         relayed = bool(settings.agent_coordinator) and settings.submit_through_relay
-        self.client = CoordinatorClient(
-            settings.agent_coordinator if relayed else settings.coordinator,
-            timeout_s=settings.rpc_timeout_s,
-            tls=TLSFiles() if relayed else settings.tls,  # the relay holds the node's identity
-            keep=needs_engine,  # accepted calls never reach the engine thread
-            resubmit=settings.rebuild_on_failover,
-        )
+        with placed(resolve(settings.thread_cpus)):  # its thread and gRPC's inherit it
+            self.client = CoordinatorClient(
+                settings.agent_coordinator if relayed else settings.coordinator,
+                timeout_s=settings.rpc_timeout_s,
+                tls=TLSFiles() if relayed else settings.tls,  # the relay holds the node's identity
+                keep=needs_engine,  # accepted calls never reach the engine thread
+                resubmit=settings.rebuild_on_failover,
+            )
         self._local_hit: dict[str, int] = {}  # request id -> block-aligned local hit tokens
         self._registered: set[str] = set()  # decode requests registered once
         self._waiting: dict[str, RecvSpec] = {}  # decode requests waiting for KV

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from agent.placement import check_setting as check_cpus
 from agent.starvation import check_dump_after
 from vllm_integration.logs import check_level
 from wire.tls import TLSFiles
@@ -81,6 +82,15 @@ class ConnectorSettings:
     # starved agent"). The stall is logged either way; 0: no dump. One timer
     # per process (Python's faulthandler), so off by default.
     hang_dump_s: float = 0.0
+    # The CPUs pushkv's threads run on in the engine's processes (the agent's,
+    # gRPC's and UCX's in each worker, the scheduler's coordinator client):
+    # "auto" moves them off the compute cores vLLM-CPU binds a worker's engine
+    # thread to, onto every CPU of the process's cgroup, and leaves them alone
+    # where nothing is bound (GPU workers); "inherit" leaves them on the
+    # engine thread's; a list such as "2-3,6" puts them there (each CPU
+    # allowed by the cgroup). docs/operations.md, "pushkv's threads and the
+    # compute cores"; agent/placement.py.
+    thread_cpus: str = "auto"
 
     @property
     def tls(self) -> TLSFiles:
@@ -119,6 +129,10 @@ class ConnectorSettings:
             check_dump_after(out.hang_dump_s)
         except ValueError as exc:
             raise ValueError(f"kv_connector_extra_config.hang_dump_s: {exc}") from None
+        try:
+            check_cpus(out.thread_cpus)
+        except ValueError as exc:
+            raise ValueError(f"kv_connector_extra_config.thread_cpus: {exc}") from None
         if out.log_level:
             try:
                 out = dataclasses.replace(out, log_level=check_level(out.log_level))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
+from agent.placement import placed, resolve
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks, kv_checks
 from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
@@ -259,6 +261,8 @@ class PushWorkerHalf:
         compat[SPAN_UNITS] = span_units(shape, head_major, compat, first)
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         relay = self.settings.agent_coordinator
+        engine_cpus = sorted(os.sched_getaffinity(0))  # this (the engine) thread's
+        cpus = resolve(self.settings.thread_cpus)
         cfg = AgentConfig(
             coordinator=relay or self.settings.coordinator,
             engine_id=self.engine_id,
@@ -281,10 +285,19 @@ class PushWorkerHalf:
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
             region_layers=layers if min(layers, default=-1) >= 0 else (),
+            cpus=cpus,
         )
         self.agent = Agent(cfg)
         self.agent.start()
-        self.metrics.serve(self.settings.metrics_port)
+        with placed(cpus):
+            self.metrics.serve(self.settings.metrics_port)
+        log.info(
+            "pushkv threads of %s on CPUs %s (thread_cpus %s; the engine thread's: %s)",
+            cfg.agent_name,
+            "the engine thread's" if cpus is None else sorted(cpus),
+            self.settings.thread_cpus,
+            engine_cpus,
+        )
         if not self.agent.wait_registered(self.settings.register_timeout_s):
             log.warning(
                 "pushkv agent %s/%d not registered with %s after %.0f s; "

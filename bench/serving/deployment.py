@@ -220,7 +220,12 @@ def _deploy_pushkv(
         coord.address,
         cfg.model_dir,
         names=("prefill", "decode"),
-        extra_config=dict(cfg.pushkv_extra),
+        # The benchmark's core layout holds for every system: vLLM's NIXL
+        # connectors are kept off their reserved core (unpin above), and
+        # pushkv's threads stay on the engine thread's core (its default,
+        # "auto", would move them off it). --pushkv-setting thread_cpus=auto
+        # measures that default.
+        extra_config={"thread_cpus": "inherit", **dict(cfg.pushkv_extra)},
         prefill_tp=cfg.prefill_tp,
         sides=(placement.prefill.options(), placement.decode.options()),
         **_options(cfg, dep.scenario, env),

@@ -89,7 +89,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         default=[],
         metavar="KEY=VALUE",
         help="override a pushkv kv_connector_extra_config setting (repeatable), e.g. "
-        "idle_wait_ms=0; default: the connector's own defaults",
+        "idle_wait_ms=0; default: the connector's own defaults, but thread_cpus=inherit "
+        "(every system keeps the benchmark's core layout)",
     )
     ap.add_argument("--model-dir", type=Path, help="default .cache/bench-model-<shape>")
     ap.add_argument(

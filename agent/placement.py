@@ -1,0 +1,135 @@
+"""Which CPUs the agent's threads run on.
+
+Linux gives a new thread its creator's CPU affinity. vLLM's CPU workers bind
+the engine thread to its OpenMP compute cores (VLLM_CPU_OMP_THREADS_BIND), and
+the agent starts from that thread, so without a placement every agent thread
+(the link, its watchdog, the NIXL thread, UCX's and gRPC's own threads) would
+queue behind the compute thread of one core, whatever cores sit idle. vLLM's
+own NIXL connector moves its transfer work off the compute cores for the same
+reason.
+
+The setting (the connector's `thread_cpus`):
+- "auto" (default): if the starting thread is bound to fewer CPUs than the
+  process's cgroup allows (vLLM bound it), the agent's threads may run on
+  every CPU the cgroup allows, and the kernel puts them where a core is free;
+  otherwise (not bound, e.g. a GPU worker) they keep the starting thread's.
+- "inherit": the starting thread's CPUs, as Linux does by default.
+- a CPU list such as "2-3,6": exactly those (each must be allowed).
+
+The affinity of the starting thread is changed only while the agent starts
+its threads (`placed`), and restored after: threads started inside inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+AUTO = "auto"
+INHERIT = "inherit"
+
+# The cgroup's CPUs: cgroup v2, then v1.
+CPUSET_FILES = (
+    Path("/sys/fs/cgroup/cpuset.cpus.effective"),
+    Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus"),
+)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """The CPUs of a list such as "0-3,6" (the kernel's and taskset's form)."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        part = item.strip()
+        if not part:
+            continue
+        low, sep, high = part.partition("-")
+        try:
+            first, last = int(low), int(high if sep else low)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a CPU list such as 0-3,6") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{text!r}: {part!r} is not a CPU range")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"{text!r} names no CPU")
+    return frozenset(cpus)
+
+
+def check_setting(text: str) -> str:
+    """`text` if it is a `thread_cpus` value (auto, inherit, or a list of CPUs
+    this process's cgroup allows), else ValueError."""
+    if text not in (AUTO, INHERIT):
+        wanted = parse_cpu_list(text)
+        allowed = cgroup_cpus()
+        if not wanted <= allowed:
+            raise ValueError(
+                f"CPU(s) {sorted(wanted - allowed)} of {text!r} are not allowed to this "
+                f"process (its cgroup allows {_ranges(allowed)}); or auto, or inherit"
+            )
+    return text
+
+
+def _ranges(cpus: frozenset[int]) -> str:
+    """`cpus` in the list form, e.g. "0-3,6"."""
+    out: list[str] = []
+    for cpu in sorted(cpus):
+        if out and cpu == int(out[-1].rpartition("-")[2]) + 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{cpu}"
+        else:
+            out.append(str(cpu))
+    return ",".join(out)
+
+
+def cgroup_cpus() -> frozenset[int]:
+    """The CPUs this process's cgroup allows (all online CPUs without a cpuset)."""
+    for path in CPUSET_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return parse_cpu_list(text)
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def resolve(setting: str) -> frozenset[int] | None:
+    """The CPUs for pushkv's threads under `setting`, resolved on the thread
+    that starts them; None: leave them the starting thread's."""
+    if setting == INHERIT:
+        return None
+    if setting == AUTO:
+        mine = frozenset(os.sched_getaffinity(0))
+        allowed = cgroup_cpus()
+        return allowed if mine < allowed else None
+    return parse_cpu_list(check_setting(setting))
+
+
+@contextmanager
+def placed(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads started inside run on `cpus` (None: unchanged). The calling
+    thread's own affinity is restored on the way out."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # 0: the calling thread
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def thread_cpus() -> dict[int, frozenset[int]]:
+    """Every thread of this process: native thread id -> the CPUs it may run on."""
+    out: dict[int, frozenset[int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended
+            continue
+        for line in status.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out[int(task.name)] = parse_cpu_list(line.split(":", 1)[1])
+    return out
