@@ -30,8 +30,8 @@ from pathlib import Path
 AUTO = "auto"
 INHERIT = "inherit"
 
-# The cgroup's CPUs: cgroup v2, then v1.
-CPUSET_FILES = (
+# The CPUs of the cgroup at the mount's root: cgroup v2, then v1.
+ROOT_CPUSET_FILES = (
     Path("/sys/fs/cgroup/cpuset.cpus.effective"),
     Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus"),
 )
@@ -82,9 +82,28 @@ def _ranges(cpus: frozenset[int]) -> str:
     return ",".join(out)
 
 
+def cpuset_files(proc_cgroup: str) -> list[Path]:
+    """Where this process's cgroup lists its CPUs, from /proc/self/cgroup's
+    text: its own cgroup's file (v2 "0::/path", or v1's cpuset line), then
+    the mount root's."""
+    own: list[Path] = []
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        rel = path.strip().lstrip("/")
+        if controllers == "":
+            own.append(Path("/sys/fs/cgroup", rel, "cpuset.cpus.effective"))
+        elif "cpuset" in controllers.split(","):
+            own.append(Path("/sys/fs/cgroup/cpuset", rel, "cpuset.effective_cpus"))
+    return [*own, *ROOT_CPUSET_FILES]
+
+
 def cgroup_cpus() -> frozenset[int]:
     """The CPUs this process's cgroup allows (all online CPUs without a cpuset)."""
-    for path in CPUSET_FILES:
+    try:
+        proc_cgroup = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        proc_cgroup = ""
+    for path in cpuset_files(proc_cgroup):
         try:
             text = path.read_text().strip()
         except OSError:

@@ -15,14 +15,17 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 
 from agent.events import EventKind
 from agent.placement import (
+    ROOT_CPUSET_FILES,
     cgroup_cpus,
     check_setting,
+    cpuset_files,
     parse_cpu_list,
     placed,
     resolve,
@@ -163,3 +166,14 @@ def test_the_placement_bench_runs_both_settings_side_by_side(
     assert [ln.split()[0] for ln in out[1:3]] == ["inherit", "auto"]
     assert all(" p99 " in ln for ln in out[1:3])
     assert out[3].startswith("inherit/auto p50: ")
+
+
+def test_the_cgroup_is_read_where_the_process_lives() -> None:
+    v2 = cpuset_files("0::/kubepods/pod1/c1\n")
+    assert v2[0] == Path("/sys/fs/cgroup/kubepods/pod1/c1/cpuset.cpus.effective")
+    v1 = cpuset_files("4:memory:/x\n3:cpuset,cpu:/docker/abc\n0::/\n")
+    assert v1[0] == Path("/sys/fs/cgroup/cpuset/docker/abc/cpuset.effective_cpus")
+    assert v1[1] == Path("/sys/fs/cgroup/cpuset.cpus.effective")  # the hybrid's v2 line
+    assert v1[-2:] == list(ROOT_CPUSET_FILES)
+    # This process's: what the kernel lets it run on.
+    assert frozenset(os.sched_getaffinity(0)) <= ALLOWED
