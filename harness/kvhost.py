@@ -188,7 +188,8 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     if spec.bound_to:
         os.sched_setaffinity(0, spec.bound_to)
     before = set(thread_cpus())  # the threads the agent did not start
-    cfg = dataclasses.replace(cfg, cpus=resolve(spec.thread_cpus))
+    # A KV host holds its KV in DRAM, as a vLLM-CPU worker does.
+    cfg = dataclasses.replace(cfg, cpus=resolve(spec.thread_cpus, cpu_engine=True))
     agent = Agent(cfg)
     try:
         agent.start(wait_registered_s=30)

@@ -23,7 +23,7 @@ import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.placement import cgroup_cpus
+from agent.placement import cgroup_cpus, numa_nodes, numa_span
 from harness.coordinator import CoordinatorProcess
 from harness.vllm_server import (
     RouterProcess,
@@ -193,15 +193,16 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
 def test_pushkv_threads_run_off_the_compute_core(cluster: Cluster) -> None:
     """vLLM binds each worker's engine thread to its core (here one each);
     the connector's default thread_cpus ("auto") gives pushkv's threads in
-    the worker every CPU of the cgroup instead (agent/placement.py;
+    the worker every CPU of its NUMA node instead (agent/placement.py;
     tests/test_placement.py reads each thread's CPUs)."""
-    every = sorted(cgroup_cpus())
-    if len(every) < 2:
-        pytest.fail(f"this test needs 2 CPUs, the cgroup allows {every}")
+    allowed = cgroup_cpus()
     for server, core in ((cluster.prefill, 0), (cluster.decode, 1)):
+        span = sorted(numa_span(frozenset({core}), numa_nodes() or [allowed]) & allowed)
+        if len(span) < 2:
+            pytest.fail(f"this test needs 2 CPUs on core {core}'s NUMA node: {span}")
         lines = [ln for ln in server.log_text().splitlines() if "pushkv threads of" in ln]
         assert len(lines) == 1, lines
-        assert f"on CPUs {every} (thread_cpus auto; the engine thread's: [{core}])" in lines[0]
+        assert f"on CPUs {span} (thread_cpus auto; the engine thread's: [{core}])" in lines[0]
 
 
 def test_decode_first_is_armed_and_pushed_in_chunks(cluster: Cluster) -> None:

@@ -2,7 +2,8 @@
 `thread_cpus`). vLLM-CPU binds a worker's engine thread to its compute cores,
 and Linux gives every thread it starts the same CPUs: by default ("auto") the
 agent's threads (link, watchdog, NIXL, and the threads UCX and gRPC start
-under them) may run on every CPU of the cgroup instead.
+under them) may run on every CPU of the bound cores' NUMA nodes that the
+cgroup allows instead.
 
 The agents are real (harness/kvhost.py: a real agent with real NIXL in its own
 process, against a real coordinator process), bound as vLLM binds a worker,
@@ -26,6 +27,8 @@ from agent.placement import (
     cgroup_cpus,
     check_setting,
     cpuset_files,
+    numa_nodes,
+    numa_span,
     parse_cpu_list,
     placed,
     resolve,
@@ -73,7 +76,7 @@ PLACED_CHILD = """
 import json, os, sys, threading
 from agent.placement import placed, resolve, thread_cpus
 os.sched_setaffinity(0, {{{BOUND}}})
-cpus = resolve(sys.argv[1])
+cpus = resolve(sys.argv[1], cpu_engine=sys.argv[2] == "cpu")
 got = {{}}
 with placed(cpus):
     t = threading.Thread(target=lambda: got.update(cpus=sorted(os.sched_getaffinity(0))))
@@ -84,11 +87,17 @@ print(json.dumps([mine, got["cpus"], None if cpus is None else sorted(cpus)]))
 """
 
 
-@pytest.mark.parametrize("setting", ["auto", "inherit"])
-def test_placed_threads_get_the_cpus_and_the_starter_keeps_its_own(setting: str) -> None:
+@pytest.mark.parametrize(
+    ("setting", "engine"), [("auto", "cpu"), ("auto", "gpu"), ("inherit", "cpu")]
+)
+def test_placed_threads_get_the_cpus_and_the_starter_keeps_its_own(
+    setting: str, engine: str
+) -> None:
+    """On a CPU engine, auto widens the bound thread's CPUs to its NUMA nodes
+    (within the cgroup); a GPU worker's binding (vLLM's --numa-bind) is kept."""
     script = PLACED_CHILD.format(BOUND=BOUND)
     out = subprocess.run(
-        [sys.executable, "-c", script, setting],
+        [sys.executable, "-c", script, setting, engine],
         check=False,
         capture_output=True,
         text=True,
@@ -97,9 +106,10 @@ def test_placed_threads_get_the_cpus_and_the_starter_keeps_its_own(setting: str)
     assert out.returncode == 0, out.stderr
     starter, started, resolved = json.loads(out.stdout)
     assert starter == [BOUND]  # restored after the block
-    if setting == "auto" and len(ALLOWED) > 1:
-        assert resolved == sorted(ALLOWED)
-        assert started == sorted(ALLOWED)
+    span = numa_span(frozenset({BOUND}), numa_nodes() or [ALLOWED]) & ALLOWED
+    if setting == "auto" and engine == "cpu" and len(span) > 1:
+        assert resolved == sorted(span)
+        assert started == sorted(span)
     else:
         assert resolved is None
         assert started == [BOUND]
@@ -108,7 +118,7 @@ def test_placed_threads_get_the_cpus_and_the_starter_keeps_its_own(setting: str)
 def test_an_unbound_thread_is_left_alone_by_auto() -> None:
     if frozenset(os.sched_getaffinity(0)) != ALLOWED:
         pytest.fail(f"the test process is bound: {os.sched_getaffinity(0)} of {ALLOWED}")
-    assert resolve("auto") is None  # a GPU worker: nothing to move its threads off
+    assert resolve("auto", cpu_engine=True) is None  # nothing to move its threads off
     with placed(None):
         assert frozenset(os.sched_getaffinity(0)) == ALLOWED
     assert thread_cpus()[threading.get_native_id()] == ALLOWED
@@ -177,3 +187,13 @@ def test_the_cgroup_is_read_where_the_process_lives() -> None:
     assert v1[-2:] == list(ROOT_CPUSET_FILES)
     # This process's: what the kernel lets it run on.
     assert frozenset(os.sched_getaffinity(0)) <= ALLOWED
+
+
+def test_auto_widens_to_the_numa_nodes_of_the_bound_cpus() -> None:
+    nodes = [frozenset(range(4)), frozenset(range(4, 8))]
+    assert numa_span(frozenset({1}), nodes) == frozenset(range(4))
+    assert numa_span(frozenset({3, 4}), nodes) == frozenset(range(8))
+    assert numa_span(frozenset({9}), nodes) == {9}  # a CPU no node lists: itself
+    assert numa_span(frozenset({2}), []) == {2}
+    # This machine's nodes cover the CPUs its cgroup allows.
+    assert frozenset().union(*numa_nodes()) >= ALLOWED

@@ -139,6 +139,14 @@ def set_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:
         kv_transfer_config.kv_load_failure_policy = policy
 
 
+def cpu_platform() -> bool:
+    """Whether this engine computes on the CPU (vLLM-CPU, which binds each
+    worker's engine thread to its compute cores; agent/placement.py)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def tp_rank_and_size() -> tuple[int, int]:
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,

@@ -82,7 +82,8 @@ class PushSchedulerHalf:
         self.windows = windows
         self.progressive = settings.progressive_push
         relayed = bool(settings.agent_coordinator) and settings.submit_through_relay
-        with placed(resolve(settings.thread_cpus)):  # its thread and gRPC's inherit it
+        cpus = resolve(settings.thread_cpus, cpu_engine=compat.cpu_platform())
+        with placed(cpus):  # its thread and gRPC's inherit it
             self.client = CoordinatorClient(
                 settings.agent_coordinator if relayed else settings.coordinator,
                 timeout_s=settings.rpc_timeout_s,

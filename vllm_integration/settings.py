@@ -84,12 +84,12 @@ class ConnectorSettings:
     hang_dump_s: float = 0.0
     # The CPUs pushkv's threads run on in the engine's processes (the agent's,
     # gRPC's and UCX's in each worker, the scheduler's coordinator client):
-    # "auto" moves them off the compute cores vLLM-CPU binds a worker's engine
-    # thread to, onto every CPU of the process's cgroup, and leaves them alone
-    # where nothing is bound (GPU workers); "inherit" leaves them on the
-    # engine thread's; a list such as "2-3,6" puts them there (each CPU
-    # allowed by the cgroup). docs/operations.md, "pushkv's threads and the
-    # compute cores"; agent/placement.py.
+    # "auto", on a CPU engine (vLLM-CPU), moves them off the compute cores
+    # vLLM binds a worker's engine thread to, onto every CPU of those cores'
+    # NUMA nodes that the cgroup allows, and on a GPU engine leaves them be;
+    # "inherit" leaves them on the engine thread's; a list such as "2-3,6"
+    # puts them there (each CPU allowed by the cgroup). docs/operations.md,
+    # "pushkv's threads and the compute cores"; agent/placement.py.
     thread_cpus: str = "auto"
 
     @property

@@ -262,7 +262,7 @@ class PushWorkerHalf:
         digest = hashlib.sha256(repr(sorted(compat.items())).encode()).hexdigest()[:16]
         relay = self.settings.agent_coordinator
         engine_cpus = sorted(os.sched_getaffinity(0))  # this (the engine) thread's
-        cpus = resolve(self.settings.thread_cpus)
+        cpus = resolve(self.settings.thread_cpus, cpu_engine=memory is MemoryKind.DRAM)
         cfg = AgentConfig(
             coordinator=relay or self.settings.coordinator,
             engine_id=self.engine_id,
