@@ -61,6 +61,7 @@ class CoordinatorProcess:
                 raise TimeoutError(f"{cmd[3]} did not start within {timeout} s")
             time.sleep(0.02)  # polling a file written by another process
         self.port = int(self._port_file.read_text())
+        _LIVE[id(self)] = weakref.ref(self)
         return self
 
     def kill(self) -> None:
@@ -81,6 +82,7 @@ class CoordinatorProcess:
             self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 10.0) -> None:
+        _LIVE.pop(id(self), None)
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a frozen one, too
             self.proc.send_signal(signal.SIGTERM)
@@ -98,6 +100,16 @@ class CoordinatorProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# Coordinators started and not stopped (alive or exited on their own), for a
+# failed test's report (tests/support/failure_report.py): id -> a weak reference.
+_LIVE: dict[int, weakref.ref[CoordinatorProcess]] = {}
+
+
+def live_coordinators() -> list[CoordinatorProcess]:
+    """The coordinators started and not stopped yet, oldest first."""
+    return [c for ref in list(_LIVE.values()) if (c := ref()) is not None]
 
 
 class RelayProcess(CoordinatorProcess):

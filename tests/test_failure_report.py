@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.coordinator import CoordinatorProcess, live_coordinators
 from harness.vllm_server import VllmServer, live_servers, track, untrack
 from tests.support.failure_report import engines_report, stack
 from tests.support.waits import Lines
@@ -93,3 +94,18 @@ def test_untrack_forgets(tmp_path: Path) -> None:
     assert server in live_servers()
     untrack(server)
     assert server not in live_servers()
+
+
+def test_the_coordinators_beside_a_live_engine_are_reported_alive_or_exited(
+    engine: VllmServer,
+) -> None:
+    coord = CoordinatorProcess("--log-level", "INFO").start()
+    try:
+        assert coord in live_coordinators()
+        assert f"== coordinator {coord.address} (running)" in engines_report()
+        coord.kill()  # a coordinator that died on its own stays in the report
+        assert f"== coordinator {coord.address} (exited with -9)" in engines_report()
+    finally:
+        coord.stop()
+    assert coord not in live_coordinators()
+    assert "== coordinator" not in engines_report()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.coordinator import CoordinatorProcess, live_coordinators
 from harness.vllm_server import VllmServer, live_servers
 from tests.support.serving import KEY_MARKS, LOG_MARKS
 
@@ -56,6 +57,25 @@ def engine_report(server: VllmServer) -> str:
     return "\n".join(out)
 
 
+def coordinator_report(c: CoordinatorProcess) -> str:
+    """A coordinator's state and its log's warnings, errors and leadership lines."""
+    code = None if c.proc is None else c.proc.poll()
+    state = "running" if code is None else f"exited with {code}"
+    lines = [ln for ln in c.log_text().splitlines() if any(m in ln for m in COORD_MARKS)]
+    return "\n".join([f"== coordinator {c.address} ({state})", *lines[-30:]])
+
+
+# A coordinator's lines worth a failed test's report: its warnings and errors
+# (coordinator_stalled among them), tracebacks, and its leadership's changes.
+COORD_MARKS = (*LOG_MARKS, "leader", "leadership")
+
+
 def engines_report() -> str:
-    """The report on every engine started and not stopped yet ("" if none)."""
-    return "\n\n".join(engine_report(s) for s in live_servers())
+    """The report on every engine started and not stopped yet, and on every
+    coordinator, where engines are ("" if no engine is)."""
+    servers = live_servers()
+    if not servers:
+        return ""
+    parts = [engine_report(s) for s in servers]
+    parts += [coordinator_report(c) for c in live_coordinators()]
+    return "\n\n".join(parts)
