@@ -148,7 +148,8 @@ def resolve(setting: str, *, cpu_engine: bool) -> frozenset[int] | None:
         if not cpu_engine:
             return None
         mine = frozenset(os.sched_getaffinity(0))
-        span = numa_span(mine, numa_nodes() or [cgroup_cpus()]) & cgroup_cpus()
+        allowed = cgroup_cpus()
+        span = numa_span(mine, numa_nodes() or [allowed]) & allowed
         return span if mine < span else None
     return parse_cpu_list(check_setting(setting))
 

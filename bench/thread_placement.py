@@ -24,6 +24,7 @@ import sys
 import time
 
 from agent.placement import cgroup_cpus
+from bench.stats import percentile
 
 HOG = "while True: pass"
 
@@ -59,11 +60,6 @@ def trial(setting: str, period_s: float, seconds: float) -> list[float]:
     return late
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="trials of each setting, alternating")
@@ -82,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.runs):
             for setting, rows in results.items():
                 ms = [x * 1000 for x in trial(setting, args.period_ms / 1000, args.seconds)]
-                rows.append((pct(ms, 0.5), pct(ms, 0.99), max(ms)))
+                rows.append((percentile(ms, 50), percentile(ms, 99), max(ms)))
     finally:
         for h in hogs:
             h.kill()

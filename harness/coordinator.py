@@ -17,6 +17,8 @@ import grpc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
+from harness.live import Live
+
 
 class CoordinatorProcess:
     def __init__(
@@ -61,7 +63,7 @@ class CoordinatorProcess:
                 raise TimeoutError(f"{cmd[3]} did not start within {timeout} s")
             time.sleep(0.02)  # polling a file written by another process
         self.port = int(self._port_file.read_text())
-        _LIVE[id(self)] = weakref.ref(self)
+        _LIVE.add(self)
         return self
 
     def kill(self) -> None:
@@ -82,7 +84,7 @@ class CoordinatorProcess:
             self.proc.send_signal(signal.SIGCONT)
 
     def stop(self, timeout: float = 10.0) -> None:
-        _LIVE.pop(id(self), None)
+        _LIVE.discard(self)
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # a frozen one, too
             self.proc.send_signal(signal.SIGTERM)
@@ -103,13 +105,13 @@ class CoordinatorProcess:
 
 
 # Coordinators started and not stopped (alive or exited on their own), for a
-# failed test's report (tests/support/failure_report.py): id -> a weak reference.
-_LIVE: dict[int, weakref.ref[CoordinatorProcess]] = {}
+# failed test's report (tests/support/failure_report.py).
+_LIVE: Live[CoordinatorProcess] = Live()
 
 
 def live_coordinators() -> list[CoordinatorProcess]:
     """The coordinators started and not stopped yet, oldest first."""
-    return [c for ref in list(_LIVE.values()) if (c := ref()) is not None]
+    return _LIVE.items()
 
 
 class RelayProcess(CoordinatorProcess):

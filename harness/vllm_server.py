@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
+from harness.live import Live
+
 _EPHEMERAL_FALLBACK = (32768, 60999)  # Linux's default ip_local_port_range
 
 
@@ -243,23 +245,22 @@ class VllmServer:
         return found[0]
 
 
-# Servers started and not stopped, for a failed test's report
-# (tests/support/failure_report.py): id -> a weak reference.
-_LIVE: dict[int, weakref.ref[VllmServer]] = {}
+# Servers started and not stopped, for a failed test's report.
+_LIVE: Live[VllmServer] = Live()
 
 
 def track(server: VllmServer) -> None:
     """`server` is running (its start): a failed test reports on it."""
-    _LIVE[id(server)] = weakref.ref(server)
+    _LIVE.add(server)
 
 
 def untrack(server: VllmServer) -> None:
-    _LIVE.pop(id(server), None)
+    _LIVE.discard(server)
 
 
 def live_servers() -> list[VllmServer]:
     """The servers started and not stopped yet, oldest first."""
-    return [s for ref in list(_LIVE.values()) if (s := ref()) is not None]
+    return _LIVE.items()
 
 
 def pushkv_config(role: str, engine_id: str, coordinator: str, api_url: str) -> dict[str, Any]:
