@@ -11,9 +11,12 @@ reason.
 The setting (the connector's `thread_cpus`):
 - "auto" (default): on a CPU engine (vLLM-CPU) whose starting thread is bound
   to fewer CPUs than its NUMA nodes hold, the CPUs of those nodes that the
-  process's cgroup allows, where the kernel puts the threads on a free core;
-  otherwise unchanged. A GPU worker's threads are not bound to compute cores,
-  and a NUMA binding of its process (vLLM's --numa-bind) is kept.
+  engine was given, where the kernel puts the threads on a free core;
+  otherwise unchanged. The engine was given what its cgroup allows and what
+  it was started on (a taskset or numactl binding of the whole engine, read
+  from the parent process, which vLLM does not bind). A GPU worker's threads
+  are not bound to compute cores, and a NUMA binding of its process (vLLM's
+  --numa-bind) is kept.
 - "inherit": the starting thread's CPUs, as Linux does by default.
 - a CPU list such as "2-3,6": exactly those (each must be allowed).
 
@@ -137,6 +140,28 @@ def numa_span(cpus: frozenset[int], nodes: list[frozenset[int]]) -> frozenset[in
     return span | cpus
 
 
+def launch_cpus() -> frozenset[int] | None:
+    """The CPUs this engine was started on: its parent process's (a worker's
+    EngineCore, or the API server), which vLLM leaves unbound and a taskset or
+    numactl binding of the whole engine narrows. None where it cannot be read
+    (the parent is gone)."""
+    try:
+        return frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        return None
+
+
+def auto_cpus(
+    mine: frozenset[int], given: frozenset[int], nodes: list[frozenset[int]]
+) -> frozenset[int] | None:
+    """auto on a CPU engine: the CPUs of the NUMA nodes of `mine` (the starting
+    thread's) among those the engine was `given`, if that is more than `mine`;
+    else None (nothing to move the threads to). Never a CPU outside `given`:
+    an operator's binding of the engine holds for pushkv's threads too."""
+    span = numa_span(mine, nodes or [given]) & given
+    return span if mine < span else None
+
+
 def resolve(setting: str, *, cpu_engine: bool) -> frozenset[int] | None:
     """The CPUs for pushkv's threads under `setting`, resolved on the thread
     that starts them; None: leave them the starting thread's. `cpu_engine`:
@@ -147,10 +172,11 @@ def resolve(setting: str, *, cpu_engine: bool) -> frozenset[int] | None:
     if setting == AUTO:
         if not cpu_engine:
             return None
-        mine = frozenset(os.sched_getaffinity(0))
-        allowed = cgroup_cpus()
-        span = numa_span(mine, numa_nodes() or [allowed]) & allowed
-        return span if mine < span else None
+        given = cgroup_cpus()
+        launched = launch_cpus()
+        if launched is not None:
+            given &= launched
+        return auto_cpus(frozenset(os.sched_getaffinity(0)), given, numa_nodes())
     return parse_cpu_list(check_setting(setting))
 
 

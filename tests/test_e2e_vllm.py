@@ -202,7 +202,8 @@ def test_pushkv_threads_run_off_the_compute_core(cluster: Cluster) -> None:
             pytest.fail(f"this test needs 2 CPUs on core {core}'s NUMA node: {span}")
         lines = [ln for ln in server.log_text().splitlines() if "pushkv threads of" in ln]
         assert len(lines) == 1, lines
-        assert f"on CPUs {span} (thread_cpus auto; the engine thread's: [{core}])" in lines[0]
+        assert f"on CPUs {span} (thread_cpus auto; the engine thread's: [{core}]; " in lines[0]
+        assert f"the engine was started on: {sorted(allowed)})" in lines[0]
 
 
 def test_decode_first_is_armed_and_pushed_in_chunks(cluster: Cluster) -> None:

@@ -24,9 +24,11 @@ from pushkv.v1 import pushkv_pb2 as pb
 from agent.events import EventKind
 from agent.placement import (
     ROOT_CPUSET_FILES,
+    auto_cpus,
     cgroup_cpus,
     check_setting,
     cpuset_files,
+    launch_cpus,
     numa_nodes,
     numa_span,
     parse_cpu_list,
@@ -113,6 +115,57 @@ def test_placed_threads_get_the_cpus_and_the_starter_keeps_its_own(
     else:
         assert resolved is None
         assert started == [BOUND]
+
+
+# The engine started under `taskset -c BOUND` (or numactl): the launcher's
+# CPUs, which its child (the worker) inherits and vLLM narrows no further.
+LAUNCHER = """
+import os, subprocess, sys
+os.sched_setaffinity(0, {{{BOUND}}})
+sys.exit(subprocess.run([sys.executable, "-c", *sys.argv[1:]]).returncode)
+"""
+
+
+@pytest.mark.parametrize("launched_on", ["bound", "all"])
+def test_auto_keeps_the_threads_on_the_cpus_the_engine_was_started_on(launched_on: str) -> None:
+    """A whole engine bound by its operator (taskset, numactl) keeps pushkv's
+    threads inside that binding: auto widens only within the CPUs the
+    engine's parent process runs on, and where that leaves nothing beyond the
+    engine thread's own core, the threads stay with it."""
+    if len(ALLOWED) < 2:
+        pytest.fail(f"this test needs 2 CPUs, the cgroup allows {sorted(ALLOWED)}")
+    span = numa_span(frozenset({BOUND}), numa_nodes() or [ALLOWED]) & ALLOWED
+    if len(span) < 2:
+        pytest.fail(f"this test needs 2 CPUs on CPU {BOUND}'s NUMA node: {sorted(span)}")
+    child = [PLACED_CHILD.format(BOUND=BOUND), "auto", "cpu"]
+    if launched_on == "bound":
+        cmd = [sys.executable, "-c", LAUNCHER.format(BOUND=BOUND), *child]
+    else:
+        cmd = [sys.executable, "-c", *child]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    starter, started, resolved = json.loads(out.stdout)
+    assert starter == [BOUND]
+    if launched_on == "bound":
+        assert (resolved, started) == (None, [BOUND])
+    else:
+        assert resolved == started == sorted(span)
+
+
+def test_auto_widens_only_within_what_the_engine_was_given() -> None:
+    nodes = [frozenset(range(8)), frozenset(range(8, 16))]
+    # numactl --physcpubind=2-5 on an 8-CPU node, the engine thread on 2.
+    assert auto_cpus(frozenset({2}), frozenset(range(2, 6)), nodes) == frozenset(range(2, 6))
+    # Given only its own core: nothing to move to.
+    assert auto_cpus(frozenset({2}), frozenset({2}), nodes) is None
+    # A thread bound outside what it was given is not widened into it.
+    assert auto_cpus(frozenset({9}), frozenset(range(8)), nodes) is None
+    # Both nodes' cores bound: each node's CPUs that were given.
+    assert auto_cpus(frozenset({1, 9}), frozenset(range(16)), nodes) == frozenset(range(16))
+    # Unknown nodes: what was given.
+    assert auto_cpus(frozenset({1}), frozenset({1, 3}), []) == frozenset({1, 3})
+    # The parent's CPUs are this process's launcher's; a parent gone reads as unknown.
+    assert launch_cpus() == frozenset(os.sched_getaffinity(os.getppid()))
 
 
 def test_an_unbound_thread_is_left_alone_by_auto() -> None:

@@ -86,7 +86,8 @@ class ConnectorSettings:
     # gRPC's and UCX's in each worker, the scheduler's coordinator client):
     # "auto", on a CPU engine (vLLM-CPU), moves them off the compute cores
     # vLLM binds a worker's engine thread to, onto every CPU of those cores'
-    # NUMA nodes that the cgroup allows, and on a GPU engine leaves them be;
+    # NUMA nodes that the engine was given (its cgroup, and a taskset or
+    # numactl binding of the whole engine), and on a GPU engine leaves them be;
     # "inherit" leaves them on the engine thread's; a list such as "2-3,6"
     # puts them there (each CPU allowed by the cgroup). docs/operations.md,
     # "pushkv's threads and the compute cores"; agent/placement.py.

@@ -16,7 +16,7 @@ from typing import Any
 
 from agent.events import EventKind, HostEvent
 from agent.nixl_types import KVRegion, MemoryKind
-from agent.placement import placed, resolve
+from agent.placement import launch_cpus, placed, resolve
 from agent.runtime import Agent, AgentConfig, AgentRole
 from vllm_integration import fault_hooks, kv_checks
 from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
@@ -291,12 +291,15 @@ class PushWorkerHalf:
         self.agent.start()
         with placed(cpus):
             self.metrics.serve(self.settings.metrics_port)
+        launched = launch_cpus()
         log.info(
-            "pushkv threads of %s on CPUs %s (thread_cpus %s; the engine thread's: %s)",
+            "pushkv threads of %s on CPUs %s (thread_cpus %s; the engine thread's: %s; "
+            "the engine was started on: %s)",
             cfg.agent_name,
             "the engine thread's" if cpus is None else sorted(cpus),
             self.settings.thread_cpus,
             engine_cpus,
+            "unknown" if launched is None else sorted(launched),
         )
         if not self.agent.wait_registered(self.settings.register_timeout_s):
             log.warning(
