@@ -164,7 +164,7 @@ def test_auto_widens_only_within_what_the_engine_was_given() -> None:
     assert auto_cpus(frozenset({1, 9}), frozenset(range(16)), nodes) == frozenset(range(16))
     # Unknown nodes: what was given.
     assert auto_cpus(frozenset({1}), frozenset({1, 3}), []) == frozenset({1, 3})
-    # The parent's CPUs are this process's launcher's; a parent gone reads as unknown.
+    # What the engine was started on: its parent's CPUs (here, pytest's launcher's).
     assert launch_cpus() == frozenset(os.sched_getaffinity(os.getppid()))
 
 
