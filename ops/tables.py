@@ -8,7 +8,6 @@ from datetime import UTC, datetime
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import timeline
-from wire.states import TERMINAL
 
 
 def _state(value: pb.TransferState.ValueType) -> str:
@@ -29,24 +28,18 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def _wait_ms(t: pb.TransferStatus, start: str, end: str) -> str:
-    times = {e.stage: e.unix_us for e in t.timeline if e.rank == -1}
-    if start in times and end in times:
-        return f"{(times[end] - times[start]) / 1000:.1f}"
-    return "-"
-
-
 def transfers_table(transfers: Sequence[pb.TransferStatus]) -> str:
+    """One row per transfer: its state, engines, blocks, ranks, and two of the
+    waits of controlplane/timeline.py (an armed order is timed from its first
+    post, as there)."""
     rows = []
     for t in transfers:
+        w = timeline.waits(t)
         ranks = ",".join(
             f"{r.prefill_rank}:{pb.RankState.Name(r.state).removeprefix('RANK_STATE_').lower()}"
             + ("+arrived" if r.arrived else "")
             for r in t.ranks
         )
-        first = min((e.unix_us for e in t.timeline), default=0)
-        ordered = next((e.unix_us for e in t.timeline if e.stage == "ordered"), 0)
-        end = t.updated_unix_us
         rows.append(
             [
                 t.transfer_id,
@@ -57,8 +50,8 @@ def transfers_table(transfers: Sequence[pb.TransferStatus]) -> str:
                 str(sum(len(g.ids) for g in t.decode_blocks)),
                 ranks or "-",
                 ",".join(map(str, t.outstanding_ranks)) or "-",
-                f"{(ordered - first) / 1000:.1f}" if ordered else "-",
-                f"{(end - ordered) / 1000:.1f}" if ordered and t.state in TERMINAL else "-",
+                _ms(w.rendezvous_wait),
+                _ms(w.write_time),
             ]
         )
     return _table(
@@ -71,7 +64,7 @@ def transfers_table(transfers: Sequence[pb.TransferStatus]) -> str:
             "BLOCKS",
             "RANKS",
             "OUTSTANDING",
-            "RDV_MS",
+            "RDV_WAIT_MS",
             "WRITE_MS",
         ],
         rows,

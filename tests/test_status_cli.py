@@ -17,6 +17,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from cli import main as cli
 from controlplane import timeline
 from ops import status as status_cli
+from ops import tables
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
 
 WAIT = 10.0
@@ -339,6 +340,35 @@ def test_waits_prefill_first_and_incomplete() -> None:
     assert timeline.waits(status()).as_dict() == dict.fromkeys(timeline.WAITS)
     with pytest.raises(ValueError):
         timeline.waits(status()).get("bogus")
+
+
+def table_cells(text: str) -> dict[str, str]:
+    """The one row of a table of ops.tables, by column (cells may be empty)."""
+    header, _, row = text.splitlines()
+    starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = zip(starts, [*starts[1:], None], strict=True)
+    return {header[a:b].strip(): row[a:b].strip() for a, b in bounds}
+
+
+def test_the_demos_table_times_an_armed_transfer() -> None:
+    """The demos' table (ops.tables.transfers_table) shows the waits of
+    controlplane/timeline.py: an armed order, which has no "ordered" stage,
+    is timed from its first post, as `pushkv status ls` times it."""
+    t = status(
+        ("decode_registered", 100.0, -1),
+        ("prefill_done", 100.5, -1),
+        ("write_posted", 100.51, 0),
+        ("write_done", 100.7, 0),
+        ("arrived", 100.71, 0),
+        ("complete", 100.71, -1),
+    )
+    t.state = pb.TRANSFER_STATE_COMPLETE
+    cells = table_cells(tables.transfers_table([t]))
+    assert cells["STATE"] == "complete"
+    assert (cells["RDV_WAIT_MS"], cells["WRITE_MS"]) == ("500.0", "190.0")
+    # Waits whose stages have not both happened yet.
+    cells = table_cells(tables.transfers_table([status(("decode_registered", 100.0, -1))]))
+    assert (cells["RDV_WAIT_MS"], cells["WRITE_MS"]) == ("-", "-")
 
 
 def test_sort_by_wait_puts_missing_last() -> None:
