@@ -240,6 +240,39 @@ def run(
     return results
 
 
+def run_seam(
+    k: int, n: int, batch: int, reps: int, with_metrics: bool, tp: int
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Repetitions of one state machine and of `k` partitions in one process
+    (controlplane/partitions.py), alternated: (one's, the partitions')."""
+    from controlplane.server import tune_gc
+
+    tune_gc()
+    one, many = [], []
+    for rep in range(reps):
+        one.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, "one-")))
+        seam, kept = {"partitions": k}, list[Any]()
+        many.append(
+            asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, "k-", kept, settings=seam))
+        )
+        if len(getattr(kept[0].core, "parts", ())) != k:
+            raise RuntimeError(f"the runtime did not hold {k} partitions")
+        kept.clear()
+    return one, many
+
+
+def report_seam(k: int, one: list[dict[str, float]], many: list[dict[str, float]]) -> None:
+    for label, results in (("one state machine", one), (f"{k} partitions", many)):
+        print(f"-- {label}")
+        report(results)
+    ratios = [m["total"] / o["total"] for o, m in zip(one, many, strict=True)]
+    print(
+        f"seam_partitions={k} cost_ratio_median={statistics.median(ratios):.3f} "
+        f"({min(ratios):.3f}-{max(ratios):.3f}, each repetition's K-partition total "
+        "over the one-core total run beside it)"
+    )
+
+
 def _fmt(values: Sequence[float]) -> str:
     return f"{statistics.median(values):7.1f} ({min(values):6.1f}-{max(values):6.1f})"
 
@@ -292,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(bench/coordinator_retained.py)",
     )
     p.add_argument(
+        "--seam",
+        type=int,
+        default=1,
+        help="K > 1: the state machine as K partitions in this one process "
+        "(--partitions K of the coordinator), alternated with one, and the cost ratio",
+    )
+    p.add_argument(
         "--partitions",
         type=int,
         default=1,
@@ -306,8 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp < 1:
         print("pushkv bench core: --tp must be at least 1", file=sys.stderr)
         return 2
-    if args.partitions < 1:
-        print("pushkv bench core: --partitions must be at least 1", file=sys.stderr)
+    if args.partitions < 1 or args.seam < 1:
+        print("pushkv bench core: --partitions and --seam must be at least 1", file=sys.stderr)
         return 2
     quiet_logs(args.log_level)
     if args.front_hop:
@@ -344,6 +384,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts.report(
             args.partitions,
             parts.run(args.partitions, args.n, args.batch, args.reps, args.tp, args.metrics),
+        )
+        return 0
+    if args.seam > 1:
+        print(core_build())
+        print(
+            f"{args.reps} x {args.n} rendezvous at TP {args.tp}, batches of {args.batch}, "
+            f"one state machine and {args.seam} partitions alternated, "
+            f"metrics={'on' if args.metrics else 'off'}"
+        )
+        report_seam(
+            args.seam, *run_seam(args.seam, args.n, args.batch, args.reps, args.metrics, args.tp)
         )
         return 0
     if args.profile:

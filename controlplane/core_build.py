@@ -32,6 +32,7 @@ CORE_MODULES = (
     "inflight",
     "agent_loss",
     "rendezvous",
+    "partitions",
     "convert",
     "runtime",
     "calls",

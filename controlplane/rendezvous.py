@@ -113,6 +113,9 @@ class Rendezvous:
         self._deadlines = self._book.deadlines
         self._open_orders = self._book.open_orders
         self.coordinator_id = uuid.uuid4().hex[:12]
+        # Order ids are "<prefix>-<n>": unique per process, and per partition
+        # of one (partitions.py gives each a prefix of its own).
+        self.order_prefix = self.coordinator_id
         self._order_seq = itertools.count(1)
         # Until then (monotonic), resubmitted sides no agent re-sent are answered
         # UNAVAILABLE rather than FAILED (resubmission.py); set by lead().
@@ -512,8 +515,8 @@ class Rendezvous:
         return effects + self._maybe_complete(t)  # adopted ranks may be done already
 
     def _order_id(self) -> OrderId:
-        """Unique per coordinator process."""
-        return OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
+        """Unique per coordinator process (and partition)."""
+        return OrderId(f"{self.order_prefix}-{next(self._order_seq)}")
 
     def _order_args(self) -> tuple[Callable[[], OrderId], OpenOrders, int]:
         return self._order_id, self._open_orders, self.max_order_bytes

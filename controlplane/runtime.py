@@ -33,8 +33,8 @@ from controlplane.domain import (
 )
 from controlplane.errors import InvalidArgument
 from controlplane.order_size import MAX_ORDER_BYTES
+from controlplane.partitions import make_core
 from controlplane.peer_messages import PeerMessages
-from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from controlplane.timeline import TransferObserver
 from controlplane.transfer import Transfer
@@ -196,7 +196,7 @@ class Runtime:
     def __init__(
         self, settings: CoreSettings, clock: Clock, max_order_bytes: int = MAX_ORDER_BYTES
     ) -> None:
-        self.core = Rendezvous(settings, clock, max_order_bytes)
+        self.core = make_core(settings, clock, max_order_bytes)
         self.clock = clock
         self._sessions: dict[AgentKey, AgentSession] = {}
         self._peer_msgs = PeerMessages(self.core.registry)

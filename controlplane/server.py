@@ -198,6 +198,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         port=port,
         coordinator_id=runtime.core.coordinator_id,
         core=core_build(),
+        partitions=settings.core.partitions,
         etcd=settings.etcd or None,
         event_loop=event_loop_name(),
     )

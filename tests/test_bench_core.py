@@ -43,6 +43,20 @@ def test_partitions_run_side_by_side_with_one_process(capsys: pytest.CaptureFixt
 
 def test_partitions_below_one_are_refused() -> None:
     assert core.main(["--partitions", "0"]) == 2
+    assert core.main(["--seam", "0"]) == 2
+
+
+def test_the_seam_runs_k_partitions_in_process_beside_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--seam 3: each repetition runs one state machine, then three
+    partitions in the same process (every transfer checked COMPLETE in each:
+    the run raises otherwise), and prints both tables and the cost ratio."""
+    assert core.main(["--seam", "3", "--tp", "2", "--n", "64", "--batch", "16", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "-- one state machine" in out and "-- 3 partitions" in out, out
+    m = re.search(r"^seam_partitions=3 cost_ratio_median=([\d.]+) ", out, re.M)
+    assert m is not None and float(m.group(1)) > 0, out
 
 
 def test_front_hop_answers_every_report_with_its_order(

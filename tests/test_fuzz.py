@@ -25,6 +25,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.domain import EngineId
+from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from tests.support.sim_agent import (
     SimCluster,
@@ -316,6 +317,7 @@ def check_accounting(server: ThreadedCoordinator) -> None:
     async def snapshot() -> tuple[int, int, dict[EngineId, int], dict[EngineId, int], bool]:
         assert server.coordinator is not None
         core = server.coordinator.runtime.core
+        assert isinstance(core, Rendezvous)  # the default: one state machine
         live = [t for t in core.transfers() if not t.state.terminal]
         per_engine: dict[EngineId, int] = {}
         for t in live:
