@@ -25,9 +25,10 @@ socket between a front and K partition processes:
   reached within a few percent of where one core reaches it; a partition
   that is full refuses while another may have room.
 
-In one process this buys no speed: it costs each agent event K times. It is
-here so that the partitions' rules run in every test before they move into
-processes of their own.
+In one process this buys no speed: each agent event is applied K times
+(about 5 % more CPU per TP-8 rendezvous at K = 2, `pushkv bench core
+--seam 2`, docs/benchmarks.md). It is here so that the partitions' rules run
+in every test before they move into processes of their own.
 """
 
 from __future__ import annotations
