@@ -195,10 +195,16 @@ def burst_through_a_failover(
     block stays held; a transfer in flight completes through it."""
     lead = poll("one leader", cluster.leader)
     # A pushed transfer first: the deployment works through the leader.
+    # Decode answers on its own agent's count of arrivals, so the leader may
+    # not have every rank's report yet: wait for the transfer to end there.
     p = fresh_prompts[0]
+    earlier = {t.transfer_id for t in cluster.transfers(lead)}
     status, answer = cluster.complete(p)
     assert status == 200 and text(answer) == cluster.reference[tuple(p)]
-    assert any(t.state == pb.TRANSFER_STATE_COMPLETE for t in cluster.transfers(lead))
+    (first,) = serving.settled(lead.address, 1, earlier, DEADLINE_S)
+    assert first.state == pb.TRANSFER_STATE_COMPLETE, serving.why_not_loaded(
+        lead.address, earlier, cluster.prefill.log_text(), cluster.decode.log_text()
+    )
 
     # The burst's armed orders are held unfired until a standby leads: its
     # transfers are all in flight at the kill (none is reported prefilled).

@@ -44,7 +44,7 @@ from controlplane.partitions import (
 from controlplane.rendezvous import Rendezvous
 from controlplane.settings import CoreSettings
 from controlplane.transfer_filter import TransferFilter
-from tests.support.core_shapes import ids_in_one_partition
+from tests.support.core_shapes import ids_in_partition
 from tests.test_rendezvous import D, P, finish, orders, reg
 
 K = 3
@@ -54,10 +54,7 @@ AGENTS = [(P, Role.PREFILL, r) for r in range(TP)] + [(D, Role.DECODE, r) for r 
 
 def ids_in_each_partition(per: int, k: int = K) -> list[str]:
     """`per` transfer ids in each of `k` partitions, partition by partition."""
-    out: list[str] = []
-    for i in range(k):
-        out += [t for t in (f"tx{n}" for n in range(1000)) if partition_of(t, k) == i][:per]
-    return out
+    return [t for i in range(k) for t in ids_in_partition(i, per, k, "tx")]
 
 
 IDS = ids_in_each_partition(2)
@@ -185,7 +182,7 @@ def test_each_partition_holds_its_share_of_the_limits() -> None:
     assert (s.max_inflight, s.max_inflight_per_engine) == (4, 3)
     assert s.max_terminal == -(-CoreSettings().max_terminal // 3)
     core, _ = partitioned(max_inflight_per_engine=6)  # 2 per partition
-    first = ids_in_one_partition(3, K)
+    first = ids_in_partition(0, 3, K)
     core.register_decode(first[0], D, [[1]], 16)
     core.register_decode(first[1], D, [[1]], 16)
     with pytest.raises(ResourceExhausted, match="has 2 transfers in flight"):

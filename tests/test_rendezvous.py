@@ -39,7 +39,7 @@ from controlplane.partitions import Core
 from controlplane.settings import CoreSettings
 from controlplane.transfer import Transfer
 from controlplane.transfer_filter import TransferFilter
-from tests.support.core_shapes import each_core_shape, ids_in_one_partition, new_core
+from tests.support.core_shapes import each_core_shape, ids_in_partition, new_core
 
 __all__ = ["each_core_shape"]  # every test runs on one core and on two partitions
 
@@ -587,7 +587,7 @@ def test_bad_input_names_the_field() -> None:
 def test_inflight_cap_and_retention(each_core_shape: int) -> None:
     # Each of k partitions holds its share of the limit (2), so the ids share one.
     k = each_core_shape
-    a, b, c = ids_in_one_partition(3, k)
+    a, b, c = ids_in_partition(0, 3, k)
     rv, clock = core(max_inflight=2 * k, retention_s=10, lease_s=100)
     rv.register_decode(a, D, [[1]], 1)
     rv.register_decode(b, D, [[2]], 1)

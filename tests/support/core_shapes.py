@@ -36,7 +36,7 @@ def new_core(clock: Clock, max_order_bytes: int | None = None, **kw: Any) -> Cor
     return make_core(settings, clock, max_order_bytes)
 
 
-def ids_in_one_partition(n: int, k: int, prefix: str = "t") -> list[str]:
-    """`n` transfer ids that all land in partition 0 of `k`."""
-    ids = (f"{prefix}{i}" for i in itertools.count())
-    return list(itertools.islice((t for t in ids if partition_of(t, k) == 0), n))
+def ids_in_partition(i: int, n: int, k: int, prefix: str = "t") -> list[str]:
+    """`n` transfer ids that all land in partition `i` of `k`."""
+    ids = (f"{prefix}{j}" for j in itertools.count())
+    return list(itertools.islice((t for t in ids if partition_of(t, k) == i), n))
