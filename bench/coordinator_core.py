@@ -338,6 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="K > 1: wall-clock rate of K processes with --n each, against one process "
         "in the same repetition (bench/coordinator_partitions.py)",
     )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=0,
+        help="K >= 1: the state machine in K partition processes fed over Unix sockets "
+        "(controlplane/partition_host.py), with one partition process and one in-process "
+        "Runtime alternated in the same run (bench/partition_procs.py)",
+    )
     return p
 
 
@@ -350,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pushkv bench core: --partitions and --seam must be at least 1", file=sys.stderr)
         return 2
     quiet_logs(args.log_level)
+    if args.procs:
+        return run_procs(args)
     if args.front_hop:
         from bench import front_hop
 
@@ -414,6 +424,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gc {'default' if args.default_gc else 'tuned'}"
     )
     report(run(args.n, args.batch, args.reps, args.metrics, args.default_gc, args.tp))
+    return 0
+
+
+def run_procs(args: argparse.Namespace) -> int:
+    """--procs K: each repetition one in-process Runtime, then one partition
+    process, then K (when K > 1), all at the same TP, n and batch."""
+    from bench import partition_procs as procs
+
+    if args.procs < 1:
+        print("pushkv bench core: --procs must be at least 1", file=sys.stderr)
+        return 2
+    print(core_build())
+    ks = sorted({1, args.procs})
+    print(
+        f"{args.reps} repetitions of {args.n} rendezvous at TP {args.tp}, batches of "
+        f"{args.batch}: in process, then {' and '.join(map(str, ks))} partition "
+        f"process(es); {os.cpu_count()} CPUs"
+    )
+    runs: dict[int, list[procs.ProcsRun]] = {k: [] for k in ks}
+    base: list[float] = []
+    for rep in range(args.reps):
+        base.append(procs.baseline_us(args.n, args.tp, args.batch))
+        for k in ks:
+            r = asyncio.run(procs.run_procs(k, args.n, args.tp, args.batch, prefix=f"r{rep}"))
+            if r.states != {"TRANSFER_STATE_COMPLETE": args.n} or r.misrouted or r.repeated:
+                raise RuntimeError(f"K={k}: {dict(r.states)}, {r.misrouted} misrouted")
+            runs[k].append(r)
+    procs.report(runs, base)
     return 0
 
 

@@ -33,11 +33,10 @@ from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
 from bench.children import reap
+from wire.frames import HEADER, READ_CHUNK, take_frames
 
-HEADER = struct.Struct(">I")
 TP = 8
 DEADLINE_S = 120.0  # every wait of the run
-READ_CHUNK = 1 << 16
 
 
 def _report(i: int) -> bytes:
@@ -70,20 +69,6 @@ def _order(transfer_id: str, out: Any) -> bytes:
     o.deadline_unix_ms, o.num_tokens, o.term = 1_900_000_000_000, 40, 7
     data: bytes = out.SerializeToString()
     return data
-
-
-def take_frames(buf: bytearray) -> list[bytes]:
-    """The whole frames at the head of `buf`, taken out of it."""
-    out, pos, n = [], 0, len(buf)
-    while n - pos >= HEADER.size:
-        (size,) = HEADER.unpack_from(buf, pos)
-        if n - pos - HEADER.size < size:
-            break
-        start = pos + HEADER.size
-        out.append(bytes(buf[start : start + size]))
-        pos = start + size
-    del buf[:pos]
-    return out
 
 
 async def _serve(path: str, ready: Connection) -> None:

@@ -159,6 +159,15 @@ class NodeChannels:
             peer=self._peer,
         )
 
+    def lose_link(self, channel: int) -> None:
+        """The channel's carrier ended, not (known to be) its agent: its session
+        closes as the relay's stream end closes it (a partition process told
+        so by its front, partition_host.py)."""
+        ch = self._channels.get(channel)
+        if ch is not None:
+            ch.session.link_lost = True
+            ch.session.close()  # the drain ends the channel and the session
+
     def _on_submit(self, relayed: pb.RelayedSubmit) -> None:
         reply = pb.RelayedSubmitReply(id=relayed.id)
         try:

@@ -48,11 +48,19 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def BeginTransfer(
         self, request: pb.BeginTransferRequest, context: Ctx
     ) -> pb.TransferStatus:
+        return self.begin(request)
+
+    def begin(self, request: pb.BeginTransferRequest) -> pb.TransferStatus:
+        """BeginTransfer's answer (the RPC's, and a partition's: partition_host.py)."""
         t, effects = self._rt.core.begin(
             request.transfer_id, request.prefill_engine_id, request.decode_engine_id
         )
         self._rt.apply(effects)
         return self._rt.status(t)
+
+    @property
+    def calls(self) -> TransferCalls:
+        return self._calls
 
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
@@ -94,6 +102,14 @@ def _filter(
     return TransferFilter(frozenset(wanted), engine_id, min_age_ms / 1000, max_age_ms / 1000)
 
 
+def list_transfers(rt: Runtime, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
+    """ListTransfers' answer (the RPC's, and a partition's: partition_host.py)."""
+    flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
+    limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+    found, total = rt.core.find(flt, limit)
+    return pb.ListTransfersResponse(transfers=[rt.status(t) for t in found], total_matching=total)
+
+
 _ROLES = {
     Role.SINGLE: pb.LEADER_ROLE_SINGLE,
     Role.LEADER: pb.LEADER_ROLE_LEADER,
@@ -118,12 +134,7 @@ class StatusServicer(pbg.StatusServiceServicer):
     async def ListTransfers(
         self, request: pb.ListTransfersRequest, context: Ctx
     ) -> pb.ListTransfersResponse:
-        flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
-        limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
-        found, total = self._rt.core.find(flt, limit)
-        return pb.ListTransfersResponse(
-            transfers=[self._rt.status(t) for t in found], total_matching=total
-        )
+        return list_transfers(self._rt, request)
 
     async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx

@@ -78,8 +78,29 @@ def test_front_hop_answers_every_report_with_its_order(
     assert all(float(x) > 0 for x in m.groups()), out
 
 
+def test_procs_runs_partition_processes_beside_one_in_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--procs 2: each repetition one in-process Runtime, then one and two
+    partition processes (every transfer checked COMPLETE and ordered by its
+    own partition: the run raises otherwise), and a line per K."""
+    argv = ["--procs", "2", "--tp", "2", "--n", "48", "--batch", "16", "--reps", "1"]
+    assert core.main(argv) == 0
+    out = capsys.readouterr().out
+    for k in (1, 2):
+        m = re.search(
+            rf"^procs: k={k} tp=2 rendezvous_per_s=(\d+) partitions_us=([\d.]+) "
+            r"front_us=([\d.]+) in_process_us=([\d.]+) partitions_over_in_process=[\d.]+$",
+            out,
+            re.M,
+        )
+        assert m is not None, out
+        assert int(m.group(1)) > 0 and float(m.group(4)) > 0, out
+    assert core.main(["--procs", "-1"]) == 2
+
+
 def test_frames_are_cut_whole_and_the_rest_kept() -> None:
-    from bench.front_hop import HEADER, take_frames
+    from wire.frames import HEADER, take_frames
 
     data = bytearray(HEADER.pack(3) + b"abc" + HEADER.pack(0) + HEADER.pack(5) + b"de")
     assert take_frames(data) == [b"abc", b""]

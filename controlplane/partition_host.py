@@ -1,0 +1,264 @@
+"""One partition of the partitioned leader in a process of its own (step 2 of
+the build order in docs/reliability.md, "Past one leader core").
+
+A partition process holds the transfers whose id hashes to partition `index`
+of `k` (`partitions.partition_of`). It is a whole `Runtime` (the state
+machine with its share of the limits, the agents' sessions, the effects
+turned into the messages each agent gets), fed by the leading replica's
+front over a Unix socket. What crosses the socket is what a node relay's
+NodeStream carries (`node_stream.NodeChannels`), as length-prefixed frames
+(`wire.frames`), never pickle:
+
+- up, `PartitionUp` (a `NodeUp`): each agent's hello, heartbeats and
+  disconnect on its channel (the front, controlplane/front.py, sends them to
+  every partition: each keeps its own registry copy), the reports and
+  arrivals of this partition's transfers, and the `Submit` calls of its
+  transfers (`RelayedSubmit`); and the channels whose carrier was lost (a
+  relay's stream ended: their transfers wait for the agents' lease);
+- down, `PartitionDown` (a `NodeDown`): each agent's welcome, acks, orders,
+  cancels, notices and peer messages on its channel, and the answers to the
+  `Submit`s.
+
+Invariants:
+- One term. The process is started with the term the replica was elected
+  for, stamps it on every welcome and order, and never changes it. It asks
+  the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), so no
+  partition outlives the replica whose lease fences its orders; the replica
+  resigns when a partition dies.
+- One front. The process serves one connection, from the replica that
+  started it, on a socket in a directory only the replica's user can open;
+  the front authenticates the callers before it forwards anything (here the
+  caller is trusted). When that connection ends, the process ends.
+- Its order ids carry its index (`<coordinator>.<index>-<n>`), and every
+  partition of one replica shares the coordinator id, so the agents see one
+  coordinator.
+
+Not built yet (docs/reliability.md): the replica starting these and serving
+through its front (controlplane/front.py serves relays' NodeStreams only so
+far), the unary RPCs and the reads merged across partitions. `pushkv bench
+core --procs K` drives K of these processes through the front, and
+tests/test_partition_host.py checks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+import uvloop
+from pushkv.v1 import partition_pb2 as ppb
+from pushkv.v1 import pushkv_pb2 as pb
+
+from controlplane import gcpolicy, logs
+from controlplane.auth import TRUSTED, Authorizer
+from controlplane.clock import SystemClock
+from controlplane.errors import InvalidArgument
+from controlplane.leadership import Leadership
+from controlplane.node_stream import NodeChannels
+from controlplane.partitions import partition_settings
+from controlplane.rendezvous import Rendezvous
+from controlplane.runtime import Runtime
+from controlplane.servicers import AgentServicer, TransferServicer, list_transfers
+from controlplane.settings import MAX_PARTITIONS, CoreSettings
+from controlplane.status_map import outcome
+from wire.frames import frame, read_frames
+
+log = structlog.get_logger("pushkv.coordinator")
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+READY = "ready\n"  # on stdout, once the socket listens
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGKILL when the parent thread ends; exit now if
+    the parent `parent` is already gone (it died before the request)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def partition_runtime(
+    settings: CoreSettings, index: int, k: int, term: int, coordinator_id: str
+) -> Runtime:
+    """The Runtime of partition `index` of `k`: one state machine holding its
+    share of the limits, its order ids marked with its index, under `term`."""
+    if not 0 <= index < k <= MAX_PARTITIONS:
+        raise ValueError(f"partition {index} of {k}: out of range (at most {MAX_PARTITIONS})")
+    share = dataclasses.replace(partition_settings(settings, k), partitions=1)
+    rt = Runtime(share, SystemClock())
+    core = rt.core
+    assert isinstance(core, Rendezvous)  # partitions=1: one state machine
+    core.coordinator_id = coordinator_id
+    core.order_prefix = f"{coordinator_id}.{index}"
+    if term:
+        rt.lead(term)
+    return rt
+
+
+# The RPC each PartitionCall stands for (for status_map.outcome's log).
+RPCS = {
+    "begin": "/pushkv.v1.TransferService/BeginTransfer",
+    "register": "/pushkv.v1.TransferService/RegisterDecodeBlocks",
+    "prefill_done": "/pushkv.v1.TransferService/ReportPrefillDone",
+    "cancel": "/pushkv.v1.TransferService/Cancel",
+    "get": "/pushkv.v1.StatusService/GetTransfer",
+    "list": "/pushkv.v1.StatusService/ListTransfers",
+    "engines": "/pushkv.v1.StatusService/ListEngines",
+}
+
+
+class Calls:
+    """The answers to the front's PartitionCalls: the servicers' own code, for
+    a caller the front authorized (trusted here)."""
+
+    def __init__(self, rt: Runtime, transfers: TransferServicer) -> None:
+        self._rt = rt
+        self._transfers = transfers
+
+    def answer(self, call: ppb.PartitionCall) -> ppb.PartitionReply:
+        reply = ppb.PartitionReply(id=call.id)
+        kind = call.WhichOneof("kind")
+        rt, calls = self._rt, self._transfers.calls
+        try:
+            if kind == "begin":
+                reply.transfer.CopyFrom(self._transfers.begin(call.begin))
+            elif kind == "register":
+                reply.transfer.CopyFrom(rt.status(calls.register(TRUSTED, call.register)))
+            elif kind == "prefill_done":
+                reply.transfer.CopyFrom(rt.status(calls.prefill_done(TRUSTED, call.prefill_done)))
+            elif kind == "cancel":
+                reply.transfer.CopyFrom(rt.status(calls.cancel(TRUSTED, call.cancel)))
+            elif kind == "get":
+                reply.transfer.CopyFrom(rt.status(rt.core.get(call.get.transfer_id)))
+            elif kind == "list":
+                reply.list.CopyFrom(list_transfers(rt, call.list))
+            elif kind == "engines":
+                reply.engines.engines.extend(rt.engines(call.engines.role))
+            else:
+                raise InvalidArgument("an empty partition call")
+        except Exception as exc:  # the RPC's own failure, told to the front
+            code, detail = outcome(exc, RPCS.get(str(kind), "partition call"))
+            reply.code, reply.detail = code.value[0], detail
+        return reply
+
+
+async def _ups(
+    frames: AsyncIterator[list[bytes]],
+    node: NodeChannels,
+    calls: Calls,
+    writer: asyncio.StreamWriter,
+) -> AsyncIterator[pb.NodeUp]:
+    """The front's PartitionUps as the NodeUps `node` reads; each one's lost
+    links and calls applied once its NodeUp was (the reader takes the next
+    only then), the calls' replies written at once."""
+    parse = ppb.PartitionUp.FromString
+    async for got in frames:
+        for data in got:
+            up = parse(data)
+            if up.node.items:
+                yield up.node
+            for channel in up.link_lost:
+                node.lose_link(channel)
+            if up.calls:
+                down = ppb.PartitionDown(replies=[calls.answer(c) for c in up.calls])
+                writer.write(frame(down.SerializeToString()))
+
+
+async def serve_front(
+    rt: Runtime, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """The front's one connection, as a node relay's NodeStream is served:
+    NodeUp frames in, NodeDown frames out, until either side ends."""
+    authz = Authorizer(tls_enabled=False)
+    transfers = TransferServicer(rt, authz)
+    gate = Leadership()  # the replica fences; this process orders under its term
+    agents = AgentServicer(rt, authz, gate, transfers.submit)
+    node = NodeChannels(rt, agents.open_agent, TRUSTED, lambda: None, transfers.submit, "front")
+    ups = _ups(read_frames(reader), node, Calls(rt, transfers), writer)
+    try:
+        async for down in node.serve(ups):
+            writer.write(frame(ppb.PartitionDown(node=down).SerializeToString()))
+            await writer.drain()
+    except ConnectionError:
+        pass  # the front hung up: what it did not read goes nowhere
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def serve(path: str, rt: Runtime) -> None:
+    """Listen on `path`, serve the first connection, and return when it ends."""
+    done = asyncio.Event()
+    taken = False
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal taken
+        if taken:  # one front only
+            writer.close()
+            return
+        taken = True
+        try:
+            await serve_front(rt, reader, writer)
+        finally:
+            done.set()
+
+    rt.start()
+    # The leader's GC policy (gcpolicy.py): a due full pass waits for a quiet second.
+    policy = gcpolicy.FullCollections()
+    policy.activity = lambda: rt.core.transfers_begun
+    full_gc = asyncio.create_task(gcpolicy.full_collections(policy=policy))  # owned here
+    server = await asyncio.start_unix_server(on_connect, path)
+    try:
+        sys.stdout.write(READY)  # the parent waits for this line
+        sys.stdout.flush()
+        await done.wait()
+    finally:
+        server.close()
+        full_gc.cancel()
+        await rt.stop()
+
+
+def settings_json(settings: CoreSettings) -> str:
+    """`settings` for --settings (JSON: never pickle between processes)."""
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m controlplane.partition_host")
+    p.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--partitions", type=int, required=True)
+    p.add_argument("--term", type=int, default=0)
+    p.add_argument("--coordinator-id", required=True)
+    p.add_argument("--parent", type=int, default=0, help="die with this process (pid)")
+    p.add_argument("--log-level", default="WARNING", help="its log, on stderr")
+    p.add_argument("--settings", default="{}", help="the replica's CoreSettings, as a JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.parent:
+        die_with_parent(args.parent)
+    logs.configure(args.log_level)  # stderr: stdout carries READY only
+    settings = CoreSettings(**json.loads(args.settings))
+    rt = partition_runtime(settings, args.index, args.partitions, args.term, args.coordinator_id)
+    gcpolicy.install()
+    uvloop.run(serve(args.socket, rt))  # the leader's event loop (cli/main.py)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
