@@ -44,9 +44,9 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -117,7 +117,7 @@ class _Channel:
 
 @dataclass(eq=False)
 class _Submit:
-    stream: FrontStream
+    done: Callable[[pb.RelayedSubmitReply], None]  # told the merged answer once
     relayed_id: int
     results: list[pb.CallResult | None]
     waiting: int  # partitions yet to answer
@@ -137,6 +137,9 @@ class PartitionFront:
         self._submits: dict[int, tuple[_Submit, list[int]]] = {}  # id -> (Submit, call indices)
         self._call_ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[ppb.PartitionReply]] = {}
+        self._waiting: set[asyncio.Future[pb.RelayedSubmitReply]] = set()  # Submit RPCs
+        # (engine, rank, incarnation) -> the relay carrying its channel ("": its own stream)
+        self._via: dict[tuple[str, int, str], str] = {}
         self._readers: list[asyncio.Task[None]] = []
         self.broken: list[str] = []  # a partition's connection that ended (the replica resigns)
 
@@ -157,9 +160,12 @@ class PartitionFront:
         return FrontStream(self, peer)
 
     # ------------------------------------------------------------ up
-    def open_channel(self, stream: FrontStream, local: int) -> int:
+    def open_channel(self, stream: FrontStream, local: int, first: pb.AgentMessage) -> int:
         g = next(self._channel_ids)
         self._channels[g] = _Channel(stream, local)
+        if first.WhichOneof("kind") == "hello":
+            ident = first.hello.identity
+            self._via[(ident.engine_id, ident.tp_rank, ident.incarnation)] = stream.via
         return g
 
     def send(self, ups: dict[int, ppb.PartitionUp]) -> None:
@@ -196,17 +202,20 @@ class PartitionFront:
             _up(ups, i).node.items.add(channel=g, message=one)
 
     def submit(
-        self, stream: FrontStream, relayed: pb.RelayedSubmit, ups: dict[int, ppb.PartitionUp]
+        self,
+        done: Callable[[pb.RelayedSubmitReply], None],
+        relayed: pb.RelayedSubmit,
+        ups: dict[int, ppb.PartitionUp],
     ) -> None:
+        """A Submit's calls, each to its transfer's partition; `done` gets the
+        answers in the calls' order (or the whole Submit's failure) once."""
         calls = relayed.request.calls
         if len(calls) > MAX_SUBMIT_CALLS:  # as TransferServicer.submit refuses it
-            stream.put(
-                pb.ChannelDown(
-                    submitted=pb.RelayedSubmitReply(
-                        id=relayed.id,
-                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                        detail=f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})",
-                    )
+            done(
+                pb.RelayedSubmitReply(
+                    id=relayed.id,
+                    code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                    detail=f"{len(calls)} calls in one batch (at most {MAX_SUBMIT_CALLS})",
                 )
             )
             return
@@ -215,12 +224,52 @@ class PartitionFront:
             groups.setdefault(partition_of(call_transfer_id(call), self._k), []).append(n)
         if not groups:
             groups[0] = []  # an empty Submit: a probe of the term
-        s = _Submit(stream, relayed.id, [None] * len(calls), len(groups))
+        s = _Submit(done, relayed.id, [None] * len(calls), len(groups))
         for i, idx in groups.items():
             sid = next(self._submit_ids)
             self._submits[sid] = (s, idx)
             request = pb.SubmitRequest(calls=[calls[n] for n in idx])
             _up(ups, i).node.items.add(submit=pb.RelayedSubmit(id=sid, request=request))
+
+    async def submit_rpc(self, request: pb.SubmitRequest) -> pb.SubmitResponse:
+        """The Submit RPC's answer, its calls at their partitions."""
+        fut: asyncio.Future[pb.RelayedSubmitReply] = asyncio.get_running_loop().create_future()
+        if self.broken:
+            raise PartitionCallError(UNAVAILABLE, self.broken[0])
+        self._waiting.add(fut)
+
+        def done(reply: pb.RelayedSubmitReply) -> None:
+            self._waiting.discard(fut)
+            if not fut.done():
+                fut.set_result(reply)
+
+        ups: dict[int, ppb.PartitionUp] = {}
+        self.submit(done, pb.RelayedSubmit(request=request), ups)
+        self.send(ups)
+        reply = await fut
+        if reply.code:
+            raise PartitionCallError(reply.code, reply.detail)
+        return reply.response
+
+    async def agent_stream(
+        self, requests: AsyncIterator[pb.AgentMessage], peer: str = ""
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        """An agent's own AgentStream, served as a one-channel stream; its end
+        is the agent's own (not a lost link). A channel the partitions end
+        with a code raises PartitionCallError."""
+
+        async def ups() -> AsyncIterator[pb.NodeUp]:
+            async for m in requests:
+                yield pb.NodeUp(items=[pb.ChannelUp(channel=1, message=m)])
+
+        async for down in FrontStream(self, peer, own=True).serve(ups()):
+            for item in down.items:
+                if item.ended:
+                    if item.code:
+                        raise PartitionCallError(item.code, item.detail)
+                    return
+                if item.HasField("message"):
+                    yield item.message
 
     def close_channels(self, gs: Sequence[int], *, link_lost: bool) -> None:
         """Channels of a stream that ended (`link_lost`: its carrier, not the agent)."""
@@ -298,6 +347,9 @@ class PartitionFront:
                         mine = ranks.get(orl.tp_rank)
                         if mine is not None and mine.incarnation == orl.incarnation:
                             mine.inflight_orders += orl.inflight_orders
+            for rl in e.ranks:  # a partition sees every channel as the front's
+                if rl.relay:
+                    rl.relay = self._via.get((e.engine_id, rl.tp_rank, rl.incarnation), "")
         return out
 
     # ------------------------------------------------------------ down
@@ -320,10 +372,12 @@ class PartitionFront:
             log.error("partition_connection_ended", partition=i)
             for ch in list(self._channels.values()):
                 ch.stream.lost()
-            for fut in self._calls.values():  # no partition answers them now
-                if not fut.done():
-                    fut.set_exception(PartitionCallError(UNAVAILABLE, self.broken[-1]))
+            waiting: list[asyncio.Future[Any]] = [*self._calls.values(), *self._waiting]
+            for w in waiting:  # no partition answers them now
+                if not w.done():
+                    w.set_exception(PartitionCallError(UNAVAILABLE, self.broken[-1]))
             self._calls.clear()
+            self._waiting.clear()
 
     def _on_submitted(self, r: pb.RelayedSubmitReply) -> None:
         got = self._submits.pop(r.id, None)
@@ -345,7 +399,7 @@ class PartitionFront:
         else:
             reply.response.term = s.term
             reply.response.results.extend(r for r in s.results if r is not None)
-        s.stream.put(pb.ChannelDown(submitted=reply))
+        s.done(reply)
 
     def _on_ended(self, i: int, item: pb.ChannelDown) -> None:
         ch = self._channels.pop(item.channel, None)
@@ -418,15 +472,20 @@ def _up(ups: dict[int, ppb.PartitionUp], i: int) -> ppb.PartitionUp:
 class FrontStream:
     """One node relay's NodeStream served through the front."""
 
-    def __init__(self, front: PartitionFront, peer: str) -> None:
+    def __init__(self, front: PartitionFront, peer: str, *, own: bool = False) -> None:
         self._front = front
         self._peer = peer
+        self._own = own  # an agent's own AgentStream: its end is the agent's
+        self.via = "" if own else peer
         self._down: asyncio.Queue[pb.ChannelDown | None] = asyncio.Queue()
         self._channels: dict[int, int] = {}  # the relay's channel id -> the partitions'
         self._ended: set[int] = set()  # channels ended here: their late messages are dropped
 
     def put(self, item: pb.ChannelDown) -> None:
         self._down.put_nowait(item)
+
+    def _submitted(self, reply: pb.RelayedSubmitReply) -> None:
+        self.put(pb.ChannelDown(submitted=reply))
 
     def channel_ended(self, local: int) -> None:
         g = self._channels.pop(local, None)
@@ -440,7 +499,7 @@ class FrontStream:
     def _on_item(self, item: pb.ChannelUp, ups: dict[int, ppb.PartitionUp]) -> None:
         front = self._front
         if item.HasField("submit"):
-            front.submit(self, item.submit, ups)
+            front.submit(self._submitted, item.submit, ups)
             return
         g = self._channels.get(item.channel)
         if item.closed:
@@ -451,7 +510,7 @@ class FrontStream:
         if g is None:
             if item.channel in self._ended:
                 return
-            g = self._channels[item.channel] = front.open_channel(self, item.channel)
+            g = self._channels[item.channel] = front.open_channel(self, item.channel, item.message)
             for i in range(front._k):  # the hello (or what stands for it): every partition
                 _up(ups, i).node.items.add(channel=g, message=item.message)
             return
@@ -465,10 +524,11 @@ class FrontStream:
                     self._on_item(item, ups)
                 self._front.send(ups)
         finally:
-            # The relay's stream ended: its agents are not known to be gone.
+            # A relay's stream ended: its agents are not known to be gone. An
+            # agent's own stream ended: the agent's own end.
             gs = list(self._channels.values())
             self._channels.clear()
-            self._front.close_channels(gs, link_lost=True)
+            self._front.close_channels(gs, link_lost=not self._own)
             self._down.put_nowait(None)
 
     async def serve(self, requests: AsyncIterator[pb.NodeUp]) -> AsyncIterator[pb.NodeDown]:

@@ -30,6 +30,12 @@ from controlplane.settings import CoreSettings
 from tests.support.core_shapes import ids_in_partition
 
 DEADLINE_S = 30.0
+TERMINAL = (
+    pb.TRANSFER_STATE_COMPLETE,
+    pb.TRANSFER_STATE_FAILED,
+    pb.TRANSFER_STATE_CANCELLED,
+    pb.TRANSFER_STATE_EXPIRED,
+)
 K = 2
 P, D = 1, 2  # the relay's channels: the prefill and the decode agent (TP 1)
 T = TypeVar("T")
@@ -394,3 +400,100 @@ def test_rpcs_go_to_a_transfers_partition_and_reads_merge_all(
         await node.end()
 
     with_front(body)
+
+
+class OwnStream:
+    """An agent on its own AgentStream through the front."""
+
+    def __init__(self, front: PartitionFront, first: pb.AgentMessage) -> None:
+        self._up: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+        self._up.put_nowait(first)
+        self.got: list[pb.CoordinatorMessage] = []
+        self.first: asyncio.Future[pb.CoordinatorMessage]
+        self.error: PartitionCallError | None = None
+        self.first = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._read(front))
+
+    async def _requests(self) -> AsyncIterator[pb.AgentMessage]:
+        while (m := await self._up.get()) is not None:
+            yield m
+
+    async def _read(self, front: PartitionFront) -> None:
+        try:
+            async for m in front.agent_stream(self._requests()):
+                self.got.append(m)
+                if not self.first.done():
+                    self.first.set_result(m)
+        except PartitionCallError as exc:
+            self.error = exc
+
+    def say(self, m: pb.AgentMessage) -> None:
+        self._up.put_nowait(m)
+
+    async def end(self) -> None:
+        self._up.put_nowait(None)
+        await asyncio.wait_for(self._task, DEADLINE_S)
+
+
+def test_an_agents_own_stream_and_the_submit_rpc(ids: tuple[list[str], list[str]]) -> None:
+    """The decode agent on its own AgentStream, the prefill agent through a
+    relay, the sides as a Submit RPC: the transfer completes; ListEngines
+    names the relay for the relayed rank only; the own stream's end is the
+    agent's own (no reconnect grace: its ordered transfer fails at once,
+    where a relay's lost stream waits for the agent)."""
+    (a, _, _), (b, _, _) = ids
+
+    async def body(front: PartitionFront) -> None:
+        node = Node(front).start()
+        node.send(hello(P))
+        decode = OwnStream(front, hello(D).message)
+        await node.until("the prefill agent welcomed", lambda: "welcome" in node.kinds(P))
+
+        def sides(t: str) -> pb.SubmitRequest:
+            return pb.SubmitRequest(
+                calls=[
+                    pb.TransferCall(register=decode_request(t)),
+                    pb.TransferCall(prefill_done=prefill_request(t)),
+                ]
+            )
+
+        answer = await front.submit_rpc(sides(a))
+        assert [r.state for r in answer.results] == [
+            pb.TRANSFER_STATE_REGISTERED,
+            pb.TRANSFER_STATE_ORDERED,
+        ], answer
+        (order,) = await node.until("a's order", lambda: node.orders(P))
+        writes, arrival = reports(order)
+        node.send(writes)
+        decode.say(arrival.message)
+
+        async def status(t: str) -> pb.TransferStatus:
+            call = ppb.PartitionCall(get=pb.GetTransferRequest(transfer_id=t))
+            return await front.transfer_call(call, t)
+
+        async def ended(t: str) -> pb.TransferStatus:
+            """t's status once terminal (the reports go up on other tasks)."""
+            deadline = asyncio.get_running_loop().time() + DEADLINE_S
+            while (st := await status(t)).state not in TERMINAL:
+                assert asyncio.get_running_loop().time() < deadline, f"{t} not ended"
+                await asyncio.sleep(0.02)  # polling another process under a deadline
+            return st
+
+        assert (await ended(a)).state == pb.TRANSFER_STATE_COMPLETE
+        first = await asyncio.wait_for(decode.first, DEADLINE_S)
+        assert first.WhichOneof("kind") == "welcome", decode.got
+
+        listed = await front.list_engines(pb.ListEnginesRequest())
+        relays = {(e.engine_id, rl.tp_rank): rl.relay for e in listed.engines for rl in e.ranks}
+        assert relays == {(PREFILL, 0): "test-relay", (DECODE, 0): ""}, relays
+
+        await front.submit_rpc(sides(b))
+        await node.until("b's order", lambda: len(node.orders(P)) == 2)
+        await decode.end()
+        assert decode.error is None
+        failed = await ended(b)
+        assert failed.state == pb.TRANSFER_STATE_FAILED, failed
+        assert "lease expired" not in failed.detail, failed  # at its end, not its lease
+        await node.end()
+
+    with_front(body, reconnect_grace_s=0)
