@@ -113,6 +113,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         etcd_user=args.etcd_user,
         etcd_password_file=args.etcd_password_file,
         loop_stall_limit_s=args.loop_stall_limit_s,
+        partition_procs=args.partition_procs,
     )
     return _run(serve(settings), args.event_loop)
 
@@ -252,6 +253,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "took about 56 ms of the coordinator with them, 24 without; default true)",
     )
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
+    c.add_argument(
+        "--partition-procs",
+        type=int,
+        default=_env("partition_procs", 0),
+        help="experimental: the state machine in this many partition processes behind a "
+        "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
+        "process (default). Not yet with --etcd, TLS, --metrics-port or --partitions; "
+        "WatchTransfers is not served",
+    )
     _add_event_loop_flag(c)
     h = c.add_argument_group("replicated coordinators (docs/reliability.md)")
     h.add_argument(

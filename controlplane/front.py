@@ -53,8 +53,10 @@ import structlog
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 
+from controlplane.errors import Unavailable
 from controlplane.partitions import partition_of
 from controlplane.servicers import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_SUBMIT_CALLS
+from controlplane.status_map import error_for
 from wire.batching import Batcher
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -63,19 +65,6 @@ log = structlog.get_logger("pushkv.coordinator")
 TO_ALL = frozenset({"hello", "heartbeat"})
 # What only partition 0's copy of reaches the agent (the others' are the same).
 FROM_FIRST = frozenset({"welcome", "heartbeat_ack"})
-
-
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-
-
-class PartitionCallError(Exception):
-    """A partition's answer to a call was a failure (`code`, a gRPC status
-    code), or no partition can answer it."""
-
-    def __init__(self, code: int, detail: str) -> None:
-        super().__init__(detail)
-        self.code = code
-        self.detail = detail
 
 
 class Link(Protocol):
@@ -142,6 +131,7 @@ class PartitionFront:
         self._via: dict[tuple[str, int, str], str] = {}
         self._readers: list[asyncio.Task[None]] = []
         self.broken: list[str] = []  # a partition's connection that ended (the replica resigns)
+        self.dead = asyncio.Event()  # set with the first of them
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -235,7 +225,7 @@ class PartitionFront:
         """The Submit RPC's answer, its calls at their partitions."""
         fut: asyncio.Future[pb.RelayedSubmitReply] = asyncio.get_running_loop().create_future()
         if self.broken:
-            raise PartitionCallError(UNAVAILABLE, self.broken[0])
+            raise Unavailable(self.broken[0])
         self._waiting.add(fut)
 
         def done(reply: pb.RelayedSubmitReply) -> None:
@@ -248,7 +238,7 @@ class PartitionFront:
         self.send(ups)
         reply = await fut
         if reply.code:
-            raise PartitionCallError(reply.code, reply.detail)
+            raise error_for(reply.code, reply.detail)
         return reply.response
 
     async def agent_stream(
@@ -256,7 +246,8 @@ class PartitionFront:
     ) -> AsyncIterator[pb.CoordinatorMessage]:
         """An agent's own AgentStream, served as a one-channel stream; its end
         is the agent's own (not a lost link). A channel the partitions end
-        with a code raises PartitionCallError."""
+        with a code raises its domain error
+        (status_map.error_for)."""
 
         async def ups() -> AsyncIterator[pb.NodeUp]:
             async for m in requests:
@@ -266,7 +257,7 @@ class PartitionFront:
             for item in down.items:
                 if item.ended:
                     if item.code:
-                        raise PartitionCallError(item.code, item.detail)
+                        raise error_for(item.code, item.detail)
                     return
                 if item.HasField("message"):
                     yield item.message
@@ -294,7 +285,7 @@ class PartitionFront:
         call.id = next(self._call_ids)
         fut: asyncio.Future[ppb.PartitionReply] = asyncio.get_running_loop().create_future()
         if self.broken:
-            fut.set_exception(PartitionCallError(UNAVAILABLE, self.broken[0]))
+            fut.set_exception(Unavailable(self.broken[0]))
             return fut
         self._calls[call.id] = fut
         self._links[i].send(ppb.PartitionUp(calls=[call]))
@@ -304,7 +295,7 @@ class PartitionFront:
         """A transfer's RPC (begin, a side, cancel, get), at its partition."""
         reply = await self.call(partition_of(transfer_id, self._k), call)
         if reply.code:
-            raise PartitionCallError(reply.code, reply.detail)
+            raise error_for(reply.code, reply.detail)
         return reply.transfer
 
     async def list_transfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
@@ -317,7 +308,7 @@ class PartitionFront:
         lists = []
         for r in replies:
             if r.code:
-                raise PartitionCallError(r.code, r.detail)
+                raise error_for(r.code, r.detail)
             out.total_matching += r.list.total_matching
             lists.append(r.list.transfers)
         limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
@@ -333,7 +324,7 @@ class PartitionFront:
         )
         for r in replies:
             if r.code:
-                raise PartitionCallError(r.code, r.detail)
+                raise error_for(r.code, r.detail)
         out = pb.ListEnginesResponse()
         out.CopyFrom(replies[0].engines)
         for e in out.engines:
@@ -369,13 +360,14 @@ class PartitionFront:
                         self._on_message(i, item.channel, item.message)
         finally:
             self.broken.append(f"partition {i}'s connection ended")
+            self.dead.set()
             log.error("partition_connection_ended", partition=i)
             for ch in list(self._channels.values()):
                 ch.stream.lost()
             waiting: list[asyncio.Future[Any]] = [*self._calls.values(), *self._waiting]
             for w in waiting:  # no partition answers them now
                 if not w.done():
-                    w.set_exception(PartitionCallError(UNAVAILABLE, self.broken[-1]))
+                    w.set_exception(Unavailable(self.broken[-1]))
             self._calls.clear()
             self._waiting.clear()
 

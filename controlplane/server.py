@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,12 @@ from controlplane import gcpolicy
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
+from controlplane.front import PartitionFront
+from controlplane.front_servicers import (
+    FrontAgentServicer,
+    FrontStatusServicer,
+    FrontTransferServicer,
+)
 from controlplane.leadership import (
     LOOP_STALL_LIMIT_S,
     ElectionSettings,
@@ -31,9 +39,10 @@ from controlplane.leadership import (
 from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
 from controlplane.order_size import max_order_bytes
+from controlplane.partition_link import PartitionProcess
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
-from controlplane.settings import CoreSettings
+from controlplane.settings import MAX_PARTITIONS, CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
 from wire.event_loop import event_loop_name, report_stalls
@@ -54,6 +63,8 @@ WRITE_SERVICE_NAMES = SERVICE_NAMES[:2]
 EXIT_LEADERSHIP_LOST = 3
 # etcd refused this replica's user, password or permissions (its log says which).
 EXIT_ETCD_REFUSED = 4
+# A partition process of this coordinator ended (--partition-procs): its state is gone.
+EXIT_PARTITION_LOST = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,10 @@ class ServerSettings:
     etcd_password_file: str = ""
     # A leader whose event loop has not run for this long lets its lease go.
     loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
+    # Experimental: the state machine in this many partition processes behind
+    # a front in this one (controlplane/front.py; docs/reliability.md, "Past
+    # one leader core"); 0 = in this process. Not with etcd, TLS or metrics yet.
+    partition_procs: int = 0
 
 
 @dataclass
@@ -103,6 +118,9 @@ class Coordinator:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # health updates
     stall_task: asyncio.Task[None] | None = None  # logs a stalled event loop
+    front: PartitionFront | None = None  # --partition-procs: the partitions' front
+    partitions: list[PartitionProcess] = field(default_factory=list)
+    socket_dir: str = ""  # the partitions' sockets (removed at stop)
 
     @property
     def address(self) -> str:
@@ -126,6 +144,12 @@ class Coordinator:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.runtime.stop()
+        if self.front is not None:
+            await self.front.stop()
+        for p in self.partitions:
+            await p.close()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         if self.metrics is not None:
             await self.metrics.close()
         if self.tracer is not None:
@@ -138,6 +162,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         raise ValueError(
             f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
         )
+    check_partition_procs(settings)
     limit = max_order_bytes(settings.max_message_bytes)
     runtime = Runtime(settings.core, clock or SystemClock(), limit)
     metrics = (
@@ -160,11 +185,17 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     # With --etcd a replica starts as a standby: nothing is written before it is elected.
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
-    transfers = TransferServicer(runtime, authz)
-    agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
-    pbg.add_AgentServiceServicer_to_server(agents, server)
-    pbg.add_TransferServiceServicer_to_server(transfers, server)
-    pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
+    front, partitions, socket_dir = await _start_partitions(settings, runtime)
+    if front is None:
+        transfers = TransferServicer(runtime, authz)
+        agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
+        pbg.add_AgentServiceServicer_to_server(agents, server)
+        pbg.add_TransferServiceServicer_to_server(transfers, server)
+        pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
+    else:
+        pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front), server)
+        pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front), server)
+        pbg.add_StatusServiceServicer_to_server(FrontStatusServicer(runtime, front, gate), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -187,6 +218,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     if metrics is not None:
         metrics.registry.register(LeadershipCollector(gate))
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
+    coord.front, coord.partitions, coord.socket_dir = front, partitions, socket_dir
     coord.stall_task = asyncio.get_running_loop().create_task(
         report_stalls(_log_stall), name="stall-report"
     )
@@ -199,6 +231,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         coordinator_id=runtime.core.coordinator_id,
         core=core_build(),
         partitions=settings.core.partitions,
+        partition_procs=settings.partition_procs,
         etcd=settings.etcd or None,
         event_loop=event_loop_name(),
     )
@@ -259,6 +292,61 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
     coord.election_task = loop.create_task(coord.election.run(), name="etcd-election")
 
 
+def check_partition_procs(settings: ServerSettings) -> None:
+    """--partition-procs K: what this experimental mode does not take yet."""
+    k = settings.partition_procs
+    if not k:
+        return
+    if not 1 <= k <= MAX_PARTITIONS:
+        raise ValueError(f"--partition-procs must be 1 to {MAX_PARTITIONS}, got {k}")
+    missing = [
+        flag
+        for flag, given in (
+            ("--etcd", bool(settings.etcd)),
+            ("TLS", settings.tls.enabled),
+            ("--metrics-port", settings.metrics_port is not None),
+            ("--partitions", settings.core.partitions > 1),
+        )
+        if given
+    ]
+    if missing:
+        raise ValueError(
+            f"--partition-procs (experimental) does not work with {', '.join(missing)} yet"
+        )
+
+
+async def _start_partitions(
+    settings: ServerSettings, runtime: Runtime
+) -> tuple[PartitionFront | None, list[PartitionProcess], str]:
+    """--partition-procs K: the partition processes, started under this
+    coordinator's id, and their front; (None, [], "") without it."""
+    k = settings.partition_procs
+    if not k:
+        return None, [], ""
+    socket_dir = tempfile.mkdtemp(prefix="pushkv-partitions-")  # mode 0700: this user's
+    parts: list[PartitionProcess] = []
+    try:
+        for i in range(k):
+            parts.append(
+                await PartitionProcess.start(
+                    socket_dir,
+                    i,
+                    k,
+                    term=0,
+                    coordinator_id=runtime.core.coordinator_id,
+                    settings=settings.core,
+                )
+            )
+    except BaseException:
+        for p in parts:
+            await p.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        raise
+    front = PartitionFront(parts)
+    front.start()
+    return front, parts, socket_dir
+
+
 def tune_gc() -> None:
     """The GC policy of the process that runs the coordinator (see gcpolicy)."""
     gcpolicy.install()
@@ -284,9 +372,17 @@ async def serve(settings: ServerSettings) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(coord.lost.wait())]
+        if coord.front is not None:
+            waits.append(asyncio.ensure_future(coord.front.dead.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        if coord.front is not None and coord.front.dead.is_set():
+            log.error(
+                "coordinator_stopping", reason=coord.front.broken[0], exit=EXIT_PARTITION_LOST
+            )
+            await coord.stop(0)
+            return EXIT_PARTITION_LOST
         if coord.lost.is_set():
             refused = coord.election.refused if coord.election is not None else ""
             if refused:

@@ -23,7 +23,8 @@ from bench.coordinator_workload import (
     decode_request,
     prefill_request,
 )
-from controlplane.front import PartitionCallError, PartitionFront
+from controlplane.errors import NotFound, PushKVError
+from controlplane.front import PartitionFront
 from controlplane.partition_link import PartitionProcess
 from controlplane.partitions import partition_of
 from controlplane.settings import CoreSettings
@@ -377,11 +378,10 @@ def test_rpcs_go_to_a_transfers_partition_and_reads_merge_all(
             ppb.PartitionCall(get=pb.GetTransferRequest(transfer_id=b0)), b0
         )
         assert got.state == pb.TRANSFER_STATE_ARMED and got.decode_engine_id == DECODE
-        with pytest.raises(PartitionCallError) as refused:
+        with pytest.raises(NotFound):
             await front.transfer_call(
                 ppb.PartitionCall(get=pb.GetTransferRequest(transfer_id=a2)), a2
             )
-        assert refused.value.code == grpc.StatusCode.NOT_FOUND.value[0]
 
         listed = await front.list_transfers(pb.ListTransfersRequest(limit=3))
         assert listed.total_matching == 4
@@ -410,7 +410,7 @@ class OwnStream:
         self._up.put_nowait(first)
         self.got: list[pb.CoordinatorMessage] = []
         self.first: asyncio.Future[pb.CoordinatorMessage]
-        self.error: PartitionCallError | None = None
+        self.error: PushKVError | None = None
         self.first = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._read(front))
 
@@ -424,7 +424,7 @@ class OwnStream:
                 self.got.append(m)
                 if not self.first.done():
                     self.first.set_result(m)
-        except PartitionCallError as exc:
+        except PushKVError as exc:
             self.error = exc
 
     def say(self, m: pb.AgentMessage) -> None:

@@ -1,0 +1,121 @@
+"""The gRPC servicers of a coordinator whose state lives in partition
+processes (`--partition-procs K`, experimental; controlplane/front.py): each
+RPC goes to the front, which passes it to its transfer's partition or to all
+of them. Translation only, as servicers.py; errors are domain errors, mapped
+to status codes by the server's interceptor (status_map.py).
+
+What this mode does not serve yet says so (UNIMPLEMENTED): WatchTransfers.
+The server refuses the mode with TLS, etcd or metrics (server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pushkv.v1 import partition_pb2 as ppb
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from controlplane.errors import InvalidArgument, Unimplemented
+from controlplane.front import PartitionFront
+from controlplane.leadership import Leadership
+from controlplane.runtime import Runtime
+from controlplane.servicers import HELLO_TIMEOUT_S, Ctx, StatusServicer
+
+
+class FrontTransferServicer(pbg.TransferServiceServicer):
+    def __init__(self, front: PartitionFront) -> None:
+        self._front = front
+
+    async def BeginTransfer(
+        self, request: pb.BeginTransferRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        call = ppb.PartitionCall(begin=request)
+        return await self._front.transfer_call(call, request.transfer_id)
+
+    async def RegisterDecodeBlocks(
+        self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        call = ppb.PartitionCall(register=request)
+        return await self._front.transfer_call(call, request.transfer_id)
+
+    async def ReportPrefillDone(
+        self, request: pb.ReportPrefillDoneRequest, context: Ctx
+    ) -> pb.TransferStatus:
+        call = ppb.PartitionCall(prefill_done=request)
+        return await self._front.transfer_call(call, request.transfer_id)
+
+    async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
+        return await self._front.transfer_call(
+            ppb.PartitionCall(cancel=request), request.transfer_id
+        )
+
+    async def Submit(self, request: pb.SubmitRequest, context: Ctx) -> pb.SubmitResponse:
+        return await self._front.submit_rpc(request)
+
+
+class FrontStatusServicer(StatusServicer):
+    """Reads from the partitions; GetLeadership as the replica's own."""
+
+    def __init__(self, rt: Runtime, front: PartitionFront, gate: Leadership | None = None) -> None:
+        super().__init__(rt, gate)
+        self._front = front
+
+    async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
+        call = ppb.PartitionCall(get=request)
+        return await self._front.transfer_call(call, request.transfer_id)
+
+    async def ListTransfers(
+        self, request: pb.ListTransfersRequest, context: Ctx
+    ) -> pb.ListTransfersResponse:
+        return await self._front.list_transfers(request)
+
+    def WatchTransfers(
+        self, request: pb.WatchTransfersRequest, context: Ctx
+    ) -> AsyncIterator[pb.TransferEvent]:
+        return _refused(Unimplemented("WatchTransfers is not served with --partition-procs yet"))
+
+    async def ListEngines(
+        self, request: pb.ListEnginesRequest, context: Ctx
+    ) -> pb.ListEnginesResponse:
+        return await self._front.list_engines(request)
+
+
+class FrontAgentServicer(pbg.AgentServiceServicer):
+    def __init__(self, front: PartitionFront) -> None:
+        self._front = front
+
+    async def AgentStream(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            raise InvalidArgument("the first message must be hello", field="hello") from None
+
+        async def messages() -> AsyncIterator[pb.AgentMessage]:
+            yield first
+            async for m in request_iterator:
+                yield m
+
+        async for out in self._front.agent_stream(messages(), _peer(context)):
+            yield out
+
+    def NodeStream(
+        self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
+    ) -> AsyncIterator[pb.NodeDown]:
+        return self._front.stream(_peer(context)).serve(request_iterator)
+
+
+async def _refused(exc: Exception | None) -> AsyncIterator[pb.TransferEvent]:
+    """A stream that ends at once with `exc`."""
+    if exc is not None:
+        raise exc
+    yield pb.TransferEvent()
+
+
+def _peer(context: Any) -> str:
+    peer = context.peer() if context is not None else ""
+    return str(peer)

@@ -1,0 +1,180 @@
+"""A coordinator with its state in partition processes (`--partition-procs`,
+experimental): real agents with real NIXL in KV host processes, over gRPC, as
+against the single-process coordinator (tests/test_agent_e2e.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+
+from agent.events import EventKind
+from harness.coordinator import CoordinatorProcess, RelayProcess
+from tests.support import waits
+from tests.support.core_shapes import ids_in_partition
+from tests.support.kvpair import CANARY, NB, hosts, prefill_done, register, stop_all, stubs
+
+K = 2
+DEADLINE_S = 30.0
+EXIT_PARTITION_LOST = 5  # controlplane/server.py
+
+
+@pytest.fixture
+def coord() -> Iterator[CoordinatorProcess]:
+    c = CoordinatorProcess(
+        *("--partition-procs", str(K), "--lease-s", "2", "--heartbeat-interval-s", "0.5"),
+        *("--log-level", "INFO"),
+    ).start()
+    yield c
+    c.stop()
+
+
+def ended(status: pbg.StatusServiceStub, tid: str) -> pb.TransferStatus:
+    """tid's status once terminal (GetTransfer polled: WatchTransfers is not
+    served in this mode)."""
+
+    def check() -> pb.TransferStatus | None:
+        t = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
+        terminal = (pb.TRANSFER_STATE_COMPLETE, pb.TRANSFER_STATE_FAILED)
+        return t if t.state in terminal else None
+
+    t = waits.poll(f"{tid} ended", check, DEADLINE_S)
+    assert t is not None
+    return t
+
+
+def test_tp2_kv_hosts_push_through_partition_processes(coord: CoordinatorProcess) -> None:
+    """Two prefill and two decode ranks (agents on their own streams, through
+    the front) and transfers in both partitions, in both arrival orders: the
+    bytes arrive intact, nothing else is written, every transfer COMPLETE;
+    the reads merge both partitions; WatchTransfers says it is not served."""
+    req, status = stubs(coord)
+    ps, ds = hosts(coord, tp=2)
+    ids = [*ids_in_partition(0, 2, K, "pp"), *ids_in_partition(1, 2, K, "pp")]
+    try:
+        src, dst = [3, 17, 4], [50, 2, 33]
+        for h in ds:
+            h.call("canary", CANARY)
+            h.call("expect", ids)
+        for n, tid in enumerate(ids):
+            for r, h in enumerate(ps):
+                h.fill(src, seed=10 * n + r)
+            if n % 2:
+                prefill_done(req, tid, src, 40)
+                register(req, tid, dst, 40)
+            else:
+                register(req, tid, dst, 40)
+                prefill_done(req, tid, src, 40)
+            for r, h in enumerate(ds):
+                assert h.wait_event(tid).kind is EventKind.KV_READY
+                assert h.check(dst, seed=10 * n + r) == []
+            t = ended(status, tid)
+            assert t.state == pb.TRANSFER_STATE_COMPLETE, t
+            assert sorted(r.prefill_rank for r in t.ranks if r.arrived) == [0, 1]
+        untouched = [b for b in range(NB) if b not in dst]
+        for h in ds:
+            assert h.call("check_canary", untouched, CANARY) == []
+
+        listed = status.ListTransfers(pb.ListTransfersRequest(limit=100), timeout=5)
+        assert listed.total_matching == len(ids)
+        assert [t.transfer_id for t in listed.transfers] == ids[::-1]  # newest first
+        engines = {e.engine_id: e for e in status.ListEngines(pb.ListEnginesRequest()).engines}
+        assert {"P", "D"} <= set(engines) and all(e.ready for e in engines.values())
+        assert [rl.relay for rl in engines["P"].ranks] == ["", ""]  # their own streams
+        with pytest.raises(grpc.RpcError) as watch:
+            next(iter(status.WatchTransfers(pb.WatchTransfersRequest(), timeout=5)))
+        assert watch.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        stop_all(ps, ds)
+
+
+def test_agents_through_a_node_relay_push_through_partition_processes(
+    coord: CoordinatorProcess,
+) -> None:
+    """Both agents dial a node relay (`pushkv relay`), whose NodeStream the
+    front serves: transfers in both partitions complete, bytes intact, and
+    ListEngines names the relay for both ranks."""
+    relay = RelayProcess(coord.address).start()
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(relay)
+    try:
+        ids = [*ids_in_partition(0, 1, K, "rl"), *ids_in_partition(1, 1, K, "rl")]
+        d.call("expect", ids)
+        for n, tid in enumerate(ids):
+            p.fill([1, 2], seed=n)
+            register(req, tid, [5, 6], 20)
+            prefill_done(req, tid, [1, 2], 20)
+            assert d.wait_event(tid).kind is EventKind.KV_READY
+            assert d.check([5, 6], seed=n) == []
+            assert ended(status, tid).state == pb.TRANSFER_STATE_COMPLETE
+        engines = status.ListEngines(pb.ListEnginesRequest(), timeout=5).engines
+        assert all(rl.relay for e in engines for rl in e.ranks), engines
+    finally:
+        stop_all([p], [d])
+        relay.stop()
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (this container's init may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()]
+
+
+def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProcess) -> None:
+    """kill -9 of one partition: its state is gone, so the coordinator ends
+    (exit 5, the reason in its log) for its supervisor to restart, and its
+    other partitions end with it."""
+    assert coord.proc is not None
+    kids = _children(coord.proc.pid)
+    assert len(kids) == K, kids
+    os.kill(kids[1], signal.SIGKILL)
+    assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
+    assert "partition 1's connection ended" in coord.log_text()
+    waits.poll("the other partition gone", lambda: _gone(kids[0]), DEADLINE_S)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--etcd", "http://127.0.0.1:1"), "--etcd"),
+        (("--metrics-port", "1"), "--metrics-port"),
+        (("--partitions", "2"), "--partitions"),
+    ],
+)
+def test_what_partition_processes_do_not_take_yet_is_refused(
+    flags: tuple[str, ...], named: str
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "coordinator",
+            "--port",
+            "0",
+            "--partition-procs",
+            "2",
+            *flags,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode != 0
+    assert f"does not work with {named} yet" in done.stdout + done.stderr, done
