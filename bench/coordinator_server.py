@@ -43,7 +43,9 @@ def cpu_split() -> tuple[set[int] | None, set[int] | None]:
     return {cpus[0]}, set(cpus[1:])
 
 
-def coordinator_main(conn: Connection, cpus: set[int] | None, profile: str | None) -> None:
+def coordinator_main(
+    conn: Connection, cpus: set[int] | None, profile: str | None, partition_procs: int = 0
+) -> None:
     """Process entry: serve until the controller sends "stop"."""
     pin(cpus)
     from controlplane import logs, rendezvous
@@ -55,7 +57,11 @@ def coordinator_main(conn: Connection, cpus: set[int] | None, profile: str | Non
     tune_gc()  # as `pushkv coordinator` does
 
     async def run() -> None:
-        coord = await start(ServerSettings(port=0, core=CoreSettings(**CORE_SETTINGS)))
+        coord = await start(
+            ServerSettings(
+                port=0, core=CoreSettings(**CORE_SETTINGS), partition_procs=partition_procs
+            )
+        )
         conn.send(CoordinatorReady(coord.port, core_label(core_build()), rendezvous.__file__ or ""))
         await asyncio.to_thread(conn.recv)  # "stop"
         await coord.stop(0)
@@ -81,6 +87,25 @@ def cpu_seconds(pid: int) -> float:
         return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def children(pid: int) -> list[int]:
+    """The live children of a process (a coordinator's partition processes)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(k) for k in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of a process and its live children (--partition-procs)."""
+    return cpu_seconds(pid) + sum(cpu_seconds(k) for k in children(pid))
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """`rss_bytes` of a process and its live children (--partition-procs)."""
+    return rss_bytes(pid) + sum(rss_bytes(k) for k in children(pid))
 
 
 def rss_bytes(pid: int) -> int:

@@ -31,11 +31,12 @@ reader. All of it runs on the replica's event loop. A partition whose
 connection ends fails the calls waiting on it and ends every stream (the
 replica must resign: `broken`).
 
-Not built yet: the replica serving its gRPC services through this (agents
-dialing it directly, as one-channel streams; the authorization of each
-caller before a call goes on; WatchTransfers; the metrics), starting the
-partitions under its term and resigning when one dies. `pushkv bench core
---procs K` drives this front through a simulated relay.
+The single coordinator serves every RPC through this with `--partition-procs
+K` (controlplane/front_servicers.py; agents' own AgentStreams as one-channel
+streams). Not built yet: the authorization of each caller before a call goes
+on (so, TLS), WatchTransfers, the metrics, and replicas on etcd starting
+their partitions under their term. `pushkv bench core --procs K` drives this
+front through a simulated relay.
 """
 
 from __future__ import annotations

@@ -33,11 +33,11 @@ Invariants:
   partition of one replica shares the coordinator id, so the agents see one
   coordinator.
 
-Not built yet (docs/reliability.md): the replica starting these and serving
-through its front (controlplane/front.py serves relays' NodeStreams only so
-far), the unary RPCs and the reads merged across partitions. `pushkv bench
-core --procs K` drives K of these processes through the front, and
-tests/test_partition_host.py checks them.
+The single coordinator starts K of these with `--partition-procs K`
+(experimental; controlplane/server.py) and serves through their front
+(controlplane/front.py). Not built yet (docs/reliability.md): replicas on
+etcd starting them when they lead. `pushkv bench core --procs K` drives K of
+these processes through the front; tests/test_partition_host.py checks them.
 """
 
 from __future__ import annotations
