@@ -103,6 +103,7 @@ class _Channel:
     held: list[pb.CoordinatorMessage] = field(default_factory=list)  # before the welcome
     peers: set[tuple[str, int, str]] = field(default_factory=set)
     fenced: set[tuple[str, int, str]] = field(default_factory=set)
+    agent: tuple[str, int, str] | None = None  # its hello's engine, rank and incarnation
 
 
 @dataclass(eq=False)
@@ -128,8 +129,6 @@ class PartitionFront:
         self._call_ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[ppb.PartitionReply]] = {}
         self._waiting: set[asyncio.Future[pb.RelayedSubmitReply]] = set()  # Submit RPCs
-        # (engine, rank, incarnation) -> the relay carrying its channel ("": its own stream)
-        self._via: dict[tuple[str, int, str], str] = {}
         self._readers: list[asyncio.Task[None]] = []
         self.broken: list[str] = []  # a partition's connection that ended (the replica resigns)
         self.dead = asyncio.Event()  # set with the first of them
@@ -153,10 +152,10 @@ class PartitionFront:
     # ------------------------------------------------------------ up
     def open_channel(self, stream: FrontStream, local: int, first: pb.AgentMessage) -> int:
         g = next(self._channel_ids)
-        self._channels[g] = _Channel(stream, local)
+        ch = self._channels[g] = _Channel(stream, local)
         if first.WhichOneof("kind") == "hello":
             ident = first.hello.identity
-            self._via[(ident.engine_id, ident.tp_rank, ident.incarnation)] = stream.via
+            ch.agent = (ident.engine_id, ident.tp_rank, ident.incarnation)
         return g
 
     def send(self, ups: dict[int, ppb.PartitionUp]) -> None:
@@ -328,6 +327,7 @@ class PartitionFront:
                 raise error_for(r.code, r.detail)
         out = pb.ListEnginesResponse()
         out.CopyFrom(replies[0].engines)
+        via = {ch.agent: ch.stream.via for ch in self._channels.values() if ch.agent}
         for e in out.engines:
             ranks = {rl.tp_rank: rl for rl in e.ranks}
             for r in replies[1:]:
@@ -341,7 +341,7 @@ class PartitionFront:
                             mine.inflight_orders += orl.inflight_orders
             for rl in e.ranks:  # a partition sees every channel as the front's
                 if rl.relay:
-                    rl.relay = self._via.get((e.engine_id, rl.tp_rank, rl.incarnation), "")
+                    rl.relay = via.get((e.engine_id, rl.tp_rank, rl.incarnation), "")
         return out
 
     # ------------------------------------------------------------ down
