@@ -64,7 +64,7 @@ from controlplane.clock import SystemClock
 from controlplane.errors import InvalidArgument
 from controlplane.leadership import Leadership
 from controlplane.node_stream import NodeChannels
-from controlplane.partitions import partition_settings
+from controlplane.partitions import partition_of, partition_settings
 from controlplane.rendezvous import Rendezvous
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, TransferServicer, list_transfers
@@ -153,11 +153,27 @@ class Calls:
         return reply
 
 
+def keep_own_held(up: pb.NodeUp, index: int, k: int) -> None:
+    """Each hello's held transfers cut to this partition's (the front sends
+    every partition the whole hello): a partition adopts, or tells again,
+    only what hashes to it, as `partitions.Partitioned` splits them."""
+    for item in up.items:
+        if item.HasField("message") and item.message.WhichOneof("kind") == "hello":
+            held = item.message.hello.held
+            if held:
+                mine = [h for h in held if partition_of(h.transfer_id, k) == index]
+                if len(mine) != len(held):
+                    del held[:]
+                    held.extend(mine)
+
+
 async def _ups(
     frames: AsyncIterator[list[bytes]],
     node: NodeChannels,
     calls: Calls,
     writer: asyncio.StreamWriter,
+    index: int,
+    k: int,
 ) -> AsyncIterator[pb.NodeUp]:
     """The front's PartitionUps as the NodeUps `node` reads; each one's lost
     links and calls applied once its NodeUp was (the reader takes the next
@@ -167,6 +183,7 @@ async def _ups(
         for data in got:
             up = parse(data)
             if up.node.items:
+                keep_own_held(up.node, index, k)
                 yield up.node
             for channel in up.link_lost:
                 node.lose_link(channel)
@@ -176,7 +193,11 @@ async def _ups(
 
 
 async def serve_front(
-    rt: Runtime, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    rt: Runtime,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    index: int = 0,
+    k: int = 1,
 ) -> None:
     """The front's one connection, as a node relay's NodeStream is served:
     NodeUp frames in, NodeDown frames out, until either side ends."""
@@ -185,7 +206,7 @@ async def serve_front(
     gate = Leadership()  # the replica fences; this process orders under its term
     agents = AgentServicer(rt, authz, gate, transfers.submit)
     node = NodeChannels(rt, agents.open_agent, TRUSTED, lambda: None, transfers.submit, "front")
-    ups = _ups(read_frames(reader), node, Calls(rt, transfers), writer)
+    ups = _ups(read_frames(reader), node, Calls(rt, transfers), writer, index, k)
     try:
         async for down in node.serve(ups):
             writer.write(frame(ppb.PartitionDown(node=down).SerializeToString()))
@@ -198,7 +219,7 @@ async def serve_front(
             await writer.wait_closed()
 
 
-async def serve(path: str, rt: Runtime) -> None:
+async def serve(path: str, rt: Runtime, index: int = 0, k: int = 1) -> None:
     """Listen on `path`, serve the first connection, and return when it ends."""
     done = asyncio.Event()
     taken = False
@@ -210,7 +231,7 @@ async def serve(path: str, rt: Runtime) -> None:
             return
         taken = True
         try:
-            await serve_front(rt, reader, writer)
+            await serve_front(rt, reader, writer, index, k)
         finally:
             done.set()
 
@@ -256,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = CoreSettings(**json.loads(args.settings))
     rt = partition_runtime(settings, args.index, args.partitions, args.term, args.coordinator_id)
     gcpolicy.install()
-    uvloop.run(serve(args.socket, rt))  # the leader's event loop (cli/main.py)
+    # The coordinator's event loop (cli/main.py).
+    uvloop.run(serve(args.socket, rt, args.index, args.partitions))
     return 0
 
 

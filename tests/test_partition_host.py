@@ -158,3 +158,29 @@ def test_frames_past_the_bound_are_refused() -> None:
         asyncio.run(_frames_of(HEADER.pack(MAX_FRAME + 1) + b"x"))
     with pytest.raises(FrameError):
         frame(b"x" * (MAX_FRAME + 1))
+
+
+def test_a_partition_keeps_only_its_own_held_transfers_of_a_hello() -> None:
+    """The front sends every partition an agent's whole hello; each keeps the
+    held transfers that hash to it (as the in-process split does), so that
+    no transfer is adopted by two partitions."""
+    from bench.coordinator_workload import agent_hello
+    from controlplane.partition_host import keep_own_held
+    from controlplane.partitions import partition_of
+
+    ids = [f"h{i}" for i in range(12)]
+    hello = agent_hello("e", pb.ROLE_DECODE, batched=True)
+    hello.held.extend(pb.HeldTransfer(transfer_id=t, ready=True) for t in ids)
+    up = pb.NodeUp()
+    up.items.add(channel=1, message=pb.AgentMessage(hello=hello))
+    up.items.add(channel=2, message=pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
+    kept = []
+    for i in range(3):
+        mine = pb.NodeUp()
+        mine.CopyFrom(up)
+        keep_own_held(mine, i, 3)
+        got = [h.transfer_id for h in mine.items[0].message.hello.held]
+        assert got == [t for t in ids if partition_of(t, 3) == i]
+        assert all(h.ready for h in mine.items[0].message.hello.held)
+        kept += got
+    assert sorted(kept) == sorted(ids) and len(set(kept)) == len(ids)
