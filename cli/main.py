@@ -259,7 +259,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         default=_env("partition_procs", 0),
         help="experimental: the state machine in this many partition processes behind a "
         "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
-        "process (default). Not yet with --etcd, TLS, --metrics-port or --partitions; "
+        "process (default). Not yet with TLS, --metrics-port or --partitions; "
         "WatchTransfers is not served",
     )
     _add_event_loop_flag(c)

@@ -34,8 +34,8 @@ replica must resign: `broken`).
 The single coordinator serves every RPC through this with `--partition-procs
 K` (controlplane/front_servicers.py; agents' own AgentStreams as one-channel
 streams). Not built yet: the authorization of each caller before a call goes
-on (so, TLS), WatchTransfers, the metrics, and replicas on etcd starting
-their partitions under their term. `pushkv bench core --procs K` drives this
+on (so, TLS), WatchTransfers and the metrics. A replica on etcd starts its
+partitions at once and tells them its term when it leads (`lead`). `pushkv bench core --procs K` drives this
 front through a simulated relay.
 """
 
@@ -132,6 +132,7 @@ class PartitionFront:
         self._readers: list[asyncio.Task[None]] = []
         self.broken: list[str] = []  # a partition's connection that ended (the replica resigns)
         self.dead = asyncio.Event()  # set with the first of them
+        self.silenced = False  # no message goes to an agent any more (silence)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -145,6 +146,19 @@ class PartitionFront:
         for r in self._readers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await r
+
+    def lead(self, term: int) -> None:
+        """This replica leads for `term`: every partition stamps it from now on."""
+        for link in self._links:
+            link.send(ppb.PartitionUp(lead=term))
+
+    def silence(self) -> None:
+        """Send nothing more to any agent, at once (a replica that lost the
+        leadership: the process ends next). Every stream ends."""
+        self.silenced = True
+        streams = {ch.stream for ch in self._channels.values()}
+        for s in streams:
+            s.lost()
 
     def stream(self, peer: str = "") -> FrontStream:
         return FrontStream(self, peer)
@@ -531,6 +545,8 @@ class FrontStream:
         try:
             yield pb.NodeDown(takes_submit=True)
             while (batch := await batches.next()) is not None:
+                if self._front.silenced:
+                    return
                 yield pb.NodeDown(items=batch)
         finally:
             reader.cancel()

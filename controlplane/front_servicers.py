@@ -5,7 +5,7 @@ of them. Translation only, as servicers.py; errors are domain errors, mapped
 to status codes by the server's interceptor (status_map.py).
 
 What this mode does not serve yet says so (UNIMPLEMENTED): WatchTransfers.
-The server refuses the mode with TLS, etcd or metrics (server.py).
+The server refuses the mode with TLS or metrics (server.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.errors import InvalidArgument, Unimplemented
 from controlplane.front import PartitionFront
-from controlplane.leadership import Leadership
+from controlplane.leadership import Leadership, NotLeader, Role
 from controlplane.runtime import Runtime
 from controlplane.servicers import HELLO_TIMEOUT_S, Ctx, StatusServicer
 
@@ -84,8 +84,15 @@ class FrontStatusServicer(StatusServicer):
 
 
 class FrontAgentServicer(pbg.AgentServiceServicer):
-    def __init__(self, front: PartitionFront) -> None:
+    def __init__(self, front: PartitionFront, gate: Leadership) -> None:
         self._front = front
+        self._gate = gate
+
+    def _fence(self) -> None:
+        """Nothing goes to an agent once this replica may no longer order."""
+        if not self._gate.may_order():
+            v = self._gate.view
+            raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
 
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
@@ -100,13 +107,18 @@ class FrontAgentServicer(pbg.AgentServiceServicer):
             async for m in request_iterator:
                 yield m
 
+        self._fence()
         async for out in self._front.agent_stream(messages(), _peer(context)):
+            self._fence()
             yield out
 
-    def NodeStream(
+    async def NodeStream(
         self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
     ) -> AsyncIterator[pb.NodeDown]:
-        return self._front.stream(_peer(context)).serve(request_iterator)
+        self._fence()
+        async for down in self._front.stream(_peer(context)).serve(request_iterator):
+            self._fence()
+            yield down
 
 
 async def _refused(exc: Exception | None) -> AsyncIterator[pb.TransferEvent]:

@@ -20,8 +20,9 @@ NodeStream carries (`node_stream.NodeChannels`), as length-prefixed frames
   `Submit`s.
 
 Invariants:
-- One term. The process is started with the term the replica was elected
-  for, stamps it on every welcome and order, and never changes it. It asks
+- One term. The process stamps the replica's term (given at start, or
+  once by `lead` when the replica is elected) on every welcome and order,
+  and never changes it after. It asks
   the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), so no
   partition outlives the replica whose lease fences its orders; the replica
   resigns when a partition dies.
@@ -33,10 +34,11 @@ Invariants:
   partition of one replica shares the coordinator id, so the agents see one
   coordinator.
 
-The single coordinator starts K of these with `--partition-procs K`
-(experimental; controlplane/server.py) and serves through their front
-(controlplane/front.py). Not built yet (docs/reliability.md): replicas on
-etcd starting them when they lead. `pushkv bench core --procs K` drives K of
+A coordinator starts K of these with `--partition-procs K` (experimental;
+controlplane/server.py) and serves through their front
+(controlplane/front.py); a replica on etcd starts them at once, with term 0,
+and tells them its term when it is elected (`PartitionUp.lead`): they serve
+no agent before that. `pushkv bench core --procs K` drives K of
 these processes through the front; tests/test_partition_host.py checks them.
 """
 
@@ -126,6 +128,10 @@ class Calls:
         self._rt = rt
         self._transfers = transfers
 
+    def lead(self, term: int) -> None:
+        """The replica leads for `term` from now on (Runtime.lead)."""
+        self._rt.lead(term)
+
     def answer(self, call: ppb.PartitionCall) -> ppb.PartitionReply:
         reply = ppb.PartitionReply(id=call.id)
         kind = call.WhichOneof("kind")
@@ -182,6 +188,8 @@ async def _ups(
     async for got in frames:
         for data in got:
             up = parse(data)
+            if up.lead:
+                calls.lead(up.lead)
             if up.node.items:
                 keep_own_held(up.node, index, k)
                 yield up.node

@@ -193,7 +193,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         pbg.add_TransferServiceServicer_to_server(transfers, server)
         pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
     else:
-        pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front), server)
+        pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, gate), server)
         pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front), server)
         pbg.add_StatusServiceServicer_to_server(FrontStatusServicer(runtime, front, gate), server)
     health_servicer = HealthServicer()
@@ -277,6 +277,8 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         if view.role is Role.LEADER:
             # Stamped on every welcome, order and cancel from now on (term fencing).
             coord.runtime.lead(view.term)
+            if coord.front is not None:
+                coord.front.lead(view.term)
         serving = view.role is not Role.STANDBY
         for name in WRITE_SERVICE_NAMES:
             task = loop.create_task(coord.health.set(name, _health(serving)))
@@ -285,6 +287,8 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
 
     def on_lost(reason: str) -> None:
         coord.runtime.silence()  # no order leaves after this line
+        if coord.front is not None:
+            coord.front.silence()
         coord.lost.set()
 
     coord.leadership.on_change.append(on_change)
@@ -302,7 +306,6 @@ def check_partition_procs(settings: ServerSettings) -> None:
     missing = [
         flag
         for flag, given in (
-            ("--etcd", bool(settings.etcd)),
             ("TLS", settings.tls.enabled),
             ("--metrics-port", settings.metrics_port is not None),
             ("--partitions", settings.core.partitions > 1),

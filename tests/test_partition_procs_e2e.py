@@ -151,7 +151,6 @@ def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProce
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (("--etcd", "http://127.0.0.1:1"), "--etcd"),
         (("--metrics-port", "1"), "--metrics-port"),
         (("--partitions", "2"), "--partitions"),
     ],

@@ -33,6 +33,13 @@ class PartitionUp(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     LINK_LOST_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
+    LEAD_FIELD_NUMBER: _builtins.int
+    lead: _builtins.int
+    """This replica leads from now on, for this term (0: no term): stamped on
+    every welcome, order and cancel the partition sends, and its rebuild
+    window for a failover opens. Applied first; sent once, before any agent's
+    hello (a standby serves no agent).
+    """
     @_builtins.property
     def node(self) -> _pushkv_pb2.NodeUp:
         """Agent channels and relayed Submits, as a node relay's NodeStream carries
@@ -60,10 +67,11 @@ class PartitionUp(_message.Message):
         node: _pushkv_pb2.NodeUp | None = ...,
         link_lost: _abc.Iterable[_builtins.int] | None = ...,
         calls: _abc.Iterable[Global___PartitionCall] | None = ...,
+        lead: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "link_lost", b"link_lost", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
