@@ -35,8 +35,8 @@ The single coordinator serves every RPC through this with `--partition-procs
 K` (controlplane/front_servicers.py; agents' own AgentStreams as one-channel
 streams). Not built yet: the authorization of each caller before a call goes
 on (so, TLS), WatchTransfers and the metrics. A replica on etcd starts its
-partitions at once and tells them its term when it leads (`lead`). `pushkv bench core --procs K` drives this
-front through a simulated relay.
+partitions at once and tells them its term when it leads (`lead`).
+`pushkv bench core --procs K` drives this front through a simulated relay.
 """
 
 from __future__ import annotations

@@ -22,10 +22,9 @@ NodeStream carries (`node_stream.NodeChannels`), as length-prefixed frames
 Invariants:
 - One term. The process stamps the replica's term (given at start, or
   once by `lead` when the replica is elected) on every welcome and order,
-  and never changes it after. It asks
-  the kernel to kill it when its parent dies (PR_SET_PDEATHSIG), so no
-  partition outlives the replica whose lease fences its orders; the replica
-  resigns when a partition dies.
+  and never changes it after. It asks the kernel to kill it when its
+  parent dies (PR_SET_PDEATHSIG), so no partition outlives the replica
+  whose lease fences its orders; the replica resigns when a partition dies.
 - One front. The process serves one connection, from the replica that
   started it, on a socket in a directory only the replica's user can open;
   the front authenticates the callers before it forwards anything (here the
