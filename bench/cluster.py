@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replicas", type=int, default=2, help="coordinator replicas")
     p.add_argument(
+        "--partition-procs",
+        type=int,
+        default=0,
+        help="the replicas' --partition-procs (experimental; needs --no-leader-metrics): "
+        "the leader's CPU and memory then count its partition processes, pinned with it",
+    )
+    p.add_argument(
         "--leader-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -28,7 +28,13 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from bench.cluster_agents import HostSpec, Stats, engines, host_main
 from bench.coordinator_load import ClientReport
-from bench.coordinator_server import cpu_seconds, cpu_split, rss_bytes
+from bench.coordinator_server import (
+    children,
+    cpu_seconds,
+    cpu_split,
+    tree_cpu_seconds,
+    tree_rss_bytes,
+)
 from bench.coordinator_step import Step, measure_step
 from bench.coordinator_workload import CORE_SETTINGS
 from bench.leader_metrics import Buckets, leader_share, scrape
@@ -110,13 +116,16 @@ def poll(cond: Callable[[], bool], what: str, deadline_s: float, every_s: float 
 
 
 def pin_all_threads(pid: int, cpus: set[int] | None) -> None:
-    """Pin every thread of process `pid` (gRPC starts its own) to `cpus`."""
+    """Pin every thread of process `pid` (gRPC starts its own), and of its
+    children (a coordinator's partition processes), to `cpus`."""
     if not cpus:
         return
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(tid), cpus)
+    for kid in children(pid):
+        pin_all_threads(kid, cpus)
 
 
 def core_flags() -> list[str]:
@@ -155,6 +164,8 @@ class ClusterBench:
             pin_all_threads(m.proc.pid if m.proc else 0, self.load_cpus)
         flags = ["--etcd", url, "--etcd-lease-s", str(a.lease_s)]
         flags += ["--log-level", "WARNING", *core_flags()]
+        if a.partition_procs:
+            flags += ["--partition-procs", str(a.partition_procs)]
         for _ in range(a.replicas):
             port = free_port() if a.leader_metrics else 0
             more = ["--metrics-port", str(port)] if port else []
@@ -255,14 +266,14 @@ class ClusterBench:
         """Heartbeat load over --idle-s seconds of a registered, idle cluster."""
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
-        s0, c0, h0, t0 = self.stats(), cpu_seconds(pid), self.host_cpu(), time.monotonic()
+        s0, c0, h0, t0 = self.stats(), tree_cpu_seconds(pid), self.host_cpu(), time.monotonic()
         time.sleep(self.a.idle_s)  # the measured interval itself
-        s1, c1, h1, t1 = self.stats(), cpu_seconds(pid), self.host_cpu(), time.monotonic()
+        s1, c1, h1, t1 = self.stats(), tree_cpu_seconds(pid), self.host_cpu(), time.monotonic()
         dt = t1 - t0
         sent = sum(b[1].sent for b in s1) - sum(b[1].sent for b in s0)
         acks = sum(b[1].acks for b in s1) - sum(b[1].acks for b in s0)
         return Idle(
-            dt, sent / dt, acks / dt, (c1 - c0) / dt, (h1 - h0) / dt, rss_bytes(pid) / 2**20
+            dt, sent / dt, acks / dt, (c1 - c0) / dt, (h1 - h0) / dt, tree_rss_bytes(pid) / 2**20
         )
 
     def live(self) -> int:
@@ -292,11 +303,12 @@ class ClusterBench:
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
         m0 = self.leader_metrics()
-        cpu0, h0, st0 = cpu_seconds(pid), self.host_cpu(), self.stats()
+        cpu0, h0, st0 = tree_cpu_seconds(pid), self.host_cpu(), self.stats()
         share = rate / len(self.hosts)
         cap = a.max_outstanding
         reports: list[ClientReport] = self.ask("run", name, share, duration, cap, a.step_ms / 1000)
-        cpu1, h1, wall1, st1 = cpu_seconds(pid), self.host_cpu(), time.monotonic(), self.stats()
+        cpu1, h1 = tree_cpu_seconds(pid), self.host_cpu()
+        wall1, st1 = time.monotonic(), self.stats()
         m1 = self.leader_metrics()  # as the offer ends: its lag samples are the load's
         want = sum(len(r.sent) for r in reports)
         drained = True
@@ -419,7 +431,7 @@ class ClusterBench:
         if a.max_steps > 0:
             self.ramp(res)
         assert self.leader is not None and self.leader.proc is not None
-        res.loaded_rss_mib = rss_bytes(self.leader.proc.pid) / 2**20
+        res.loaded_rss_mib = tree_rss_bytes(self.leader.proc.pid) / 2**20
         res.failover = self.failover()
         if a.max_steps > 0 and res.failover.followed >= res.agents:
             rate = res.half.offered if res.half is not None else a.start_rate
