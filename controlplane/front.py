@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -257,7 +257,7 @@ class PartitionFront:
 
     async def agent_stream(
         self, requests: AsyncIterator[pb.AgentMessage], peer: str = ""
-    ) -> AsyncIterator[pb.CoordinatorMessage]:
+    ) -> AsyncGenerator[pb.CoordinatorMessage, None]:
         """An agent's own AgentStream, served as a one-channel stream; its end
         is the agent's own (not a lost link). A channel the partitions end
         with a code raises its domain error
@@ -267,14 +267,16 @@ class PartitionFront:
             async for m in requests:
                 yield pb.NodeUp(items=[pb.ChannelUp(channel=1, message=m)])
 
-        async for down in FrontStream(self, peer, own=True).serve(ups()):
-            for item in down.items:
-                if item.ended:
-                    if item.code:
-                        raise error_for(item.code, item.detail)
-                    return
-                if item.HasField("message"):
-                    yield item.message
+        served = FrontStream(self, peer, own=True).serve(ups())
+        async with contextlib.aclosing(served) as downs:
+            async for down in downs:
+                for item in down.items:
+                    if item.ended:
+                        if item.code:
+                            raise error_for(item.code, item.detail)
+                        return
+                    if item.HasField("message"):
+                        yield item.message
 
     def close_channels(self, gs: Sequence[int], *, link_lost: bool) -> None:
         """Channels of a stream that ended (`link_lost`: its carrier, not the agent)."""
@@ -538,7 +540,7 @@ class FrontStream:
             self._front.close_channels(gs, link_lost=not self._own)
             self._down.put_nowait(None)
 
-    async def serve(self, requests: AsyncIterator[pb.NodeUp]) -> AsyncIterator[pb.NodeDown]:
+    async def serve(self, requests: AsyncIterator[pb.NodeUp]) -> AsyncGenerator[pb.NodeDown, None]:
         log.info("node_stream_opened", peer=self._peer, front=True)
         reader = asyncio.get_running_loop().create_task(self._read(requests))
         batches = Batcher(self._down)

@@ -11,6 +11,7 @@ The server refuses the mode with TLS or metrics (server.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -108,17 +109,21 @@ class FrontAgentServicer(pbg.AgentServiceServicer):
                 yield m
 
         self._fence()
-        async for out in self._front.agent_stream(messages(), _peer(context)):
-            self._fence()
-            yield out
+        served = self._front.agent_stream(messages(), _peer(context))
+        async with contextlib.aclosing(served) as outs:
+            async for out in outs:
+                self._fence()
+                yield out
 
     async def NodeStream(
         self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
     ) -> AsyncIterator[pb.NodeDown]:
         self._fence()
-        async for down in self._front.stream(_peer(context)).serve(request_iterator):
-            self._fence()
-            yield down
+        served = self._front.stream(_peer(context)).serve(request_iterator)
+        async with contextlib.aclosing(served) as downs:  # its reader ends with the RPC
+            async for down in downs:
+                self._fence()
+                yield down
 
 
 async def _refused(exc: Exception | None) -> AsyncIterator[pb.TransferEvent]:
