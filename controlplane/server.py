@@ -99,7 +99,7 @@ class ServerSettings:
     loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
     # Experimental: the state machine in this many partition processes behind
     # a front in this one (controlplane/front.py; docs/reliability.md, "Past
-    # one leader core"); 0 = in this process. Not with etcd, TLS or metrics yet.
+    # one leader core"); 0 = in this process. Not with TLS or metrics yet.
     partition_procs: int = 0
 
 
@@ -144,12 +144,7 @@ class Coordinator:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.runtime.stop()
-        if self.front is not None:
-            await self.front.stop()
-        for p in self.partitions:
-            await p.close()
-        if self.socket_dir:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        await _stop_partitions(self.front, self.partitions, self.socket_dir)
         if self.metrics is not None:
             await self.metrics.close()
         if self.tracer is not None:
@@ -186,31 +181,36 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
     front, partitions, socket_dir = await _start_partitions(settings, runtime)
-    if front is None:
-        transfers = TransferServicer(runtime, authz)
-        agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
-        pbg.add_AgentServiceServicer_to_server(agents, server)
-        pbg.add_TransferServiceServicer_to_server(transfers, server)
-        pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
-    else:
-        pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, gate), server)
-        pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front), server)
-        pbg.add_StatusServiceServicer_to_server(FrontStatusServicer(runtime, front, gate), server)
-    health_servicer = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"{settings.host}:{settings.port}"
-    if settings.tls.enabled:
-        port = server.add_secure_port(address, settings.tls.server_credentials())
-    else:
-        log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port}")
-    if metrics is not None and settings.metrics_port is not None:
-        metrics.serve(settings.host, settings.metrics_port)
-    await server.start()
+    try:
+        if front is None:
+            transfers = TransferServicer(runtime, authz)
+            agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
+            pbg.add_AgentServiceServicer_to_server(agents, server)
+            pbg.add_TransferServiceServicer_to_server(transfers, server)
+            pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
+        else:
+            pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, gate), server)
+            pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front), server)
+            status = FrontStatusServicer(runtime, front, gate)
+            pbg.add_StatusServiceServicer_to_server(status, server)
+        health_servicer = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        address = f"{settings.host}:{settings.port}"
+        if settings.tls.enabled:
+            port = server.add_secure_port(address, settings.tls.server_credentials())
+        else:
+            log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind {settings.host}:{settings.port}")
+        if metrics is not None and settings.metrics_port is not None:
+            metrics.serve(settings.host, settings.metrics_port)
+        await server.start()
+    except BaseException:  # the partitions started are this call's to stop
+        await _stop_partitions(front, partitions, socket_dir)
+        raise
     runtime.start()
     for name in ("", *SERVICE_NAMES):
         serving = gate.serving_writes or name not in WRITE_SERVICE_NAMES
@@ -348,6 +348,17 @@ async def _start_partitions(
     front = PartitionFront(parts)
     front.start()
     return front, parts, socket_dir
+
+
+async def _stop_partitions(
+    front: PartitionFront | None, parts: list[PartitionProcess], socket_dir: str
+) -> None:
+    if front is not None:
+        await front.stop()
+    for p in parts:
+        await p.close()
+    if socket_dir:
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def tune_gc() -> None:
