@@ -12,6 +12,7 @@ process against a scripted coordinator (a real gRPC server in this process).
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import uuid
@@ -261,15 +262,22 @@ def _pb_order(oid: str, term: int) -> pb.CoordinatorMessage:
     )
 
 
-def _write_report(incoming: queue.Queue[Any]) -> pb.WriteReport:
-    """The next write report on the stream (heartbeats are skipped)."""
-    while True:
-        msg = incoming.get(timeout=WAIT)
-        assert msg is not None, "the agent ended the stream"
-        items = msg.batch.messages if msg.WhichOneof("kind") == "batch" else [msg]
-        for item in items:
-            if item.WhichOneof("kind") == "write":
-                return item.write  # type: ignore[no-any-return]
+class WriteReports:
+    """The write reports of one agent stream, in order: each batch unwrapped
+    whole (an agent under load sends two reports queued together as one
+    batch; taking only its first would lose the second), heartbeats skipped."""
+
+    def __init__(self, incoming: queue.Queue[Any]) -> None:
+        self._incoming = incoming
+        self._pending: collections.deque[pb.WriteReport] = collections.deque()
+
+    def next(self) -> pb.WriteReport:
+        while not self._pending:
+            msg = self._incoming.get(timeout=WAIT)
+            assert msg is not None, "the agent ended the stream"
+            items = msg.batch.messages if msg.WhichOneof("kind") == "batch" else [msg]
+            self._pending.extend(i.write for i in items if i.WhichOneof("kind") == "write")
+        return self._pending.popleft()
 
 
 @pytest.fixture
@@ -298,6 +306,7 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
         assert host.agent_name
 
         host.call("pause", True)  # accepted orders wait in the queue
+        reports = WriteReports(incoming)
         out.put(_pb_order("old", 5))
         out.put(_pb_order("new", 7))
         out.put(
@@ -306,13 +315,13 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
             )
         )
         out.put(_pb_order("old2", 6))  # handled after the cancel: a sync point
-        r = _write_report(incoming)
+        r = reports.next()
         assert (r.order_id, r.status) == ("old", pb.WRITE_STATUS_DROPPED)
         assert r.detail == "refused: order of term 5, older than term 7"
-        r = _write_report(incoming)
+        r = reports.next()
         assert (r.order_id, r.status) == ("old2", pb.WRITE_STATUS_DROPPED)
         host.call("pause", False)
-        r = _write_report(incoming)  # the old cancel did not drop it: it was posted
+        r = reports.next()  # the old cancel did not drop it: it was posted
         assert (r.order_id, r.status) == ("new", pb.WRITE_STATUS_FAILED)
         assert host.call("writes_posted") == 0
 
@@ -326,7 +335,7 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
         assert hello.term == 7
         out.put(_welcome(8, "leader-8"))  # a newer one: followed
         out.put(_pb_order("seven", 7))
-        r = _write_report(incoming)
+        r = WriteReports(incoming).next()
         assert (r.order_id, r.status) == ("seven", pb.WRITE_STATUS_DROPPED)
         assert r.detail == "refused: order of term 7, older than term 8"
     finally:
