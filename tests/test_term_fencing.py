@@ -16,6 +16,7 @@ import collections
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from typing import Any
@@ -280,6 +281,19 @@ class WriteReports:
         return self._pending.popleft()
 
 
+# One reader per agent stream's queue, so that what a batch held beyond the
+# report asked for waits for the next call.
+_READERS: weakref.WeakKeyDictionary[queue.Queue[Any], WriteReports] = weakref.WeakKeyDictionary()
+
+
+def _write_report(incoming: queue.Queue[Any]) -> pb.WriteReport:
+    """The next write report on the stream (`WriteReports`, per queue)."""
+    reader = _READERS.get(incoming)
+    if reader is None:
+        reader = _READERS[incoming] = WriteReports(incoming)
+    return reader.next()
+
+
 @pytest.fixture
 def scripted() -> Iterator[tuple[ScriptedCoordinator, str]]:
     servicer = ScriptedCoordinator()
@@ -306,7 +320,6 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
         assert host.agent_name
 
         host.call("pause", True)  # accepted orders wait in the queue
-        reports = WriteReports(incoming)
         out.put(_pb_order("old", 5))
         out.put(_pb_order("new", 7))
         out.put(
@@ -315,13 +328,13 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
             )
         )
         out.put(_pb_order("old2", 6))  # handled after the cancel: a sync point
-        r = reports.next()
+        r = _write_report(incoming)
         assert (r.order_id, r.status) == ("old", pb.WRITE_STATUS_DROPPED)
         assert r.detail == "refused: order of term 5, older than term 7"
-        r = reports.next()
+        r = _write_report(incoming)
         assert (r.order_id, r.status) == ("old2", pb.WRITE_STATUS_DROPPED)
         host.call("pause", False)
-        r = reports.next()  # the old cancel did not drop it: it was posted
+        r = _write_report(incoming)  # the old cancel did not drop it: it was posted
         assert (r.order_id, r.status) == ("new", pb.WRITE_STATUS_FAILED)
         assert host.call("writes_posted") == 0
 
@@ -335,7 +348,7 @@ def test_an_agent_process_refuses_old_term_orders_and_stale_leaders(
         assert hello.term == 7
         out.put(_welcome(8, "leader-8"))  # a newer one: followed
         out.put(_pb_order("seven", 7))
-        r = WriteReports(incoming).next()
+        r = _write_report(incoming)
         assert (r.order_id, r.status) == ("seven", pb.WRITE_STATUS_DROPPED)
         assert r.detail == "refused: order of term 7, older than term 8"
     finally:
