@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any, TextIO
 
 from pushkv.v1 import pushkv_pb2 as pb
 
+from bench.coordinator_server import cpu_seconds
 from bench.coordinator_workload import (
     CORE_SETTINGS,
     DECODE,
@@ -54,15 +54,7 @@ from bench.coordinator_workload import (
 
 DEADLINE_S = 120.0  # every wait of a run
 MAX_CALLS = 1024  # a Submit's most calls (controlplane/servicers.py)
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 COORDINATOR_ID = "bench"
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
 @dataclass
@@ -300,13 +292,13 @@ async def run_procs(
                 relay.hellos()
                 await relay.welcomed()
                 tids = [f"{prefix}-{i}" for i in range(n)]
-                cpu0 = [process_cpu_s(p.proc.pid) for p in parts]
+                cpu0 = [cpu_seconds(p.proc.pid) for p in parts]
                 t0, f0 = time.monotonic(), time.process_time()
                 await relay.rendezvous(tids, batch)
                 run.wall_s = time.monotonic() - t0
                 run.front_cpu_s = time.process_time() - f0
                 run.partition_cpu_s = [
-                    process_cpu_s(p.proc.pid) - c for p, c in zip(parts, cpu0, strict=True)
+                    cpu_seconds(p.proc.pid) - c for p, c in zip(parts, cpu0, strict=True)
                 ]
                 run.states = await relay.states(tids)
             finally:
