@@ -25,19 +25,10 @@ import faulthandler
 import time
 from collections.abc import Callable
 
+from wire.event_loop import MAX_DUMP_AFTER_S, REARM_S, check_dump_after
+
 # A watchdog wake at least this late names the process as starving the agent.
 STARVED_S = 2.0
-# How often the hang-dump timer is pushed back (each push starts a C thread).
-REARM_S = 1.0
-# The longest hang dump wait taken (faulthandler's timer refuses far longer ones).
-MAX_DUMP_AFTER_S = 86400.0
-
-
-def check_dump_after(seconds: float) -> float:
-    """`seconds` if it is a hang-dump wait this module takes (0: off), else ValueError."""
-    if not 0 <= seconds <= MAX_DUMP_AFTER_S:  # NaN too
-        raise ValueError(f"{seconds!r} is not within 0 (off) and {MAX_DUMP_AFTER_S:.0f} s")
-    return seconds
 
 
 class StarvationWatch:

@@ -20,6 +20,15 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 T = TypeVar("T")
 
 
+def _hang_dump_s(text: str) -> float:
+    from wire.event_loop import check_dump_after
+
+    try:
+        return check_dump_after(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env(name: str, default: Any) -> Any:
     raw = os.environ.get(ENV_PREFIX + name.upper())
     if raw is None:
@@ -114,6 +123,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         etcd_password_file=args.etcd_password_file,
         loop_stall_limit_s=args.loop_stall_limit_s,
         partition_procs=args.partition_procs,
+        hang_dump_s=args.hang_dump_s,
     )
     return _run(serve(settings), args.event_loop)
 
@@ -261,6 +271,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
         "process (default). Not yet with TLS, --metrics-port or --partitions; "
         "WatchTransfers is not served",
+    )
+    c.add_argument(
+        "--hang-dump-s",
+        type=_hang_dump_s,
+        default=_env("hang_dump_s", 0.0),
+        help="diagnostics: an event loop that did not run for this many seconds has every "
+        "thread's stack written to stderr, to name what held it (a blocking call, a C call "
+        "holding the GIL); each second the loop pushes faulthandler's timer back (a short "
+        "C thread each time). 0 = off (default)",
     )
     _add_event_loop_flag(c)
     h = c.add_argument_group("replicated coordinators (docs/reliability.md)")

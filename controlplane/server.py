@@ -45,7 +45,7 @@ from controlplane.servicers import AgentServicer, StatusServicer, TransferServic
 from controlplane.settings import MAX_PARTITIONS, CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
 from controlplane.tracing import TransferTracer, tracer_from_env
-from wire.event_loop import event_loop_name, report_stalls
+from wire.event_loop import check_dump_after, event_loop_name, report_stalls
 from wire.port_file import write_port_file
 from wire.tls import SERVER_PING_OPTIONS, TLSFiles
 
@@ -101,6 +101,9 @@ class ServerSettings:
     # a front in this one (controlplane/front.py; docs/reliability.md, "Past
     # one leader core"); 0 = in this process. Not with TLS or metrics yet.
     partition_procs: int = 0
+    # A loop that did not run for this long has every thread's stack written
+    # to stderr (wire/event_loop.report_stalls); 0 = off.
+    hang_dump_s: float = 0.0
 
 
 @dataclass
@@ -158,6 +161,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
             f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
         )
     check_partition_procs(settings)
+    check_dump_after(settings.hang_dump_s)
     limit = max_order_bytes(settings.max_message_bytes)
     runtime = Runtime(settings.core, clock or SystemClock(), limit)
     metrics = (
@@ -220,7 +224,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
     coord.front, coord.partitions, coord.socket_dir = front, partitions, socket_dir
     coord.stall_task = asyncio.get_running_loop().create_task(
-        report_stalls(_log_stall), name="stall-report"
+        report_stalls(_log_stall, dump_after_s=settings.hang_dump_s), name="stall-report"
     )
     if settings.etcd:
         _start_election(coord, settings)

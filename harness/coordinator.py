@@ -19,6 +19,10 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from harness.live import Live
 
+# Tests only (tests/conftest.py sets it): the coordinators started here get
+# --hang-dump-s from it, so a stalled one leaves its threads' stacks in its log.
+COORD_HANG_DUMP_ENV = "PUSHKV_TEST_COORD_HANG_DUMP_S"
+
 
 class CoordinatorProcess:
     def __init__(
@@ -41,7 +45,9 @@ class CoordinatorProcess:
 
     def _argv(self) -> list[str]:
         host, port = ["--host", self.host], ["--port", str(self.port)]
-        return ["coordinator", *host, *port, "--port-file", str(self._port_file)]
+        dump = os.environ.get(COORD_HANG_DUMP_ENV)
+        hang = ["--hang-dump-s", dump] if dump else []
+        return ["coordinator", *host, *port, "--port-file", str(self._port_file), *hang]
 
     def start(self, timeout: float = 30.0) -> Self:
         self._port_file.unlink(missing_ok=True)

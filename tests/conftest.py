@@ -7,6 +7,7 @@ vLLM engines running reports their logs' key lines and their stacks
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Generator
 
 import pytest
@@ -14,8 +15,13 @@ from pytest import TestReport
 
 from controlplane.server import Coordinator, ServerSettings, start
 from controlplane.settings import CoreSettings
+from harness.coordinator import COORD_HANG_DUMP_ENV
 from relay.server import Relay, RelaySettings
 from tests.support.failure_report import engines_report
+
+# A coordinator child whose loop stalls 20 s writes its threads' stacks to
+# its log, which a failed test's report prints (tests/support/serving.hang_dump).
+os.environ.setdefault(COORD_HANG_DUMP_ENV, "20")
 
 
 @pytest.fixture

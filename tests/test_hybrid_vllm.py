@@ -212,7 +212,9 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     assert sorted(edge) == ([127, 255, 383, 511] if pair.hma else [])
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     assert len(listed) == len(PROMPTS)
-    kept, recomputed = serving.split_starved(listed, why, pair.prefill.log_text())
+    kept, recomputed = serving.split_starved(
+        listed, why, pair.prefill.log_text(), coordinator_log=pair.coord.log_text()
+    )
     expected_loaded = sum(len(p) for p in PROMPTS) - sum(edge) - recomputed
     assert loaded == expected_loaded, f"decode recomputed instead of loading:\n{why}"
     lengths = sorted(len(p) for p in PROMPTS)

@@ -272,7 +272,9 @@ def test_greedy_equals_single_engine(pair: Pair, reference: Reference, burst: Bu
     print(f"MLA negative control (corrupted latents): gap {canary}")
     # Unless a starved prefill agent failed it and decode recomputed it (no
     # KV landed to corrupt; serving.split_starved, which bounds it).
-    kept, _ = serving.split_starved(burst.listed, burst.why, pair.prefill.log_text())
+    kept, _ = serving.split_starved(
+        burst.listed, burst.why, pair.prefill.log_text(), coordinator_log=pair.coord.log_text()
+    )
     if any(t.num_tokens == CANARY_LENGTH for t in kept):
         assert canary is None or canary > NEAR_TIE, "corrupted KV passed the comparison"
     by_length = list(zip(LENGTHS, gaps, strict=True))  # the canary popped above
@@ -295,7 +297,9 @@ def test_every_transfer_completes_and_lands_byte_exact(
     assert len(burst.listed) == len(reference.prompts)
     # A prefill agent its worker starved past its lease: the one failure let
     # by, bounded (tests/support/serving.split_starved).
-    kept, recomputed = serving.split_starved(burst.listed, burst.why, pair.prefill.log_text())
+    kept, recomputed = serving.split_starved(
+        burst.listed, burst.why, pair.prefill.log_text(), coordinator_log=pair.coord.log_text()
+    )
     assert burst.loaded == sum(LENGTHS) + CANARY_LENGTH - recomputed, (
         f"decode recomputed instead of loading:\n{burst.why}"
     )

@@ -173,7 +173,9 @@ def test_pp2_prefill_into_tp1_decode(pair: Pair, reference: list[str]) -> None:
     edge = [len(p) for p in PROMPTS if c.hybrid and window_edge(len(p))]
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     assert len(listed) == len(PROMPTS)
-    kept, recomputed = serving.split_starved(listed, why, pair.prefill.log_text())
+    kept, recomputed = serving.split_starved(
+        listed, why, pair.prefill.log_text(), coordinator_log=pair.coord.log_text()
+    )
     expected = sum(len(p) for p in PROMPTS) - sum(edge) - recomputed
     assert loaded == expected, f"decode recomputed instead of loading:\n{why}"
     for t in kept:

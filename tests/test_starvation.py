@@ -165,6 +165,61 @@ def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
         child.wait(WAIT_S)
 
 
+LOOP_CHILD = textwrap.dedent(
+    """
+    import asyncio, ctypes, sys
+    from wire.event_loop import report_stalls
+    def held_on_the_loop(fd):  # a frame the dump must show
+        buf = ctypes.create_string_buffer(1)
+        ctypes.PyDLL(None).read(fd, buf, 1)
+    async def main():
+        stalls = asyncio.ensure_future(report_stalls(
+            lambda s: print(f"stalled {s:.1f}", flush=True), stall_s=0.5, dump_after_s=1.0))
+        await asyncio.sleep(0.3)  # the first tick has armed the dump
+        print("holding", flush=True)
+        held_on_the_loop(sys.stdin.fileno())
+        await asyncio.sleep(0.3)  # the stall's tick runs
+        stalls.cancel()  # cancels the dump timer too
+        await asyncio.gather(stalls, return_exceptions=True)
+        print("done", flush=True)
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_stalled_event_loop_has_its_threads_dumped_while_the_stall_lasts() -> None:
+    """wire/event_loop.report_stalls with a hang dump (the coordinator's
+    --hang-dump-s): a loop held in a C call that keeps the GIL has every
+    thread's stack written before it runs again, then logs the stall."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", LOOP_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    out, err = Lines(child.stdout), Lines(child.stderr)
+    try:
+        out.until("holding", WAIT_S)
+        dump = err.until("held_on_the_loop", WAIT_S)  # while the loop is still held
+        assert "Current thread 0x" in dump or "Thread 0x" in dump, dump
+        child.stdin.write("x")
+        child.stdin.flush()
+        assert float(out.until("stalled", WAIT_S).split()[-1]) >= 0.5
+        out.until("done", WAIT_S)
+        assert child.wait(WAIT_S) == 0
+    finally:
+        child.kill()
+        child.wait(WAIT_S)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
+def test_a_coordinator_refuses_a_hang_dump_wait_out_of_range(value: str) -> None:
+    with pytest.raises(RuntimeError, match=r"--hang-dump-s: .* is not within 0"):
+        CoordinatorProcess("--hang-dump-s", value).start()
+
+
 def _listed(complete: int, starved: int) -> list[pb.TransferStatus]:
     done = [
         pb.TransferStatus(transfer_id=f"c{i}", state=pb.TRANSFER_STATE_COMPLETE, num_tokens=10)
@@ -193,6 +248,27 @@ def test_mapping_tests_let_by_lapses_only_with_the_stall_logged() -> None:
         serving.split_starved(_listed(3, 2), "why", "other line")
     with pytest.raises(AssertionError, match="3 of 5 starved"):
         serving.split_starved(_listed(2, 3), "why", stall)
+
+
+def test_mapping_tests_let_by_expiries_only_with_the_coordinator_stall_logged() -> None:
+    """A coordinator whose loop did not run for a lease takes the agents it
+    did not hear from as lost when it wakes (controlplane/agent_loss.py)."""
+    expired = [
+        pb.TransferStatus(
+            transfer_id=f"e{i}",
+            state=pb.TRANSFER_STATE_FAILED,
+            detail=f"agent prefill-tp2/0 {serving.EXPIRED}",
+            num_tokens=5,
+        )
+        for i in range(2)
+    ]
+    listed = _listed(3, 0) + expired
+    stalled = '{"seconds": 55.3, "event": "coordinator_stalled", "level": "warning"}'
+    with pytest.raises(AssertionError, match="no stall logged"):
+        serving.split_starved(listed, "why", "other line", coordinator_log='{"event": "x"}')
+    with pytest.warns(UserWarning, match="2 of 5 transfers failed"):
+        kept, tokens = serving.split_starved(listed, "why", coordinator_log=stalled)
+    assert (kept, tokens) == (_listed(3, 0), 10)
 
 
 def freeze_past_stall(proc: CoordinatorProcess) -> None:

@@ -126,7 +126,9 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     )
     loaded = serving.external_tokens(pair.decode.metrics()) - before
     assert len(listed) == len(PROMPTS)
-    kept, recomputed = serving.split_starved(listed, why, pair.prefill.log_text())
+    kept, recomputed = serving.split_starved(
+        listed, why, pair.prefill.log_text(), coordinator_log=pair.coord.log_text()
+    )
     assert loaded == sum(len(p) for p in PROMPTS) - recomputed, (
         f"decode recomputed instead of loading:\n{why}"
     )

@@ -151,7 +151,9 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
     )
     loaded = serving.external_tokens(c.decode.metrics()) - before
     assert len(listed) == len(PROMPTS)
-    kept, recomputed = serving.split_starved(listed, why, c.prefill.log_text())
+    kept, recomputed = serving.split_starved(
+        listed, why, c.prefill.log_text(), coordinator_log=c.coord.log_text()
+    )
     assert loaded == sum(len(p) for p in PROMPTS) - recomputed, (
         f"decode recomputed instead of loading:\n{why}"
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.coordinator import CoordinatorProcess, live_coordinators
 from harness.vllm_server import VllmServer, live_servers
-from tests.support.serving import KEY_MARKS, LOG_MARKS
+from tests.support.serving import KEY_MARKS, LOG_MARKS, hang_dump
 
 DUMP_S = 20.0  # one process's stack dump; a frozen process must not hang the report
 
@@ -61,8 +61,10 @@ def coordinator_report(c: CoordinatorProcess) -> str:
     """A coordinator's state and its log's warnings, errors and leadership lines."""
     code = None if c.proc is None else c.proc.poll()
     state = "running" if code is None else f"exited with {code}"
-    lines = [ln for ln in c.log_text().splitlines() if any(m in ln for m in COORD_MARKS)]
-    return "\n".join([f"== coordinator {c.address} ({state})", *lines[-30:]])
+    text = c.log_text()
+    lines = [ln for ln in text.splitlines() if any(m in ln for m in COORD_MARKS)]
+    # A stalled loop's threads (--hang-dump-s, which the tests set): what held it.
+    return "\n".join([f"== coordinator {c.address} ({state})", *lines[-30:], *hang_dump(text)])
 
 
 # A coordinator's lines worth a failed test's report: its warnings and errors

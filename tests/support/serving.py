@@ -174,7 +174,8 @@ def why_not_loaded(coordinator: str, skip: set[str], *logs: str) -> str:
 
 def hang_dump(text: str, limit: int = 150) -> list[str]:
     """The first faulthandler dump in a log (the connector's hang_dump_s,
-    agent/starvation.py): every thread's stack while a worker was stalled."""
+    agent/starvation.py; the coordinator's --hang-dump-s): every thread's
+    stack while the process's loop or watchdog was stalled."""
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("Thread 0x")), None)
     if start is None:
@@ -184,7 +185,7 @@ def hang_dump(text: str, limit: int = 150) -> list[str]:
         if not (ln.startswith(("Thread 0x", "Current thread 0x", "  File ")) or not ln.strip()):
             break
         dump.append(ln)
-    return ["a worker's threads while it was stalled:", *dump[:limit]]
+    return ["a process's threads while it was stalled:", *dump[:limit]]
 
 
 # Lines why_not_loaded puts first: an agent starved by its process, its lease
@@ -205,31 +206,43 @@ KEY_MARKS = (
 LOG_MARKS = ("pushkv", "WARN", "ERROR", "Traceback", "relay:", '"warning"', '"error"')
 
 
-# The one failure a mapping test lets by: a prefill agent that its worker
-# process starved past its lease drops the orders it held (the agent logs the
-# stall, agent/starvation.py), and decode recomputes those prompts, whose
-# outputs the test still compares. 4 TP or PP workers share this machine's 2
-# cores (tests/support/allowances.py); tests/test_tp_faults.py proves the
-# lease itself.
-STARVED = "agent lease lapsed"
+# The one failure a mapping test lets by: a prefill agent's lease lapsed
+# because a process was kept from running, and decode recomputed those
+# prompts, whose outputs the test still compares. Either the agent's worker
+# starved it (the agent logs the stall, agent/starvation.py, and drops the
+# orders it held), or the coordinator's own loop did not run for a lease (it
+# logs coordinator_stalled, wire/event_loop.py, and on waking takes the
+# agents it did not hear from as lost). 4 TP or PP workers share this
+# machine's 2 cores (tests/support/allowances.py); tests/test_tp_faults.py
+# proves the lease itself.
+STARVED = "agent lease lapsed"  # the agent's side
+EXPIRED = "lease expired"  # the coordinator's side (controlplane/agent_loss.py)
 STALL_LINE = "the agent's threads could not run for"
+COORD_STALL_LINE = '"coordinator_stalled"'
 
 
 def split_starved(
-    listed: list[pb.TransferStatus], why: str, *prefill_logs: str
+    listed: list[pb.TransferStatus], why: str, *prefill_logs: str, coordinator_log: str = ""
 ) -> tuple[list[pb.TransferStatus], int]:
-    """The transfers not failed by a starved agent, and the prompt tokens of
+    """The transfers not failed by a starved process, and the prompt tokens of
     those that were (decode recomputed them). Let by only where a prefill
-    agent logged that its process kept its threads from running, and for at
-    most half the transfers: anything else is a fault of pushkv."""
-    starved = [t for t in listed if t.state == pb.TRANSFER_STATE_FAILED and STARVED in t.detail]
+    agent logged that its process kept its threads from running, or the
+    coordinator that its loop did not run, and for at most half the
+    transfers: anything else is a fault of pushkv."""
+    starved = [
+        t
+        for t in listed
+        if t.state == pb.TRANSFER_STATE_FAILED and (STARVED in t.detail or EXPIRED in t.detail)
+    ]
     if starved:
         stalls = [ln for log in prefill_logs for ln in log.splitlines() if STALL_LINE in ln]
-        assert stalls, f"{len(starved)} lease lapses with no stall logged by an agent:\n{why}"
+        stalls += [ln for ln in coordinator_log.splitlines() if COORD_STALL_LINE in ln]
+        assert stalls, f"{len(starved)} lease lapses with no stall logged:\n{why}"
         assert 2 * len(starved) <= len(listed), f"{len(starved)} of {len(listed)} starved:\n{why}"
         warnings.warn(
-            f"{len(starved)} of {len(listed)} transfers failed for a prefill agent its worker "
-            f"starved past its lease (decode recomputed them): {stalls[-1]}",
+            f"{len(starved)} of {len(listed)} transfers failed for a prefill agent's lease "
+            f"lapsed while a process was kept from running (decode recomputed them): "
+            f"{stalls[-1]}",
             stacklevel=2,
         )
     kept = [t for t in listed if t not in starved]
