@@ -160,8 +160,9 @@ class PartitionFront:
         for s in streams:
             s.lost()
 
-    def stream(self, peer: str = "") -> FrontStream:
-        return FrontStream(self, peer)
+    def stream(self, peer: str = "", principal: str = "") -> FrontStream:
+        """A node relay's NodeStream, its caller `principal` (auth.principal_to_wire)."""
+        return FrontStream(self, peer, principal=principal)
 
     # ------------------------------------------------------------ up
     def open_channel(self, stream: FrontStream, local: int, first: pb.AgentMessage) -> int:
@@ -172,8 +173,10 @@ class PartitionFront:
             ch.agent = (ident.engine_id, ident.tp_rank, ident.incarnation)
         return g
 
-    def send(self, ups: dict[int, ppb.PartitionUp]) -> None:
+    def send(self, ups: dict[int, ppb.PartitionUp], principal: str = "") -> None:
+        """`ups`, one caller's (`principal`), to their partitions."""
         for i, up in ups.items():
+            up.principal = principal
             self._links[i].send(up)
 
     def route(self, g: int, msg: pb.AgentMessage, ups: dict[int, ppb.PartitionUp]) -> None:
@@ -235,7 +238,7 @@ class PartitionFront:
             request = pb.SubmitRequest(calls=[calls[n] for n in idx])
             _up(ups, i).node.items.add(submit=pb.RelayedSubmit(id=sid, request=request))
 
-    async def submit_rpc(self, request: pb.SubmitRequest) -> pb.SubmitResponse:
+    async def submit_rpc(self, request: pb.SubmitRequest, principal: str = "") -> pb.SubmitResponse:
         """The Submit RPC's answer, its calls at their partitions."""
         fut: asyncio.Future[pb.RelayedSubmitReply] = asyncio.get_running_loop().create_future()
         if self.broken:
@@ -249,14 +252,14 @@ class PartitionFront:
 
         ups: dict[int, ppb.PartitionUp] = {}
         self.submit(done, pb.RelayedSubmit(request=request), ups)
-        self.send(ups)
+        self.send(ups, principal)
         reply = await fut
         if reply.code:
             raise error_for(reply.code, reply.detail)
         return reply.response
 
     async def agent_stream(
-        self, requests: AsyncIterator[pb.AgentMessage], peer: str = ""
+        self, requests: AsyncIterator[pb.AgentMessage], peer: str = "", principal: str = ""
     ) -> AsyncGenerator[pb.CoordinatorMessage, None]:
         """An agent's own AgentStream, served as a one-channel stream; its end
         is the agent's own (not a lost link). A channel the partitions end
@@ -267,7 +270,7 @@ class PartitionFront:
             async for m in requests:
                 yield pb.NodeUp(items=[pb.ChannelUp(channel=1, message=m)])
 
-        served = FrontStream(self, peer, own=True).serve(ups())
+        served = FrontStream(self, peer, own=True, principal=principal).serve(ups())
         async with contextlib.aclosing(served) as downs:
             async for down in downs:
                 for item in down.items:
@@ -296,20 +299,25 @@ class PartitionFront:
                 ch.ended = True
 
     # ------------------------------------------------------------ calls
-    def call(self, i: int, call: ppb.PartitionCall) -> asyncio.Future[ppb.PartitionReply]:
-        """Send `call` to partition i; its reply (a failed connection fails it)."""
+    def call(
+        self, i: int, call: ppb.PartitionCall, principal: str = ""
+    ) -> asyncio.Future[ppb.PartitionReply]:
+        """Send `call`, `principal`'s, to partition i; its reply (a failed
+        connection fails it)."""
         call.id = next(self._call_ids)
         fut: asyncio.Future[ppb.PartitionReply] = asyncio.get_running_loop().create_future()
         if self.broken:
             fut.set_exception(Unavailable(self.broken[0]))
             return fut
         self._calls[call.id] = fut
-        self._links[i].send(ppb.PartitionUp(calls=[call]))
+        self._links[i].send(ppb.PartitionUp(calls=[call], principal=principal))
         return fut
 
-    async def transfer_call(self, call: ppb.PartitionCall, transfer_id: str) -> pb.TransferStatus:
+    async def transfer_call(
+        self, call: ppb.PartitionCall, transfer_id: str, principal: str = ""
+    ) -> pb.TransferStatus:
         """A transfer's RPC (begin, a side, cancel, get), at its partition."""
-        reply = await self.call(partition_of(transfer_id, self._k), call)
+        reply = await self.call(partition_of(transfer_id, self._k), call, principal)
         if reply.code:
             raise error_for(reply.code, reply.detail)
         return reply.transfer
@@ -481,9 +489,12 @@ def _up(ups: dict[int, ppb.PartitionUp], i: int) -> ppb.PartitionUp:
 class FrontStream:
     """One node relay's NodeStream served through the front."""
 
-    def __init__(self, front: PartitionFront, peer: str, *, own: bool = False) -> None:
+    def __init__(
+        self, front: PartitionFront, peer: str, *, own: bool = False, principal: str = ""
+    ) -> None:
         self._front = front
         self._peer = peer
+        self._principal = principal  # the caller, named on each PartitionUp it sends
         self._own = own  # an agent's own AgentStream: its end is the agent's
         self.via = "" if own else peer
         self._down: asyncio.Queue[pb.ChannelDown | None] = asyncio.Queue()
@@ -531,7 +542,7 @@ class FrontStream:
                 ups: dict[int, ppb.PartitionUp] = {}
                 for item in up.items:
                     self._on_item(item, ups)
-                self._front.send(ups)
+                self._front.send(ups, self._principal)
         finally:
             # A relay's stream ended: its agents are not known to be gone. An
             # agent's own stream ended: the agent's own end.

@@ -4,13 +4,17 @@ RPC goes to the front, which passes it to its transfer's partition or to all
 of them. Translation only, as servicers.py; errors are domain errors, mapped
 to status codes by the server's interceptor (status_map.py).
 
+Each caller is authenticated here, as by the replica's own servicers, and
+named to the partition on what it sends (PartitionUp.principal): the method
+is checked by the server's interceptor, and the partition authorizes each
+hello, Submit call and transfer RPC as that caller (controlplane/auth.py).
+
 What this mode does not serve yet says so (UNIMPLEMENTED): WatchTransfers.
-The server refuses the mode with TLS or metrics (server.py).
+The server refuses the mode with metrics (server.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,42 +23,46 @@ from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.errors import InvalidArgument, Unimplemented
+from controlplane.auth import Authorizer, principal_to_wire
+from controlplane.errors import Unimplemented
 from controlplane.front import PartitionFront
-from controlplane.leadership import Leadership, NotLeader, Role
+from controlplane.leadership import Leadership
 from controlplane.runtime import Runtime
-from controlplane.servicers import HELLO_TIMEOUT_S, Ctx, StatusServicer
+from controlplane.servicers import Ctx, StatusServicer, fence, first_message
 
 
 class FrontTransferServicer(pbg.TransferServiceServicer):
-    def __init__(self, front: PartitionFront) -> None:
+    def __init__(self, front: PartitionFront, authz: Authorizer) -> None:
         self._front = front
+        self._authz = authz
+
+    def _caller(self, context: Ctx) -> str:
+        return principal_to_wire(self._authz.principal(context))
 
     async def BeginTransfer(
         self, request: pb.BeginTransferRequest, context: Ctx
     ) -> pb.TransferStatus:
         call = ppb.PartitionCall(begin=request)
-        return await self._front.transfer_call(call, request.transfer_id)
+        return await self._front.transfer_call(call, request.transfer_id, self._caller(context))
 
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
     ) -> pb.TransferStatus:
         call = ppb.PartitionCall(register=request)
-        return await self._front.transfer_call(call, request.transfer_id)
+        return await self._front.transfer_call(call, request.transfer_id, self._caller(context))
 
     async def ReportPrefillDone(
         self, request: pb.ReportPrefillDoneRequest, context: Ctx
     ) -> pb.TransferStatus:
         call = ppb.PartitionCall(prefill_done=request)
-        return await self._front.transfer_call(call, request.transfer_id)
+        return await self._front.transfer_call(call, request.transfer_id, self._caller(context))
 
     async def Cancel(self, request: pb.CancelRequest, context: Ctx) -> pb.TransferStatus:
-        return await self._front.transfer_call(
-            ppb.PartitionCall(cancel=request), request.transfer_id
-        )
+        call = ppb.PartitionCall(cancel=request)
+        return await self._front.transfer_call(call, request.transfer_id, self._caller(context))
 
     async def Submit(self, request: pb.SubmitRequest, context: Ctx) -> pb.SubmitResponse:
-        return await self._front.submit_rpc(request)
+        return await self._front.submit_rpc(request, self._caller(context))
 
 
 class FrontStatusServicer(StatusServicer):
@@ -85,23 +93,18 @@ class FrontStatusServicer(StatusServicer):
 
 
 class FrontAgentServicer(pbg.AgentServiceServicer):
-    def __init__(self, front: PartitionFront, gate: Leadership) -> None:
+    def __init__(self, front: PartitionFront, authz: Authorizer, gate: Leadership) -> None:
         self._front = front
+        self._authz = authz
         self._gate = gate
 
     def _fence(self) -> None:
-        """Nothing goes to an agent once this replica may no longer order."""
-        if not self._gate.may_order():
-            v = self._gate.view
-            raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
+        fence(self._gate)  # as AgentServicer: nothing to an agent unless this replica orders
 
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
     ) -> AsyncIterator[pb.CoordinatorMessage]:
-        try:
-            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
-        except (StopAsyncIteration, TimeoutError):
-            raise InvalidArgument("the first message must be hello", field="hello") from None
+        first = await first_message(request_iterator)
 
         async def messages() -> AsyncIterator[pb.AgentMessage]:
             yield first
@@ -109,7 +112,8 @@ class FrontAgentServicer(pbg.AgentServiceServicer):
                 yield m
 
         self._fence()
-        served = self._front.agent_stream(messages(), _peer(context))
+        caller = principal_to_wire(self._authz.principal(context))
+        served = self._front.agent_stream(messages(), _peer(context), caller)
         async with contextlib.aclosing(served) as outs:
             async for out in outs:
                 self._fence()
@@ -119,7 +123,8 @@ class FrontAgentServicer(pbg.AgentServiceServicer):
         self, request_iterator: AsyncIterator[pb.NodeUp], context: Ctx
     ) -> AsyncIterator[pb.NodeDown]:
         self._fence()
-        served = self._front.stream(_peer(context)).serve(request_iterator)
+        caller = principal_to_wire(self._authz.principal(context))
+        served = self._front.stream(_peer(context), caller).serve(request_iterator)
         async with contextlib.aclosing(served) as downs:  # its reader ends with the RPC
             async for down in downs:
                 self._fence()

@@ -133,6 +133,12 @@ class NodeChannels:
         # their residence ends when the NodeDown holding them goes to gRPC.
         self._handoff: list[float] = []
 
+    def act_as(self, principal: Principal) -> None:
+        """The caller whose NodeUps come next: its hellos and Submits are
+        authorized as it (a partition process, whose one stream carries every
+        caller of its front, told each one's identity; partition_host.py)."""
+        self._principal = principal
+
     # ------------------------------------------------------------ up
     def _end(self, channel: int, exc: BaseException | None = None) -> None:
         self._ended.add(channel)

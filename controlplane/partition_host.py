@@ -60,7 +60,7 @@ from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane import gcpolicy, logs
-from controlplane.auth import TRUSTED, Authorizer
+from controlplane.auth import TRUSTED, Authorizer, Principal, principal_from_wire
 from controlplane.clock import SystemClock
 from controlplane.errors import InvalidArgument
 from controlplane.leadership import Leadership
@@ -120,8 +120,9 @@ RPCS = {
 
 
 class Calls:
-    """The answers to the front's PartitionCalls: the servicers' own code, for
-    a caller the front authorized (trusted here)."""
+    """The answers to the front's PartitionCalls: the servicers' own code,
+    each call authorized as the caller the front names (PartitionUp.principal;
+    the method was checked at the front)."""
 
     def __init__(self, rt: Runtime, transfers: TransferServicer) -> None:
         self._rt = rt
@@ -131,7 +132,7 @@ class Calls:
         """The replica leads for `term` from now on (Runtime.lead)."""
         self._rt.lead(term)
 
-    def answer(self, call: ppb.PartitionCall) -> ppb.PartitionReply:
+    def answer(self, call: ppb.PartitionCall, p: Principal = TRUSTED) -> ppb.PartitionReply:
         reply = ppb.PartitionReply(id=call.id)
         kind = call.WhichOneof("kind")
         rt, calls = self._rt, self._transfers.calls
@@ -139,11 +140,11 @@ class Calls:
             if kind == "begin":
                 reply.transfer.CopyFrom(self._transfers.begin(call.begin))
             elif kind == "register":
-                reply.transfer.CopyFrom(rt.status(calls.register(TRUSTED, call.register)))
+                reply.transfer.CopyFrom(rt.status(calls.register(p, call.register)))
             elif kind == "prefill_done":
-                reply.transfer.CopyFrom(rt.status(calls.prefill_done(TRUSTED, call.prefill_done)))
+                reply.transfer.CopyFrom(rt.status(calls.prefill_done(p, call.prefill_done)))
             elif kind == "cancel":
-                reply.transfer.CopyFrom(rt.status(calls.cancel(TRUSTED, call.cancel)))
+                reply.transfer.CopyFrom(rt.status(calls.cancel(p, call.cancel)))
             elif kind == "get":
                 reply.transfer.CopyFrom(rt.status(rt.core.get(call.get.transfer_id)))
             elif kind == "list":
@@ -189,13 +190,17 @@ async def _ups(
             up = parse(data)
             if up.lead:
                 calls.lead(up.lead)
+            # The front names only callers it authenticated: one it could not
+            # have is a bug, which ends this connection (and the replica).
+            caller = principal_from_wire(up.principal)
             if up.node.items:
                 keep_own_held(up.node, index, k)
+                node.act_as(caller)  # the reader applies this NodeUp before the next
                 yield up.node
             for channel in up.link_lost:
                 node.lose_link(channel)
             if up.calls:
-                down = ppb.PartitionDown(replies=[calls.answer(c) for c in up.calls])
+                down = ppb.PartitionDown(replies=[calls.answer(c, caller) for c in up.calls])
                 writer.write(frame(down.SerializeToString()))
 
 

@@ -99,7 +99,7 @@ class ServerSettings:
     loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
     # Experimental: the state machine in this many partition processes behind
     # a front in this one (controlplane/front.py; docs/reliability.md, "Past
-    # one leader core"); 0 = in this process. Not with TLS or metrics yet.
+    # one leader core"); 0 = in this process. Not with metrics or --partitions yet.
     partition_procs: int = 0
     # A loop that did not run for this long has every thread's stack written
     # to stderr (wire/event_loop.report_stalls); 0 = off.
@@ -193,8 +193,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
             pbg.add_TransferServiceServicer_to_server(transfers, server)
             pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
         else:
-            pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, gate), server)
-            pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front), server)
+            pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, authz, gate), server)
+            pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front, authz), server)
             status = FrontStatusServicer(runtime, front, gate)
             pbg.add_StatusServiceServicer_to_server(status, server)
         health_servicer = HealthServicer()
@@ -310,7 +310,6 @@ def check_partition_procs(settings: ServerSettings) -> None:
     missing = [
         flag
         for flag, given in (
-            ("TLS", settings.tls.enabled),
             ("--metrics-port", settings.metrics_port is not None),
             ("--partitions", settings.core.partitions > 1),
         )

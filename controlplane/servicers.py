@@ -165,6 +165,21 @@ class StatusServicer(pbg.StatusServiceServicer):
         return pb.ListEnginesResponse(engines=self._rt.engines(request.role))
 
 
+def fence(gate: Leadership) -> None:
+    """Nothing goes to an agent once this replica may no longer order."""
+    if not gate.may_order():
+        v = gate.view
+        raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
+
+
+async def first_message(request_iterator: AsyncIterator[pb.AgentMessage]) -> pb.AgentMessage:
+    """An agent stream's first message (its hello), waited for at most HELLO_TIMEOUT_S."""
+    try:
+        return await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+    except (StopAsyncIteration, TimeoutError):
+        raise InvalidArgument("the first message must be hello", field="hello") from None
+
+
 class AgentServicer(pbg.AgentServiceServicer):
     def __init__(
         self,
@@ -179,10 +194,7 @@ class AgentServicer(pbg.AgentServiceServicer):
         self._submit = submit  # what a NodeStream's relayed Submits call (TransferServicer.submit)
 
     def _fence(self) -> None:
-        """Nothing goes to an agent once this replica may no longer order."""
-        if not self._gate.may_order():
-            v = self._gate.view
-            raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
+        fence(self._gate)
 
     def open_agent(
         self, first: pb.AgentMessage, principal: Principal, via: str = ""
@@ -215,10 +227,7 @@ class AgentServicer(pbg.AgentServiceServicer):
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
     ) -> AsyncIterator[pb.CoordinatorMessage]:
-        try:
-            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
-        except (StopAsyncIteration, TimeoutError):
-            raise InvalidArgument("the first message must be hello", field="hello") from None
+        first = await first_message(request_iterator)
         session = self.open_agent(first, self._authz.principal(context))
         broken: list[PushKVError] = []
 

@@ -37,9 +37,15 @@ def files(pki: Path, name: str, ca: Path | None = None) -> TLSFiles:
     return TLSFiles(str(ca or pki / "ca.pem"), str(pki / f"{name}.pem"), str(pki / f"{name}.key"))
 
 
-@pytest.fixture
-async def coord(pki: Path) -> AsyncIterator[Coordinator]:
-    c = await start(ServerSettings(port=0, host="127.0.0.1", tls=files(pki, "coordinator")))
+# Each test against the coordinator's own servicers, and against a front with
+# two partition processes (--partition-procs 2), which authenticates the
+# caller and has each partition authorize it (controlplane/front_servicers.py).
+@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
+async def coord(pki: Path, request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
+    settings = ServerSettings(
+        port=0, host="127.0.0.1", tls=files(pki, "coordinator"), partition_procs=request.param
+    )
+    c = await start(settings)
     yield c
     await c.stop(0)
 
@@ -256,9 +262,11 @@ async def test_a_relay_carries_submits_for_its_nodes_engine_only(
         d_call.cancel()
 
 
-@pytest.fixture
-def tls_coord_process(pki: Path) -> Iterator[CoordinatorProcess]:
+@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
+def tls_coord_process(pki: Path, request: pytest.FixtureRequest) -> Iterator[CoordinatorProcess]:
     c = CoordinatorProcess(
+        "--partition-procs",
+        str(request.param),
         "--tls-ca",
         str(pki / "ca.pem"),
         "--tls-cert",

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from pushkv.v1 import pushkv_pb2 as pushkv_dot_v1_dot_pushkv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pushkv/v1/partition.proto\x12\tpushkv.v1\x1a\x16pushkv/v1/pushkv.proto\"x\n\x0bPartitionUp\x12\x1f\n\x04node\x18\x01 \x01(\x0b\x32\x11.pushkv.v1.NodeUp\x12\x11\n\tlink_lost\x18\x02 \x03(\r\x12\'\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x18.pushkv.v1.PartitionCall\x12\x0c\n\x04lead\x18\x04 \x01(\x04\"\x8b\x03\n\rPartitionCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1f.pushkv.v1.BeginTransferRequestH\x00\x12:\n\x08register\x18\x03 \x01(\x0b\x32&.pushkv.v1.RegisterDecodeBlocksRequestH\x00\x12;\n\x0cprefill_done\x18\x04 \x01(\x0b\x32#.pushkv.v1.ReportPrefillDoneRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x18.pushkv.v1.CancelRequestH\x00\x12,\n\x03get\x18\x06 \x01(\x0b\x32\x1d.pushkv.v1.GetTransferRequestH\x00\x12/\n\x04list\x18\x07 \x01(\x0b\x32\x1f.pushkv.v1.ListTransfersRequestH\x00\x12\x30\n\x07\x65ngines\x18\x08 \x01(\x0b\x32\x1d.pushkv.v1.ListEnginesRequestH\x00\x42\x06\n\x04kind\"\xd6\x01\n\x0ePartitionReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pushkv.v1.TransferStatusH\x00\x12\x30\n\x04list\x18\x05 \x01(\x0b\x32 .pushkv.v1.ListTransfersResponseH\x00\x12\x31\n\x07\x65ngines\x18\x06 \x01(\x0b\x32\x1e.pushkv.v1.ListEnginesResponseH\x00\x42\x06\n\x04kind\"^\n\rPartitionDown\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pushkv.v1.NodeDown\x12*\n\x07replies\x18\x02 \x03(\x0b\x32\x19.pushkv.v1.PartitionReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pushkv/v1/partition.proto\x12\tpushkv.v1\x1a\x16pushkv/v1/pushkv.proto\"\x8b\x01\n\x0bPartitionUp\x12\x1f\n\x04node\x18\x01 \x01(\x0b\x32\x11.pushkv.v1.NodeUp\x12\x11\n\tlink_lost\x18\x02 \x03(\r\x12\'\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x18.pushkv.v1.PartitionCall\x12\x0c\n\x04lead\x18\x04 \x01(\x04\x12\x11\n\tprincipal\x18\x05 \x01(\t\"\x8b\x03\n\rPartitionCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1f.pushkv.v1.BeginTransferRequestH\x00\x12:\n\x08register\x18\x03 \x01(\x0b\x32&.pushkv.v1.RegisterDecodeBlocksRequestH\x00\x12;\n\x0cprefill_done\x18\x04 \x01(\x0b\x32#.pushkv.v1.ReportPrefillDoneRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x18.pushkv.v1.CancelRequestH\x00\x12,\n\x03get\x18\x06 \x01(\x0b\x32\x1d.pushkv.v1.GetTransferRequestH\x00\x12/\n\x04list\x18\x07 \x01(\x0b\x32\x1f.pushkv.v1.ListTransfersRequestH\x00\x12\x30\n\x07\x65ngines\x18\x08 \x01(\x0b\x32\x1d.pushkv.v1.ListEnginesRequestH\x00\x42\x06\n\x04kind\"\xd6\x01\n\x0ePartitionReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pushkv.v1.TransferStatusH\x00\x12\x30\n\x04list\x18\x05 \x01(\x0b\x32 .pushkv.v1.ListTransfersResponseH\x00\x12\x31\n\x07\x65ngines\x18\x06 \x01(\x0b\x32\x1e.pushkv.v1.ListEnginesResponseH\x00\x42\x06\n\x04kind\"^\n\rPartitionDown\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pushkv.v1.NodeDown\x12*\n\x07replies\x18\x02 \x03(\x0b\x32\x19.pushkv.v1.PartitionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pushkv.v1.partition_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PARTITIONUP']._serialized_start=64
-  _globals['_PARTITIONUP']._serialized_end=184
-  _globals['_PARTITIONCALL']._serialized_start=187
-  _globals['_PARTITIONCALL']._serialized_end=582
-  _globals['_PARTITIONREPLY']._serialized_start=585
-  _globals['_PARTITIONREPLY']._serialized_end=799
-  _globals['_PARTITIONDOWN']._serialized_start=801
-  _globals['_PARTITIONDOWN']._serialized_end=895
+  _globals['_PARTITIONUP']._serialized_start=65
+  _globals['_PARTITIONUP']._serialized_end=204
+  _globals['_PARTITIONCALL']._serialized_start=207
+  _globals['_PARTITIONCALL']._serialized_end=602
+  _globals['_PARTITIONREPLY']._serialized_start=605
+  _globals['_PARTITIONREPLY']._serialized_end=819
+  _globals['_PARTITIONDOWN']._serialized_start=821
+  _globals['_PARTITIONDOWN']._serialized_end=915
 # @@protoc_insertion_point(module_scope)

@@ -34,11 +34,20 @@ class PartitionUp(_message.Message):
     LINK_LOST_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
     LEAD_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
     lead: _builtins.int
     """This replica leads from now on, for this term (0: no term): stamped on
     every welcome, order and cancel the partition sends, and its rebuild
     window for a failover opens. Applied first; sent once, before any agent's
     hello (a standby serves no agent).
+    """
+    principal: _builtins.str
+    """Who sent what this PartitionUp carries (its `node` items and `calls`):
+    one caller's per PartitionUp, as the front authenticated it ("engine:<id>",
+    "router", "operator:<name>"; empty: trusted, no TLS). The partition
+    authorizes each hello, Submit call and RPC with it, as the replica's own
+    servicers would (controlplane/auth.py); the method itself was checked at
+    the front.
     """
     @_builtins.property
     def node(self) -> _pushkv_pb2.NodeUp:
@@ -68,10 +77,11 @@ class PartitionUp(_message.Message):
         link_lost: _abc.Iterable[_builtins.int] | None = ...,
         calls: _abc.Iterable[Global___PartitionCall] | None = ...,
         lead: _builtins.int = ...,
+        principal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node", "principal", b"principal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
