@@ -55,6 +55,7 @@ from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.errors import Unavailable
+from controlplane.front_watch import FrontWatches
 from controlplane.partitions import partition_of
 from controlplane.servicers import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_SUBMIT_CALLS
 from controlplane.status_map import error_for
@@ -130,6 +131,7 @@ class PartitionFront:
         self._calls: dict[int, asyncio.Future[ppb.PartitionReply]] = {}
         self._waiting: set[asyncio.Future[pb.RelayedSubmitReply]] = set()  # Submit RPCs
         self._readers: list[asyncio.Task[None]] = []
+        self.watches = FrontWatches(self._links)  # WatchTransfers streams
         self.broken: list[str] = []  # a partition's connection that ended (the replica resigns)
         self.dead = asyncio.Event()  # set with the first of them
         self.silenced = False  # no message goes to an agent any more (silence)
@@ -322,6 +324,14 @@ class PartitionFront:
             raise error_for(reply.code, reply.detail)
         return reply.transfer
 
+    def watch(
+        self, request: pb.WatchTransfersRequest, principal: str = ""
+    ) -> AsyncGenerator[pb.TransferEvent, None]:
+        """A WatchTransfers stream, its events merged from every partition (front_watch.py)."""
+        if self.broken:
+            raise Unavailable(self.broken[0])
+        return self.watches.watch(request, principal)
+
     async def list_transfers(self, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
         """ListTransfers from every partition: newest first, at most the
         limit a partition applies, the matches counted in all."""
@@ -376,6 +386,8 @@ class PartitionFront:
                     fut = self._calls.pop(reply.id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
+                for got in down.watch:
+                    self.watches.on_events(i, got)
                 for item in down.node.items:
                     if item.HasField("submitted"):
                         self._on_submitted(item.submitted)
@@ -395,6 +407,7 @@ class PartitionFront:
                     w.set_exception(Unavailable(self.broken[-1]))
             self._calls.clear()
             self._waiting.clear()
+            self.watches.fail_all(Unavailable(self.broken[-1]))
 
     def _on_submitted(self, r: pb.RelayedSubmitReply) -> None:
         got = self._submits.pop(r.id, None)

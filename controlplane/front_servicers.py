@@ -9,7 +9,6 @@ named to the partition on what it sends (PartitionUp.principal): the method
 is checked by the server's interceptor, and the partition authorizes each
 hello, Submit call and transfer RPC as that caller (controlplane/auth.py).
 
-What this mode does not serve yet says so (UNIMPLEMENTED): WatchTransfers.
 The server refuses the mode with metrics (server.py).
 """
 
@@ -24,7 +23,6 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane.auth import Authorizer, principal_to_wire
-from controlplane.errors import Unimplemented
 from controlplane.front import PartitionFront
 from controlplane.leadership import Leadership
 from controlplane.runtime import Runtime
@@ -81,10 +79,13 @@ class FrontStatusServicer(StatusServicer):
     ) -> pb.ListTransfersResponse:
         return await self._front.list_transfers(request)
 
-    def WatchTransfers(
+    async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferEvent]:
-        return _refused(Unimplemented("WatchTransfers is not served with --partition-procs yet"))
+        # The method was checked at the interceptor; a read needs no more.
+        async with contextlib.aclosing(self._front.watch(request)) as events:
+            async for event in events:
+                yield event
 
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: Ctx
@@ -129,13 +130,6 @@ class FrontAgentServicer(pbg.AgentServiceServicer):
             async for down in downs:
                 self._fence()
                 yield down
-
-
-async def _refused(exc: Exception | None) -> AsyncIterator[pb.TransferEvent]:
-    """A stream that ends at once with `exc`."""
-    if exc is not None:
-        raise exc
-    yield pb.TransferEvent()
 
 
 def _peer(context: Any) -> str:

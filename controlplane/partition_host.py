@@ -65,6 +65,7 @@ from controlplane.clock import SystemClock
 from controlplane.errors import InvalidArgument
 from controlplane.leadership import Leadership
 from controlplane.node_stream import NodeChannels
+from controlplane.partition_watch import PartitionWatches
 from controlplane.partitions import partition_of, partition_settings
 from controlplane.rendezvous import Rendezvous
 from controlplane.runtime import Runtime
@@ -177,6 +178,7 @@ async def _ups(
     frames: AsyncIterator[list[bytes]],
     node: NodeChannels,
     calls: Calls,
+    watches: PartitionWatches,
     writer: asyncio.StreamWriter,
     index: int,
     k: int,
@@ -201,7 +203,12 @@ async def _ups(
                 node.lose_link(channel)
             if up.calls:
                 down = ppb.PartitionDown(replies=[calls.answer(c, caller) for c in up.calls])
+                watches.flush()  # the calls' changes reach the front's watches first
                 writer.write(frame(down.SerializeToString()))
+            for opened in up.watch_open:
+                watches.open(opened)
+            for wid in up.watch_close:
+                watches.close(wid)
 
 
 async def serve_front(
@@ -218,7 +225,13 @@ async def serve_front(
     gate = Leadership()  # the replica fences; this process orders under its term
     agents = AgentServicer(rt, authz, gate, transfers.submit)
     node = NodeChannels(rt, agents.open_agent, TRUSTED, lambda: None, transfers.submit, "front")
-    ups = _ups(read_frames(reader), node, Calls(rt, transfers), writer, index, k)
+
+    def send_watch(events: ppb.WatchEvents) -> None:
+        if not writer.is_closing():
+            writer.write(frame(ppb.PartitionDown(watch=[events]).SerializeToString()))
+
+    watches = PartitionWatches(rt, send_watch)
+    ups = _ups(read_frames(reader), node, Calls(rt, transfers), watches, writer, index, k)
     try:
         async for down in node.serve(ups):
             writer.write(frame(ppb.PartitionDown(node=down).SerializeToString()))
@@ -226,6 +239,7 @@ async def serve_front(
     except ConnectionError:
         pass  # the front hung up: what it did not read goes nowhere
     finally:
+        watches.close_all()
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()

@@ -102,6 +102,11 @@ def _filter(
     return TransferFilter(frozenset(wanted), engine_id, min_age_ms / 1000, max_age_ms / 1000)
 
 
+def watch_filter(request: pb.WatchTransfersRequest) -> TransferFilter:
+    """WatchTransfers' filter (the RPC's, and a partition's: partition_watch.py)."""
+    return _filter(request.states, request.engine_id)
+
+
 def list_transfers(rt: Runtime, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
     """ListTransfers' answer (the RPC's, and a partition's: partition_host.py)."""
     flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
@@ -139,7 +144,7 @@ class StatusServicer(pbg.StatusServiceServicer):
     async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferEvent]:
-        flt = _filter(request.states, request.engine_id)
+        flt = watch_filter(request)
         w = self._rt.watch(flt)  # before the replay: no change between the two is lost
         try:
             if request.include_existing:

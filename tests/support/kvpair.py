@@ -9,7 +9,6 @@ Import the fixtures into a test module to make them available there::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -89,24 +88,10 @@ def wait_states(
                 if last.state in states:
                     break
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # --partition-procs: no watch yet
-            return _poll_states(status, tid, states, timeout)
         assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         events.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs: RpcContext.cancel is unannotated
     return last
-
-
-def _poll_states(
-    status: pbg.StatusServiceStub, tid: str, states: set[int], timeout: float
-) -> pb.TransferStatus:
-    """GetTransfer every 20 ms until one of `states`, or `timeout`; the last."""
-    deadline = time.monotonic() + timeout
-    while True:
-        last = status.GetTransfer(pb.GetTransferRequest(transfer_id=tid), timeout=5)
-        if last.state in states or time.monotonic() > deadline:
-            return last
-        time.sleep(0.02)  # polling another process under a deadline
 
 
 def stop_all(*groups: list[KVHost]) -> None:

@@ -35,6 +35,8 @@ class PartitionUp(_message.Message):
     CALLS_FIELD_NUMBER: _builtins.int
     LEAD_FIELD_NUMBER: _builtins.int
     PRINCIPAL_FIELD_NUMBER: _builtins.int
+    WATCH_OPEN_FIELD_NUMBER: _builtins.int
+    WATCH_CLOSE_FIELD_NUMBER: _builtins.int
     lead: _builtins.int
     """This replica leads from now on, for this term (0: no term): stamped on
     every welcome, order and cancel the partition sends, and its rebuild
@@ -70,6 +72,16 @@ class PartitionUp(_message.Message):
         Applied after `node` and `link_lost`.
         """
 
+    @_builtins.property
+    def watch_open(self) -> _containers.RepeatedCompositeFieldContainer[Global___WatchOpen]:
+        """WatchTransfers streams opened and closed at the front: each partition
+        watches its own transfers for each, and sends their events back
+        (PartitionDown.watch), until the front closes the watch or the
+        partition ends it.
+        """
+
+    @_builtins.property
+    def watch_close(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -78,14 +90,82 @@ class PartitionUp(_message.Message):
         calls: _abc.Iterable[Global___PartitionCall] | None = ...,
         lead: _builtins.int = ...,
         principal: _builtins.str = ...,
+        watch_open: _abc.Iterable[Global___WatchOpen] | None = ...,
+        watch_close: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node", "principal", b"principal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node", "principal", b"principal", "watch_close", b"watch_close", "watch_open", b"watch_open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PartitionUp: _TypeAlias = PartitionUp  # noqa: Y015
+
+@_typing.final
+class WatchOpen(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """chosen by the front, unique on its connection"""
+    @_builtins.property
+    def request(self) -> _pushkv_pb2.WatchTransfersRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        request: _pushkv_pb2.WatchTransfersRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchOpen: _TypeAlias = WatchOpen  # noqa: Y015
+
+@_typing.final
+class WatchEvents(_message.Message):
+    """One partition's events of one watch, in order: with include_existing, its
+    replay (oldest first) then `replayed` once, then live changes; `ended` last
+    (a code: the watch failed, as the RPC would: a filter refused, a watcher
+    that fell behind).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    replayed: _builtins.bool
+    ended: _builtins.bool
+    code: _builtins.int
+    """a gRPC status code; 0 = OK"""
+    detail: _builtins.str
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_pushkv_pb2.TransferEvent]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        events: _abc.Iterable[_pushkv_pb2.TransferEvent] | None = ...,
+        replayed: _builtins.bool = ...,
+        ended: _builtins.bool = ...,
+        code: _builtins.int = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "ended", b"ended", "events", b"events", "id", b"id", "replayed", b"replayed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEvents: _TypeAlias = WatchEvents  # noqa: Y015
 
 @_typing.final
 class PartitionCall(_message.Message):
@@ -191,19 +271,23 @@ class PartitionDown(_message.Message):
 
     NODE_FIELD_NUMBER: _builtins.int
     REPLIES_FIELD_NUMBER: _builtins.int
+    WATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def node(self) -> _pushkv_pb2.NodeDown: ...
     @_builtins.property
     def replies(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionReply]: ...
+    @_builtins.property
+    def watch(self) -> _containers.RepeatedCompositeFieldContainer[Global___WatchEvents]: ...
     def __init__(
         self,
         *,
         node: _pushkv_pb2.NodeDown | None = ...,
         replies: _abc.Iterable[Global___PartitionReply] | None = ...,
+        watch: _abc.Iterable[Global___WatchEvents] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "replies", b"replies"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "replies", b"replies", "watch", b"watch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
