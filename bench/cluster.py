@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--partition-procs",
         type=int,
         default=0,
-        help="the replicas' --partition-procs (experimental; needs --no-leader-metrics): "
+        help="the replicas' --partition-procs (experimental): "
         "the leader's CPU and memory then count its partition processes, pinned with it",
     )
     p.add_argument(

@@ -56,6 +56,9 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 from controlplane.errors import Unavailable
 from controlplane.front_watch import FrontWatches
+from controlplane.metric_families import FamilyCopy
+from controlplane.metrics import Snapshot
+from controlplane.metrics_merge import merge_snapshots, snapshot_from_json
 from controlplane.partitions import partition_of
 from controlplane.servicers import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_SUBMIT_CALLS
 from controlplane.status_map import error_for
@@ -377,6 +380,17 @@ class PartitionFront:
                 if rl.relay:
                     rl.relay = via.get((e.engine_id, rl.tp_rank, rl.incarnation), "")
         return out
+
+    async def metrics_snapshot(self, own_events: list[FamilyCopy]) -> Snapshot:
+        """Every partition's metrics snapshot, merged (metrics_merge.py), with
+        this process's own event series added in."""
+        replies = await asyncio.gather(
+            *(self.call(i, ppb.PartitionCall(metrics=True)) for i in range(self._k))
+        )
+        for r in replies:
+            if r.code:
+                raise error_for(r.code, r.detail)
+        return merge_snapshots([snapshot_from_json(r.metrics) for r in replies], own_events)
 
     # ------------------------------------------------------------ down
     async def _read(self, i: int) -> None:

@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -50,7 +50,7 @@ SNAPSHOT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
-class _RankLease:
+class RankLease:
     engine: str
     rank: int
     connected: bool
@@ -60,7 +60,7 @@ class _RankLease:
 
 
 @dataclass(frozen=True, slots=True)
-class _EngineSnap:
+class EngineSnap:
     engine: str
     role: str
     tp_size: int
@@ -73,13 +73,13 @@ class _EngineSnap:
     seen_max_s: float
     lease_min_s: float
     open_orders: int
-    ranks: tuple[_RankLease, ...]  # empty without the per-rank series
+    ranks: tuple[RankLease, ...]  # empty without the per-rank series
 
 
 @dataclass(frozen=True, slots=True)
-class _Snapshot:
+class Snapshot:
     coordinator_id: str
-    engines: tuple[_EngineSnap, ...]
+    engines: tuple[EngineSnap, ...]
     inflight: tuple[tuple[str, int], ...]  # (state, transfers)
     events: list[FamilyCopy]  # TransferMetrics.families, copied on the loop
 
@@ -120,12 +120,17 @@ class _Collector:
 
     def collect(self) -> Iterable[Metric]:
         snap = self._m.snapshot()
-        # Without the loop's answer: the event series copied from this thread.
-        events = snap.events if snap is not None else self._m.copy_events()
+        # Without the loop's answer: the event series copied from this thread
+        # (with partitions, none: the front's own alone would look like a reset).
+        events: list[FamilyCopy] | None = None
+        if snap is not None:
+            events = snap.events
+        elif self._m.gather is None:
+            events = self._m.copy_events()
         return [*self._m.export_events(events), *self._live(snap, self._m.rank_series)]
 
     @staticmethod
-    def _live(snap: _Snapshot | None, rank_series: bool) -> Iterator[Metric]:
+    def _live(snap: Snapshot | None, rank_series: bool) -> Iterator[Metric]:
         """Engine, lease and in-flight gauges, read from the core."""
         info = InfoMetricFamily(
             "pushkv_coordinator",
@@ -219,8 +224,12 @@ class CoordinatorMetrics:
         loop: asyncio.AbstractEventLoop | None = None,
         *,
         rank_series: bool = True,
+        gather: Callable[[list[FamilyCopy]], Awaitable[Snapshot]] | None = None,
     ) -> None:
         self._rt = runtime
+        # With partition processes (metrics_merge.py): the snapshot is theirs,
+        # merged, with this process's own event series (its loop's lag) added.
+        self.gather = gather
         self._loop = loop or asyncio.get_running_loop()
         # The three pushkv_agent_* series per rank (--rank-metrics): a scrape of
         # 1,000 ranks took about 56 ms of the coordinator's interpreter with
@@ -261,17 +270,25 @@ class CoordinatorMetrics:
             server.server_close()
 
     # ------------------------------------------------------------ scrape
-    def snapshot(self) -> _Snapshot | None:
+    def snapshot(self) -> Snapshot | None:
         """Engines and leases, read on the event loop (from any thread)."""
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is self._loop:
-            return self._take()
+            return self._take() if self.gather is None else None  # a gather awaits
         if self._loop.is_closed() or not self._loop.is_running():
             return None
-        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
+        if self.gather is not None:
+            gathered = asyncio.run_coroutine_threadsafe(self._gathered(), self._loop)
+            try:
+                return gathered.result(SNAPSHOT_TIMEOUT_S)
+            except Exception:
+                gathered.cancel()
+                log.warning("metrics_snapshot_failed", exc_info=True)
+                return None
+        fut: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
 
         def fill() -> None:
             try:
@@ -286,13 +303,22 @@ class CoordinatorMetrics:
             log.warning("metrics_snapshot_failed", exc_info=True)
             return None
 
-    def _take(self) -> _Snapshot:
+    def snapshot_now(self) -> Snapshot:
+        """This process's own snapshot, on its event loop (a partition's, for
+        its front: partition_host.py)."""
+        return self._take()
+
+    async def _gathered(self) -> Snapshot:
+        assert self.gather is not None
+        return await self.gather(self.copy_events())
+
+    def _take(self) -> Snapshot:
         core = self._rt.core
         now = self._rt.clock.monotonic()
         engines = []
         for eng in core.engines():
             ranks = [
-                _RankLease(
+                RankLease(
                     eng.engine_id,
                     r,
                     a.connected,
@@ -303,7 +329,7 @@ class CoordinatorMetrics:
                 for r, a in sorted(eng.ranks.items())
             ]
             engines.append(
-                _EngineSnap(
+                EngineSnap(
                     eng.engine_id,
                     eng.role.value,
                     eng.tp_size,
@@ -318,7 +344,7 @@ class CoordinatorMetrics:
                 )
             )
         inflight = tuple((st.value, n) for st, n in self.events.inflight.items())
-        return _Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
+        return Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
 
     def copy_events(self) -> list[FamilyCopy]:
         """The event series now, family by family (on the loop, or from any thread)."""

@@ -62,8 +62,10 @@ from pushkv.v1 import pushkv_pb2 as pb
 from controlplane import gcpolicy, logs
 from controlplane.auth import TRUSTED, Authorizer, Principal, principal_from_wire
 from controlplane.clock import SystemClock
-from controlplane.errors import InvalidArgument
+from controlplane.errors import FailedPrecondition, InvalidArgument
 from controlplane.leadership import Leadership
+from controlplane.metrics import CoordinatorMetrics
+from controlplane.metrics_merge import snapshot_to_json
 from controlplane.node_stream import NodeChannels
 from controlplane.partition_watch import PartitionWatches
 from controlplane.partitions import partition_of, partition_settings
@@ -117,6 +119,7 @@ RPCS = {
     "get": "/pushkv.v1.StatusService/GetTransfer",
     "list": "/pushkv.v1.StatusService/ListTransfers",
     "engines": "/pushkv.v1.StatusService/ListEngines",
+    "metrics": "partition metrics",
 }
 
 
@@ -125,9 +128,12 @@ class Calls:
     each call authorized as the caller the front names (PartitionUp.principal;
     the method was checked at the front)."""
 
-    def __init__(self, rt: Runtime, transfers: TransferServicer) -> None:
+    def __init__(
+        self, rt: Runtime, transfers: TransferServicer, metrics: CoordinatorMetrics | None = None
+    ) -> None:
         self._rt = rt
         self._transfers = transfers
+        self._metrics = metrics  # with --metrics: counts this partition's transfers
 
     def lead(self, term: int) -> None:
         """The replica leads for `term` from now on (Runtime.lead)."""
@@ -152,6 +158,10 @@ class Calls:
                 reply.list.CopyFrom(list_transfers(rt, call.list))
             elif kind == "engines":
                 reply.engines.engines.extend(rt.engines(call.engines.role))
+            elif kind == "metrics":
+                if self._metrics is None:
+                    raise FailedPrecondition("this partition was started without --metrics")
+                reply.metrics = snapshot_to_json(self._metrics.snapshot_now())
             else:
                 raise InvalidArgument("an empty partition call")
         except Exception as exc:  # the RPC's own failure, told to the front
@@ -217,6 +227,7 @@ async def serve_front(
     writer: asyncio.StreamWriter,
     index: int = 0,
     k: int = 1,
+    metrics: CoordinatorMetrics | None = None,
 ) -> None:
     """The front's one connection, as a node relay's NodeStream is served:
     NodeUp frames in, NodeDown frames out, until either side ends."""
@@ -231,7 +242,8 @@ async def serve_front(
             writer.write(frame(ppb.PartitionDown(watch=[events]).SerializeToString()))
 
     watches = PartitionWatches(rt, send_watch)
-    ups = _ups(read_frames(reader), node, Calls(rt, transfers), watches, writer, index, k)
+    calls = Calls(rt, transfers, metrics)
+    ups = _ups(read_frames(reader), node, calls, watches, writer, index, k)
     try:
         async for down in node.serve(ups):
             writer.write(frame(ppb.PartitionDown(node=down).SerializeToString()))
@@ -245,7 +257,9 @@ async def serve_front(
             await writer.wait_closed()
 
 
-async def serve(path: str, rt: Runtime, index: int = 0, k: int = 1) -> None:
+async def serve(
+    path: str, rt: Runtime, index: int = 0, k: int = 1, *, metrics: bool = False, rank: bool = True
+) -> None:
     """Listen on `path`, serve the first connection, and return when it ends."""
     done = asyncio.Event()
     taken = False
@@ -257,10 +271,13 @@ async def serve(path: str, rt: Runtime, index: int = 0, k: int = 1) -> None:
             return
         taken = True
         try:
-            await serve_front(rt, reader, writer, index, k)
+            await serve_front(rt, reader, writer, index, k, counted)
         finally:
             done.set()
 
+    counted = CoordinatorMetrics(rt, rank_series=rank) if metrics else None
+    if counted is not None:
+        rt.observers.append(counted.events)  # served by the front's /metrics
     rt.start()
     # The leader's GC policy (gcpolicy.py): a due full pass waits for a quiet second.
     policy = gcpolicy.FullCollections()
@@ -292,6 +309,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--parent", type=int, default=0, help="die with this process (pid)")
     p.add_argument("--log-level", default="WARNING", help="its log, on stderr")
     p.add_argument("--settings", default="{}", help="the replica's CoreSettings, as a JSON object")
+    p.add_argument("--metrics", action="store_true", help="count for the front's /metrics")
+    p.add_argument("--no-rank-metrics", dest="rank_metrics", action="store_false")
     return p.parse_args(argv)
 
 
@@ -304,7 +323,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rt = partition_runtime(settings, args.index, args.partitions, args.term, args.coordinator_id)
     gcpolicy.install()
     # The coordinator's event loop (cli/main.py).
-    uvloop.run(serve(args.socket, rt, args.index, args.partitions))
+    uvloop.run(
+        serve(
+            args.socket,
+            rt,
+            args.index,
+            args.partitions,
+            metrics=args.metrics,
+            rank=args.rank_metrics,
+        )
+    )
     return 0
 
 

@@ -51,6 +51,8 @@ class PartitionProcess:
         settings: CoreSettings,
         log_level: str = "WARNING",
         start_s: float = START_S,
+        metrics: bool = False,
+        rank_metrics: bool = True,
     ) -> PartitionProcess:
         """Start partition `index` of `k` with a socket in `socket_dir` (a
         directory only this user may open) and connect to it."""
@@ -66,6 +68,8 @@ class PartitionProcess:
             *("--term", str(term), "--coordinator-id", coordinator_id),
             *("--parent", str(os.getpid()), "--log-level", log_level),
             *("--settings", settings_json(settings)),
+            *(("--metrics",) if metrics else ()),
+            *(() if rank_metrics else ("--no-rank-metrics",)),
             stdout=asyncio.subprocess.PIPE,
         )
         try:

@@ -44,7 +44,7 @@ from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import MAX_PARTITIONS, CoreSettings
 from controlplane.status_map import ErrorMappingInterceptor
-from controlplane.tracing import TransferTracer, tracer_from_env
+from controlplane.tracing import TransferTracer, tracer_from_env, tracing_asked
 from wire.event_loop import check_dump_after, event_loop_name, report_stalls
 from wire.port_file import write_port_file
 from wire.tls import SERVER_PING_OPTIONS, TLSFiles
@@ -99,7 +99,7 @@ class ServerSettings:
     loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
     # Experimental: the state machine in this many partition processes behind
     # a front in this one (controlplane/front.py; docs/reliability.md, "Past
-    # one leader core"); 0 = in this process. Not with metrics or --partitions yet.
+    # one leader core"); 0 = in this process. Not with --partitions.
     partition_procs: int = 0
     # A loop that did not run for this long has every thread's stack written
     # to stderr (wire/event_loop.report_stalls); 0 = off.
@@ -185,6 +185,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
     front, partitions, socket_dir = await _start_partitions(settings, runtime)
+    if front is not None and metrics is not None:
+        metrics.gather = front.metrics_snapshot  # the partitions' state, merged
     try:
         if front is None:
             transfers = TransferServicer(runtime, authz)
@@ -310,8 +312,8 @@ def check_partition_procs(settings: ServerSettings) -> None:
     missing = [
         flag
         for flag, given in (
-            ("--metrics-port", settings.metrics_port is not None),
             ("--partitions", settings.core.partitions > 1),
+            ("PUSHKV_OTEL (tracing)", tracing_asked()),
         )
         if given
     ]
@@ -341,6 +343,8 @@ async def _start_partitions(
                     term=0,
                     coordinator_id=runtime.core.coordinator_id,
                     settings=settings.core,
+                    metrics=settings.metrics_port is not None,
+                    rank_metrics=settings.rank_metrics,
                 )
             )
     except BaseException:

@@ -88,6 +88,11 @@ class TransferTracer:
         self._spans.clear()
 
 
+def tracing_asked() -> bool:
+    """Whether PUSHKV_OTEL asks for a span per transfer."""
+    return os.environ.get(OTEL_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
 def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
     """A tracer when PUSHKV_OTEL=1 and opentelemetry is importable, else None.
 
@@ -96,7 +101,7 @@ def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
     (standard OTEL_EXPORTER_OTLP_* variables) or, with
     PUSHKV_OTEL_EXPORTER=console, prints spans to stdout.
     """
-    if os.environ.get(OTEL_ENV, "").lower() not in ("1", "true", "yes", "on"):
+    if not tracing_asked():
         return None
     try:
         trace = importlib.import_module("opentelemetry.trace")

@@ -176,9 +176,28 @@ async def complete(
     return status
 
 
+@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
+async def either_coord(request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
+    """One coordinator, and one with two partition processes, whose /metrics
+    merges theirs (controlplane/metrics_merge.py)."""
+    c = await start(ServerSettings(port=0, metrics_port=0, partition_procs=request.param))
+    yield c
+    await c.stop(0)
+
+
+@pytest.fixture
+async def either_cluster(either_coord: Coordinator) -> AsyncIterator[SimCluster]:
+    async with SimCluster(either_coord.address, auto_complete=False) as c:
+        yield c
+
+
 async def test_coordinator_metrics_after_real_transfers(
-    coord: Coordinator, cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
+    either_coord: Coordinator, either_cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The same figures from a coordinator with its state in partition
+    processes: each counts its own transfers, the front merges them, and the
+    registry's copies (engines, agents) are not counted once per partition."""
+    coord, cluster = either_coord, either_cluster
     assert coord.metrics_port and coord.metrics is not None
     # The observer's plain counters take no lock: it must only run on the loop's thread.
     threads: set[int] = set()
@@ -191,6 +210,7 @@ async def test_coordinator_metrics_after_real_transfers(
 
     observers = [OnLoop() if o is events else o for o in coord.runtime.observers]
     monkeypatch.setattr(coord.runtime, "observers", observers)
+    in_process = coord.front is None
     async with grpc.aio.insecure_channel(coord.address) as ch:
         stub = pbg.TransferServiceStub(ch)
         await complete(ch, cluster, "m-decode-first", decode_first=True)
@@ -201,7 +221,8 @@ async def test_coordinator_metrics_after_real_transfers(
 
         text, s = await scrape(f"http://127.0.0.1:{coord.metrics_port}/metrics")
 
-    assert threads == {threading.get_ident()}
+    # In process, on this loop's thread; with partitions, in theirs.
+    assert threads == ({threading.get_ident()} if in_process else set())
     assert value(s, "pushkv_transfers_started_total") == 4
     assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 2
     assert value(s, "pushkv_transfers_finished_total", state="cancelled", reason="cancelled") == 1

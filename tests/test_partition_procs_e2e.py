@@ -158,14 +158,14 @@ def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProce
 
 
 @pytest.mark.parametrize(
-    ("flags", "named"),
+    ("flags", "env", "named"),
     [
-        (("--metrics-port", "1"), "--metrics-port"),
-        (("--partitions", "2"), "--partitions"),
+        (("--partitions", "2"), {}, "--partitions"),
+        ((), {"PUSHKV_OTEL": "1"}, "PUSHKV_OTEL (tracing)"),
     ],
 )
 def test_what_partition_processes_do_not_take_yet_is_refused(
-    flags: tuple[str, ...], named: str
+    flags: tuple[str, ...], env: dict[str, str], named: str
 ) -> None:
     done = subprocess.run(
         [
@@ -183,6 +183,7 @@ def test_what_partition_processes_do_not_take_yet_is_refused(
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
+        env={**os.environ, **env},
     )
     assert done.returncode != 0
     assert f"does not work with {named} yet" in done.stdout + done.stderr, done

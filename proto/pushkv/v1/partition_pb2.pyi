@@ -183,8 +183,13 @@ class PartitionCall(_message.Message):
     GET_FIELD_NUMBER: _builtins.int
     LIST_FIELD_NUMBER: _builtins.int
     ENGINES_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """chosen by the front, unique on its connection"""
+    metrics: _builtins.bool
+    """A scrape of the replica's /metrics: the partition's snapshot (started
+    with --metrics), merged at the front (controlplane/metrics_merge.py).
+    """
     @_builtins.property
     def begin(self) -> _pushkv_pb2.BeginTransferRequest: ...
     @_builtins.property
@@ -210,12 +215,13 @@ class PartitionCall(_message.Message):
         get: _pushkv_pb2.GetTransferRequest | None = ...,
         list: _pushkv_pb2.ListTransfersRequest | None = ...,
         engines: _pushkv_pb2.ListEnginesRequest | None = ...,
+        metrics: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "cancel", b"cancel", "engines", b"engines", "get", b"get", "kind", b"kind", "list", b"list", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "cancel", b"cancel", "engines", b"engines", "get", b"get", "kind", b"kind", "list", b"list", "metrics", b"metrics", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "cancel", b"cancel", "engines", b"engines", "get", b"get", "id", b"id", "kind", b"kind", "list", b"list", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "cancel", b"cancel", "engines", b"engines", "get", b"get", "id", b"id", "kind", b"kind", "list", b"list", "metrics", b"metrics", "prefill_done", b"prefill_done", "register", b"register"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["begin", "register", "prefill_done", "cancel", "get", "list", "engines"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["begin", "register", "prefill_done", "cancel", "get", "list", "engines", "metrics"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -231,10 +237,13 @@ class PartitionReply(_message.Message):
     TRANSFER_FIELD_NUMBER: _builtins.int
     LIST_FIELD_NUMBER: _builtins.int
     ENGINES_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     code: _builtins.int
     """a gRPC status code; 0 = OK"""
     detail: _builtins.str
+    metrics: _builtins.str
+    """the snapshot, JSON (metrics_merge.snapshot_to_json)"""
     @_builtins.property
     def transfer(self) -> _pushkv_pb2.TransferStatus:
         """begin, register, prefill_done, cancel, get"""
@@ -252,12 +261,13 @@ class PartitionReply(_message.Message):
         transfer: _pushkv_pb2.TransferStatus | None = ...,
         list: _pushkv_pb2.ListTransfersResponse | None = ...,
         engines: _pushkv_pb2.ListEnginesResponse | None = ...,
+        metrics: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "kind", b"kind", "list", b"list", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "kind", b"kind", "list", b"list", "metrics", b"metrics", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "engines", b"engines", "id", b"id", "kind", b"kind", "list", b"list", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "engines", b"engines", "id", b"id", "kind", b"kind", "list", b"list", "metrics", b"metrics", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["transfer", "list", "engines"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["transfer", "list", "engines", "metrics"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
