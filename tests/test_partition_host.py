@@ -110,15 +110,6 @@ REPLICA = textwrap.dedent(
 )
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (this container's init may not reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
-
-
 def test_a_partition_process_dies_with_its_replica(tmp_path: Path) -> None:
     """kill -9 of the replica: the kernel kills its partition, which was
     waiting for a connection (PR_SET_PDEATHSIG), so no partition outlives the
@@ -133,10 +124,10 @@ def test_a_partition_process_dies_with_its_replica(tmp_path: Path) -> None:
         assert replica.stdout is not None
         lines = waits.Lines(replica.stdout)
         pid = int(lines.until("\n", DEADLINE_S).strip())
-        assert not _gone(pid)
+        assert not waits.process_gone(pid)
         replica.send_signal(signal.SIGKILL)
         replica.wait(DEADLINE_S)
-        waits.poll("the partition process gone", lambda: _gone(pid), DEADLINE_S)
+        waits.poll("the partition process gone", lambda: waits.process_gone(pid), DEADLINE_S)
     finally:
         if replica.poll() is None:
             replica.kill()

@@ -131,14 +131,6 @@ def test_agents_through_a_node_relay_push_through_partition_processes(
         relay.stop()
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (this container's init may not reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(c) for c in path.read_text().split()]
@@ -154,7 +146,7 @@ def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProce
     os.kill(kids[1], signal.SIGKILL)
     assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
     assert "partition 1's connection ended" in coord.log_text()
-    waits.poll("the other partition gone", lambda: _gone(kids[0]), DEADLINE_S)
+    waits.poll("the other partition gone", lambda: waits.process_gone(kids[0]), DEADLINE_S)
 
 
 @pytest.mark.parametrize(

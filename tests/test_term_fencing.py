@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
@@ -273,8 +274,12 @@ class WriteReports:
         self._pending: collections.deque[pb.WriteReport] = collections.deque()
 
     def next(self) -> pb.WriteReport:
+        """The next report, within WAIT overall (heartbeats keep coming)."""
+        deadline = time.monotonic() + WAIT
         while not self._pending:
-            msg = self._incoming.get(timeout=WAIT)
+            left = deadline - time.monotonic()
+            assert left > 0, f"no write report within {WAIT} s"
+            msg = self._incoming.get(timeout=left)
             assert msg is not None, "the agent ended the stream"
             items = msg.batch.messages if msg.WhichOneof("kind") == "batch" else [msg]
             self._pending.extend(i.write for i in items if i.WhichOneof("kind") == "write")

@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, TypeVar
 
 DEADLINE_S = 10.0
@@ -69,3 +70,11 @@ class Lines:
             seen.append(line)
             if marker in line:
                 return "".join(seen)
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie (this container's init may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
