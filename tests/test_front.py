@@ -153,8 +153,14 @@ def reports(o: pb.TransferOrder) -> list[pb.ChannelUp]:
     ]
 
 
-def with_front(body: Callable[[PartitionFront], Awaitable[None]], **settings: Any) -> None:
-    """Run `body` with a front over K real partition processes."""
+def with_partitions(
+    body: Callable[[PartitionFront, list[PartitionProcess]], Awaitable[None]],
+    *,
+    exits_clean: bool = True,
+    **settings: Any,
+) -> None:
+    """Run `body` with K real partition processes and a front over them;
+    each then exits 0, unless `exits_clean` is False (a body that kills one)."""
 
     async def run() -> None:
         with tempfile.TemporaryDirectory(prefix="pushkv-front-") as d:
@@ -166,13 +172,19 @@ def with_front(body: Callable[[PartitionFront], Awaitable[None]], **settings: An
             front = PartitionFront(parts)
             front.start()
             try:
-                await body(front)
+                await body(front, parts)
             finally:
                 await front.stop()
                 codes = [await p.close() for p in parts]
-            assert codes == [0] * K
+            if exits_clean:
+                assert codes == [0] * K
 
     asyncio.run(run())
+
+
+def with_front(body: Callable[[PartitionFront], Awaitable[None]], **settings: Any) -> None:
+    """Run `body` with a front over K real partition processes."""
+    with_partitions(lambda front, _: body(front), **settings)
 
 
 @pytest.fixture

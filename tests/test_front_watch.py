@@ -7,20 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import tempfile
 from collections.abc import AsyncGenerator
 
 import pytest
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 
-from bench.coordinator_workload import CORE_SETTINGS, DECODE, PREFILL, decode_request
+from bench.coordinator_workload import DECODE, PREFILL, decode_request
 from controlplane.errors import InvalidArgument, Unavailable
 from controlplane.front import PartitionFront
 from controlplane.partition_link import PartitionProcess
-from controlplane.settings import CoreSettings
 from tests.support.core_shapes import ids_in_partition
-from tests.test_front import DEADLINE_S, D, K, Node, P, hello, with_front
+from tests.test_front import DEADLINE_S, D, K, Node, P, hello, with_front, with_partitions
 
 
 def begin(t: str) -> ppb.PartitionCall:
@@ -92,27 +90,14 @@ def test_a_refused_filter_ends_the_watch_with_its_code() -> None:
 
 
 def test_a_partition_that_dies_ends_every_watch_unavailable() -> None:
-    async def run() -> None:
-        with tempfile.TemporaryDirectory(prefix="pushkv-front-") as d:
-            cs = CoreSettings(**CORE_SETTINGS)
-            parts = [
-                await PartitionProcess.start(d, i, K, term=2, coordinator_id="c", settings=cs)
-                for i in range(K)
-            ]
-            front = PartitionFront(parts)
-            front.start()
-            try:
-                events = front.watch(pb.WatchTransfersRequest())
-                async with contextlib.aclosing(events):
-                    reading = asyncio.ensure_future(anext(events))
-                    parts[1].proc.send_signal(signal.SIGKILL)
-                    with pytest.raises(Unavailable, match="partition 1's connection ended"):
-                        await asyncio.wait_for(reading, DEADLINE_S)
-                with pytest.raises(Unavailable):  # and no watch opens after that
-                    await anext(front.watch(pb.WatchTransfersRequest()))
-            finally:
-                await front.stop()
-                for p in parts:
-                    await p.close()
+    async def body(front: PartitionFront, parts: list[PartitionProcess]) -> None:
+        events = front.watch(pb.WatchTransfersRequest())
+        async with contextlib.aclosing(events):
+            reading = asyncio.ensure_future(anext(events))
+            parts[1].proc.send_signal(signal.SIGKILL)
+            with pytest.raises(Unavailable, match="partition 1's connection ended"):
+                await asyncio.wait_for(reading, DEADLINE_S)
+        with pytest.raises(Unavailable):  # and no watch opens after that
+            await anext(front.watch(pb.WatchTransfersRequest()))
 
-    asyncio.run(run())
+    with_partitions(body, exits_clean=False)

@@ -136,12 +136,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
-    """The dump comes from faulthandler's thread while the GIL is still held
-    (the parent lets the child go only once it read the dump), then the
-    watchdog, running again, logs the stall."""
+def held_child(script: str, frame: str) -> tuple[str, float]:
+    """Run `script`, which prints "holding" and then holds the GIL in a C
+    call named `frame` until this writes to its stdin: the dump it wrote
+    while held (read before it is let go), and the stall it then logged."""
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD],
+        [sys.executable, "-c", script],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -151,18 +151,25 @@ def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
     out, err = Lines(child.stdout), Lines(child.stderr)
     try:
         out.until("holding", WAIT_S)
-        # Before the child is let go: written while the GIL is held.
-        dump = err.until("held_in_c", WAIT_S)
-        assert "Thread 0x" in dump and "in watchdog" in dump, dump
+        dump = err.until(frame, WAIT_S)  # before the child is let go
         child.stdin.write("x")
         child.stdin.flush()
-        stalled = out.until("stalled", WAIT_S)
-        assert float(stalled.split()[-1]) >= 0.5, stalled
+        stalled = float(out.until("stalled", WAIT_S).split()[-1])
         out.until("done", WAIT_S)
         assert child.wait(WAIT_S) == 0
+        return dump, stalled
     finally:
         child.kill()
         child.wait(WAIT_S)
+
+
+def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
+    """The dump comes from faulthandler's thread while the GIL is still held
+    (the parent lets the child go only once it read the dump), then the
+    watchdog, running again, logs the stall."""
+    dump, stalled = held_child(CHILD, "held_in_c")
+    assert "Thread 0x" in dump and "in watchdog" in dump, dump
+    assert stalled >= 0.5
 
 
 LOOP_CHILD = textwrap.dedent(
@@ -191,27 +198,9 @@ def test_a_stalled_event_loop_has_its_threads_dumped_while_the_stall_lasts() -> 
     """wire/event_loop.report_stalls with a hang dump (the coordinator's
     --hang-dump-s): a loop held in a C call that keeps the GIL has every
     thread's stack written before it runs again, then logs the stall."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", LOOP_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
-    out, err = Lines(child.stdout), Lines(child.stderr)
-    try:
-        out.until("holding", WAIT_S)
-        dump = err.until("held_on_the_loop", WAIT_S)  # while the loop is still held
-        assert "Current thread 0x" in dump or "Thread 0x" in dump, dump
-        child.stdin.write("x")
-        child.stdin.flush()
-        assert float(out.until("stalled", WAIT_S).split()[-1]) >= 0.5
-        out.until("done", WAIT_S)
-        assert child.wait(WAIT_S) == 0
-    finally:
-        child.kill()
-        child.wait(WAIT_S)
+    dump, stalled = held_child(LOOP_CHILD, "held_on_the_loop")
+    assert "Current thread 0x" in dump or "Thread 0x" in dump, dump
+    assert stalled >= 0.5
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
