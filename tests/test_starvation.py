@@ -180,12 +180,15 @@ LOOP_CHILD = textwrap.dedent(
         buf = ctypes.create_string_buffer(1)
         ctypes.PyDLL(None).read(fd, buf, 1)
     async def main():
-        stalls = asyncio.ensure_future(report_stalls(
-            lambda s: print(f"stalled {s:.1f}", flush=True), stall_s=0.5, dump_after_s=1.0))
-        await asyncio.sleep(0.3)  # the first tick has armed the dump
+        reported = asyncio.Event()
+        def report(s):
+            print(f"stalled {s:.1f}", flush=True)
+            reported.set()
+        stalls = asyncio.ensure_future(report_stalls(report, stall_s=0.5, dump_after_s=1.0))
+        await asyncio.sleep(0)  # one step: the task's first tick arms the dump, then waits
         print("holding", flush=True)
         held_on_the_loop(sys.stdin.fileno())
-        await asyncio.sleep(0.3)  # the stall's tick runs
+        await asyncio.wait_for(reported.wait(), 30)  # the tick after the hold reports it
         stalls.cancel()  # cancels the dump timer too
         await asyncio.gather(stalls, return_exceptions=True)
         print("done", flush=True)
