@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the leader's CPU and memory then count its partition processes, pinned with it",
     )
     p.add_argument(
+        "--fronts",
+        type=int,
+        default=1,
+        help="with --partition-procs: the replicas' --fronts (experimental), the "
+        "processes serving the leader's port, counted and pinned with it",
+    )
+    p.add_argument(
         "--leader-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,

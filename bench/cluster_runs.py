@@ -165,7 +165,7 @@ class ClusterBench:
         flags = ["--etcd", url, "--etcd-lease-s", str(a.lease_s)]
         flags += ["--log-level", "WARNING", *core_flags()]
         if a.partition_procs:
-            flags += ["--partition-procs", str(a.partition_procs)]
+            flags += ["--partition-procs", str(a.partition_procs), "--fronts", str(a.fronts)]
         for _ in range(a.replicas):
             port = free_port() if a.leader_metrics else 0
             more = ["--metrics-port", str(port)] if port else []

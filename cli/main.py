@@ -123,6 +123,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         etcd_password_file=args.etcd_password_file,
         loop_stall_limit_s=args.loop_stall_limit_s,
         partition_procs=args.partition_procs,
+        fronts=args.fronts,
         hang_dump_s=args.hang_dump_s,
     )
     return _run(serve(settings), args.event_loop)
@@ -270,6 +271,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         help="experimental: the state machine in this many partition processes behind a "
         "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
         "process (default). Not yet with --partitions or tracing (PUSHKV_OTEL)",
+    )
+    c.add_argument(
+        "--fronts",
+        type=int,
+        default=_env("fronts", 1),
+        help="experimental, with --partition-procs: this many processes serve the port "
+        "(SO_REUSEPORT), this one and fronts - 1 front processes, each ending the streams "
+        "and RPCs the kernel hands it (docs/reliability.md, 'Past one leader core'); "
+        "default 1",
     )
     c.add_argument(
         "--hang-dump-s",

@@ -33,9 +33,13 @@ replica must resign: `broken`).
 
 The single coordinator serves every RPC through this with `--partition-procs
 K` (controlplane/front_servicers.py; agents' own AgentStreams as one-channel
-streams). Not built yet: the authorization of each caller before a call goes
-on (so, TLS), WatchTransfers and the metrics. A replica on etcd starts its
-partitions at once and tells them its term when it leads (`lead`).
+streams), each caller authenticated and named to the partitions, and so do
+its front processes (`--fronts F`, controlplane/front_host.py): one
+`PartitionFront` each, on a connection of its own to every partition. A
+channel's hello carries where its stream comes from (`PartitionUp.via`), so
+a partition names a rank's relay whichever front is asked. A replica on etcd
+starts its partitions at once and tells them its term when it leads (`lead`,
+from its own front only).
 `pushkv bench core --procs K` drives this front through a simulated relay.
 """
 
@@ -107,7 +111,6 @@ class _Channel:
     held: list[pb.CoordinatorMessage] = field(default_factory=list)  # before the welcome
     peers: set[tuple[str, int, str]] = field(default_factory=set)
     fenced: set[tuple[str, int, str]] = field(default_factory=set)
-    agent: tuple[str, int, str] | None = None  # its hello's engine, rank and incarnation
 
 
 @dataclass(eq=False)
@@ -172,10 +175,7 @@ class PartitionFront:
     # ------------------------------------------------------------ up
     def open_channel(self, stream: FrontStream, local: int, first: pb.AgentMessage) -> int:
         g = next(self._channel_ids)
-        ch = self._channels[g] = _Channel(stream, local)
-        if first.WhichOneof("kind") == "hello":
-            ident = first.hello.identity
-            ch.agent = (ident.engine_id, ident.tp_rank, ident.incarnation)
+        self._channels[g] = _Channel(stream, local)
         return g
 
     def send(self, ups: dict[int, ppb.PartitionUp], principal: str = "") -> None:
@@ -364,7 +364,6 @@ class PartitionFront:
                 raise error_for(r.code, r.detail)
         out = pb.ListEnginesResponse()
         out.CopyFrom(replies[0].engines)
-        via = {ch.agent: ch.stream.via for ch in self._channels.values() if ch.agent}
         for e in out.engines:
             ranks = {rl.tp_rank: rl for rl in e.ranks}
             for r in replies[1:]:
@@ -376,9 +375,6 @@ class PartitionFront:
                         mine = ranks.get(orl.tp_rank)
                         if mine is not None and mine.incarnation == orl.incarnation:
                             mine.inflight_orders += orl.inflight_orders
-            for rl in e.ranks:  # a partition sees every channel as the front's
-                if rl.relay:
-                    rl.relay = via.get((e.engine_id, rl.tp_rank, rl.incarnation), "")
         return out
 
     async def metrics_snapshot(self, own_events: list[FamilyCopy]) -> Snapshot:
@@ -559,7 +555,9 @@ class FrontStream:
                 return
             g = self._channels[item.channel] = front.open_channel(self, item.channel, item.message)
             for i in range(front._k):  # the hello (or what stands for it): every partition
-                _up(ups, i).node.items.add(channel=g, message=item.message)
+                up = _up(ups, i)
+                up.node.items.add(channel=g, message=item.message)
+                up.via[g] = self.via  # where it comes from, for the partition's ListEngines
             return
         front.route(g, item.message, ups)
 

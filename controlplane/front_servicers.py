@@ -9,7 +9,8 @@ named to the partition on what it sends (PartitionUp.principal): the method
 is checked by the server's interceptor, and the partition authorizes each
 hello, Submit call and transfer RPC as that caller (controlplane/auth.py).
 
-The server refuses the mode with metrics (server.py).
+The replica serves these, and so does each of its front processes on the
+same port (`--fronts F`, controlplane/front_host.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from controlplane.auth import Authorizer, principal_to_wire
 from controlplane.front import PartitionFront
 from controlplane.leadership import Leadership
-from controlplane.runtime import Runtime
-from controlplane.servicers import Ctx, StatusServicer, fence, first_message
+from controlplane.servicers import Ctx, fence, first_message, leadership_reply
 
 
 class FrontTransferServicer(pbg.TransferServiceServicer):
@@ -63,12 +63,17 @@ class FrontTransferServicer(pbg.TransferServiceServicer):
         return await self._front.submit_rpc(request, self._caller(context))
 
 
-class FrontStatusServicer(StatusServicer):
-    """Reads from the partitions; GetLeadership as the replica's own."""
+class FrontStatusServicer(pbg.StatusServiceServicer):
+    """Reads from the partitions; GetLeadership as the replica's own, naming
+    the front process that answered (`index`: 0 is the replica's own)."""
 
-    def __init__(self, rt: Runtime, front: PartitionFront, gate: Leadership | None = None) -> None:
-        super().__init__(rt, gate)
+    def __init__(self, front: PartitionFront, gate: Leadership, index: int = 0) -> None:
         self._front = front
+        self._gate = gate
+        self._index = index
+
+    async def GetLeadership(self, request: pb.GetLeadershipRequest, context: Ctx) -> pb.Leadership:
+        return leadership_reply(self._gate.view, self._index)
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
         call = ppb.PartitionCall(get=request)

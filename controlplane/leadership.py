@@ -77,10 +77,17 @@ class Leadership:
         # etcd lease could be near its end); infinite for the single coordinator.
         self._order_deadline = math.inf if self._view.role is Role.SINGLE else 0.0
         self.on_change: list[Callable[[View], None]] = []
+        # Told each extended deadline, from whichever thread renewed the lease.
+        self.on_extend: list[Callable[[float], None]] = []
 
     @property
     def view(self) -> View:
         return self._view
+
+    @property
+    def order_deadline(self) -> float:
+        """Monotonic time after which no order may go out (inf: single)."""
+        return self._order_deadline
 
     @property
     def serving_writes(self) -> bool:
@@ -94,6 +101,8 @@ class Leadership:
         """A renewed lease: orders may go out until `order_deadline` (monotonic)."""
         if self._view.role is Role.LEADER:
             self._order_deadline = max(self._order_deadline, order_deadline)
+            for cb in list(self.on_extend):
+                cb(self._order_deadline)
 
     def update(self, view: View, *, order_deadline: float = 0.0) -> None:
         self._order_deadline = math.inf if view.role is Role.SINGLE else order_deadline

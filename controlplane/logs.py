@@ -20,6 +20,12 @@ class _Levels:
     # Until configure() says otherwise (structlog's default logs everything).
     debug = True
     info = True
+    name = "INFO"  # as configure() was given it (a child process is given the same)
+
+
+def level_name() -> str:
+    """The level configure() set ("INFO" before it ran)."""
+    return _Levels.name
 
 
 def debug_enabled() -> bool:
@@ -33,6 +39,7 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     _Levels.debug = lvl <= logging.DEBUG
     _Levels.info = lvl <= logging.INFO
+    _Levels.name = logging.getLevelName(lvl)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )

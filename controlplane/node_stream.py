@@ -132,6 +132,9 @@ class NodeChannels:
         # When the orders moved to `down` were issued (AgentSession.handoff):
         # their residence ends when the NodeDown holding them goes to gRPC.
         self._handoff: list[float] = []
+        # A partition process's channels (its front names each stream's
+        # origin: PartitionUp.via): the via of a channel not yet opened.
+        self.vias: dict[int, str] = {}
 
     def act_as(self, principal: Principal) -> None:
         """The caller whose NodeUps come next: its hellos and Submits are
@@ -151,7 +154,8 @@ class NodeChannels:
     def _open(self, channel: int, first: pb.AgentMessage) -> None:
         if len(self._channels) >= MAX_CHANNELS:
             raise ResourceExhausted(f"a NodeStream carries at most {MAX_CHANNELS} channels")
-        session = self._open_agent(first, self._principal, self._peer or "relay")
+        via = self.vias.pop(channel, self._peer or "relay")
+        session = self._open_agent(first, self._principal, via)
         self._channels[channel] = _Channel(session)
         session.notify = partial(self._mark, channel)
         if session.residence is not None:

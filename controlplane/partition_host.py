@@ -25,10 +25,15 @@ Invariants:
   and never changes it after. It asks the kernel to kill it when its
   parent dies (PR_SET_PDEATHSIG), so no partition outlives the replica
   whose lease fences its orders; the replica resigns when a partition dies.
-- One front. The process serves one connection, from the replica that
-  started it, on a socket in a directory only the replica's user can open;
-  the front authenticates the callers before it forwards anything (here the
-  caller is trusted). When that connection ends, the process ends.
+- Its fronts. The process serves `fronts` connections: the replica's own
+  front first, then each of its front processes' (`--fronts F`,
+  controlplane/front_host.py), on a socket in a directory only the
+  replica's user can open; each front authenticates the callers before it
+  forwards anything (here the caller is trusted). Each connection is a
+  carrier of its own (`NodeChannels`, as each node relay's stream is to the
+  single coordinator), so an agent's orders go back down the connection of
+  the front that holds its stream. When any connection ends, the process
+  ends: a front's streams are gone, and the replica resigns.
 - Its order ids carry its index (`<coordinator>.<index>-<n>`), and every
   partition of one replica shares the coordinator id, so the agents see one
   coordinator.
@@ -72,7 +77,7 @@ from controlplane.partitions import partition_of, partition_settings
 from controlplane.rendezvous import Rendezvous
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, TransferServicer, list_transfers
-from controlplane.settings import MAX_PARTITIONS, CoreSettings
+from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
 from controlplane.status_map import outcome
 from wire.frames import frame, read_frames
 
@@ -208,6 +213,7 @@ async def _ups(
             if up.node.items:
                 keep_own_held(up.node, index, k)
                 node.act_as(caller)  # the reader applies this NodeUp before the next
+                node.vias.update(up.via)
                 yield up.node
             for channel in up.link_lost:
                 node.lose_link(channel)
@@ -258,20 +264,30 @@ async def serve_front(
 
 
 async def serve(
-    path: str, rt: Runtime, index: int = 0, k: int = 1, *, metrics: bool = False, rank: bool = True
+    path: str,
+    rt: Runtime,
+    index: int = 0,
+    k: int = 1,
+    *,
+    metrics: bool = False,
+    rank: bool = True,
+    fronts: int = 1,
 ) -> None:
-    """Listen on `path`, serve the first connection, and return when it ends."""
+    """Listen on `path`, serve the first `fronts` connections, and return
+    when one of them ends."""
     done = asyncio.Event()
-    taken = False
+    taken = 0
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal taken
-        if taken:  # one front only
+        if taken >= fronts or done.is_set():  # its fronts only
             writer.close()
             return
-        taken = True
+        taken += 1
         try:
             await serve_front(rt, reader, writer, index, k, counted)
+        except asyncio.CancelledError:
+            pass  # another front's connection ended first: this process is ending
         finally:
             done.set()
 
@@ -311,7 +327,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--settings", default="{}", help="the replica's CoreSettings, as a JSON object")
     p.add_argument("--metrics", action="store_true", help="count for the front's /metrics")
     p.add_argument("--no-rank-metrics", dest="rank_metrics", action="store_false")
-    return p.parse_args(argv)
+    p.add_argument("--fronts", type=int, default=1, help="the connections it serves")
+    args = p.parse_args(argv)
+    if not 1 <= args.fronts <= MAX_FRONTS:
+        p.error(f"--fronts must be 1 to {MAX_FRONTS}, got {args.fronts}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -331,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.partitions,
             metrics=args.metrics,
             rank=args.rank_metrics,
+            fronts=args.fronts,
         )
     )
     return 0

@@ -6,6 +6,8 @@ Ownership: a `PartitionProcess` owns the child process and the connection.
 `close()` ends the connection (the child then ends on its own), waits for
 the child within a deadline and kills it past that; the child also dies with
 its parent (PR_SET_PDEATHSIG), so a replica killed with -9 leaves none.
+A front process (controlplane/front_host.py) holds a `PartitionConnection`
+of its own to each partition, and owns only that.
 """
 
 from __future__ import annotations
@@ -26,7 +28,47 @@ START_S = 30.0  # a child imports the coordinator's modules first
 STOP_S = 10.0
 
 
-class PartitionProcess:
+def partition_socket(socket_dir: str, index: int) -> str:
+    """Partition `index`'s socket in the replica's directory."""
+    return os.path.join(socket_dir, f"partition-{index}.sock")
+
+
+class PartitionConnection:
+    """One connection to a partition process: PartitionUp frames out,
+    PartitionDown frames in."""
+
+    def __init__(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.index = index
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, socket_dir: str, index: int) -> PartitionConnection:
+        reader, writer = await asyncio.open_unix_connection(partition_socket(socket_dir, index))
+        return cls(index, reader, writer)
+
+    def send(self, up: ppb.PartitionUp) -> None:
+        """Queue one PartitionUp (written as the socket takes it; see `drain`)."""
+        self._writer.write(frame(up.SerializeToString()))
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    async def downs(self) -> AsyncIterator[ppb.PartitionDown]:
+        """What the partition sends, in order, until its connection ends."""
+        parse = ppb.PartitionDown.FromString
+        async for got in read_frames(self._reader):
+            for data in got:
+                yield parse(data)
+
+    async def end(self) -> None:
+        """End the connection (the partition process then ends: one front gone)."""
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+
+class PartitionProcess(PartitionConnection):
     def __init__(
         self,
         index: int,
@@ -34,10 +76,8 @@ class PartitionProcess:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        self.index = index
+        super().__init__(index, reader, writer)
         self.proc = proc
-        self._reader = reader
-        self._writer = writer
 
     @classmethod
     async def start(
@@ -53,10 +93,12 @@ class PartitionProcess:
         start_s: float = START_S,
         metrics: bool = False,
         rank_metrics: bool = True,
+        fronts: int = 1,
     ) -> PartitionProcess:
         """Start partition `index` of `k` with a socket in `socket_dir` (a
-        directory only this user may open) and connect to it."""
-        path = os.path.join(socket_dir, f"partition-{index}.sock")
+        directory only this user may open) and connect to it, the first of
+        its `fronts` connections (the others: front processes')."""
+        path = partition_socket(socket_dir, index)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             # As this process's path: -P keeps a compiled core ahead of the
@@ -70,6 +112,7 @@ class PartitionProcess:
             *("--settings", settings_json(settings)),
             *(("--metrics",) if metrics else ()),
             *(() if rank_metrics else ("--no-rank-metrics",)),
+            *("--fronts", str(fronts)),
             stdout=asyncio.subprocess.PIPE,
         )
         try:
@@ -87,26 +130,10 @@ class PartitionProcess:
             raise
         return cls(index, proc, reader, writer)
 
-    def send(self, up: ppb.PartitionUp) -> None:
-        """Queue one PartitionUp (written as the socket takes it; see `drain`)."""
-        self._writer.write(frame(up.SerializeToString()))
-
-    async def drain(self) -> None:
-        await self._writer.drain()
-
-    async def downs(self) -> AsyncIterator[ppb.PartitionDown]:
-        """What the partition sends, in order, until its connection ends."""
-        parse = ppb.PartitionDown.FromString
-        async for got in read_frames(self._reader):
-            for data in got:
-                yield parse(data)
-
     async def close(self, stop_s: float = STOP_S) -> int:
         """End the connection and the process; its exit code (killed past
         `stop_s`: negative)."""
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await self._writer.wait_closed()
+        await self.end()
         try:
             return await asyncio.wait_for(self.proc.wait(), stop_s)
         except TimeoutError:

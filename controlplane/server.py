@@ -13,21 +13,23 @@ from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
-from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import gcpolicy
+from controlplane import gcpolicy, logs
 from controlplane.auth import Authorizer
 from controlplane.clock import Clock, SystemClock
 from controlplane.core_build import core_build
 from controlplane.front import PartitionFront
-from controlplane.front_servicers import (
-    FrontAgentServicer,
-    FrontStatusServicer,
-    FrontTransferServicer,
+from controlplane.front_link import FrontProcesses
+from controlplane.grpc_edge import (
+    WRITE_SERVICE_NAMES,
+    add_front_services,
+    add_health_and_reflection,
+    bind,
+    health_status,
+    new_server,
+    set_health,
 )
 from controlplane.leadership import (
     LOOP_STALL_LIMIT_S,
@@ -42,29 +44,24 @@ from controlplane.order_size import max_order_bytes
 from controlplane.partition_link import PartitionProcess
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
-from controlplane.settings import MAX_PARTITIONS, CoreSettings
-from controlplane.status_map import ErrorMappingInterceptor
+from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
 from controlplane.tracing import TransferTracer, tracer_from_env, tracing_asked
 from wire.event_loop import check_dump_after, event_loop_name, report_stalls
 from wire.port_file import write_port_file
-from wire.tls import SERVER_PING_OPTIONS, TLSFiles
+from wire.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
-
-SERVICE_NAMES = tuple(
-    pb.DESCRIPTOR.services_by_name[n].full_name
-    for n in ("AgentService", "TransferService", "StatusService")
-)
-# Served by the leader only (controlplane/leadership.py); health says so per service.
-WRITE_SERVICE_NAMES = SERVICE_NAMES[:2]
 
 # The exit status of a replica that lost the leadership: its supervisor restarts
 # it, as a fresh standby (its in-memory state belongs to the old term).
 EXIT_LEADERSHIP_LOST = 3
 # etcd refused this replica's user, password or permissions (its log says which).
 EXIT_ETCD_REFUSED = 4
-# A partition process of this coordinator ended (--partition-procs): its state is gone.
+# A partition process of this coordinator ended (--partition-procs), or a
+# front process (--fronts): the state is gone.
 EXIT_PARTITION_LOST = 5
+# How long a lost partition waits for a front process's exit to name the cause.
+FRONT_EXIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +98,9 @@ class ServerSettings:
     # a front in this one (controlplane/front.py; docs/reliability.md, "Past
     # one leader core"); 0 = in this process. Not with --partitions.
     partition_procs: int = 0
+    # Experimental, with partition_procs: this many fronts on the port, the
+    # replica's own and fronts - 1 front processes (controlplane/front_host.py).
+    fronts: int = 1
     # A loop that did not run for this long has every thread's stack written
     # to stderr (wire/event_loop.report_stalls); 0 = off.
     hang_dump_s: float = 0.0
@@ -124,6 +124,7 @@ class Coordinator:
     front: PartitionFront | None = None  # --partition-procs: the partitions' front
     partitions: list[PartitionProcess] = field(default_factory=list)
     socket_dir: str = ""  # the partitions' sockets (removed at stop)
+    fronts: FrontProcesses | None = None  # --fronts F: the front processes
 
     @property
     def address(self) -> str:
@@ -147,6 +148,8 @@ class Coordinator:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.runtime.stop()
+        if self.fronts is not None:
+            await self.fronts.close()
         await _stop_partitions(self.front, self.partitions, self.socket_dir)
         if self.metrics is not None:
             await self.metrics.close()
@@ -175,15 +178,10 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     if tracer is not None:
         runtime.observers.append(tracer)
     runtime.observers.append(TransferLog(runtime.core.has_transfer))
-    opts = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        *SERVER_PING_OPTIONS,
-    ]
     authz = Authorizer(tls_enabled=settings.tls.enabled)
     # With --etcd a replica starts as a standby: nothing is written before it is elected.
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
+    server = new_server(settings.max_message_bytes, authz, gate)
     front, partitions, socket_dir = await _start_partitions(settings, runtime)
     if front is not None and metrics is not None:
         metrics.gather = front.metrics_snapshot  # the partitions' state, merged
@@ -195,36 +193,26 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
             pbg.add_TransferServiceServicer_to_server(transfers, server)
             pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
         else:
-            pbg.add_AgentServiceServicer_to_server(FrontAgentServicer(front, authz, gate), server)
-            pbg.add_TransferServiceServicer_to_server(FrontTransferServicer(front, authz), server)
-            status = FrontStatusServicer(runtime, front, gate)
-            pbg.add_StatusServiceServicer_to_server(status, server)
-        health_servicer = HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
-        address = f"{settings.host}:{settings.port}"
-        if settings.tls.enabled:
-            port = server.add_secure_port(address, settings.tls.server_credentials())
-        else:
+            add_front_services(server, front, authz, gate)
+        health_servicer = add_health_and_reflection(server)
+        if not settings.tls.enabled:
             log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
-            port = server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot bind {settings.host}:{settings.port}")
+        port = bind(server, settings.host, settings.port, settings.tls)
         if metrics is not None and settings.metrics_port is not None:
             metrics.serve(settings.host, settings.metrics_port)
         await server.start()
+        fronts = await _start_fronts(settings, gate, socket_dir, port)
     except BaseException:  # the partitions started are this call's to stop
+        await server.stop(0)
         await _stop_partitions(front, partitions, socket_dir)
         raise
     runtime.start()
-    for name in ("", *SERVICE_NAMES):
-        serving = gate.serving_writes or name not in WRITE_SERVICE_NAMES
-        await health_servicer.set(name, _health(serving))
+    await set_health(health_servicer, gate)
     if metrics is not None:
         metrics.registry.register(LeadershipCollector(gate))
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
     coord.front, coord.partitions, coord.socket_dir = front, partitions, socket_dir
+    coord.fronts = fronts
     coord.stall_task = asyncio.get_running_loop().create_task(
         report_stalls(_log_stall, dump_after_s=settings.hang_dump_s), name="stall-report"
     )
@@ -238,6 +226,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         core=core_build(),
         partitions=settings.core.partitions,
         partition_procs=settings.partition_procs,
+        fronts=settings.fronts,
         etcd=settings.etcd or None,
         event_loop=event_loop_name(),
     )
@@ -251,14 +240,6 @@ def _log_stall(seconds: float) -> None:
         detail="this process did not run its event loop for that long (its host paused, "
         "its cores oversubscribed, or a call blocked the loop): agents and clients heard "
         "nothing meanwhile",
-    )
-
-
-def _health(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
-    return (
-        health_pb2.HealthCheckResponse.SERVING
-        if serving
-        else health_pb2.HealthCheckResponse.NOT_SERVING
     )
 
 
@@ -285,9 +266,10 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
             coord.runtime.lead(view.term)
             if coord.front is not None:
                 coord.front.lead(view.term)
+        # The front processes follow the view through the gate (front_link.py).
         serving = view.role is not Role.STANDBY
         for name in WRITE_SERVICE_NAMES:
-            task = loop.create_task(coord.health.set(name, _health(serving)))
+            task = loop.create_task(coord.health.set(name, health_status(serving)))
             coord.pending.add(task)
             task.add_done_callback(coord.pending.discard)
 
@@ -295,6 +277,8 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         coord.runtime.silence()  # no order leaves after this line
         if coord.front is not None:
             coord.front.silence()
+        if coord.fronts is not None:
+            coord.fronts.silence()
         coord.lost.set()
 
     coord.leadership.on_change.append(on_change)
@@ -306,9 +290,16 @@ def check_partition_procs(settings: ServerSettings) -> None:
     """--partition-procs K: what this experimental mode does not take yet."""
     k = settings.partition_procs
     if not k:
+        if settings.fronts != 1:
+            raise ValueError(
+                "--fronts (experimental) needs --partition-procs: the fronts share "
+                "the partition processes' state"
+            )
         return
     if not 1 <= k <= MAX_PARTITIONS:
         raise ValueError(f"--partition-procs must be 1 to {MAX_PARTITIONS}, got {k}")
+    if not 1 <= settings.fronts <= MAX_FRONTS:
+        raise ValueError(f"--fronts must be 1 to {MAX_FRONTS}, got {settings.fronts}")
     missing = [
         flag
         for flag, given in (
@@ -345,6 +336,7 @@ async def _start_partitions(
                     settings=settings.core,
                     metrics=settings.metrics_port is not None,
                     rank_metrics=settings.rank_metrics,
+                    fronts=settings.fronts,
                 )
             )
     except BaseException:
@@ -355,6 +347,25 @@ async def _start_partitions(
     front = PartitionFront(parts)
     front.start()
     return front, parts, socket_dir
+
+
+async def _start_fronts(
+    settings: ServerSettings, gate: Leadership, socket_dir: str, port: int
+) -> FrontProcesses | None:
+    """--fronts F: F - 1 front processes on this replica's bound port."""
+    if settings.fronts <= 1:
+        return None
+    return await FrontProcesses.start(
+        settings.fronts - 1,
+        socket_dir=socket_dir,
+        k=settings.partition_procs,
+        address=f"{settings.host}:{port}",
+        gate=gate,
+        tls=settings.tls,
+        max_message_bytes=settings.max_message_bytes,
+        log_level=logs.level_name(),
+        hang_dump_s=settings.hang_dump_s,
+    )
 
 
 async def _stop_partitions(
@@ -395,13 +406,22 @@ async def serve(settings: ServerSettings) -> int:
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(coord.lost.wait())]
         if coord.front is not None:
             waits.append(asyncio.ensure_future(coord.front.dead.wait()))
+        if coord.fronts is not None:
+            waits.append(asyncio.ensure_future(coord.fronts.dead.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
-        if coord.front is not None and coord.front.dead.is_set():
-            log.error(
-                "coordinator_stopping", reason=coord.front.broken[0], exit=EXIT_PARTITION_LOST
-            )
+        if coord.front is not None and coord.front.dead.is_set() and coord.fronts is not None:
+            # A front process that died ends the partitions' connections too:
+            # its exit, seen a moment later, names the cause.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(coord.fronts.dead.wait(), FRONT_EXIT_S)
+        broken = [  # a front process's end first: its partitions end with it
+            *(coord.fronts.broken if coord.fronts is not None else []),
+            *(coord.front.broken if coord.front is not None else []),
+        ]
+        if broken:
+            log.error("coordinator_stopping", reason=broken[0], exit=EXIT_PARTITION_LOST)
             await coord.stop(0)
             return EXIT_PARTITION_LOST
         if coord.lost.is_set():

@@ -22,7 +22,7 @@ from controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
-from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
+from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm, View
 from controlplane.node_stream import NodeChannels, Submit, session_messages
 from controlplane.runtime import AgentSession, Runtime
 from controlplane.transfer_filter import TransferFilter
@@ -122,16 +122,31 @@ _ROLES = {
 }
 
 
+def leadership_reply(v: View, front: int = 0) -> pb.Leadership:
+    """GetLeadership's answer: `v`, as front process `front` serves it."""
+    return pb.Leadership(
+        role=_ROLES[v.role],
+        leader=v.leader,
+        term=v.term,
+        advertise=v.advertise,
+        etcd=v.etcd,
+        front=front,
+    )
+
+
+def leadership_view(m: pb.Leadership) -> View:
+    """`leadership_reply`'s inverse (a front process's view: front_host.py)."""
+    role = next(r for r, wire in _ROLES.items() if wire == m.role)
+    return View(role, m.leader, m.term, m.advertise, m.etcd)
+
+
 class StatusServicer(pbg.StatusServiceServicer):
     def __init__(self, rt: Runtime, gate: Leadership | None = None) -> None:
         self._rt = rt
         self._gate = gate or Leadership()
 
     async def GetLeadership(self, request: pb.GetLeadershipRequest, context: Ctx) -> pb.Leadership:
-        v = self._gate.view
-        return pb.Leadership(
-            role=_ROLES[v.role], leader=v.leader, term=v.term, advertise=v.advertise, etcd=v.etcd
-        )
+        return leadership_reply(self._gate.view)
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
         return self._rt.status(self._rt.core.get(request.transfer_id))

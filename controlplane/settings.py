@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 # Settings whose 0 means "none" (every other number must be > 0).
 _MAY_BE_ZERO = ("reconnect_grace_s",)
 MAX_PARTITIONS = 64
+# Front processes of a partitioned leader (--fronts): one per core it may use.
+MAX_FRONTS = 64
 
 
 @dataclass(frozen=True, slots=True)

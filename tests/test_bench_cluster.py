@@ -78,17 +78,29 @@ def run_cluster(args: argparse.Namespace) -> tuple[Result, str]:
     return res, text
 
 
+# The replicas' state in two partition processes behind two fronts (the
+# replica's own and a front process on its port): the 64 agents' streams
+# spread over both fronts, so ranks of one rendezvous sit on different fronts.
+SHARDED = ("--partition-procs", "2", "--fronts", "2")
+
+
 @pytest.mark.faults
-@pytest.mark.parametrize("relay", [False, True], ids=["direct", "through-node-relays"])
-def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool) -> None:
+@pytest.mark.parametrize(
+    ("relay", "sharded"),
+    [(False, False), (True, False), (False, True)],
+    ids=["direct", "through-node-relays", "partitions-and-fronts"],
+)
+def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool, sharded: bool) -> None:
     """With `--relay`, each engine's ranks are channels of one NodeStream
     (relay/upstream.py); the Upstream follows the new leader and every rank's
-    channel re-registers through it."""
+    channel re-registers through it. With partitions and fronts, the same
+    through each replica's partition processes and fronts."""
     require_etcd()
     args = build_parser().parse_args(
         [
             *("--engines", "8", "--tp", "8", "--hosts", "2"),
             *(("--relay",) if relay else ()),
+            *(SHARDED if sharded else ()),
             # A 4 s TTL: a leader starved of CPU on a busy CI box (3 s without a
             # renewal) must not step down before the kill this test makes.
             *("--lease-s", "4"),

@@ -677,28 +677,6 @@ def test_in_flight_transfers_complete_through_a_new_leader_in_partitions(
         _in_flight_transfers_complete(cluster, "direct", "kill9")
 
 
-def test_in_flight_transfers_complete_through_a_new_leader_in_partition_processes(
-    etcd: EtcdServer,  # noqa: F811
-) -> None:
-    """The same with each replica's state machine in two partition processes
-    (`--partition-procs 2`, controlplane/front.py): the new leader's
-    partitions lead under its term once it is elected, each adopts the
-    transfers of the agents' hellos that hash to it."""
-    with running_replicas(etcd, "--partition-procs", "2") as cluster:
-        for r in cluster.replicas:
-            [started] = _events(r, "coordinator_started")
-            assert started["partition_procs"] == "2"
-        _in_flight_transfers_complete(cluster, "direct", "kill9")
-        # Each transfer lives in one partition only: the hellos' held
-        # transfers were each adopted by the partition they hash to.
-        with grpc.insecure_channel(cluster.leader().address) as ch:
-            listed = pbg.StatusServiceStub(ch).ListTransfers(
-                pb.ListTransfersRequest(limit=1000), timeout=5
-            )
-        ids = [t.transfer_id for t in listed.transfers]
-        assert ids and len(ids) == len(set(ids)) == listed.total_matching, ids
-
-
 def _in_flight_transfers_complete(cluster: Cluster, via: str, how: str) -> None:
     """Failover rebuild: agents that rebuild re-send their live transfers, the
     new leader adopts them, and the transfers of every stage complete through

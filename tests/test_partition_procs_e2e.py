@@ -5,12 +5,15 @@ against the single-process coordinator (tests/test_agent_e2e.py)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
+import grpc
 import pytest
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -35,12 +38,25 @@ DEADLINE_S = 30.0
 EXIT_PARTITION_LOST = 5  # controlplane/server.py
 
 
-@pytest.fixture
-def coord() -> Iterator[CoordinatorProcess]:
-    c = CoordinatorProcess(
+def _coord(fronts: int) -> CoordinatorProcess:
+    return CoordinatorProcess(
         *("--partition-procs", str(K), "--lease-s", "2", "--heartbeat-interval-s", "0.5"),
-        *("--log-level", "INFO"),
+        *("--fronts", str(fronts), "--log-level", "INFO"),
     ).start()
+
+
+# Two fronts (`--fronts 2`): the replica's and one front process on its port;
+# the kernel hands each new connection to one of them (SO_REUSEPORT).
+@pytest.fixture(params=[1, 2], ids=["one-front", "two-fronts"])
+def coord(request: pytest.FixtureRequest) -> Iterator[CoordinatorProcess]:
+    c = _coord(request.param)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def one_front() -> Iterator[CoordinatorProcess]:
+    c = _coord(1)
     yield c
     c.stop()
 
@@ -131,15 +147,20 @@ def test_agents_through_a_node_relay_push_through_partition_processes(
         relay.stop()
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, module: str = "") -> list[int]:
+    """The children of `pid`; with `module`, those running `python -m module`."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()]
+    kids = [int(c) for c in path.read_text().split()]
+    if module:
+        kids = [k for k in kids if module.encode() in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return kids
 
 
-def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProcess) -> None:
+def test_a_partition_process_killed_ends_the_coordinator(one_front: CoordinatorProcess) -> None:
     """kill -9 of one partition: its state is gone, so the coordinator ends
     (exit 5, the reason in its log) for its supervisor to restart, and its
     other partitions end with it."""
+    coord = one_front
     assert coord.proc is not None
     kids = _children(coord.proc.pid)
     assert len(kids) == K, kids
@@ -147,6 +168,64 @@ def test_a_partition_process_killed_ends_the_coordinator(coord: CoordinatorProce
     assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
     assert "partition 1's connection ended" in coord.log_text()
     waits.poll("the other partition gone", lambda: waits.process_gone(kids[0]), DEADLINE_S)
+
+
+def _leadership(address: str) -> pb.Leadership:
+    """GetLeadership over a channel of its own: a new connection, which the
+    kernel hands to one of the fronts listening on the port."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(address, options=options) as ch:
+        return pbg.StatusServiceStub(ch).GetLeadership(pb.GetLeadershipRequest(), timeout=5)
+
+
+def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
+    """`--fronts 3`: new connections reach all three fronts (each answer
+    names its front), each serving as the replica does; kill -9 of a front
+    process ends the coordinator (exit 5, the front named in its log), its
+    partitions and the other front; and a coordinator killed with -9
+    leaves no front behind."""
+    coord = _coord(3)
+    try:
+        assert coord.proc is not None
+        seen: dict[int, int] = {}
+        for _ in range(60):  # each front missed: at most 3 * (2/3)^60, about 1e-10
+            got = _leadership(coord.address)
+            assert got.role == pb.LEADER_ROLE_SINGLE, got
+            seen[got.front] = seen.get(got.front, 0) + 1
+        assert set(seen) == {0, 1, 2}, seen
+        parts = _children(coord.proc.pid, "controlplane.partition_host")
+        fronts = _children(coord.proc.pid, "controlplane.front_host")
+        assert len(parts) == K and len(fronts) == 2, (parts, fronts)
+        os.kill(fronts[0], signal.SIGKILL)
+        assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
+        assert re.search(r"front process [12] ended \(exit code -9\)", coord.log_text())
+        for pid in (*parts, fronts[1]):
+            waits.poll(f"{pid} gone", partial(waits.process_gone, pid), DEADLINE_S)
+    finally:
+        coord.stop()
+    coord = _coord(2)
+    try:
+        assert coord.proc is not None
+        kids = _children(coord.proc.pid)
+        assert len(kids) == K + 1, kids
+        coord.proc.kill()
+        coord.proc.wait(DEADLINE_S)
+        for pid in kids:  # PR_SET_PDEATHSIG
+            waits.poll(f"{pid} gone", partial(waits.process_gone, pid), DEADLINE_S)
+    finally:
+        coord.stop()
+
+
+def test_fronts_without_partition_processes_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "coordinator", "--port", "0", "--fronts", "2"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode != 0
+    assert "--fronts (experimental) needs --partition-procs" in done.stdout + done.stderr, done
 
 
 @pytest.mark.parametrize(

@@ -25,23 +25,29 @@ _sym_db = _symbol_database.Default()
 from pushkv.v1 import pushkv_pb2 as pushkv_dot_v1_dot_pushkv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pushkv/v1/partition.proto\x12\tpushkv.v1\x1a\x16pushkv/v1/pushkv.proto\"\xca\x01\n\x0bPartitionUp\x12\x1f\n\x04node\x18\x01 \x01(\x0b\x32\x11.pushkv.v1.NodeUp\x12\x11\n\tlink_lost\x18\x02 \x03(\r\x12\'\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x18.pushkv.v1.PartitionCall\x12\x0c\n\x04lead\x18\x04 \x01(\x04\x12\x11\n\tprincipal\x18\x05 \x01(\t\x12(\n\nwatch_open\x18\x06 \x03(\x0b\x32\x14.pushkv.v1.WatchOpen\x12\x13\n\x0bwatch_close\x18\x07 \x03(\x04\"J\n\tWatchOpen\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07request\x18\x02 \x01(\x0b\x32 .pushkv.v1.WatchTransfersRequest\"\x82\x01\n\x0bWatchEvents\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pushkv.v1.TransferEvent\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"\x9e\x03\n\rPartitionCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1f.pushkv.v1.BeginTransferRequestH\x00\x12:\n\x08register\x18\x03 \x01(\x0b\x32&.pushkv.v1.RegisterDecodeBlocksRequestH\x00\x12;\n\x0cprefill_done\x18\x04 \x01(\x0b\x32#.pushkv.v1.ReportPrefillDoneRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x18.pushkv.v1.CancelRequestH\x00\x12,\n\x03get\x18\x06 \x01(\x0b\x32\x1d.pushkv.v1.GetTransferRequestH\x00\x12/\n\x04list\x18\x07 \x01(\x0b\x32\x1f.pushkv.v1.ListTransfersRequestH\x00\x12\x30\n\x07\x65ngines\x18\x08 \x01(\x0b\x32\x1d.pushkv.v1.ListEnginesRequestH\x00\x12\x11\n\x07metrics\x18\t \x01(\x08H\x00\x42\x06\n\x04kind\"\xe9\x01\n\x0ePartitionReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pushkv.v1.TransferStatusH\x00\x12\x30\n\x04list\x18\x05 \x01(\x0b\x32 .pushkv.v1.ListTransfersResponseH\x00\x12\x31\n\x07\x65ngines\x18\x06 \x01(\x0b\x32\x1e.pushkv.v1.ListEnginesResponseH\x00\x12\x11\n\x07metrics\x18\x07 \x01(\tH\x00\x42\x06\n\x04kind\"\x85\x01\n\rPartitionDown\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pushkv.v1.NodeDown\x12*\n\x07replies\x18\x02 \x03(\x0b\x32\x19.pushkv.v1.PartitionReply\x12%\n\x05watch\x18\x03 \x03(\x0b\x32\x16.pushkv.v1.WatchEventsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pushkv/v1/partition.proto\x12\tpushkv.v1\x1a\x16pushkv/v1/pushkv.proto\"\xa4\x02\n\x0bPartitionUp\x12\x1f\n\x04node\x18\x01 \x01(\x0b\x32\x11.pushkv.v1.NodeUp\x12\x11\n\tlink_lost\x18\x02 \x03(\r\x12\'\n\x05\x63\x61lls\x18\x03 \x03(\x0b\x32\x18.pushkv.v1.PartitionCall\x12\x0c\n\x04lead\x18\x04 \x01(\x04\x12\x11\n\tprincipal\x18\x05 \x01(\t\x12(\n\nwatch_open\x18\x06 \x03(\x0b\x32\x14.pushkv.v1.WatchOpen\x12\x13\n\x0bwatch_close\x18\x07 \x03(\x04\x12,\n\x03via\x18\x08 \x03(\x0b\x32\x1f.pushkv.v1.PartitionUp.ViaEntry\x1a*\n\x08ViaEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\tWatchOpen\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x07request\x18\x02 \x01(\x0b\x32 .pushkv.v1.WatchTransfersRequest\"\x82\x01\n\x0bWatchEvents\x12\n\n\x02id\x18\x01 \x01(\x04\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pushkv.v1.TransferEvent\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x12\r\n\x05\x65nded\x18\x04 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"\x9e\x03\n\rPartitionCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x05\x62\x65gin\x18\x02 \x01(\x0b\x32\x1f.pushkv.v1.BeginTransferRequestH\x00\x12:\n\x08register\x18\x03 \x01(\x0b\x32&.pushkv.v1.RegisterDecodeBlocksRequestH\x00\x12;\n\x0cprefill_done\x18\x04 \x01(\x0b\x32#.pushkv.v1.ReportPrefillDoneRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x18.pushkv.v1.CancelRequestH\x00\x12,\n\x03get\x18\x06 \x01(\x0b\x32\x1d.pushkv.v1.GetTransferRequestH\x00\x12/\n\x04list\x18\x07 \x01(\x0b\x32\x1f.pushkv.v1.ListTransfersRequestH\x00\x12\x30\n\x07\x65ngines\x18\x08 \x01(\x0b\x32\x1d.pushkv.v1.ListEnginesRequestH\x00\x12\x11\n\x07metrics\x18\t \x01(\x08H\x00\x42\x06\n\x04kind\"\xe9\x01\n\x0ePartitionReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12-\n\x08transfer\x18\x04 \x01(\x0b\x32\x19.pushkv.v1.TransferStatusH\x00\x12\x30\n\x04list\x18\x05 \x01(\x0b\x32 .pushkv.v1.ListTransfersResponseH\x00\x12\x31\n\x07\x65ngines\x18\x06 \x01(\x0b\x32\x1e.pushkv.v1.ListEnginesResponseH\x00\x12\x11\n\x07metrics\x18\x07 \x01(\tH\x00\x42\x06\n\x04kind\"\x85\x01\n\rPartitionDown\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.pushkv.v1.NodeDown\x12*\n\x07replies\x18\x02 \x03(\x0b\x32\x19.pushkv.v1.PartitionReply\x12%\n\x05watch\x18\x03 \x03(\x0b\x32\x16.pushkv.v1.WatchEvents\"\\\n\x0c\x46rontControl\x12#\n\x04view\x18\x01 \x01(\x0b\x32\x15.pushkv.v1.Leadership\x12\x16\n\x0eorder_deadline\x18\x02 \x01(\x01\x12\x0f\n\x07silence\x18\x03 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pushkv.v1.partition_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PARTITIONUP_VIAENTRY']._loaded_options = None
+  _globals['_PARTITIONUP_VIAENTRY']._serialized_options = b'8\001'
   _globals['_PARTITIONUP']._serialized_start=65
-  _globals['_PARTITIONUP']._serialized_end=267
-  _globals['_WATCHOPEN']._serialized_start=269
-  _globals['_WATCHOPEN']._serialized_end=343
-  _globals['_WATCHEVENTS']._serialized_start=346
-  _globals['_WATCHEVENTS']._serialized_end=476
-  _globals['_PARTITIONCALL']._serialized_start=479
-  _globals['_PARTITIONCALL']._serialized_end=893
-  _globals['_PARTITIONREPLY']._serialized_start=896
-  _globals['_PARTITIONREPLY']._serialized_end=1129
-  _globals['_PARTITIONDOWN']._serialized_start=1132
-  _globals['_PARTITIONDOWN']._serialized_end=1265
+  _globals['_PARTITIONUP']._serialized_end=357
+  _globals['_PARTITIONUP_VIAENTRY']._serialized_start=315
+  _globals['_PARTITIONUP_VIAENTRY']._serialized_end=357
+  _globals['_WATCHOPEN']._serialized_start=359
+  _globals['_WATCHOPEN']._serialized_end=433
+  _globals['_WATCHEVENTS']._serialized_start=436
+  _globals['_WATCHEVENTS']._serialized_end=566
+  _globals['_PARTITIONCALL']._serialized_start=569
+  _globals['_PARTITIONCALL']._serialized_end=983
+  _globals['_PARTITIONREPLY']._serialized_start=986
+  _globals['_PARTITIONREPLY']._serialized_end=1219
+  _globals['_PARTITIONDOWN']._serialized_start=1222
+  _globals['_PARTITIONDOWN']._serialized_end=1355
+  _globals['_FRONTCONTROL']._serialized_start=1357
+  _globals['_FRONTCONTROL']._serialized_end=1449
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,26 @@ class PartitionUp(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ViaEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_FIELD_NUMBER: _builtins.int
     LINK_LOST_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
@@ -37,6 +57,7 @@ class PartitionUp(_message.Message):
     PRINCIPAL_FIELD_NUMBER: _builtins.int
     WATCH_OPEN_FIELD_NUMBER: _builtins.int
     WATCH_CLOSE_FIELD_NUMBER: _builtins.int
+    VIA_FIELD_NUMBER: _builtins.int
     lead: _builtins.int
     """This replica leads from now on, for this term (0: no term): stamped on
     every welcome, order and cancel the partition sends, and its rebuild
@@ -82,6 +103,14 @@ class PartitionUp(_message.Message):
 
     @_builtins.property
     def watch_close(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def via(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """The channels whose hello `node` carries: where each agent's stream
+        comes from, as the partition records it for ListEngines (a node relay's
+        address; empty: the agent's own stream). Each front knows only its own
+        streams, so the partition keeps it.
+        """
+
     def __init__(
         self,
         *,
@@ -92,10 +121,11 @@ class PartitionUp(_message.Message):
         principal: _builtins.str = ...,
         watch_open: _abc.Iterable[Global___WatchOpen] | None = ...,
         watch_close: _abc.Iterable[_builtins.int] | None = ...,
+        via: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node", "principal", b"principal", "watch_close", b"watch_close", "watch_open", b"watch_open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "lead", b"lead", "link_lost", b"link_lost", "node", b"node", "principal", b"principal", "via", b"via", "watch_close", b"watch_close", "watch_open", b"watch_open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -302,3 +332,43 @@ class PartitionDown(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PartitionDown: _TypeAlias = PartitionDown  # noqa: Y015
+
+@_typing.final
+class FrontControl(_message.Message):
+    """Replica -> one of its front processes (controlplane/front_host.py), on the
+    front's stdin in length-prefixed frames: the replica's view of the
+    election, which the front serves under as the replica does (health,
+    GetLeadership, writes refused while a standby, nothing sent to an agent
+    past `order_deadline`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VIEW_FIELD_NUMBER: _builtins.int
+    ORDER_DEADLINE_FIELD_NUMBER: _builtins.int
+    SILENCE_FIELD_NUMBER: _builtins.int
+    order_deadline: _builtins.float
+    """CLOCK_MONOTONIC seconds (one clock for every process of the host): no
+    message goes to an agent after it. Infinite for the single coordinator;
+    each renewal of the leader's etcd lease moves it on.
+    """
+    silence: _builtins.bool
+    """The replica lost the leadership: end every agent's stream at once."""
+    @_builtins.property
+    def view(self) -> _pushkv_pb2.Leadership:
+        """The replica's view, on every change (first, before the front listens)."""
+
+    def __init__(
+        self,
+        *,
+        view: _pushkv_pb2.Leadership | None = ...,
+        order_deadline: _builtins.float = ...,
+        silence: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["view", b"view"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["order_deadline", b"order_deadline", "silence", b"silence", "view", b"view"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FrontControl: _TypeAlias = FrontControl  # noqa: Y015

@@ -1,0 +1,215 @@
+"""A front process of a partitioned leader (`pushkv coordinator
+--partition-procs K --fronts F`, experimental; step 3 of the build order in
+docs/reliability.md, "Past one leader core").
+
+The replica (controlplane/server.py) serves its port through its own front
+(controlplane/front.py); each of its F-1 front processes is one more. It
+binds the same port (SO_REUSEPORT: the kernel spreads new connections over
+every socket listening on it), holds a connection of its own to each of the
+K partition processes (controlplane/partition_host.py), and serves every
+RPC and stream it is handed as the replica's front does
+(controlplane/front_servicers.py). A partition holds each front's
+connection as a carrier of its own, so an agent's orders come back to the
+front that holds the agent's stream.
+
+It serves under the replica's election: the replica writes its view on the
+front's stdin (`FrontControl`, length-prefixed frames) before the front
+listens and on every change, and its order deadline on every renewal of
+its etcd lease. The front's gate, its health and GetLeadership follow it, so
+a standby's fronts refuse writes naming the leader, and nothing goes to an
+agent past the deadline (servicers.fence), as at the replica.
+
+Invariants:
+- It dies with the replica: PR_SET_PDEATHSIG, and the end of its stdin.
+  When it dies, every partition ends (each ends with any of its fronts'
+  connections), and so the replica resigns (exit 5), as for a partition.
+- It listens only once it holds every partition's connection and the
+  replica's first view; READY on stdout says it does.
+- Its /metrics are the replica's: the partitions hold the state, and the
+  replica's scrape gathers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+import uvloop
+from pushkv.v1 import partition_pb2 as ppb
+
+from controlplane import gcpolicy, logs
+from controlplane.auth import Authorizer
+from controlplane.front import PartitionFront
+from controlplane.grpc_edge import (
+    add_front_services,
+    add_health_and_reflection,
+    bind,
+    new_server,
+    set_health,
+)
+from controlplane.leadership import Leadership, Role, View
+from controlplane.partition_host import die_with_parent
+from controlplane.partition_link import PartitionConnection
+from controlplane.servicers import leadership_reply, leadership_view
+from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS
+from wire.event_loop import check_dump_after, report_stalls
+from wire.frames import frame, read_frames
+from wire.tls import TLSFiles
+
+log = structlog.get_logger("pushkv.coordinator")
+
+READY = "pushkv-front-ready\n"
+EXIT_PARTITION_LOST = 5  # as the replica's (server.py): a partition's connection ended
+
+
+def control(
+    view: View | None = None, order_deadline: float = 0.0, *, silence: bool = False
+) -> bytes:
+    """One FrontControl frame, as the replica writes it."""
+    msg = ppb.FrontControl(order_deadline=order_deadline, silence=silence)
+    if view is not None:
+        msg.view.CopyFrom(leadership_reply(view))
+    return frame(msg.SerializeToString())
+
+
+def apply(msg: ppb.FrontControl, gate: Leadership, front: PartitionFront | None) -> None:
+    """One FrontControl, applied to this front's gate (and its streams)."""
+    if msg.HasField("view"):
+        view = leadership_view(msg.view)
+        if front is not None:
+            lead(front, view)
+        gate.update(view, order_deadline=msg.order_deadline)
+    elif msg.order_deadline:
+        gate.extend(msg.order_deadline)
+    if msg.silence and front is not None:
+        front.silence()  # the replica lost the leadership: nothing more to any agent
+
+
+def lead(front: PartitionFront, view: View) -> None:
+    """A leader's term, to every partition down this front's own connections
+    before the gate opens: an agent's hello through this front then reaches
+    a partition after the term (each connection is in order; the replica's
+    own `lead` travels on another). The same term again changes nothing."""
+    if view.role is Role.LEADER:
+        front.lead(view.term)
+
+
+async def _stdin_controls() -> AsyncIterator[ppb.FrontControl]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async for got in read_frames(reader):
+        for data in got:
+            yield ppb.FrontControl.FromString(data)
+
+
+def _log_stall(seconds: float) -> None:
+    log.warning(
+        "front_stalled",
+        seconds=round(seconds, 1),
+        detail="this front process did not run its event loop for that long: "
+        "the agents and clients on its connections heard nothing meanwhile",
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Serve until the replica goes (0) or a partition's connection ends (5)."""
+    controls = _stdin_controls()
+    gate = Leadership()
+    first = await anext(controls, None)
+    if first is None or not first.HasField("view"):
+        log.error("front_not_started", detail="the replica sent no view")
+        return 2
+    apply(first, gate, None)
+    links = [await PartitionConnection.open(args.socket_dir, i) for i in range(args.k)]
+    front = PartitionFront(links)
+    front.start()
+    lead(front, gate.view)
+    tls = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key)
+    authz = Authorizer(tls_enabled=tls.enabled)
+    server = new_server(args.max_message_bytes, authz, gate)
+    add_front_services(server, front, authz, gate, args.index)
+    health = add_health_and_reflection(server)
+    host, _, port = args.address.rpartition(":")
+    bind(server, host, int(port), tls)
+    await server.start()
+    await set_health(health, gate)
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task[None]] = set()
+
+    def on_change(_: View) -> None:
+        task = loop.create_task(set_health(health, gate))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    gate.on_change.append(on_change)
+    stalls = loop.create_task(report_stalls(_log_stall, dump_after_s=args.hang_dump_s))
+    full_gc = loop.create_task(gcpolicy.full_collections())  # gcpolicy.py, as the replica's
+
+    async def follow() -> None:
+        async for msg in controls:
+            apply(msg, gate, front)
+
+    followed = loop.create_task(follow(), name="replica-control")
+    dead = loop.create_task(front.dead.wait())
+    log.info("front_started", index=args.index, address=args.address, partitions=args.k)
+    sys.stdout.write(READY)  # the replica waits for this line
+    sys.stdout.flush()
+    try:
+        await asyncio.wait({followed, dead}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (followed, dead, stalls, full_gc):
+            task.cancel()
+        front.silence()
+        await server.stop(0)
+        await front.stop()
+        for link in links:
+            await link.end()
+    if front.dead.is_set():
+        log.error("front_stopping", index=args.index, reason=front.broken[0])
+        return EXIT_PARTITION_LOST
+    return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m controlplane.front_host")
+    p.add_argument("--socket-dir", required=True, help="the partitions' sockets")
+    p.add_argument("--partitions", dest="k", type=int, required=True)
+    p.add_argument("--index", type=int, required=True, help="this front (1 and up)")
+    p.add_argument("--address", required=True, help="HOST:PORT, the replica's")
+    p.add_argument("--parent", type=int, default=0, help="die with this process (pid)")
+    p.add_argument("--log-level", default="WARNING", help="its log, on stderr")
+    p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--tls-ca", default="")
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--hang-dump-s", type=float, default=0.0)
+    args = p.parse_args(argv)
+    if not 1 <= args.k <= MAX_PARTITIONS:
+        p.error(f"--partitions must be 1 to {MAX_PARTITIONS}, got {args.k}")
+    if not 1 <= args.index < MAX_FRONTS:
+        p.error(f"--index must be 1 to {MAX_FRONTS - 1}, got {args.index}")
+    if not math.isfinite(args.hang_dump_s):
+        p.error("--hang-dump-s must be finite")
+    check_dump_after(args.hang_dump_s)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.parent:
+        die_with_parent(args.parent)
+    logs.configure(args.log_level)  # stderr: stdout carries READY only
+    gcpolicy.install()
+    with contextlib.suppress(KeyboardInterrupt):
+        return uvloop.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

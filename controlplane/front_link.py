@@ -1,0 +1,147 @@
+"""The replica's side of its front processes (controlplane/front_host.py):
+start each with the replica's view of the election, tell it every change
+and every renewal, and stop it.
+
+Ownership: `FrontProcesses` owns the children and their stdin pipes, all on
+the replica's event loop (a renewal from the lease keeper's thread comes in
+through `call_soon_threadsafe`). `close()` ends each stdin (the child then
+ends on its own), waits within a deadline and kills past it; a child also
+dies with the replica (PR_SET_PDEATHSIG). `dead` is set when a child ends
+while the replica still serves (the replica then resigns, as for a
+partition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from controlplane.front_host import READY, control
+from controlplane.leadership import Leadership, View
+from wire.tls import TLSFiles
+
+log = structlog.get_logger("pushkv.coordinator")
+
+START_S = 30.0  # a child imports the coordinator's modules first
+STOP_S = 10.0
+
+
+class FrontProcesses:
+    def __init__(self, procs: Sequence[asyncio.subprocess.Process], gate: Leadership) -> None:
+        self._procs = list(procs)
+        self._gate = gate
+        self._closing = False
+        self.dead = asyncio.Event()
+        self.broken: list[str] = []
+        self._watchers = [
+            asyncio.get_running_loop().create_task(self._watch(i + 1, p))
+            for i, p in enumerate(self._procs)
+        ]
+
+    @classmethod
+    async def start(
+        cls,
+        count: int,
+        *,
+        socket_dir: str,
+        k: int,
+        address: str,
+        gate: Leadership,
+        tls: TLSFiles,
+        max_message_bytes: int,
+        log_level: str = "WARNING",
+        hang_dump_s: float = 0.0,
+        start_s: float = START_S,
+    ) -> FrontProcesses:
+        """Start fronts 1..count on `address` (the replica's bound port),
+        each told `gate`'s view first; return once all listen."""
+        procs: list[asyncio.subprocess.Process] = []
+        try:
+            for index in range(1, count + 1):
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    *(("-P",) if sys.flags.safe_path else ()),  # as partition_link's
+                    "-m",
+                    "controlplane.front_host",
+                    *("--socket-dir", socket_dir, "--partitions", str(k)),
+                    *("--index", str(index), "--address", address),
+                    *("--parent", str(os.getpid()), "--log-level", log_level),
+                    *("--max-message-bytes", str(max_message_bytes)),
+                    *("--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key),
+                    *("--hang-dump-s", str(hang_dump_s)),
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+                procs.append(proc)
+                assert proc.stdin is not None
+                proc.stdin.write(control(gate.view, gate.order_deadline))
+            for index, proc in enumerate(procs, 1):
+                assert proc.stdout is not None
+                line = await asyncio.wait_for(proc.stdout.readline(), start_s)
+                if line.decode() != READY:
+                    code = await asyncio.wait_for(proc.wait(), STOP_S)
+                    raise RuntimeError(f"front {index} did not start (exit code {code})")
+        except BaseException:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), STOP_S)
+            raise
+        fronts = cls(procs, gate)
+        loop = asyncio.get_running_loop()
+        gate.on_change.append(fronts.tell)
+
+        def renewed(deadline: float) -> None:  # on the lease keeper's thread, or the loop's
+            with contextlib.suppress(RuntimeError):  # the loop closed: the replica is ending
+                loop.call_soon_threadsafe(fronts.extend, deadline)
+
+        gate.on_extend.append(renewed)
+        return fronts
+
+    def _send(self, data: bytes) -> None:
+        for proc in self._procs:
+            if proc.stdin is not None and not proc.stdin.is_closing():
+                proc.stdin.write(data)
+
+    def tell(self, view: View) -> None:
+        """The replica's view changed (on_change: the gate holds its deadline)."""
+        self._send(control(view, self._gate.order_deadline))
+
+    def extend(self, order_deadline: float) -> None:
+        """A renewal of the leader's lease: orders may go out until then."""
+        self._send(control(None, order_deadline))
+
+    def silence(self) -> None:
+        """The replica lost the leadership: every front ends its agents' streams."""
+        self._send(control(None, 0.0, silence=True))
+
+    async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self._closing:
+            reason = f"front process {index} ended (exit code {code})"
+            log.error("front_lost", index=index, exit=code)
+            self.broken.append(reason)
+            self.dead.set()
+
+    async def close(self, stop_s: float = STOP_S) -> None:
+        self._closing = True
+        for proc in self._procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in self._procs:
+            try:
+                await asyncio.wait_for(proc.wait(), stop_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        for w in self._watchers:
+            w.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w
