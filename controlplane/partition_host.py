@@ -79,6 +79,7 @@ from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, TransferServicer, list_transfers
 from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
 from controlplane.status_map import outcome
+from controlplane.tracing import tracer_from_env
 from wire.frames import frame, read_frames
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -294,6 +295,9 @@ async def serve(
     counted = CoordinatorMetrics(rt, rank_series=rank) if metrics else None
     if counted is not None:
         rt.observers.append(counted.events)  # served by the front's /metrics
+    tracer = tracer_from_env(rt, partition=index)  # PUSHKV_OTEL: its own transfers' spans
+    if tracer is not None:
+        rt.observers.append(tracer)
     rt.start()
     # The leader's GC policy (gcpolicy.py): a due full pass waits for a quiet second.
     policy = gcpolicy.FullCollections()
@@ -308,6 +312,8 @@ async def serve(
         server.close()
         full_gc.cancel()
         await rt.stop()
+        if tracer is not None:
+            tracer.close()
 
 
 def settings_json(settings: CoreSettings) -> str:

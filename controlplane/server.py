@@ -45,7 +45,7 @@ from controlplane.partition_link import PartitionProcess
 from controlplane.runtime import Runtime
 from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
 from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
-from controlplane.tracing import TransferTracer, tracer_from_env, tracing_asked
+from controlplane.tracing import TransferTracer, tracer_from_env
 from wire.event_loop import check_dump_after, event_loop_name, report_stalls
 from wire.port_file import write_port_file
 from wire.tls import TLSFiles
@@ -172,7 +172,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         if settings.metrics_port is not None
         else None
     )
-    tracer = tracer_from_env(runtime)
+    # With partition processes each traces its own transfers (partition_host.py).
+    tracer = None if settings.partition_procs else tracer_from_env(runtime)
     if metrics is not None:
         runtime.observers.append(metrics.events)
     if tracer is not None:
@@ -300,18 +301,8 @@ def check_partition_procs(settings: ServerSettings) -> None:
         raise ValueError(f"--partition-procs must be 1 to {MAX_PARTITIONS}, got {k}")
     if not 1 <= settings.fronts <= MAX_FRONTS:
         raise ValueError(f"--fronts must be 1 to {MAX_FRONTS}, got {settings.fronts}")
-    missing = [
-        flag
-        for flag, given in (
-            ("--partitions", settings.core.partitions > 1),
-            ("PUSHKV_OTEL (tracing)", tracing_asked()),
-        )
-        if given
-    ]
-    if missing:
-        raise ValueError(
-            f"--partition-procs (experimental) does not work with {', '.join(missing)} yet"
-        )
+    if settings.core.partitions > 1:
+        raise ValueError("--partition-procs (experimental) does not work with --partitions yet")
 
 
 async def _start_partitions(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
@@ -42,9 +43,12 @@ class TransferTracer:
     optional dependency, used through `Any`.
     """
 
-    def __init__(self, runtime: Runtime, tracer_provider: Any) -> None:
+    def __init__(
+        self, runtime: Runtime, tracer_provider: Any, attributes: dict[str, Any] | None = None
+    ) -> None:
         self._rt = runtime
         self._tracer = tracer_provider.get_tracer("pushkv.coordinator")
+        self._attributes = dict(attributes or {})  # on every span (a partition's index)
         self._spans: dict[str, Any] = {}
         self._cursor = TimelineCursor(self._alive)
         self._status = importlib.import_module("opentelemetry.trace").Status
@@ -62,7 +66,7 @@ class TransferTracer:
             span = self._tracer.start_span(
                 "pushkv.transfer",
                 start_time=_ns(t.created_wall),
-                attributes={"pushkv.transfer_id": t.transfer_id},
+                attributes={"pushkv.transfer_id": t.transfer_id, **self._attributes},
             )
             self._spans[t.transfer_id] = span
         if span is None:
@@ -93,13 +97,15 @@ def tracing_asked() -> bool:
     return os.environ.get(OTEL_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
-def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
+def tracer_from_env(runtime: Runtime, partition: int | None = None) -> TransferTracer | None:
     """A tracer when PUSHKV_OTEL=1 and opentelemetry is importable, else None.
 
     If no SDK tracer provider is configured yet (for example by
     `opentelemetry-instrument`), one is installed that exports with OTLP
     (standard OTEL_EXPORTER_OTLP_* variables) or, with
-    PUSHKV_OTEL_EXPORTER=console, prints spans to stdout.
+    PUSHKV_OTEL_EXPORTER=console, prints spans to stdout, one JSON object a
+    line. A partition process (`partition`: its index, on every span as
+    `pushkv.partition`) prints them to stderr: its stdout is its parent's.
     """
     if not tracing_asked():
         return None
@@ -111,16 +117,17 @@ def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
     provider = trace.get_tracer_provider()
     if type(provider).__name__ in ("ProxyTracerProvider", "NoOpTracerProvider"):
         try:
-            provider = _sdk_provider()
+            provider = _sdk_provider(console=sys.stderr if partition is not None else sys.stdout)
         except ImportError as exc:
             log.warning("otel_sdk_unavailable", error=str(exc))
             return None
         trace.set_tracer_provider(provider)
-    log.info("otel_enabled", provider=type(provider).__name__)
-    return TransferTracer(runtime, provider)
+    log.info("otel_enabled", provider=type(provider).__name__, partition=partition)
+    attributes = {"pushkv.partition": partition} if partition is not None else None
+    return TransferTracer(runtime, provider, attributes)
 
 
-def _sdk_provider() -> Any:
+def _sdk_provider(console: TextIO) -> Any:
     sdk = importlib.import_module("opentelemetry.sdk.trace")
     export = importlib.import_module("opentelemetry.sdk.trace.export")
     resources = importlib.import_module("opentelemetry.sdk.resources")
@@ -128,7 +135,9 @@ def _sdk_provider() -> Any:
         resource=resources.Resource.create({"service.name": "pushkv-coordinator"})
     )
     if os.environ.get(OTEL_EXPORTER_ENV, "otlp") == "console":
-        exporter = export.ConsoleSpanExporter()
+        exporter = export.ConsoleSpanExporter(
+            out=console, formatter=lambda span: span.to_json(indent=None) + os.linesep
+        )
     else:
         otlp = importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
         exporter = otlp.OTLPSpanExporter()

@@ -4,6 +4,7 @@ against the single-process coordinator (tests/test_agent_e2e.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from agent.events import EventKind
+from controlplane.partitions import partition_of
 from harness.coordinator import CoordinatorProcess, RelayProcess
 from tests.support import waits
 from tests.support.core_shapes import ids_in_partition
@@ -228,12 +231,60 @@ def test_fronts_without_partition_processes_are_refused() -> None:
     assert "--fronts (experimental) needs --partition-procs" in done.stdout + done.stderr, done
 
 
+def _spans(log: str) -> list[dict[str, Any]]:
+    """The transfer spans a console exporter printed, one JSON object a line."""
+    return [
+        json.loads(line)
+        for line in log.splitlines()
+        if line.startswith("{") and '"name": "pushkv.transfer"' in line
+    ]
+
+
+def test_each_partition_traces_its_own_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PUSHKV_OTEL=1 with partition processes and two fronts: each transfer
+    has exactly one span, from the partition that holds it (its
+    `pushkv.partition`), with its stages to COMPLETE; the console exporter
+    writes them to the coordinator's log (the partitions' stderr)."""
+    monkeypatch.setenv("PUSHKV_OTEL", "1")
+    monkeypatch.setenv("PUSHKV_OTEL_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: export promptly
+    coord = _coord(2)
+    req, status = stubs(coord)
+    (p,), (d,) = hosts(coord)
+    ids = [*ids_in_partition(0, 2, K, "tr"), *ids_in_partition(1, 2, K, "tr")]
+    try:
+        d.call("expect", ids)
+        for n, tid in enumerate(ids):
+            p.fill([1, 2], seed=n)
+            register(req, tid, [5, 6], 20)
+            prefill_done(req, tid, [1, 2], 20)
+            assert d.wait_event(tid).kind is EventKind.KV_READY
+            assert d.check([5, 6], seed=n) == []
+            assert ended(status, tid).state == pb.TRANSFER_STATE_COMPLETE
+
+        def all_traced() -> bool:
+            return {s["attributes"]["pushkv.transfer_id"] for s in _spans(coord.log_text())} >= set(
+                ids
+            )
+
+        waits.poll("every transfer's span exported", all_traced, DEADLINE_S)
+        spans = _spans(coord.log_text())
+        assert sorted(s["attributes"]["pushkv.transfer_id"] for s in spans) == sorted(ids)
+        for s in spans:
+            tid = s["attributes"]["pushkv.transfer_id"]
+            assert s["attributes"]["pushkv.partition"] == partition_of(tid, K), s
+            assert s["attributes"]["pushkv.state"] == "complete", s
+            stages = [e["name"] for e in s["events"]]
+            assert {"decode_registered", "prefill_done", "ordered", "arrived"} <= set(stages)
+            assert stages[-1] == "complete", s
+    finally:
+        stop_all([p], [d])
+        coord.stop()
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "named"),
-    [
-        (("--partitions", "2"), {}, "--partitions"),
-        ((), {"PUSHKV_OTEL": "1"}, "PUSHKV_OTEL (tracing)"),
-    ],
+    [(("--partitions", "2"), {}, "--partitions")],
 )
 def test_what_partition_processes_do_not_take_yet_is_refused(
     flags: tuple[str, ...], env: dict[str, str], named: str
