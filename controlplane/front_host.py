@@ -65,6 +65,7 @@ log = structlog.get_logger("pushkv.coordinator")
 
 READY = "pushkv-front-ready\n"
 EXIT_PARTITION_LOST = 5  # as the replica's (server.py): a partition's connection ended
+FIRST_VIEW_S = 30.0  # the replica's first FrontControl, written at the front's start
 
 
 def control(
@@ -121,7 +122,10 @@ async def serve(args: argparse.Namespace) -> int:
     """Serve until the replica goes (0) or a partition's connection ends (5)."""
     controls = _stdin_controls()
     gate = Leadership()
-    first = await anext(controls, None)
+    try:  # the replica writes it before it waits for READY
+        first = await asyncio.wait_for(anext(controls, None), FIRST_VIEW_S)
+    except TimeoutError:
+        first = None
     if first is None or not first.HasField("view"):
         log.error("front_not_started", detail="the replica sent no view")
         return 2
