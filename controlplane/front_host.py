@@ -66,13 +66,20 @@ log = structlog.get_logger("pushkv.coordinator")
 READY = "pushkv-front-ready\n"
 EXIT_PARTITION_LOST = 5  # as the replica's (server.py): a partition's connection ended
 FIRST_VIEW_S = 30.0  # the replica's first FrontControl, written at the front's start
+MAX_GRACE_S = 60.0  # a stop's grace, at most
 
 
 def control(
-    view: View | None = None, order_deadline: float = 0.0, *, silence: bool = False
+    view: View | None = None,
+    order_deadline: float = 0.0,
+    *,
+    silence: bool = False,
+    stop_grace_s: float | None = None,
 ) -> bytes:
-    """One FrontControl frame, as the replica writes it."""
+    """One FrontControl frame, as the replica writes it (`stop_grace_s`: stop)."""
     msg = ppb.FrontControl(order_deadline=order_deadline, silence=silence)
+    if stop_grace_s is not None:
+        msg.stop, msg.grace_s = True, stop_grace_s
     if view is not None:
         msg.view.CopyFrom(leadership_reply(view))
     return frame(msg.SerializeToString())
@@ -155,8 +162,15 @@ async def serve(args: argparse.Namespace) -> int:
     stalls = loop.create_task(report_stalls(_log_stall, dump_after_s=args.hang_dump_s))
     full_gc = loop.create_task(gcpolicy.full_collections())  # gcpolicy.py, as the replica's
 
+    grace = 0.0  # the replica gone without a word: stop at once
+
     async def follow() -> None:
+        nonlocal grace
         async for msg in controls:
+            if msg.stop:
+                grace = max(0.0, min(msg.grace_s, MAX_GRACE_S))
+                await health.enter_graceful_shutdown()
+                return
             apply(msg, gate, front)
 
     followed = loop.create_task(follow(), name="replica-control")
@@ -169,8 +183,8 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         for task in (followed, dead, stalls, full_gc):
             task.cancel()
+        await server.stop(0 if front.dead.is_set() else grace)
         front.silence()
-        await server.stop(0)
         await front.stop()
         for link in links:
             await link.end()

@@ -129,14 +129,19 @@ class FrontProcesses:
             self.broken.append(reason)
             self.dead.set()
 
-    async def close(self, stop_s: float = STOP_S) -> None:
+    async def close(self, grace: float | None = None, stop_s: float = STOP_S) -> None:
+        """Stop every front, each letting its calls in flight finish within
+        `grace` (None: at once), and wait for them (killed past the grace
+        and `stop_s`)."""
         self._closing = True
+        if grace:
+            self._send(control(None, 0.0, stop_grace_s=grace))
         for proc in self._procs:
             if proc.stdin is not None:
                 proc.stdin.close()
         for proc in self._procs:
             try:
-                await asyncio.wait_for(proc.wait(), stop_s)
+                await asyncio.wait_for(proc.wait(), (grace or 0.0) + stop_s)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

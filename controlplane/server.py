@@ -146,10 +146,11 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.election_task
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        stopping = [self.server.stop(grace)]
+        if self.fronts is not None:  # each front lets its own calls finish meanwhile
+            stopping.append(self.fronts.close(grace))
+        await asyncio.gather(*stopping)
         await self.runtime.stop()
-        if self.fronts is not None:
-            await self.fronts.close()
         await _stop_partitions(self.front, self.partitions, self.socket_dir)
         if self.metrics is not None:
             await self.metrics.close()

@@ -114,3 +114,11 @@ def test_a_leader_view_sends_the_term_down_the_fronts_own_connections_first() ->
     apply(leader, gate, front)
     assert [link.sent for link in links] == [[(9, False)], [(9, False)]]
     assert gate.may_order()
+
+
+def test_a_stop_carries_its_grace() -> None:
+    """The replica's stop: the front lets its calls finish within the grace;
+    a stdin that ends without one (the replica gone) stops it at once."""
+    (stop, plain) = decoded(control(None, 0.0, stop_grace_s=5.0), control(None, 1.0))
+    assert stop.stop and stop.grace_s == 5.0 and not stop.HasField("view")
+    assert not plain.stop and plain.grace_s == 0.0

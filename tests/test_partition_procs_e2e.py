@@ -185,8 +185,8 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
     """`--fronts 3`: new connections reach all three fronts (each answer
     names its front), each serving as the replica does; kill -9 of a front
     process ends the coordinator (exit 5, the front named in its log), its
-    partitions and the other front; and a coordinator killed with -9
-    leaves no front behind."""
+    partitions and the other front; a SIGTERM stops every front and exits
+    0; and a coordinator killed with -9 leaves no front behind."""
     coord = _coord(3)
     try:
         assert coord.proc is not None
@@ -203,6 +203,18 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
         assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
         assert re.search(r"front process [12] ended \(exit code -9\)", coord.log_text())
         for pid in (*parts, fronts[1]):
+            waits.poll(f"{pid} gone", partial(waits.process_gone, pid), DEADLINE_S)
+    finally:
+        coord.stop()
+    coord = _coord(3)
+    try:  # SIGTERM: each front stops with the replica's grace, then all end, exit 0
+        assert coord.proc is not None
+        kids = _children(coord.proc.pid)
+        assert len(kids) == K + 2, kids
+        coord.proc.send_signal(signal.SIGTERM)
+        assert coord.proc.wait(DEADLINE_S) == 0, coord.log_text()[-3000:]
+        assert "front_lost" not in coord.log_text()
+        for pid in kids:
             waits.poll(f"{pid} gone", partial(waits.process_gone, pid), DEADLINE_S)
     finally:
         coord.stop()

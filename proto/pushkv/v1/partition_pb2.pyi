@@ -347,6 +347,8 @@ class FrontControl(_message.Message):
     VIEW_FIELD_NUMBER: _builtins.int
     ORDER_DEADLINE_FIELD_NUMBER: _builtins.int
     SILENCE_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
     order_deadline: _builtins.float
     """CLOCK_MONOTONIC seconds (one clock for every process of the host): no
     message goes to an agent after it. Infinite for the single coordinator;
@@ -354,6 +356,12 @@ class FrontControl(_message.Message):
     """
     silence: _builtins.bool
     """The replica lost the leadership: end every agent's stream at once."""
+    stop: _builtins.bool
+    """The replica stops: stop serving, letting the calls in flight finish
+    within `grace_s` (then the front ends). Its stdin ends next; an end
+    without this (the replica gone) stops the front at once.
+    """
+    grace_s: _builtins.float
     @_builtins.property
     def view(self) -> _pushkv_pb2.Leadership:
         """The replica's view, on every change (first, before the front listens)."""
@@ -364,10 +372,12 @@ class FrontControl(_message.Message):
         view: _pushkv_pb2.Leadership | None = ...,
         order_deadline: _builtins.float = ...,
         silence: _builtins.bool = ...,
+        stop: _builtins.bool = ...,
+        grace_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["order_deadline", b"order_deadline", "silence", b"silence", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "order_deadline", b"order_deadline", "silence", b"silence", "stop", b"stop", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
