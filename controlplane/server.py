@@ -23,11 +23,9 @@ from controlplane.core_build import core_build
 from controlplane.front import PartitionFront
 from controlplane.front_link import FrontProcesses
 from controlplane.grpc_edge import (
-    WRITE_SERVICE_NAMES,
     add_front_services,
     add_health_and_reflection,
     bind,
-    health_status,
     new_server,
     set_health,
 )
@@ -269,11 +267,9 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
             if coord.front is not None:
                 coord.front.lead(view.term)
         # The front processes follow the view through the gate (front_link.py).
-        serving = view.role is not Role.STANDBY
-        for name in WRITE_SERVICE_NAMES:
-            task = loop.create_task(coord.health.set(name, health_status(serving)))
-            coord.pending.add(task)
-            task.add_done_callback(coord.pending.discard)
+        task = loop.create_task(set_health(coord.health, coord.leadership))
+        coord.pending.add(task)
+        task.add_done_callback(coord.pending.discard)
 
     def on_lost(reason: str) -> None:
         coord.runtime.silence()  # no order leaves after this line

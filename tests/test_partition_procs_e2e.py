@@ -23,6 +23,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from agent.events import EventKind
 from controlplane.partitions import partition_of
 from harness.coordinator import CoordinatorProcess, RelayProcess
+from harness.kvhost import KVHost
 from tests.support import waits
 from tests.support.core_shapes import ids_in_partition
 from tests.support.kvpair import (
@@ -124,6 +125,25 @@ def test_tp2_kv_hosts_push_through_partition_processes(coord: CoordinatorProcess
         stop_all(ps, ds)
 
 
+def _push_each(
+    req: pbg.TransferServiceStub,
+    status: pbg.StatusServiceStub,
+    p: KVHost,
+    d: KVHost,
+    ids: list[str],
+) -> None:
+    """Each of `ids` in turn, prefill blocks [1, 2] into decode blocks [5, 6]:
+    the bytes arrive intact and the transfer ends COMPLETE."""
+    d.call("expect", ids)
+    for n, tid in enumerate(ids):
+        p.fill([1, 2], seed=n)
+        register(req, tid, [5, 6], 20)
+        prefill_done(req, tid, [1, 2], 20)
+        assert d.wait_event(tid).kind is EventKind.KV_READY
+        assert d.check([5, 6], seed=n) == []
+        assert ended(status, tid).state == pb.TRANSFER_STATE_COMPLETE
+
+
 def test_agents_through_a_node_relay_push_through_partition_processes(
     coord: CoordinatorProcess,
 ) -> None:
@@ -135,14 +155,7 @@ def test_agents_through_a_node_relay_push_through_partition_processes(
     (p,), (d,) = hosts(relay)
     try:
         ids = [*ids_in_partition(0, 1, K, "rl"), *ids_in_partition(1, 1, K, "rl")]
-        d.call("expect", ids)
-        for n, tid in enumerate(ids):
-            p.fill([1, 2], seed=n)
-            register(req, tid, [5, 6], 20)
-            prefill_done(req, tid, [1, 2], 20)
-            assert d.wait_event(tid).kind is EventKind.KV_READY
-            assert d.check([5, 6], seed=n) == []
-            assert ended(status, tid).state == pb.TRANSFER_STATE_COMPLETE
+        _push_each(req, status, p, d, ids)
         engines = status.ListEngines(pb.ListEnginesRequest(), timeout=5).engines
         assert all(rl.relay for e in engines for rl in e.ranks), engines
     finally:
@@ -265,14 +278,7 @@ def test_each_partition_traces_its_own_transfers(monkeypatch: pytest.MonkeyPatch
     (p,), (d,) = hosts(coord)
     ids = [*ids_in_partition(0, 2, K, "tr"), *ids_in_partition(1, 2, K, "tr")]
     try:
-        d.call("expect", ids)
-        for n, tid in enumerate(ids):
-            p.fill([1, 2], seed=n)
-            register(req, tid, [5, 6], 20)
-            prefill_done(req, tid, [1, 2], 20)
-            assert d.wait_event(tid).kind is EventKind.KV_READY
-            assert d.check([5, 6], seed=n) == []
-            assert ended(status, tid).state == pb.TRANSFER_STATE_COMPLETE
+        _push_each(req, status, p, d, ids)
 
         def all_traced() -> bool:
             return {s["attributes"]["pushkv.transfer_id"] for s in _spans(coord.log_text())} >= set(
