@@ -4,6 +4,12 @@ gRPC; the rendezvous state machine (rendezvous.py) calls these on a hello that
 replaces a live incarnation (`fenced`), a lapsed lease (`lost`), a closed
 stream not reopened within the reconnect grace (`Away`, `grace_over`), and
 a replaced incarnation's lease running out (`resolve_orders`).
+
+A prefill agent lost after decode counted every WRITE of a transfer as
+arrived does not fail it: NIXL delivers a WRITE's notification only once its
+data has landed, and decode already runs on that KV. Only the agent's done
+report is missing, so its orders resolve as landed (`landed`), and the
+transfer completes once no other rank's report is pending.
 """
 
 from __future__ import annotations
@@ -21,18 +27,55 @@ from controlplane.domain import (
 from controlplane.inflight import InFlight
 from controlplane.notices import peer_fenced
 from controlplane.registry import AgentRecord
+from controlplane.transfer import Transfer
+
+# The detail of an order whose agent was lost after its WRITE was counted.
+LANDED = "landed (decode counted its arrival); the agent was lost before it reported"
+
+
+def delivered(t: Transfer, prefill: AgentKey) -> bool:
+    """Whether `t` needs nothing more of prefill agent `prefill` but its
+    done report: every WRITE it was ordered arrived at decode."""
+    return (
+        t.state in MOVING
+        and not t.adopting
+        and t.prefill_engine == prefill.engine_id
+        and bool(t.orders)
+        and t.all_arrived()
+    )
+
+
+def landed(book: InFlight, t: Transfer, key: AgentKey, incarnation: str) -> list[Effect]:
+    """`t` is `delivered` and agent `key`@`incarnation` is gone: its orders
+    resolve as DONE, and `t` completes unless another rank's report is due."""
+    for rec in t.orders.values():
+        mine = rec.agent == key and rec.order.prefill_incarnation == incarnation
+        if mine and not rec.state.resolved:
+            rec.state, rec.detail = RankState.DONE, LANDED
+            book.open_orders.close(rec)
+    if all(rec.state is RankState.DONE for rec in t.orders.values()):
+        return book.finish(t, State.COMPLETE, Reason.NONE, "")
+    return [TransferChanged(t.transfer_id)]
+
+
+def _gone(
+    book: InFlight, key: AgentKey, incarnation: str, reason: Reason, why: str
+) -> list[Effect]:
+    """Agent `key`@`incarnation` is gone: its engine's transfers not ended
+    fail, but those it had `delivered`, which complete without its report."""
+    effects: list[Effect] = []
+    for t in book.of_engine(key.engine_id):
+        if delivered(t, key):
+            effects += landed(book, t, key, incarnation)
+        else:
+            effects += book.finish(t, State.FAILED, reason, why)
+    return effects
 
 
 def fenced(book: InFlight, old: AgentRecord) -> list[Effect]:
     """A new incarnation of `old`'s agent said hello: the older one is fenced."""
-    effects: list[Effect] = []
-    for t in book.of_engine(old.key.engine_id):
-        effects += book.finish(
-            t,
-            State.FAILED,
-            Reason.AGENT_FENCED,
-            f"agent {old.key} restarted (incarnation {old.incarnation} fenced)",
-        )
+    why = f"agent {old.key} restarted (incarnation {old.incarnation} fenced)"
+    effects = _gone(book, old.key, old.incarnation, Reason.AGENT_FENCED, why)
     effects += peer_fenced(book.registry, old.key, old.incarnation, tell_same_key=False)
     return effects
 
@@ -42,10 +85,13 @@ def disconnected(book: InFlight, key: AgentKey, incarnation: str, why: str) -> l
     moving transfers fail (its lease, and so its registration, runs on: the
     same incarnation may still come back; what it still reports is taken)."""
     effects: list[Effect] = []
+    failed = 0
     for t in book.of_engine(key.engine_id):
-        if t.state in MOVING:
+        if delivered(t, key):
+            effects += landed(book, t, key, incarnation)
+        elif t.state in MOVING:
             effects += book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
-    failed = len({e.transfer_id for e in effects if type(e) is TransferChanged})
+            failed += 1
     effects.append(AgentNotBack(key, incarnation, failed))
     return effects
 
@@ -96,9 +142,8 @@ class Away:
 
 def lost(book: InFlight, rec: AgentRecord) -> list[Effect]:
     """The lease of agent `rec` lapsed."""
-    effects: list[Effect] = []
-    for t in book.of_engine(rec.key.engine_id):
-        effects += book.finish(t, State.FAILED, Reason.AGENT_LOST, f"agent {rec.key} lease expired")
+    why = f"agent {rec.key} lease expired"
+    effects = _gone(book, rec.key, rec.incarnation, Reason.AGENT_LOST, why)
     effects += resolve_orders(book, rec.key, rec.incarnation, "agent lease expired")
     effects += peer_fenced(book.registry, rec.key, rec.incarnation, tell_same_key=True)
     return effects

@@ -370,6 +370,77 @@ def test_lost_agent_fails_its_transfers() -> None:
         rv.prefill_done("t2", P, [[1]], 10)
 
 
+def _delivered(rv: Core, tid: str, tp: int = 1) -> list[SendOrder]:
+    """`tid` ordered on `tp` prefill ranks, each WRITE counted at decode, and
+    no prefill rank's done report heard yet."""
+    rv.register_decode(tid, D, [[1]], 10)
+    _, effects = rv.prefill_done(tid, P, [[3]], 10)
+    sent = orders(effects)
+    assert len(sent) == tp
+    for o in sent:
+        rv.write_report(o.to, "i1", o.order.order_id, tid, WriteStatus.POSTED)
+        for tgt in o.order.targets:
+            key = AgentKey(tgt.decode_engine_id, tgt.decode_rank)
+            rv.arrival_report(key, "i1", tid, [o.order.prefill_rank])
+    assert rv.get(tid).state is State.WRITING and rv.get(tid).all_arrived()
+    return sent
+
+
+def test_a_prefill_agent_lost_after_decode_counted_its_writes_completes_them() -> None:
+    """The done report is all that is missing (the notification of a WRITE
+    comes only once its data landed): the transfer completes, not fails."""
+    rv, clock = core(lease_s=3, heartbeat_interval_s=1)
+    _delivered(rv, "t")
+    rv.register_decode("waiting", D, [[2]], 10)  # decode's: prefill never came
+    rv.register_decode("ordered", D, [[4]], 10)
+    rv.prefill_done("ordered", P, [[5]], 10)  # ordered, nothing arrived
+    clock.advance(3.5)
+    rv.agent_seen(AgentKey(D, 0), "i1")
+    effects = rv.tick()
+    t = rv.get("t")
+    assert t.state is State.COMPLETE and t.reason is Reason.NONE, t.detail
+    assert t.orders[0].state is RankState.DONE and "landed" in t.orders[0].detail
+    assert not t.write_may_land
+    assert notices(effects, AgentKey(D, 0)) and all(
+        n.notice.transfer_id != "t" for n in notices(effects, AgentKey(D, 0))
+    )  # a clean COMPLETE: decode knew it; the failed "ordered" is told
+    assert rv.get("ordered").state is State.FAILED
+    assert rv.get("ordered").reason is Reason.AGENT_LOST
+    assert rv.get("waiting").state is State.REGISTERED  # prefill was not part of it yet
+
+
+def test_a_prefill_agent_gone_in_any_way_after_its_writes_landed_fails_nothing() -> None:
+    rv, _ = core(reconnect_grace_s=0)
+    [o] = _delivered(rv, "t")
+    effects = rv.agent_disconnected(AgentKey(P, 0), "i1")
+    assert rv.get("t").state is State.COMPLETE
+    assert [e for e in effects if isinstance(e, AgentNotBack)] == [
+        AgentNotBack(AgentKey(P, 0), "i1", 0)
+    ]
+    # Its report, when the same incarnation comes back, changes nothing.
+    rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i1"))
+    assert rv.write_report(o.to, "i1", o.order.order_id, "t", WriteStatus.DONE) == []
+    _delivered(rv, "t2")
+    rv.agent_hello(reg(P, Role.PREFILL, 0, 1, inc="i2"))  # a restart fences i1
+    assert rv.get("t2").state is State.COMPLETE
+
+
+def test_with_two_prefill_ranks_a_landed_transfer_waits_for_the_live_ranks_report() -> None:
+    rv, clock = core(tp=2, lease_s=3, heartbeat_interval_s=1)
+    sent = _delivered(rv, "t", tp=2)
+    clock.advance(3.5)
+    for r in range(2):
+        rv.agent_seen(AgentKey(D, r), "i1")
+    rv.agent_seen(AgentKey(P, 1), "i1")  # rank 0 alone is lost
+    rv.tick()
+    t = rv.get("t")
+    assert state_of(t) is State.WRITING
+    assert t.orders[0].state is RankState.DONE and t.orders[1].state is RankState.POSTED
+    [o1] = [o for o in sent if o.order.prefill_rank == 1]
+    rv.write_report(o1.to, "i1", o1.order.order_id, "t", WriteStatus.DONE)
+    assert state_of(t) is State.COMPLETE
+
+
 def test_disconnect_fails_moving_transfers_at_once_without_a_reconnect_grace() -> None:
     rv, _ = core(reconnect_grace_s=0)
     rv.register_decode("t", D, [[1]], 10)
