@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.parent:
         die_with_parent(args.parent)
-    logs.configure(args.log_level)  # stderr: stdout carries READY only
+    # stderr: stdout carries READY only
+    logs.configure(args.log_level, process=f"front-{args.index}")
     gcpolicy.install()
     with contextlib.suppress(KeyboardInterrupt):
         return uvloop.run(serve(args))

@@ -34,7 +34,9 @@ def debug_enabled() -> bool:
     return _Levels.debug
 
 
-def configure(level: str = "INFO", *, json: bool | None = None) -> None:
+def configure(level: str = "INFO", *, json: bool | None = None, process: str = "") -> None:
+    """`process` names a helper process of the coordinator on each of its
+    lines ("partition-1", "front-2"), so merged logs say whose line it is."""
     as_json = (not sys.stderr.isatty()) if json is None else json
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     _Levels.debug = lvl <= logging.DEBUG
@@ -43,9 +45,11 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     )
+    named: list[structlog.typing.Processor] = [_Named(process)] if process else []
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *named,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -55,6 +59,19 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class _Named:
+    """A structlog processor: the process's name on each line."""
+
+    def __init__(self, process: str) -> None:
+        self._process = process
+
+    def __call__(
+        self, _logger: object, _method: str, event: structlog.typing.EventDict
+    ) -> structlog.typing.EventDict:
+        event.setdefault("process", self._process)
+        return event
 
 
 class TransferLog:

@@ -69,6 +69,7 @@ from controlplane.auth import TRUSTED, Authorizer, Principal, principal_from_wir
 from controlplane.clock import SystemClock
 from controlplane.errors import FailedPrecondition, InvalidArgument
 from controlplane.leadership import Leadership
+from controlplane.logs import TransferLog
 from controlplane.metrics import CoordinatorMetrics
 from controlplane.metrics_merge import snapshot_to_json
 from controlplane.node_stream import NodeChannels
@@ -295,6 +296,7 @@ async def serve(
     counted = CoordinatorMetrics(rt, rank_series=rank) if metrics else None
     if counted is not None:
         rt.observers.append(counted.events)  # served by the front's /metrics
+    rt.observers.append(TransferLog(rt.core.has_transfer))  # its transfers' outcomes
     tracer = tracer_from_env(rt, partition=index)  # PUSHKV_OTEL: its own transfers' spans
     if tracer is not None:
         rt.observers.append(tracer)
@@ -344,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.parent:
         die_with_parent(args.parent)
-    logs.configure(args.log_level)  # stderr: stdout carries READY only
+    # stderr: stdout carries READY only
+    logs.configure(args.log_level, process=f"partition-{args.index}")
     settings = CoreSettings(**json.loads(args.settings))
     rt = partition_runtime(settings, args.index, args.partitions, args.term, args.coordinator_id)
     gcpolicy.install()

@@ -325,6 +325,7 @@ async def _start_partitions(
                     metrics=settings.metrics_port is not None,
                     rank_metrics=settings.rank_metrics,
                     fronts=settings.fronts,
+                    log_level=logs.level_name(),  # as the replica's
                 )
             )
     except BaseException:

@@ -121,8 +121,24 @@ def test_tp2_kv_hosts_push_through_partition_processes(coord: CoordinatorProcess
             watch.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs: unannotated
         assert [t.transfer_id for t in replay] == ids
         assert {t.state for t in replay} == {pb.TRANSFER_STATE_COMPLETE}
+
+        # Each outcome is logged once, by the partition that holds the transfer.
+        def outcomes() -> list[dict[str, Any]]:
+            got = _logged(coord.log_text(), "transfer_complete")
+            return got if len(got) >= len(ids) else []
+
+        logged = waits.poll("every transfer's outcome logged", outcomes, DEADLINE_S)
+        assert sorted(ln["transfer_id"] for ln in logged) == sorted(ids)
+        for ln in logged:
+            assert ln["process"] == f"partition-{partition_of(ln['transfer_id'], K)}", ln
     finally:
         stop_all(ps, ds)
+
+
+def _logged(log: str, event: str) -> list[dict[str, Any]]:
+    """The coordinator's JSON log lines (its own and its children's) of `event`."""
+    lines = (json.loads(ln) for ln in log.splitlines() if ln.startswith("{") and event in ln)
+    return [ln for ln in lines if ln.get("event") == event]
 
 
 def _push_each(
@@ -209,6 +225,11 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
             assert got.role == pb.LEADER_ROLE_SINGLE, got
             seen[got.front] = seen.get(got.front, 0) + 1
         assert set(seen) == {0, 1, 2}, seen
+        started = _logged(coord.log_text(), "front_started")  # each front's lines say whose
+        assert sorted((ln["process"], ln["index"]) for ln in started) == [
+            ("front-1", 1),
+            ("front-2", 2),
+        ], started
         parts = _children(coord.proc.pid, "controlplane.partition_host")
         fronts = _children(coord.proc.pid, "controlplane.front_host")
         assert len(parts) == K and len(fronts) == 2, (parts, fronts)
