@@ -26,7 +26,8 @@ Invariants:
 - It listens only once it holds every partition's connection and the
   replica's first view; READY on stdout says it does.
 - Its /metrics are the replica's: the partitions hold the state, and the
-  replica's scrape gathers them.
+  replica's scrape gathers them; of its own, the replica asks its event
+  loop's lag (FrontControl.report, answered by a FrontReport on stdout).
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ from controlplane.grpc_edge import (
     set_health,
 )
 from controlplane.leadership import Leadership, Role, View
+from controlplane.metric_families import HistogramSeries
 from controlplane.partition_host import die_with_parent
 from controlplane.partition_link import PartitionConnection
 from controlplane.servicers import leadership_reply, leadership_view
 from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS
-from wire.event_loop import check_dump_after, report_stalls
+from controlplane.transfer_metrics import loop_lag_family
+from wire.event_loop import check_dump_after, report_stalls, sample_loop_lag
 from wire.frames import frame, read_frames
 from wire.tls import TLSFiles
 
@@ -74,9 +77,11 @@ def control(
     *,
     silence: bool = False,
     stop_grace_s: float | None = None,
+    report: int = 0,
 ) -> bytes:
-    """One FrontControl frame, as the replica writes it (`stop_grace_s`: stop)."""
-    msg = ppb.FrontControl(order_deadline=order_deadline, silence=silence)
+    """One FrontControl frame, as the replica writes it (`stop_grace_s`:
+    stop; `report`: a FrontReport asked, with this number)."""
+    msg = ppb.FrontControl(order_deadline=order_deadline, silence=silence, report=report)
     if stop_grace_s is not None:
         msg.stop, msg.grace_s = True, stop_grace_s
     if view is not None:
@@ -95,6 +100,15 @@ def apply(msg: ppb.FrontControl, gate: Leadership, front: PartitionFront | None)
         gate.extend(msg.order_deadline)
     if msg.silence and front is not None:
         front.silence()  # the replica lost the leadership: nothing more to any agent
+
+
+def report(number: int, lag: HistogramSeries) -> bytes:
+    """The FrontReport frame that answers FrontControl.report `number`."""
+    counts, total, created = lag.copy()
+    msg = ppb.FrontReport(
+        report=number, loop_lag_counts=counts, loop_lag_sum=total, loop_lag_created=created
+    )
+    return frame(msg.SerializeToString())
 
 
 def lead(front: PartitionFront, view: View) -> None:
@@ -159,6 +173,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     gate.on_change.append(on_change)
     stalls = loop.create_task(report_stalls(_log_stall, dump_after_s=args.hang_dump_s))
+    lag = loop_lag_family().child(f"front-{args.index}")  # for the replica's /metrics
+    sampler = loop.create_task(sample_loop_lag(lag.observe))
     full_gc = loop.create_task(gcpolicy.full_collections())  # gcpolicy.py, as the replica's
 
     grace = 0.0  # the replica gone without a word: stop at once
@@ -171,6 +187,9 @@ async def serve(args: argparse.Namespace) -> int:
                 await health.enter_graceful_shutdown()
                 return
             apply(msg, gate, front)
+            if msg.report:  # stdout: READY, then FrontReport frames only
+                sys.stdout.buffer.write(report(msg.report, lag))
+                sys.stdout.buffer.flush()
 
     followed = loop.create_task(follow(), name="replica-control")
     dead = loop.create_task(front.dead.wait())
@@ -180,7 +199,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await asyncio.wait({followed, dead}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (followed, dead, stalls, full_gc):
+        for task in (followed, dead, stalls, sampler, full_gc):
             task.cancel()
         await server.stop(0 if front.dead.is_set() else grace)
         front.silence()
@@ -219,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.parent:
         die_with_parent(args.parent)
-    # stderr: stdout carries READY only
+    # stderr: stdout carries READY and FrontReport frames only
     logs.configure(args.log_level, process=f"front-{args.index}")
     gcpolicy.install()
     with contextlib.suppress(KeyboardInterrupt):

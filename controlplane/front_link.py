@@ -8,7 +8,8 @@ through `call_soon_threadsafe`). `close()` ends each stdin (the child then
 ends on its own), waits within a deadline and kills past it; a child also
 dies with the replica (PR_SET_PDEATHSIG). `dead` is set when a child ends
 while the replica still serves (the replica then resigns, as for a
-partition).
+partition). `loop_lag` asks each front for its event loop's lag at a
+/metrics scrape; `_reports` reads the answers from the front's stdout.
 """
 
 from __future__ import annotations
@@ -20,15 +21,20 @@ import sys
 from collections.abc import Sequence
 
 import structlog
+from google.protobuf.message import DecodeError
+from pushkv.v1 import partition_pb2 as ppb
 
 from controlplane.front_host import READY, control
 from controlplane.leadership import Leadership, View
+from controlplane.metric_families import FamilyCopy
+from wire.frames import FrameError, read_frames
 from wire.tls import TLSFiles
 
 log = structlog.get_logger("pushkv.coordinator")
 
 START_S = 30.0  # a child imports the coordinator's modules first
 STOP_S = 10.0
+REPORT_S = 0.5  # a front's FrontReport, at a scrape (within the scrape's 2 s)
 
 
 class FrontProcesses:
@@ -38,9 +44,14 @@ class FrontProcesses:
         self._closing = False
         self.dead = asyncio.Event()
         self.broken: list[str] = []
+        loop = asyncio.get_running_loop()
+        # FrontReports: the number last asked, and each front's answer to it.
+        self._asked = 0
+        self._answers: dict[int, asyncio.Future[ppb.FrontReport]] = {}
+        self._asking = asyncio.Lock()
         self._watchers = [
-            asyncio.get_running_loop().create_task(self._watch(i + 1, p))
-            for i, p in enumerate(self._procs)
+            *(loop.create_task(self._watch(i + 1, p)) for i, p in enumerate(self._procs)),
+            *(loop.create_task(self._reports(i + 1, p)) for i, p in enumerate(self._procs)),
         ]
 
     @classmethod
@@ -104,6 +115,10 @@ class FrontProcesses:
         gate.on_extend.append(renewed)
         return fronts
 
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
     def _send(self, data: bytes) -> None:
         for proc in self._procs:
             if proc.stdin is not None and not proc.stdin.is_closing():
@@ -120,6 +135,42 @@ class FrontProcesses:
     def silence(self) -> None:
         """The replica lost the leadership: every front ends its agents' streams."""
         self._send(control(None, 0.0, silence=True))
+
+    async def loop_lag(self, within_s: float = REPORT_S) -> FamilyCopy:
+        """Each front's pushkv_event_loop_lag_seconds series, for a scrape
+        (a front that does not answer within `within_s` is left out)."""
+        if not self._procs:
+            return []
+        async with self._asking:
+            self._asked += 1
+            loop = asyncio.get_running_loop()
+            self._answers = {i: loop.create_future() for i in range(1, len(self._procs) + 1)}
+            self._send(control(None, 0.0, report=self._asked))
+            await asyncio.wait(self._answers.values(), timeout=within_s)
+            answers, self._answers = self._answers, {}
+        out: FamilyCopy = []
+        for i, fut in answers.items():
+            if fut.done() and not fut.cancelled():
+                r = fut.result()
+                series = (list(r.loop_lag_counts), r.loop_lag_sum, r.loop_lag_created)
+                out.append(((f"front-{i}",), series))
+            else:
+                fut.cancel()
+        return out
+
+    async def _reports(self, index: int, proc: asyncio.subprocess.Process) -> None:
+        """Front `index`'s FrontReports (its stdout after READY), until it ends."""
+        if proc.stdout is None:
+            return
+        try:
+            async for got in read_frames(proc.stdout):
+                for data in got:
+                    r = ppb.FrontReport.FromString(data)
+                    fut = self._answers.get(index)
+                    if r.report == self._asked and fut is not None and not fut.done():
+                        fut.set_result(r)  # an answer to an older ask is dropped
+        except (FrameError, DecodeError) as exc:  # the same build: never expected
+            log.error("front_report_unreadable", index=index, error=str(exc))
 
     async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()

@@ -225,6 +225,7 @@ class CoordinatorMetrics:
         *,
         rank_series: bool = True,
         gather: Callable[[list[FamilyCopy]], Awaitable[Snapshot]] | None = None,
+        process: str = "coordinator",
     ) -> None:
         self._rt = runtime
         # With partition processes (metrics_merge.py): the snapshot is theirs,
@@ -235,6 +236,7 @@ class CoordinatorMetrics:
         # 1,000 ranks took about 56 ms of the coordinator's interpreter with
         # them and 24 without (docs/operations.md); the per-engine aggregates stay.
         self.rank_series = rank_series
+        self.process = process  # its pushkv_event_loop_lag_seconds series
         self.registry = CollectorRegistry()
         self.events = TransferMetrics(runtime.core.has_transfer)
         runtime.order_residence = self.events.order_residence_series.observe
@@ -250,9 +252,15 @@ class CoordinatorMetrics:
         self._server, self._thread = server, thread
         bound: int = server.server_port
         log.info("metrics_listening", host=host, port=bound)
-        lag = sample_loop_lag(self.events.loop_lag_series.observe)
-        self._lag_task = self._loop.create_task(lag, name="loop-lag")
+        self.sample_lag()
         return bound
+
+    def sample_lag(self) -> None:
+        """Sample this process's event loop lag (serve() does; a partition
+        process, whose /metrics the coordinator serves, calls it itself)."""
+        if self._lag_task is None:
+            lag = sample_loop_lag(self.events.loop_lag.child(self.process).observe)
+            self._lag_task = self._loop.create_task(lag, name="loop-lag")
 
     @property
     def port(self) -> int | None:
@@ -345,6 +353,11 @@ class CoordinatorMetrics:
             )
         inflight = tuple((st.value, n) for st, n in self.events.inflight.items())
         return Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
+
+    def with_loop_lag(self, copies: list[FamilyCopy], more: FamilyCopy) -> list[FamilyCopy]:
+        """`copies` (copy_events) with `more` loop lag series (another process's)."""
+        i = self.events.families.index(self.events.loop_lag)
+        return [*copies[:i], copies[i] + more, *copies[i + 1 :]]
 
     def copy_events(self) -> list[FamilyCopy]:
         """The event series now, family by family (on the loop, or from any thread)."""

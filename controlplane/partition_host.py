@@ -293,9 +293,12 @@ async def serve(
         finally:
             done.set()
 
-    counted = CoordinatorMetrics(rt, rank_series=rank) if metrics else None
+    counted = (
+        CoordinatorMetrics(rt, rank_series=rank, process=f"partition-{index}") if metrics else None
+    )
     if counted is not None:
         rt.observers.append(counted.events)  # served by the front's /metrics
+        counted.sample_lag()  # its own loop's, in its snapshot
     rt.observers.append(TransferLog(rt.core.has_transfer))  # its transfers' outcomes
     tracer = tracer_from_env(rt, partition=index)  # PUSHKV_OTEL: its own transfers' spans
     if tracer is not None:
@@ -313,6 +316,8 @@ async def serve(
     finally:
         server.close()
         full_gc.cancel()
+        if counted is not None:
+            await counted.close()
         await rt.stop()
         if tracer is not None:
             tracer.close()

@@ -8,6 +8,7 @@ import math
 import shutil
 import signal
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,8 @@ from controlplane.leadership import (
     View,
 )
 from controlplane.logs import TransferLog
-from controlplane.metrics import CoordinatorMetrics, LeadershipCollector
+from controlplane.metric_families import FamilyCopy
+from controlplane.metrics import CoordinatorMetrics, LeadershipCollector, Snapshot
 from controlplane.order_size import max_order_bytes
 from controlplane.partition_link import PartitionProcess
 from controlplane.runtime import Runtime
@@ -202,6 +204,8 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
             metrics.serve(settings.host, settings.metrics_port)
         await server.start()
         fronts = await _start_fronts(settings, gate, socket_dir, port)
+        if front is not None and fronts is not None and metrics is not None:
+            metrics.gather = _gather_with_fronts(front, fronts, metrics)
     except BaseException:  # the partitions started are this call's to stop
         await server.stop(0)
         await _stop_partitions(front, partitions, socket_dir)
@@ -355,6 +359,19 @@ async def _start_fronts(
         log_level=logs.level_name(),
         hang_dump_s=settings.hang_dump_s,
     )
+
+
+def _gather_with_fronts(
+    front: PartitionFront, fronts: FrontProcesses, metrics: CoordinatorMetrics
+) -> Callable[[list[FamilyCopy]], Awaitable[Snapshot]]:
+    """A scrape with front processes: the partitions' state, merged, with
+    the event loop lag of every front process next to this one's."""
+
+    async def gather(own: list[FamilyCopy]) -> Snapshot:
+        lag = await fronts.loop_lag()
+        return await front.metrics_snapshot(metrics.with_loop_lag(own, lag))
+
+    return gather
 
 
 async def _stop_partitions(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -476,8 +478,8 @@ async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
     url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
 
     def late() -> float:  # samples above 25 ms
-        return value(s, "pushkv_event_loop_lag_seconds_count") - value(
-            s, "pushkv_event_loop_lag_seconds_bucket", le="0.025"
+        return value(s, "pushkv_event_loop_lag_seconds_count", process="coordinator") - value(
+            s, "pushkv_event_loop_lag_seconds_bucket", le="0.025", process="coordinator"
         )
 
     _, s = await scrape(url)
@@ -492,7 +494,56 @@ async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
             break
         assert time.monotonic() < deadline, "no lag sample above 25 ms"
         await asyncio.sleep(0.005)  # poll, under the deadline
-    assert value(s, "pushkv_event_loop_lag_seconds_sum") >= 0.035
+    assert value(s, "pushkv_event_loop_lag_seconds_sum", process="coordinator") >= 0.035
+
+
+async def _scrape_until(url: str, check: Callable[[Samples], bool], what: str) -> Samples:
+    """Scrape `url` until `check` holds of what it shows (within WAIT)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        _, s = await scrape(url)
+        if check(s):
+            return s
+        assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
+        await asyncio.sleep(0.02)  # poll, under the deadline
+
+
+async def test_every_process_of_a_partitioned_coordinator_shows_its_loop_lag() -> None:
+    """--partition-procs 2 --fronts 2: a lag series for the coordinator's
+    own loop, each partition's and the front process's; a front process
+    stopped for 60 ms (SIGSTOP) shows in its own series, above 25 ms."""
+    c = await start(ServerSettings(port=0, metrics_port=0, partition_procs=2, fronts=2))
+    try:
+        url = f"http://127.0.0.1:{c.metrics_port}/metrics"
+        name = "pushkv_event_loop_lag_seconds"
+        processes = ("coordinator", "front-1", "partition-0", "partition-1")
+
+        def sampled(s: Samples) -> bool:
+            return all(s.get((f"{name}_count", (("process", p),))) for p in processes)
+
+        s = await _scrape_until(url, sampled, "a lag series of every process")
+        assert {labels for n, labels in s if n == f"{name}_count"} == {
+            (("process", p),) for p in processes
+        }
+
+        def late(s: Samples) -> float:  # front-1's samples above 25 ms
+            return value(s, f"{name}_count", process="front-1") - value(
+                s, f"{name}_bucket", le="0.025", process="front-1"
+            )
+
+        before = late(s)
+        assert c.fronts is not None
+        [pid] = c.fronts.pids
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.06)  # the fault's length (nothing is waited for)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        s = await _scrape_until(url, lambda s: late(s) > before, "front-1's stall in its lag")
+        assert value(s, f"{name}_sum", process="front-1") >= 0.035
+    finally:
+        await c.stop(0)
 
 
 async def test_without_rank_series_the_engine_aggregates_stay() -> None:

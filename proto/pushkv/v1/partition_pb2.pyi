@@ -349,6 +349,7 @@ class FrontControl(_message.Message):
     SILENCE_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     GRACE_S_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
     order_deadline: _builtins.float
     """CLOCK_MONOTONIC seconds (one clock for every process of the host): no
     message goes to an agent after it. Infinite for the single coordinator;
@@ -362,6 +363,10 @@ class FrontControl(_message.Message):
     without this (the replica gone) stops the front at once.
     """
     grace_s: _builtins.float
+    report: _builtins.int
+    """A /metrics scrape: the front answers with one FrontReport carrying this
+    number (0: no report asked).
+    """
     @_builtins.property
     def view(self) -> _pushkv_pb2.Leadership:
         """The replica's view, on every change (first, before the front listens)."""
@@ -374,11 +379,51 @@ class FrontControl(_message.Message):
         silence: _builtins.bool = ...,
         stop: _builtins.bool = ...,
         grace_s: _builtins.float = ...,
+        report: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "order_deadline", b"order_deadline", "silence", b"silence", "stop", b"stop", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "order_deadline", b"order_deadline", "report", b"report", "silence", b"silence", "stop", b"stop", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FrontControl: _TypeAlias = FrontControl  # noqa: Y015
+
+@_typing.final
+class FrontReport(_message.Message):
+    """One of the replica's front processes -> the replica, on the front's stdout
+    in length-prefixed frames after its READY line: what /metrics shows of it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORT_FIELD_NUMBER: _builtins.int
+    LOOP_LAG_COUNTS_FIELD_NUMBER: _builtins.int
+    LOOP_LAG_SUM_FIELD_NUMBER: _builtins.int
+    LOOP_LAG_CREATED_FIELD_NUMBER: _builtins.int
+    report: _builtins.int
+    """FrontControl.report, answered."""
+    loop_lag_sum: _builtins.float
+    loop_lag_created: _builtins.float
+    @_builtins.property
+    def loop_lag_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its event loop's lag (pushkv_event_loop_lag_seconds{process="front-N"}):
+        per-bucket counts (not cumulative), as the replica's own buckets; their
+        sum; the series' creation time (unix seconds).
+        """
+
+    def __init__(
+        self,
+        *,
+        report: _builtins.int = ...,
+        loop_lag_counts: _abc.Iterable[_builtins.int] | None = ...,
+        loop_lag_sum: _builtins.float = ...,
+        loop_lag_created: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loop_lag_counts", b"loop_lag_counts", "loop_lag_created", b"loop_lag_created", "loop_lag_sum", b"loop_lag_sum", "report", b"report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FrontReport: _TypeAlias = FrontReport  # noqa: Y015
