@@ -56,7 +56,12 @@ def configure(level: str = "INFO", *, json: bool | None = None, process: str = "
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (the line and its newline together): the
+        # coordinator's partition and front processes share its stderr, and
+        # with PYTHONUNBUFFERED (as in many container images) print() writes
+        # the newline on its own, so another process's line could land
+        # between the two.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 
