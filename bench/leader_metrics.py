@@ -52,7 +52,8 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[str, Buckets]:
 def _own(labels: dict[str, str]) -> bool:
     """An unlabelled series, or the coordinator process's own loop lag (not
     a partition's or a front process's)."""
-    return set(labels) == {"le"} or labels == {"le": labels["le"], "process": "coordinator"}
+    own = labels.get("process", "coordinator") == "coordinator"
+    return own and set(labels) <= {"le", "process"}
 
 
 def delta(before: Buckets, after: Buckets) -> Buckets:

@@ -59,23 +59,26 @@ def landed(book: InFlight, t: Transfer, key: AgentKey, incarnation: str) -> list
 
 
 def _gone(
-    book: InFlight, key: AgentKey, incarnation: str, reason: Reason, why: str
-) -> list[Effect]:
+    book: InFlight, key: AgentKey, incarnation: str, reason: Reason, why: str, *, moving: bool
+) -> tuple[list[Effect], int]:
     """Agent `key`@`incarnation` is gone: its engine's transfers not ended
-    fail, but those it had `delivered`, which complete without its report."""
+    (`moving`: only those moving) fail, but those it had `delivered`, which
+    complete without its report. Returns the effects and how many failed."""
     effects: list[Effect] = []
+    failed = 0
     for t in book.of_engine(key.engine_id):
         if delivered(t, key):
             effects += landed(book, t, key, incarnation)
-        else:
+        elif not moving or t.state in MOVING:
             effects += book.finish(t, State.FAILED, reason, why)
-    return effects
+            failed += 1
+    return effects, failed
 
 
 def fenced(book: InFlight, old: AgentRecord) -> list[Effect]:
     """A new incarnation of `old`'s agent said hello: the older one is fenced."""
     why = f"agent {old.key} restarted (incarnation {old.incarnation} fenced)"
-    effects = _gone(book, old.key, old.incarnation, Reason.AGENT_FENCED, why)
+    effects, _ = _gone(book, old.key, old.incarnation, Reason.AGENT_FENCED, why, moving=False)
     effects += peer_fenced(book.registry, old.key, old.incarnation, tell_same_key=False)
     return effects
 
@@ -84,14 +87,7 @@ def disconnected(book: InFlight, key: AgentKey, incarnation: str, why: str) -> l
     """Agent `key`'s stream closed and it is taken as gone: its engine's
     moving transfers fail (its lease, and so its registration, runs on: the
     same incarnation may still come back; what it still reports is taken)."""
-    effects: list[Effect] = []
-    failed = 0
-    for t in book.of_engine(key.engine_id):
-        if delivered(t, key):
-            effects += landed(book, t, key, incarnation)
-        elif t.state in MOVING:
-            effects += book.finish(t, State.FAILED, Reason.AGENT_LOST, why)
-            failed += 1
+    effects, failed = _gone(book, key, incarnation, Reason.AGENT_LOST, why, moving=True)
     effects.append(AgentNotBack(key, incarnation, failed))
     return effects
 
@@ -143,7 +139,7 @@ class Away:
 def lost(book: InFlight, rec: AgentRecord) -> list[Effect]:
     """The lease of agent `rec` lapsed."""
     why = f"agent {rec.key} lease expired"
-    effects = _gone(book, rec.key, rec.incarnation, Reason.AGENT_LOST, why)
+    effects, _ = _gone(book, rec.key, rec.incarnation, Reason.AGENT_LOST, why, moving=False)
     effects += resolve_orders(book, rec.key, rec.incarnation, "agent lease expired")
     effects += peer_fenced(book.registry, rec.key, rec.incarnation, tell_same_key=True)
     return effects
