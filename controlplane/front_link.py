@@ -27,6 +27,7 @@ from pushkv.v1 import partition_pb2 as ppb
 from controlplane.front_host import READY, control
 from controlplane.leadership import Leadership, View
 from controlplane.metric_families import FamilyCopy
+from wire.child import Child
 from wire.frames import FrameError, read_frames
 from wire.tls import TLSFiles
 
@@ -38,7 +39,7 @@ REPORT_S = 0.5  # a front's FrontReport, at a scrape (within the scrape's 2 s)
 
 
 class FrontProcesses:
-    def __init__(self, procs: Sequence[asyncio.subprocess.Process], gate: Leadership) -> None:
+    def __init__(self, procs: Sequence[Child], gate: Leadership) -> None:
         self._procs = list(procs)
         self._gate = gate
         self._closing = False
@@ -71,22 +72,23 @@ class FrontProcesses:
     ) -> FrontProcesses:
         """Start fronts 1..count on `address` (the replica's bound port),
         each told `gate`'s view first; return once all listen."""
-        procs: list[asyncio.subprocess.Process] = []
+        procs: list[Child] = []
         try:
             for index in range(1, count + 1):
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    *(("-P",) if sys.flags.safe_path else ()),  # as partition_link's
-                    "-m",
-                    "controlplane.front_host",
-                    *("--socket-dir", socket_dir, "--partitions", str(k)),
-                    *("--index", str(index), "--address", address),
-                    *("--parent", str(os.getpid()), "--log-level", log_level),
-                    *("--max-message-bytes", str(max_message_bytes)),
-                    *("--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key),
-                    *("--hang-dump-s", str(hang_dump_s)),
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
+                proc = await Child.start(
+                    [
+                        sys.executable,
+                        *(("-P",) if sys.flags.safe_path else ()),  # as partition_link's
+                        "-m",
+                        "controlplane.front_host",
+                        *("--socket-dir", socket_dir, "--partitions", str(k)),
+                        *("--index", str(index), "--address", address),
+                        *("--parent", str(os.getpid()), "--log-level", log_level),
+                        *("--max-message-bytes", str(max_message_bytes)),
+                        *("--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key),
+                        *("--hang-dump-s", str(hang_dump_s)),
+                    ],
+                    stdin=True,
                 )
                 procs.append(proc)
                 assert proc.stdin is not None
@@ -99,8 +101,7 @@ class FrontProcesses:
                     raise RuntimeError(f"front {index} did not start (exit code {code})")
         except BaseException:
             for proc in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                proc.kill()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), STOP_S)
             raise
@@ -158,7 +159,7 @@ class FrontProcesses:
                 fut.cancel()
         return out
 
-    async def _reports(self, index: int, proc: asyncio.subprocess.Process) -> None:
+    async def _reports(self, index: int, proc: Child) -> None:
         """Front `index`'s FrontReports (its stdout after READY), until it ends."""
         if proc.stdout is None:
             return
@@ -172,7 +173,7 @@ class FrontProcesses:
         except (FrameError, DecodeError) as exc:  # the same build: never expected
             log.error("front_report_unreadable", index=index, error=str(exc))
 
-    async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, index: int, proc: Child) -> None:
         code = await proc.wait()
         if not self._closing:
             reason = f"front process {index} ended (exit code {code})"
@@ -194,8 +195,7 @@ class FrontProcesses:
             try:
                 await asyncio.wait_for(proc.wait(), (grace or 0.0) + stop_s)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                proc.kill()
                 await proc.wait()
         for w in self._watchers:
             w.cancel()

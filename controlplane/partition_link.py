@@ -22,6 +22,7 @@ from pushkv.v1 import partition_pb2 as ppb
 
 from controlplane.partition_host import READY, settings_json
 from controlplane.settings import CoreSettings
+from wire.child import Child
 from wire.frames import frame, read_frames
 
 START_S = 30.0  # a child imports the coordinator's modules first
@@ -72,7 +73,7 @@ class PartitionProcess(PartitionConnection):
     def __init__(
         self,
         index: int,
-        proc: asyncio.subprocess.Process,
+        proc: Child,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
@@ -99,21 +100,22 @@ class PartitionProcess(PartitionConnection):
         directory only this user may open) and connect to it, the first of
         its `fronts` connections (the others: front processes')."""
         path = partition_socket(socket_dir, index)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            # As this process's path: -P keeps a compiled core ahead of the
-            # source tree (scripts/test.sh, docs/operations.md).
-            *(("-P",) if sys.flags.safe_path else ()),
-            "-m",
-            "controlplane.partition_host",
-            *("--socket", path, "--index", str(index), "--partitions", str(k)),
-            *("--term", str(term), "--coordinator-id", coordinator_id),
-            *("--parent", str(os.getpid()), "--log-level", log_level),
-            *("--settings", settings_json(settings)),
-            *(("--metrics",) if metrics else ()),
-            *(() if rank_metrics else ("--no-rank-metrics",)),
-            *("--fronts", str(fronts)),
-            stdout=asyncio.subprocess.PIPE,
+        proc = await Child.start(
+            [
+                sys.executable,
+                # As this process's path: -P keeps a compiled core ahead of the
+                # source tree (scripts/test.sh, docs/operations.md).
+                *(("-P",) if sys.flags.safe_path else ()),
+                "-m",
+                "controlplane.partition_host",
+                *("--socket", path, "--index", str(index), "--partitions", str(k)),
+                *("--term", str(term), "--coordinator-id", coordinator_id),
+                *("--parent", str(os.getpid()), "--log-level", log_level),
+                *("--settings", settings_json(settings)),
+                *(("--metrics",) if metrics else ()),
+                *(() if rank_metrics else ("--no-rank-metrics",)),
+                *("--fronts", str(fronts)),
+            ]
         )
         try:
             assert proc.stdout is not None
@@ -123,8 +125,7 @@ class PartitionProcess(PartitionConnection):
                 raise RuntimeError(f"partition {index} did not start (exit code {code})")
             reader, writer = await asyncio.open_unix_connection(path)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            proc.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), STOP_S)
             raise
@@ -137,6 +138,5 @@ class PartitionProcess(PartitionConnection):
         try:
             return await asyncio.wait_for(self.proc.wait(), stop_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+            self.proc.kill()
             return await self.proc.wait()

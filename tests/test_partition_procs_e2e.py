@@ -226,6 +226,9 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
             seen[got.front] = seen.get(got.front, 0) + 1
         assert set(seen) == {0, 1, 2}, seen
         started = _logged(coord.log_text(), "front_started")  # each front's lines say whose
+        # Every line is JSON: no child is forked with gRPC's threads running,
+        # whose fork handler wrote a plain text line per child into the log.
+        assert [ln for ln in coord.log_text().splitlines() if not ln.startswith("{")] == []
         assert sorted((ln["process"], ln["index"]) for ln in started) == [
             ("front-1", 1),
             ("front-2", 2),
