@@ -270,7 +270,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         default=_env("partition_procs", 0),
         help="experimental: the state machine in this many partition processes behind a "
         "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
-        "process (default). Not yet with --partitions",
+        "process (default). Not with --partitions, the same split in one process",
     )
     c.add_argument(
         "--fronts",

@@ -303,7 +303,10 @@ def check_partition_procs(settings: ServerSettings) -> None:
     if not 1 <= settings.fronts <= MAX_FRONTS:
         raise ValueError(f"--fronts must be 1 to {MAX_FRONTS}, got {settings.fronts}")
     if settings.core.partitions > 1:
-        raise ValueError("--partition-procs (experimental) does not work with --partitions yet")
+        raise ValueError(
+            "--partitions and --partition-procs are one split of the state machine, "
+            "in this process or in that many processes: give one of them"
+        )
 
 
 async def _start_partitions(

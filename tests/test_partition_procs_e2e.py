@@ -324,13 +324,7 @@ def test_each_partition_traces_its_own_transfers(monkeypatch: pytest.MonkeyPatch
         coord.stop()
 
 
-@pytest.mark.parametrize(
-    ("flags", "env", "named"),
-    [(("--partitions", "2"), {}, "--partitions")],
-)
-def test_what_partition_processes_do_not_take_yet_is_refused(
-    flags: tuple[str, ...], env: dict[str, str], named: str
-) -> None:
+def test_partitions_in_one_process_and_in_processes_together_are_refused() -> None:
     done = subprocess.run(
         [
             sys.executable,
@@ -341,13 +335,12 @@ def test_what_partition_processes_do_not_take_yet_is_refused(
             "0",
             "--partition-procs",
             "2",
-            *flags,
+            *("--partitions", "2"),
         ],
         check=False,
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
-        env={**os.environ, **env},
     )
     assert done.returncode != 0
-    assert f"does not work with {named} yet" in done.stdout + done.stderr, done
+    assert "--partitions and --partition-procs are one split" in done.stdout + done.stderr, done
