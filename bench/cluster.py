@@ -10,11 +10,12 @@ three-member cluster on loopback, every replica given all three), ``--replicas``
 processes of simulated ranks (`bench.cluster_agents`: one gRPC channel and
 AgentStream per rank, asyncio, following the leader as ``agent/link.py``
 does; ``--relay``: one node relay's NodeStream per engine, its ranks as
-channels, ``relay/upstream.py`` following the leader). The leader is pinned
-alone to the first CPU when the host has more than one; etcd, the standby and
-the hosts share the others. On a small box the hosts may be what saturates
-first: the table prints their CPU, and the figures are "simulated agents, same
-host".
+channels, ``relay/upstream.py`` following the leader). The leader (with its
+partition and front processes) is pinned to the first ``--leader-cpus`` CPUs
+(default one; one per leader process with ``--partition-procs``) when the
+host has more; etcd, the standby and the hosts share the others. On a small
+box the hosts may be what saturates first: the table prints their CPU, and the
+figures are "simulated agents, same host".
 
 Counting (`bench.coordinator_step`'s rules; what differs): a transfer counts
 when the simulated prefill agents received its order on every rank during the
@@ -78,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
         "processes serving the leader's port, counted and pinned with it",
     )
     p.add_argument(
+        "--leader-cpus",
+        type=int,
+        default=None,
+        help="CPUs the leader and its partition and front processes are pinned to, the "
+        "first this process may run on; the load gets the others (default: 1; with "
+        "--partition-procs, one per leader process, partitions + fronts, leaving the "
+        "load at least one)",
+    )
+    p.add_argument(
         "--leader-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -133,14 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_hosts() -> int:
-    """One host process per CPU left to the load (the leader has CPU 0 alone).
+def default_hosts(leader_cpus: int = 1) -> int:
+    """One host process per CPU left to the load (the leader has its own).
     On a small box more processes than CPUs only queue for them: at 25
     rendezvous/s the order p50 was 2.1-2.4 ms with one process, 2.5-2.8 ms
     with two and 3.1-5.5 ms with four, all on the one CPU left
     (docs/benchmarks.md, "How many host processes")."""
-    _, load = cpu_split()
+    _, load = cpu_split(leader_cpus)
     return max(1, len(load) if load else (os.cpu_count() or 1))
+
+
+def default_leader_cpus(partition_procs: int, fronts: int, cpus: int) -> int:
+    """One CPU for a single-process leader; with partition processes, one for
+    each of the leader's processes (its partitions, and its fronts: the
+    replica's own and the front processes), as far as the host leaves the load
+    at least one."""
+    if not partition_procs:
+        return 1
+    return max(1, min(partition_procs + fronts, cpus - 1))
 
 
 def final_line(res: Result) -> str:
@@ -169,11 +189,19 @@ def summary(res: Result, hosts: int) -> list[str]:
         hcpu = res.host_cpu[k] if k < len(res.host_cpu) else math.nan
         to, back = res.msgs[k] if k < len(res.msgs) else (math.nan, math.nan)
         bound = "" if res.saturated else "at least "
+        if res.leader_cpus > 1:
+            lcpu = f"{sat.coord_cpu:.2f} cores of its {res.leader_cpus}"
+        else:
+            lcpu = f"{sat.coord_cpu * 100:.0f}% of its core"
         out.append(
             f"  rendezvous: {bound}{sat.completed_per_s:.0f}/s (offered {sat.offered:.0f}/s, "
-            f"leader CPU {sat.coord_cpu * 100:.0f}% of its core, hosts CPU {hcpu * 100:.0f}% "
+            f"leader CPU {lcpu}, hosts CPU {hcpu * 100:.0f}% "
             f"of one core); {to:.0f} agent messages/s to the leader, {back:.0f}/s from it"
         )
+        procs = res.leader_procs[k] if k < len(res.leader_procs) else {}
+        if len(procs) > 1:  # which of the leader's processes is the bound
+            each = ", ".join(f"{n} {c * 100:.0f}%" for n, c in sorted(procs.items()))
+            out.append(f"  the leader's processes, each of one core: {each}")
         if sat.completed_per_s > 0:
             per_rdv = sat.coord_cpu / sat.completed_per_s * 1e3
             out.append(
@@ -182,7 +210,10 @@ def summary(res: Result, hosts: int) -> list[str]:
             )
         if not res.saturated:
             out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate)")
-        if res.saturated and sat.coord_cpu < 0.8:
+        # Not bound: no process of the leader near a whole core, nor its CPUs all busy.
+        busiest = max(procs.values()) if procs else sat.coord_cpu
+        cores = max(1, res.leader_cpus)
+        if res.saturated and busiest < 0.8 and sat.coord_cpu < 0.8 * cores:
             out.append(
                 "  the leader was not CPU-bound at saturation: the simulated agents and "
                 "clients on the same host limit this figure"
@@ -247,8 +278,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.submit_direct and not args.relay:
         parser.error("--submit-direct is a choice of --relay's (without it every Submit is direct)")
+    cpus = len(os.sched_getaffinity(0))
+    if args.leader_cpus is None:
+        args.leader_cpus = default_leader_cpus(args.partition_procs, args.fronts, cpus)
+    elif not 1 <= args.leader_cpus < cpus:
+        parser.error(
+            f"--leader-cpus {args.leader_cpus}: this process may run on {cpus} CPUs, "
+            "and the load needs at least one of them"
+        )
     if args.hosts is None:
-        args.hosts = default_hosts()
+        args.hosts = default_hosts(args.leader_cpus)
     if args.quick:
         args.duration = min(args.duration, 3.0)
         args.drain_s = min(args.drain_s, 8.0)

@@ -30,6 +30,7 @@ from bench.cluster_agents import HostSpec, Stats, engines, host_main
 from bench.coordinator_load import ClientReport
 from bench.coordinator_server import (
     children,
+    cpu_by_process,
     cpu_seconds,
     cpu_split,
     tree_cpu_seconds,
@@ -93,6 +94,9 @@ class Result:
     failover: Failover = field(default_factory=Failover)
     after: Step | None = None  # a step against the new leader
     host_cpu: list[float] = field(default_factory=list)  # per step, all hosts, of one core
+    # Per step: each of the leader's processes (replica, partition-i, front-i), of one core.
+    leader_procs: list[dict[str, float]] = field(default_factory=list)
+    leader_cpus: int = 1  # the CPUs the leader's processes were pinned to (0: not pinned)
     msgs: list[tuple[float, float]] = field(default_factory=list)  # per step: to, from leader
     relay: bool = False  # --relay: each engine's ranks through one NodeStream
     node_streams: int = 0  # NodeStreams the hosts' Upstreams opened, the whole run
@@ -141,7 +145,7 @@ class ClusterBench:
         self.a = args
         self.row = row
         self.ctx = mp.get_context("spawn")
-        self.coord_cpus, self.load_cpus = cpu_split()
+        self.coord_cpus, self.load_cpus = cpu_split(getattr(args, "leader_cpus", None) or 1)
         self.etcd: EtcdServer | EtcdCluster | None = None
         self.replicas: list[CoordinatorProcess] = []
         self.metrics_ports: dict[int, int] = {}  # id(replica) -> its /metrics port
@@ -149,6 +153,7 @@ class ClusterBench:
         self.hosts: list[Connection] = []
         self.leader: CoordinatorProcess | None = None
         self.last_host_cpu = 0.0  # the last step's, all hosts, fraction of one core
+        self.last_procs: dict[str, float] = {}  # the last step's, per leader process
         self.last_msgs = (0.0, 0.0)  # the last step's agent messages/s (to, from) the leader
 
     # ------------------------------------------------------------ processes
@@ -177,7 +182,8 @@ class ClusterBench:
         self.place()
 
     def place(self) -> None:
-        """The leader alone on the first CPU, everything else on the others."""
+        """The leader's processes on its CPUs (--leader-cpus), everything else
+        on the others."""
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 cpus = self.coord_cpus if r is self.leader else self.load_cpus
@@ -304,10 +310,11 @@ class ClusterBench:
         pid = self.leader.proc.pid
         m0 = self.leader_metrics()
         cpu0, h0, st0 = tree_cpu_seconds(pid), self.host_cpu(), self.stats()
+        procs0 = cpu_by_process(pid)
         share = rate / len(self.hosts)
         cap = a.max_outstanding
         reports: list[ClientReport] = self.ask("run", name, share, duration, cap, a.step_ms / 1000)
-        cpu1, h1 = tree_cpu_seconds(pid), self.host_cpu()
+        cpu1, h1, procs1 = tree_cpu_seconds(pid), self.host_cpu(), cpu_by_process(pid)
         wall1, st1 = time.monotonic(), self.stats()
         m1 = self.leader_metrics()  # as the offer ends: its lag samples are the load's
         want = sum(len(r.sent) for r in reports)
@@ -337,6 +344,7 @@ class ClusterBench:
         self.row(s, label)
         dt = max(wall1 - t_start, 1e-9)
         self.last_host_cpu = (h1 - h0) / dt
+        self.last_procs = {k: (v - procs0.get(k, 0.0)) / dt for k, v in procs1.items()}
         self.last_msgs = (
             (sum(x[1].sent for x in st1) - sum(x[1].sent for x in st0)) / dt,
             (sum(x[1].received for x in st1) - sum(x[1].received for x in st0)) / dt,
@@ -352,11 +360,13 @@ class ClusterBench:
             s = self.step(f"s{i}", rate, a.duration)
             res.steps.append(s)
             res.host_cpu.append(self.last_host_cpu)
+            res.leader_procs.append(self.last_procs)
             res.msgs.append(self.last_msgs)
             if s.saturated and a.recheck:  # on a shared host one hiccup is not saturation
                 s = self.step(f"s{i}x", rate, a.duration, "again")
                 res.steps.append(s)
                 res.host_cpu.append(self.last_host_cpu)
+                res.leader_procs.append(self.last_procs)
                 res.msgs.append(self.last_msgs)
             res.saturated = s.saturated
             if s.saturated or rate >= a.max_rate:
@@ -425,6 +435,7 @@ class ClusterBench:
     def run(self) -> Result:
         a = self.a
         res = Result(agents=a.engines * a.tp, relay=a.relay)
+        res.leader_cpus = len(self.coord_cpus) if self.coord_cpus else 0
         self.start()
         res.registered_s = self.start_hosts()
         res.idle = self.idle()

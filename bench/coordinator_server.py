@@ -33,14 +33,40 @@ def pin(cpus: set[int] | None) -> None:
             os.sched_setaffinity(0, cpus)
 
 
-def cpu_split() -> tuple[set[int] | None, set[int] | None]:
-    """(coordinator CPUs, load CPUs): CPU 0 alone for the coordinator if possible."""
+def cpu_split(leader: int = 1) -> tuple[set[int] | None, set[int] | None]:
+    """(coordinator CPUs, load CPUs): the first `leader` of the CPUs this
+    process may run on for the coordinator, the others for the load; (None,
+    None), nothing pinned, where that would leave the load no CPU."""
     if not hasattr(os, "sched_getaffinity"):
         return None, None
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
+    if len(cpus) <= leader:
         return None, None
-    return {cpus[0]}, set(cpus[1:])
+    return set(cpus[:leader]), set(cpus[leader:])
+
+
+def process_name(pid: int, root: int) -> str:
+    """A coordinator's process by what it runs: "replica" (the coordinator
+    `root` itself), "partition-<i>" or "front-<i>" (its --partition-procs and
+    --fronts children, by their --index), else "pid-<pid>"."""
+    if pid == root:
+        return "replica"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return f"pid-{pid}"
+    index = argv[argv.index("--index") + 1] if "--index" in argv[:-1] else "?"
+    for module, name in (("partition_host", "partition"), ("front_host", "front")):
+        if f"controlplane.{module}" in argv:
+            return f"{name}-{index}"
+    return f"pid-{pid}"
+
+
+def cpu_by_process(pid: int) -> dict[str, float]:
+    """`cpu_seconds` of the coordinator `pid` and of each live child, by
+    `process_name`."""
+    return {process_name(p, pid): cpu_seconds(p) for p in (pid, *children(pid))}
 
 
 def coordinator_main(

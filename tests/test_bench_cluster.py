@@ -17,10 +17,18 @@ import pytest
 
 from agent.link import CoordinatorLink
 from bench import cluster_agents
-from bench.cluster import build_parser, default_hosts, final_line, summary
+from bench.cluster import (
+    build_parser,
+    default_hosts,
+    default_leader_cpus,
+    final_line,
+    main,
+    summary,
+)
 from bench.cluster_agents import engines
 from bench.cluster_runs import ClusterBench, Failover, Result
 from bench.coordinator_report import row
+from bench.coordinator_server import cpu_split
 from bench.coordinator_step import Step
 from harness.etcd import EtcdCluster
 from relay.server import RelaySettings
@@ -44,6 +52,35 @@ def test_hosts_default_to_one_process_per_cpu_left_to_the_load() -> None:
     assert build_parser().parse_args([]).hosts is None  # main() resolves it
     cpus = len(os.sched_getaffinity(0))
     assert default_hosts() == (cpus - 1 if cpus > 1 else (os.cpu_count() or 1))
+
+
+def test_the_leader_gets_a_cpu_per_process_and_the_load_the_rest() -> None:
+    """--leader-cpus: one CPU for a single-process leader; with partition
+    processes one per leader process (partitions + fronts), as far as the
+    load keeps one; the split takes the first CPUs for the leader."""
+    assert default_leader_cpus(0, 1, 16) == 1
+    assert default_leader_cpus(6, 4, 16) == 10
+    assert default_leader_cpus(6, 4, 8) == 7
+    assert default_leader_cpus(2, 2, 2) == 1
+    assert default_leader_cpus(2, 1, 1) == 1
+    cpus = sorted(os.sched_getaffinity(0))
+    lead, load = cpu_split(1)
+    if len(cpus) > 1:
+        assert lead == {cpus[0]} and load == set(cpus[1:])
+    assert cpu_split(len(cpus)) == (None, None)  # the load would have none: nothing pinned
+    assert default_hosts(len(cpus)) == (os.cpu_count() or 1)
+
+
+def test_leader_cpus_that_leave_the_load_none_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    n = len(os.sched_getaffinity(0))
+    for bad in (0, n):
+        with pytest.raises(SystemExit) as exc:
+            main(["--leader-cpus", str(bad)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--leader-cpus {bad}: this process may run on {n} CPUs" in err, err
 
 
 def test_engines_are_dealt_so_every_host_pairs_its_own() -> None:
@@ -131,7 +168,12 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool, sharded: b
         assert 0 < ld.orders <= 8 * step.issued, text
         assert 0 <= ld.residence_p50_ms <= ld.residence_p99_ms, text
         assert ld.lag_samples >= 20 and 0 <= ld.lag_p50_ms <= ld.lag_p99_ms, text
+    # Each of the leader's processes has its CPU at every step, by name.
+    names = {"replica", "partition-0", "partition-1", "front-1"} if sharded else {"replica"}
+    assert res.leader_procs and all(set(p) == names for p in res.leader_procs), text
     lines = text.splitlines()
+    each = [ln for ln in lines if ln.startswith("  the leader's processes, each of one core:")]
+    assert len(each) == int(sharded), text
     assert any(line.startswith("  of which the simulated agents' hosts:") for line in lines)
     assert any(line.startswith("  of which the leader (its /metrics):") for line in lines)
     if relay:
