@@ -5,10 +5,13 @@
     pushkv status --coordinator HOST:PORT watch [--state S...] [--engine E] [--existing] [--count N]
     pushkv status --coordinator HOST:PORT engines [--role prefill|decode]
     pushkv status --coordinator HOST:PORT[,HOST:PORT...] leader
+    pushkv status --coordinator HOST:PORT[,HOST:PORT...]
 
 With several coordinator replicas (comma-separated addresses), the commands
 read from the one that leads; `leader` asks every replica for its view of the
-election (its role, the leader and the leader's term).
+election (its role, the leader and the leader's term). Without a command:
+the overview, `leader`'s table, then the leader's engines and how many
+transfers it has in flight.
 
 Human tables by default; `--json` prints the StatusService responses as
 protobuf JSON (one document per line for `watch`). `ls --sort` orders the
@@ -106,7 +109,8 @@ def register(sub: Any) -> Callable[[argparse.Namespace], int]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _connection_flags(p, top=True)
-    cmds = p.add_subparsers(dest="status_command", required=True)
+    # No command: the overview (`_overview`).
+    cmds = p.add_subparsers(dest="status_command", metavar="[COMMAND]")
 
     g = cmds.add_parser("get", help="one transfer: fields, waits, timeline and ranks")
     g.add_argument("transfer_id")
@@ -175,17 +179,26 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     replicas = addresses(args.coordinator)
     if args.status_command == "leader":
         return _leader(replicas, tls, args, out)
-    address = replicas[0] if len(replicas) == 1 else _find_leader(replicas, tls, args.timeout_s)
+    views = (
+        [_leadership(a, tls, args.timeout_s) for a in replicas] if not args.status_command else []
+    )
+    if len(replicas) == 1:
+        address = replicas[0]
+    else:
+        address = _find_leader(replicas, tls, args.timeout_s, views)
     with tls_channel(address, tls) as ch:
         stub = pbg.StatusServiceStub(ch)
         try:
+            if not args.status_command:
+                return _overview(stub, list(zip(replicas, views, strict=True)), args, out)
             return _COMMANDS[args.status_command](stub, args, out)
         except BrokenPipeError:  # `pushkv status watch | head`
             return 0
         except grpc.RpcError as exc:
             code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            sys.stderr.write(f"pushkv status {args.status_command}: {code}: {details}\n")
+            what = args.status_command or "(overview)"
+            sys.stderr.write(f"pushkv status {what}: {code}: {details}\n")
             return 1
 
 
@@ -208,10 +221,16 @@ def _leadership(address: str, tls: TLSFiles, timeout_s: float) -> pb.Leadership 
             return exc.code().name if hasattr(exc, "code") else "UNKNOWN"
 
 
-def _find_leader(replicas: Sequence[str], tls: TLSFiles, timeout_s: float) -> str:
-    """The replica that leads, as the replicas say (the first one if none knows)."""
-    for address in replicas:
-        view = _leadership(address, tls, timeout_s)
+def _find_leader(
+    replicas: Sequence[str],
+    tls: TLSFiles,
+    timeout_s: float,
+    views: Sequence[pb.Leadership | str] = (),
+) -> str:
+    """The replica that leads, as the replicas say (the first one if none
+    knows); `views`: the replicas' answers, if already asked."""
+    for i, address in enumerate(replicas):
+        view = views[i] if views else _leadership(address, tls, timeout_s)
         if isinstance(view, str):
             continue
         if view.role in (pb.LEADER_ROLE_LEADER, pb.LEADER_ROLE_SINGLE):
@@ -221,18 +240,18 @@ def _find_leader(replicas: Sequence[str], tls: TLSFiles, timeout_s: float) -> st
     return replicas[0]
 
 
-def _leader(replicas: Sequence[str], tls: TLSFiles, args: argparse.Namespace, out: TextIO) -> int:
+def _leadership_rows(
+    views: Sequence[tuple[str, pb.Leadership | str]],
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """`leader`'s table rows, and its JSON documents, one per replica."""
     rows: list[list[str]] = []
-    docs: list[str] = []
-    failed = 0
-    for address in replicas:
-        view = _leadership(address, tls, args.timeout_s)
+    docs: list[dict[str, Any]] = []
+    for address, view in views:
         if isinstance(view, str):
-            failed += 1
             rows.append([address, f"unreachable ({view})", "", "", ""])
-            docs.append(json.dumps({"replica": address, "error": view}))
+            docs.append({"replica": address, "error": view})
             continue
-        docs.append(_json(view, compact=True))
+        docs.append(json_format.MessageToDict(view))
         rows.append(
             [
                 address,
@@ -242,11 +261,44 @@ def _leader(replicas: Sequence[str], tls: TLSFiles, args: argparse.Namespace, ou
                 view.etcd or "-",
             ]
         )
+    return rows, docs
+
+
+def _leader(replicas: Sequence[str], tls: TLSFiles, args: argparse.Namespace, out: TextIO) -> int:
+    views = [(a, _leadership(a, tls, args.timeout_s)) for a in replicas]
+    rows, docs = _leadership_rows(views)
     if args.json:
-        out.write("\n".join(docs) + "\n")
+        out.write("\n".join(json.dumps(d) for d in docs) + "\n")
     else:
         out.write(tables.leadership_table(rows) + "\n")
-    return 1 if failed == len(replicas) else 0
+    return 1 if all(isinstance(v, str) for _, v in views) else 0
+
+
+def _overview(
+    stub: pbg.StatusServiceStub,
+    views: Sequence[tuple[str, pb.Leadership | str]],
+    args: argparse.Namespace,
+    out: TextIO,
+) -> int:
+    """`pushkv status` alone: each replica's view of the election, then the
+    engines of the coordinator that leads and its transfers in flight."""
+    engines = stub.ListEngines(pb.ListEnginesRequest(), timeout=args.timeout_s)
+    live = stub.ListTransfers(
+        pb.ListTransfersRequest(states=STATES["active"], limit=1), timeout=args.timeout_s
+    ).total_matching
+    rows, docs = _leadership_rows(views)
+    if args.json:
+        doc = {
+            "replicas": docs,
+            "engines": json_format.MessageToDict(engines).get("engines", []),
+            "transfersInFlight": live,
+        }
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    out.write(tables.leadership_table(rows) + "\n\n")
+    out.write(tables.engine_leases_table(engines.engines, int(time.time() * 1e6)) + "\n\n")
+    out.write(f"transfers in flight: {live}\n")
+    return 0
 
 
 def _get(stub: pbg.StatusServiceStub, args: argparse.Namespace, out: TextIO) -> int:

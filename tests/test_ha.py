@@ -184,6 +184,19 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
     for row in rows:
         assert lead.address in row and str(view.term) in row
     assert sum(" leader " in row for row in rows) == 1
+    # `pushkv status` alone: the same election table, then the leader's
+    # engines and transfers in flight (ha-1 waits for its sides), read from
+    # the leader though the standby is named first.
+    out = io.StringIO()
+    standby_first = f"{standby.address},{lead.address}"
+    assert status_cli.main(["--coordinator", standby_first], out) == 0
+    election, _, in_flight = out.getvalue().strip().split("\n\n")
+    cells = [row.split() for row in election.splitlines()[2:]]
+    assert [c[:4] for c in cells] == [
+        [standby.address, "standby", lead.address, str(view.term)],
+        [lead.address, "leader", lead.address, str(view.term)],
+    ], out.getvalue()
+    assert in_flight == "transfers in flight: 1", out.getvalue()
 
     # Asking "who leads?" (wire/leader_ask.py): the standby names the leader
     # and its term; an address that refuses, and the one dialed, are passed.

@@ -207,6 +207,36 @@ def test_engines_table_and_json(addr: str, capsys: pytest.CaptureFixture[str]) -
     assert [e.engine_id for e in resp.engines] == ["p0"] and resp.engines[0].ready
 
 
+# ---------------------------------------------------------------- overview
+
+
+def test_status_alone_is_the_overview(addr: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pushkv status` without a command: the coordinator's role (a single
+    one here), its engines, and its transfers in flight (s-4 waits; the
+    others ended), as `ls --state active` counts them."""
+    rc, out, _ = run(capsys, "--coordinator", addr)
+    assert rc == 0, out
+    leadership, engines, count = out.strip().split("\n\n")
+    assert leadership.splitlines()[0].split() == ["REPLICA", "ROLE", "LEADER", "TERM", "ETCD"]
+    assert rows(leadership) == [[addr, "single", "-", "-", "-"]]
+    assert [(r[0], r[1]) for r in rows(engines)] == [("d0", "decode"), ("p0", "prefill")]
+    _, listed, _ = run(capsys, "--coordinator", addr, "ls", "--state", "active")
+    assert [r[0] for r in rows(listed)] == ["s-4"]
+    assert count == "transfers in flight: 1"
+
+    rc, out, _ = run(capsys, "--coordinator", addr, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["transfersInFlight"] == 1
+    assert doc["replicas"] == [{"role": "LEADER_ROLE_SINGLE"}]
+    assert sorted(e["engineId"] for e in doc["engines"]) == ["d0", "p0"]
+
+
+def test_the_overview_of_no_coordinator_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "--coordinator", "127.0.0.1:1", "--timeout-s", "2")
+    assert rc == 1 and out == ""
+    assert err.startswith("pushkv status (overview): UNAVAILABLE"), err
+
+
 def test_a_rank_within_its_reconnect_grace_shows_grace() -> None:
     """CONNECTED: yes; grace (its stream closed, the same agent may still say
     hello again: its engine stays READY); no."""
