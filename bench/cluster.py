@@ -183,6 +183,14 @@ def summary(res: Result, hosts: int) -> list[str]:
         f"{i.leader_cpu * 100:.1f}%, hosts CPU {i.host_cpu * 100:.0f}%, leader RSS "
         f"{i.rss_mib:.0f} MiB",
     ]
+    if res.connections:
+        held = ", ".join(
+            f"{n} {c}" for n, c in sorted(res.connections.items()) if not n.startswith("part")
+        )
+        out.append(
+            f"  connections to the leader's port, idle: {sum(res.connections.values())} "
+            f"({held}; each rank, relay and engine client on one of its own)"
+        )
     if res.steps:
         sat = res.saturation
         k = res.steps.index(sat)

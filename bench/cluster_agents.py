@@ -58,6 +58,14 @@ from wire.silence import WATCH_S, SilenceWatch
 if TYPE_CHECKING:
     from relay.upstream import Channel, Upstream
 
+# Each rank's channel (each relay's, with --relay; each engine's Submit
+# client) opens a TCP connection of its own, as agents in their own processes
+# and relays and engines on their own nodes do. gRPC would otherwise share one
+# connection among every channel of this process to the same address: a
+# host's ranks multiplexed on one HTTP/2 connection, which costs the leader
+# less per message than a cluster does, and which a leader's fronts
+# (SO_REUSEPORT: by connection) cannot spread.
+OWN = (("grpc.use_local_subchannel_pool", 1),)
 # agent/link.py's CoordinatorLink defaults (tests/test_bench_cluster.py checks them).
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
@@ -242,7 +250,7 @@ class Rank:
                 if self.upstream is not None:
                     await self._session(await self._open_channel())
                 else:
-                    channel = grpc.aio.insecure_channel(self.follower.current)
+                    channel = grpc.aio.insecure_channel(self.follower.current, options=OWN)
                     self.peer = self.follower.current
                     await self._session(StreamCall(pbg.AgentServiceStub(channel).AgentStream))
                 delay = BACKOFF_MIN_S
@@ -492,7 +500,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         from relay.upstream import Upstream
 
         for engine in (*spec.prefill, *spec.decode):
-            up = Upstream(spec.addresses)  # the relay's own backoff (relay/upstream.py)
+            # The relay's own backoff (relay/upstream.py), and a connection of its own.
+            up = Upstream(spec.addresses, channel_options=OWN)
             host.upstreams[engine] = up
             up_tasks.append(asyncio.create_task(up.run(stop)))
     for engine in spec.prefill:
@@ -504,19 +513,21 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
     tasks = [asyncio.create_task(r.run()) for r in host.ranks.values()]
     if not spec.relay:
         tasks.append(asyncio.create_task(_watch_silence(host)))
-    client: dict[str, Any] = {}  # address -> (channel, TransferService stub)
+    # (address, engine) -> (channel, TransferService stub): each engine's
+    # scheduler client on a connection of its own, as engines on their own hosts.
+    client: dict[tuple[str, str], Any] = {}
     code_name = {c.value[0]: c.name for c in grpc.StatusCode}
 
-    def stub(address: str) -> Any:
-        if address not in client:
-            ch: Any = grpc.aio.insecure_channel(address)
-            client[address] = (ch, pbg.TransferServiceStub(ch))
-        return client[address][1]
+    def stub(address: str, engine: str) -> Any:
+        if (address, engine) not in client:
+            ch: Any = grpc.aio.insecure_channel(address, options=OWN)
+            client[address, engine] = (ch, pbg.TransferServiceStub(ch))
+        return client[address, engine][1]
 
     async def offer(prefix: str, rate: float, duration: float, cap: int, step_s: float) -> None:
         """Open loop: `rate` transfers/s for `duration` s, at most `cap` pending."""
         rng = host.rng
-        s = stub(host.leader())
+        leader = host.leader()
         sent: dict[str, float] = {}
         errors: Counter[str] = Counter()
         counts = [0, 0]  # RPCs, calls
@@ -531,7 +542,7 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
                 up = host.upstreams.get(engine) if spec.relay_submit else None
                 if up is not None:  # on the engine's node stream
                     return list((await up.submit(request, RPC_TIMEOUT_S)).results)
-                r = await s.Submit(request, timeout=RPC_TIMEOUT_S)
+                r = await stub(leader, engine).Submit(request, timeout=RPC_TIMEOUT_S)
                 return list(r.results)
 
             res = await asyncio.gather(*(one(e, c) for e, c in engine_calls.items()))
@@ -610,8 +621,8 @@ async def _host(conn: Connection, spec: HostSpec) -> None:
         counted = sorted(k for k, (_, st) in ends.items() if st == COMPLETE)
         sample = random.Random(len(counted)).sample(counted, min(SPOT_CHECK, len(counted)))
         address = host.leader()  # the ranks may follow a leader no offer went to
-        stub(address)
-        status: Any = pbg.StatusServiceStub(client[address][0])
+        stub(address, "")  # the spot check's own channel
+        status: Any = pbg.StatusServiceStub(client[address, ""][0])
         wrong = 0
         for tid in sample:
             try:

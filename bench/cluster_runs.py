@@ -33,6 +33,7 @@ from bench.coordinator_server import (
     cpu_by_process,
     cpu_seconds,
     cpu_split,
+    tcp_connections,
     tree_cpu_seconds,
     tree_rss_bytes,
 )
@@ -97,6 +98,8 @@ class Result:
     # Per step: each of the leader's processes (replica, partition-i, front-i), of one core.
     leader_procs: list[dict[str, float]] = field(default_factory=list)
     leader_cpus: int = 1  # the CPUs the leader's processes were pinned to (0: not pinned)
+    # Registered and idle: the TCP connections on the leader's port, by its process.
+    connections: dict[str, int] = field(default_factory=dict)
     msgs: list[tuple[float, float]] = field(default_factory=list)  # per step: to, from leader
     relay: bool = False  # --relay: each engine's ranks through one NodeStream
     node_streams: int = 0  # NodeStreams the hosts' Upstreams opened, the whole run
@@ -439,6 +442,9 @@ class ClusterBench:
         self.start()
         res.registered_s = self.start_hosts()
         res.idle = self.idle()
+        lead = self.leader
+        assert lead is not None and lead.proc is not None
+        res.connections = tcp_connections(lead.proc.pid, lead.port)
         if a.max_steps > 0:
             self.ramp(res)
         assert self.leader is not None and self.leader.proc is not None

@@ -63,6 +63,33 @@ def process_name(pid: int, root: int) -> str:
     return f"pid-{pid}"
 
 
+def tcp_connections(pid: int, port: int) -> dict[str, int]:
+    """Established TCP connections on local `port` held by the coordinator
+    `pid` and its children, by `process_name` (each front process ends the
+    connections the kernel handed it: SO_REUSEPORT)."""
+    procs = {process_name(p, pid): p for p in (pid, *children(pid))}
+    owner: dict[str, str] = {}  # socket inode -> process name
+    for name, p in procs.items():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{p}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        owner[link[8:-1]] = name
+    counts = dict.fromkeys(procs, 0)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            next(f)  # the header
+            for line in f:
+                cols = line.split()  # sl local remote st ... uid timeout inode
+                if cols[3] != "01" or int(cols[1].rsplit(":", 1)[1], 16) != port:
+                    continue  # 01: ESTABLISHED
+                held_by = owner.get(cols[9])
+                if held_by is not None:
+                    counts[held_by] += 1
+    return counts
+
+
 def cpu_by_process(pid: int) -> dict[str, float]:
     """`cpu_seconds` of the coordinator `pid` and of each live child, by
     `process_name`."""

@@ -265,7 +265,11 @@ class Upstream:
         backoff_max_s: float = RELAY_BACKOFF_MAX_S,
         max_message_bytes: int = 4 << 20,
         silence_s: float = DEFAULT_LIMIT_S,  # before any welcome told the lease
+        channel_options: tuple[tuple[str, int], ...] = (),
     ) -> None:
+        """`channel_options`: more gRPC channel arguments for the NodeStream's
+        channel (the cluster bench gives each of the relays it hosts in one
+        process a TCP connection of its own, as relays on separate nodes have)."""
         self._follower = LeaderFollower(coordinators)
         self._silence_s = silence_s
         self._tls = tls
@@ -273,6 +277,7 @@ class Upstream:
             *KEEPALIVE,
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *channel_options,
         )
         self._backoff = (backoff_min_s, backoff_max_s)
         self._gen: Generation | None = None

@@ -168,6 +168,13 @@ def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool, sharded: b
         assert 0 < ld.orders <= 8 * step.issued, text
         assert 0 <= ld.residence_p50_ms <= ld.residence_p99_ms, text
         assert ld.lag_samples >= 20 and 0 <= ld.lag_p50_ms <= ld.lag_p99_ms, text
+    # Every rank (direct) or relay has a TCP connection of its own to the
+    # leader, as in a cluster, not one per host process; with two fronts the
+    # kernel hands each some of them (SO_REUSEPORT).
+    conns = {n: c for n, c in res.connections.items() if not n.startswith("partition")}
+    assert sum(conns.values()) >= (8 if relay else 64), text
+    assert set(conns) == ({"replica", "front-1"} if sharded else {"replica"}), text
+    assert all(c > 0 for c in conns.values()), text
     # Each of the leader's processes has its CPU at every step, by name.
     names = {"replica", "partition-0", "partition-1", "front-1"} if sharded else {"replica"}
     assert res.leader_procs and all(set(p) == names for p in res.leader_procs), text
