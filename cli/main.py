@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from controlplane.settings import CoreSettings
+from wire.env import EnvSettingError, env_setting, parse_bool
 
-ENV_PREFIX = "PUSHKV_"
 # The servers' event loops: uvloop (libuv's; vLLM depends on it too) costs a
 # gRPC server here about a sixth less CPU per unary call than asyncio's own
 # (`pushkv bench transport`), which stays selectable.
@@ -29,13 +28,17 @@ def _hang_dump_s(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _env(name: str, default: Any) -> Any:
-    raw = os.environ.get(ENV_PREFIX + name.upper())
-    if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    return type(default)(raw)
+def _env(name: str, default: Any, choices: Sequence[str] | None = None) -> Any:
+    return env_setting(name, default, choices=choices)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pushkv")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
 
 
 def _run(main: Coroutine[Any, Any, T], event_loop: str) -> T:
@@ -51,7 +54,7 @@ def _add_event_loop_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
-        default=_env("event_loop", EVENT_LOOPS[0]),
+        default=_env("event_loop", EVENT_LOOPS[0], EVENT_LOOPS),
         help="the process's asyncio event loop: uvloop (default: about a sixth less CPU "
         "per unary gRPC call, docs/operations.md) or asyncio's own",
     )
@@ -65,7 +68,7 @@ def _add_core_flags(p: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             g.add_argument(
                 flag,
-                type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                type=parse_bool,
                 default=default,
                 metavar="BOOL",
                 help=f"default {f.default}",
@@ -239,6 +242,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
     parser = argparse.ArgumentParser(prog="pushkv", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pushkv {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     handlers: dict[str, Callable[..., int]] = {}
 
@@ -256,7 +260,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     )
     c.add_argument(
         "--rank-metrics",
-        type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+        type=parse_bool,
         default=_env("rank_metrics", True),
         metavar="BOOL",
         help="with --metrics-port: also the three pushkv_agent_* series of every rank, "
@@ -365,7 +369,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument(
         "--on-transfer-failure",
         choices=["recompute", "fail"],
-        default=_env("on_transfer_failure", "recompute"),
+        default=_env("on_transfer_failure", "recompute", ("recompute", "fail")),
         help="when the push cannot happen: recompute (serve from the decode engine alone) "
         "or fail (502/503 at once, naming the stage); pair with the engines' setting",
     )
@@ -459,7 +463,12 @@ _EXTRA_COMMANDS: list[tuple[str, Callable[[Any], Callable[..., int]]]] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, handlers = build_parser()
+    try:
+        parser, handlers = build_parser()
+    except EnvSettingError as exc:
+        # Before any subcommand parses: a bad PUSHKV_* value is a usage error.
+        sys.stderr.write(f"pushkv: error: {exc}\n")
+        return 2
     args = parser.parse_args(argv)
     try:
         return handlers[args.command](args)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 from controlplane import timeline
 from ops import tables
+from wire.env import env_setting
 from wire.leader import addresses
 from wire.states import TERMINAL
 from wire.tls import TLSFiles
@@ -57,7 +57,8 @@ ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 
 
 def _env(name: str, default: str) -> str:
-    return os.environ.get("PUSHKV_" + name.upper(), default)
+    value: str = env_setting(name, default)
+    return value
 
 
 def _state(text: str) -> str:

@@ -102,6 +102,19 @@ def _relay(role: str) -> dict[str, Any]:
     return c
 
 
+def test_pods_get_no_service_link_variables() -> None:
+    """Service links inject `PUSHKV_ROUTER_PORT=tcp://...` and the like into
+    every pod (tests/test_service_links.py shows pushkv ignoring them); the
+    manifests turn them off as well."""
+    pods = [
+        doc["spec"]["template"]["spec"]
+        for _, doc in DOCS
+        if doc["kind"] in ("StatefulSet", "Deployment")
+    ]
+    assert len(pods) == 5
+    assert all(pod.get("enableServiceLinks") is False for pod in pods)
+
+
 def test_pushkv_commands_parse() -> None:
     parser, _ = build_parser()
     commands = [
