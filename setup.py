@@ -51,7 +51,8 @@ if os.environ.get("PUSHKV_MYPYC") == "1":
     from mypyc.build import mypycify
 
     modules = runpy.run_path("controlplane/core_build.py")["CORE_MODULES"]
-    os.environ["MYPYPATH"] = "proto"  # the generated contract's stubs
-    ext_modules = mypycify([f"controlplane/{m}.py" for m in modules], opt_level="3")
+    # Through the namespace's link (pushkv/controlplane): the modules compile
+    # as pushkv.controlplane.*.
+    ext_modules = mypycify([f"pushkv/controlplane/{m}.py" for m in modules], opt_level="3")
 
 setup(ext_modules=ext_modules)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from agent.messages import FireMsg, OrderMsg
-from wire.prompt_blocks import prompt_shortfall, prompt_tails
+from pushkv.agent.messages import FireMsg, OrderMsg
+from pushkv.rules.prompt_blocks import prompt_shortfall, prompt_tails
 
 # Fires remembered for an order not here yet (bounded: the oldest go first;
 # a fire whose order never comes was for a transfer that was not armed).
@@ -82,7 +82,7 @@ class Armed:
 
 def filled(order: OrderMsg, fire: FireMsg, tokens_per_block: int) -> OrderMsg | str:
     """The armed order with its targets' source blocks from the fire (the rule
-    the coordinator applies, wire/prompt_blocks.py), or why it cannot be."""
+    the coordinator applies, pushkv/rules/prompt_blocks.py), or why it cannot be."""
     if fire.num_tokens != order.num_tokens:
         return f"num_tokens: decode {order.num_tokens} != prefill {fire.num_tokens}"
     targets = []

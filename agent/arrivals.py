@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from agent.events import EventKind
-from agent.lru import Lru
-from agent.notif import WriteNotif
+from pushkv.agent.events import EventKind
+from pushkv.agent.lru import Lru
+from pushkv.agent.notif import WriteNotif
 
 EXPECT_TTL_S = 600.0
 # Long enough to outlast a failover (lease TTL + agents following, seconds)

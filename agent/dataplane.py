@@ -35,12 +35,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from agent.armed import Armed, filled
-from agent.arrivals import Arrivals
-from agent.events import EventKind, HostEvent
-from agent.local_resolution import LocalResolution
-from agent.lru import Lru
-from agent.messages import (
+from pushkv.agent.armed import Armed, filled
+from pushkv.agent.arrivals import Arrivals
+from pushkv.agent.events import EventKind, HostEvent
+from pushkv.agent.local_resolution import LocalResolution
+from pushkv.agent.lru import Lru
+from pushkv.agent.messages import (
     AbortMsg,
     ArrivalMsg,
     CancelMsg,
@@ -65,12 +65,12 @@ from agent.messages import (
     TermMsg,
     WriteReportMsg,
 )
-from agent.nixl_adapter import NixlEndpoint
-from agent.nixl_types import NixlError, PeerKey, WriteHandle
-from agent.notif import WriteNotif
-from agent.posting import InFlight, Poster
-from agent.progressive import Progressive, progressive_ok
-from agent.snapshot import HeldItem, SnapshotBox, decode_items, prefill_items
+from pushkv.agent.nixl_adapter import NixlEndpoint
+from pushkv.agent.nixl_types import NixlError, PeerKey, WriteHandle
+from pushkv.agent.notif import WriteNotif
+from pushkv.agent.posting import InFlight, Poster
+from pushkv.agent.progressive import Progressive, progressive_ok
+from pushkv.agent.snapshot import HeldItem, SnapshotBox, decode_items, prefill_items
 
 log = logging.getLogger("pushkv.agent")
 

@@ -20,7 +20,7 @@ A coordinator that says nothing for a whole lease is taken as gone, whatever
 its connection says: a frozen or cut-off process keeps its sockets open and
 silent, and a blocked read would wait on it for ever. The link's watchdog
 thread then cancels the stream and the link dials the next address
-(`wire/silence.py`). With several replicas the watchdog also asks another
+(`pushkv/net/silence.py`). With several replicas the watchdog also asks another
 replica which one leads, after two heartbeat intervals of silence (a hello
 left unanswered: after a lease), and again each step: named elsewhere (with
 a newer term, once welcomed), the link goes there at once.
@@ -42,17 +42,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.link_messages import (
+from pushkv.agent.link_messages import (
     HELLO_HELD_BYTES,
     held_entries,
     order_from_pb,
     peer_from_pb,
     report_to_pb,
 )
-from agent.messages import (
+from pushkv.agent.messages import (
     ArrivalMsg,
     CancelMsg,
     CoordinatorAdoptedMsg,
@@ -68,12 +66,14 @@ from agent.messages import (
     TermMsg,
     WriteReportMsg,
 )
-from agent.snapshot import HeldItem
-from agent.starvation import StarvationWatch
-from wire.codes import PERMANENT
-from wire.leader import LeaderFollower, go_to
-from wire.leader_ask import ask
-from wire.silence import WATCH_S, SilenceWatch
+from pushkv.agent.snapshot import HeldItem
+from pushkv.agent.starvation import StarvationWatch
+from pushkv.net.codes import PERMANENT
+from pushkv.net.leader import LeaderFollower, go_to
+from pushkv.net.leader_ask import ask
+from pushkv.net.silence import WATCH_S, SilenceWatch
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 log = logging.getLogger("pushkv.agent")
 
@@ -132,7 +132,7 @@ class CoordinatorLink:
         # None only wakes the request stream (a heartbeat is due at once).
         self.outbox: queue.Queue[Outbound | None] = queue.Queue()
         # One coordinator address, or several (comma-separated) replicas: the
-        # link dials the one leading (wire/leader.py).
+        # link dials the one leading (pushkv/net/leader.py).
         self._follower = LeaderFollower(address)
         # With batching, queued reports go up as one AgentBatch, and the
         # coordinator may send us CoordinatorBatch (hello.accepts_batches).
@@ -255,7 +255,7 @@ class CoordinatorLink:
             term=self.term,
         )
         if not leader or self._call is not call:
-            return  # stay (wire/leader.go_to), or the stream moved on meanwhile
+            return  # stay (pushkv/net/leader.go_to), or the stream moved on meanwhile
         self.redirected += 1
         log.warning(
             "coordinator %s has %s in %.1f s and another replica names %s "

@@ -4,9 +4,7 @@ reports, and the hello's held list within its byte budget."""
 
 from __future__ import annotations
 
-from pushkv.v1 import pushkv_pb2 as pb
-
-from agent.messages import (
+from pushkv.agent.messages import (
     ArrivalMsg,
     OrderMsg,
     Outbound,
@@ -14,8 +12,9 @@ from agent.messages import (
     ReportStatus,
     Target,
 )
-from agent.nixl_types import BlockResize, KVRegion, MemoryKind
-from agent.snapshot import HeldItem
+from pushkv.agent.nixl_types import BlockResize, KVRegion, MemoryKind
+from pushkv.agent.snapshot import HeldItem
+from pushkv.v1 import pushkv_pb2 as pb
 
 _STATUS = {
     ReportStatus.POSTED: pb.WRITE_STATUS_POSTED,

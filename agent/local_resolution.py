@@ -20,12 +20,12 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from agent.armed import Armed
-from agent.arrivals import Arrivals
-from agent.events import EventKind
-from agent.messages import OrderMsg, ReportStatus
-from agent.posting import InFlight
-from agent.progressive import Progressive
+from pushkv.agent.armed import Armed
+from pushkv.agent.arrivals import Arrivals
+from pushkv.agent.events import EventKind
+from pushkv.agent.messages import OrderMsg, ReportStatus
+from pushkv.agent.posting import InFlight
+from pushkv.agent.progressive import Progressive
 
 log = logging.getLogger("pushkv.agent")
 

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from agent.nixl_types import BlockResize, KVRegion, MemoryKind
+from pushkv.agent.nixl_types import BlockResize, KVRegion, MemoryKind
 
 
 @dataclass(frozen=True, slots=True)

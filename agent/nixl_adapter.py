@@ -1,13 +1,13 @@
-"""Typed adapter over NIXL: with :mod:`agent.nixl_boundary` (the import and the
-translation of what NIXL raises) and :mod:`agent.prepped` (the block lists it
+"""Typed adapter over NIXL: with :mod:`pushkv.agent.nixl_boundary` (the import and the
+translation of what NIXL raises) and :mod:`pushkv.agent.prepped` (the block lists it
 prepares once), the only module in pushkv that uses ``nixl``.
 
 Everything NIXL hands back as strings ("DONE"/"PROC"/"ERR"), bytes-or-str names
 and untyped binding exceptions is converted here, once, into
 :class:`~agent.nixl_types.TransferState`, :class:`~agent.nixl_types.FailureReason`
 and :class:`~agent.nixl_types.NixlError`.  Whole blocks and head slices go by
-index into prepared lists (:mod:`agent.prepped`); token ranges and a pipeline
-stage's regions are planned by :mod:`agent.write_plan` (pure, no nixl).
+index into prepared lists (:mod:`pushkv.agent.prepped`); token ranges and a pipeline
+stage's regions are planned by :mod:`pushkv.agent.write_plan` (pure, no nixl).
 
 Threading: a :class:`NixlEndpoint` is owned by ONE thread (the agent's NIXL
 thread).  The agent is created with the default ``sync_mode`` (no internal
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Self
 
-from agent.nixl_boundary import STATE_BY_STATUS as _STATE_BY_STATUS
-from agent.nixl_boundary import logged_if_nixl_fails as _logged_if_nixl_fails
-from agent.nixl_boundary import nixl_api as _nixl_api
-from agent.nixl_boundary import quiet_nixl_env
-from agent.nixl_boundary import text as _text
-from agent.nixl_boundary import translate as _translate
-from agent.nixl_types import (
+from pushkv.agent.nixl_boundary import STATE_BY_STATUS as _STATE_BY_STATUS
+from pushkv.agent.nixl_boundary import logged_if_nixl_fails as _logged_if_nixl_fails
+from pushkv.agent.nixl_boundary import nixl_api as _nixl_api
+from pushkv.agent.nixl_boundary import quiet_nixl_env
+from pushkv.agent.nixl_boundary import text as _text
+from pushkv.agent.nixl_boundary import translate as _translate
+from pushkv.agent.nixl_types import (
     BlockResize,
     BlockSlice,
     FailureReason,
@@ -55,8 +55,8 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.prepped import LOCAL, BlockTables, PreppedWrite
-from agent.write_plan import (
+from pushkv.agent.prepped import LOCAL, BlockTables, PreppedWrite
+from pushkv.agent.write_plan import (
     Layout,
     WritePlan,
     check_pairing,

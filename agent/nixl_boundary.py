@@ -1,6 +1,6 @@
 """The NIXL boundary: importing NIXL and translating what it raises and returns.
 
-:mod:`agent.nixl_adapter` is the only user.  ``nixl`` is imported lazily, on
+:mod:`pushkv.agent.nixl_adapter` is the only user.  ``nixl`` is imported lazily, on
 the first endpoint (``nixl_api``); before that import ``NIXL_LOG_LEVEL``
 defaults to ``WARN`` (NIXL otherwise prints INFO lines to *stdout*).
 """
@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from agent.nixl_types import FailureReason, NixlError, TransferState
+from pushkv.agent.nixl_types import FailureReason, NixlError, TransferState
 
 __all__ = [
     "INSTALL_HINT",

@@ -132,7 +132,7 @@ class PeerKey:
 
 @dataclass(eq=False, slots=True)
 class WriteHandle:
-    """A posted WRITE.  Created only by :meth:`agent.nixl_adapter.NixlEndpoint.post_write`.
+    """A posted WRITE.  Created only by :meth:`pushkv.agent.nixl_adapter.NixlEndpoint.post_write`.
 
     ``state`` is the last state observed by ``post_write`` or ``NixlEndpoint.poll``;
     ``failure`` is set once the transfer failed.  ``_xfer`` is NIXL's request

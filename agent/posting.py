@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from agent.messages import FencedMsg, OrderMsg, PeerMsg, Target
-from agent.nixl_adapter import NixlEndpoint
-from agent.nixl_types import (
+from pushkv.agent.messages import FencedMsg, OrderMsg, PeerMsg, Target
+from pushkv.agent.nixl_adapter import NixlEndpoint
+from pushkv.agent.nixl_types import (
     BlockSlice,
     FailureReason,
     NixlError,
@@ -17,7 +17,7 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.notif import WriteNotif
+from pushkv.agent.notif import WriteNotif
 
 log = logging.getLogger("pushkv.agent")
 

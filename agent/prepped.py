@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.nixl_boundary import logged_if_nixl_fails, translate
-from agent.nixl_types import BlockSlice, FailureReason, NixlError
-from agent.write_plan import (
+from pushkv.agent.nixl_boundary import logged_if_nixl_fails, translate
+from pushkv.agent.nixl_types import BlockSlice, FailureReason, NixlError
+from pushkv.agent.write_plan import (
     Layout,
     check_range,
     duplicate_remote_ids,

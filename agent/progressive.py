@@ -19,9 +19,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.messages import FireMsg, OrderMsg, ReportStatus
-from agent.nixl_types import NixlError, PeerKey, WriteHandle
-from agent.posting import Poster, Write
+from pushkv.agent.messages import FireMsg, OrderMsg, ReportStatus
+from pushkv.agent.nixl_types import NixlError, PeerKey, WriteHandle
+from pushkv.agent.posting import Poster, Write
 
 Finish = Callable[[OrderMsg, ReportStatus, str, int, int, int], None]
 Posted = Callable[[OrderMsg, list[WriteHandle], tuple[tuple[PeerKey, bytes], ...], int], None]

@@ -15,19 +15,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
+from pushkv.agent.dataplane import DataPlane
+from pushkv.agent.events import HostEvent
+from pushkv.agent.link import ChannelFactory, CoordinatorLink
+from pushkv.agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg, SnapshotMsg
+from pushkv.agent.nixl_adapter import NixlEndpoint
+from pushkv.agent.nixl_types import KVRegion, MemoryKind
+from pushkv.agent.placement import placed
+from pushkv.agent.snapshot import HeldItem
+from pushkv.net.tls import TLSFiles
+from pushkv.net.tls import channel as tls_channel
 from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
-
-from agent.dataplane import DataPlane
-from agent.events import HostEvent
-from agent.link import ChannelFactory, CoordinatorLink
-from agent.messages import AbortMsg, ExpectMsg, FireMsg, HoldMsg, PauseMsg, SnapshotMsg
-from agent.nixl_adapter import NixlEndpoint
-from agent.nixl_types import KVRegion, MemoryKind
-from agent.placement import placed
-from agent.snapshot import HeldItem
-from wire.tls import TLSFiles
-from wire.tls import channel as tls_channel
 
 
 class AgentRole(enum.Enum):

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from agent.messages import OrderMsg
+from pushkv.agent.messages import OrderMsg
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import faulthandler
 import time
 from collections.abc import Callable
 
-from wire.event_loop import MAX_DUMP_AFTER_S, REARM_S, check_dump_after
+from pushkv.net.event_loop import MAX_DUMP_AFTER_S, REARM_S, check_dump_after
 
 # A watchdog wake at least this late names the process as starving the agent.
 STARVED_S = 2.0

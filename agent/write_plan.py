@@ -25,7 +25,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from agent.nixl_types import (
+from pushkv.agent.nixl_types import (
     BlockResize,
     BlockSlice,
     FailureReason,

@@ -7,13 +7,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from controlplane import validation
-from controlplane.domain import AgentRegistration, Blocks, Effect, Reason, Role, State, TransferId
-from controlplane.errors import InvalidArgument
-from controlplane.inflight import InFlight
-from controlplane.registry import EngineRecord
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Side
+from pushkv.controlplane import validation
+from pushkv.controlplane.domain import (
+    AgentRegistration,
+    Blocks,
+    Effect,
+    Reason,
+    Role,
+    State,
+    TransferId,
+)
+from pushkv.controlplane.errors import InvalidArgument
+from pushkv.controlplane.inflight import InFlight
+from pushkv.controlplane.registry import EngineRecord
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Side
 
 
 def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     AgentKey,
     AgentRegistration,
     Blocks,
@@ -44,9 +44,9 @@ from controlplane.domain import (
     Role,
     SendOrder,
 )
-from controlplane.orders import OpenOrders, rank_order, shared_ranks, with_rank
-from controlplane.registry import EngineRecord
-from controlplane.transfer import OrderRecord, Transfer
+from pushkv.controlplane.orders import OpenOrders, rank_order, shared_ranks, with_rank
+from pushkv.controlplane.registry import EngineRecord
+from pushkv.controlplane.transfer import OrderRecord, Transfer
 
 
 def join(

@@ -14,7 +14,7 @@ transfer completes once no other rank's report is pending.
 
 from __future__ import annotations
 
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     MOVING,
     AgentKey,
     AgentNotBack,
@@ -24,10 +24,10 @@ from controlplane.domain import (
     State,
     TransferChanged,
 )
-from controlplane.inflight import InFlight
-from controlplane.notices import peer_fenced
-from controlplane.registry import AgentRecord
-from controlplane.transfer import Transfer
+from pushkv.controlplane.inflight import InFlight
+from pushkv.controlplane.notices import peer_fenced
+from pushkv.controlplane.registry import AgentRecord
+from pushkv.controlplane.transfer import Transfer
 
 # The detail of an order whose agent was lost after its WRITE was counted.
 LANDED = "landed (decode counted its arrival); the agent was lost before it reported"

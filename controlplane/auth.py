@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.errors import PermissionDenied, Unauthenticated
+from pushkv.controlplane.errors import PermissionDenied, Unauthenticated
 
 
 class Kind(enum.Enum):

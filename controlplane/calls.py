@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import structlog
-from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane import convert, logs, status_map
-from controlplane.auth import Authorizer, Kind, Principal
-from controlplane.domain import Effect, Role
-from controlplane.errors import InvalidArgument, NoAgents, PermissionDenied
-from controlplane.runtime import Runtime
-from controlplane.transfer import Transfer
+from pushkv.controlplane import convert, logs, status_map
+from pushkv.controlplane.auth import Authorizer, Kind, Principal
+from pushkv.controlplane.domain import Effect, Role
+from pushkv.controlplane.errors import InvalidArgument, NoAgents, PermissionDenied
+from pushkv.controlplane.runtime import Runtime
+from pushkv.controlplane.transfer import Transfer
+from pushkv.v1 import pushkv_pb2 as pb
 
 log = structlog.get_logger("pushkv.coordinator")
 

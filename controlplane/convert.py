@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     AgentRegistration,
     Blocks,
     EngineId,
@@ -21,10 +19,11 @@ from controlplane.domain import (
     State,
     WriteStatus,
 )
-from controlplane.errors import InvalidArgument
-from controlplane.registry import AgentRecord, EngineRecord
-from controlplane.transfer import Transfer
-from wire.pairing import KVShape
+from pushkv.controlplane.errors import InvalidArgument
+from pushkv.controlplane.registry import AgentRecord, EngineRecord
+from pushkv.controlplane.transfer import Transfer
+from pushkv.rules.pairing import KVShape
+from pushkv.v1 import pushkv_pb2 as pb
 
 ROLE_TO_PB = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}

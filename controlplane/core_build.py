@@ -42,6 +42,6 @@ CORE_MODULES = (
 
 def core_build() -> str:
     """ "compiled" when the core's modules were loaded from mypyc extensions, else "python"."""
-    from controlplane import rendezvous
+    from pushkv.controlplane import rendezvous
 
     return "python" if Path(rendezvous.__file__ or "").suffix == ".py" else "compiled"

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
-from wire.pairing import KVShape
+from pushkv.rules.pairing import KVShape
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -128,7 +128,7 @@ class KVLayout:
     # Derived once: read by every registration and prefill report.
     num_blocks: int = field(init=False, repr=False, compare=False)
     num_groups: int = field(init=False, repr=False, compare=False)
-    # What the pairing rule (wire/pairing.py) reads, for each transfer's pairing.
+    # What the pairing rule (pushkv/rules/pairing.py) reads, for each transfer's pairing.
     shape: KVShape = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

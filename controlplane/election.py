@@ -30,7 +30,7 @@ Client dials plain text only, and https:// endpoints need TLS (the CA, and a
 client certificate where etcd demands one), and an etcd user's token on every
 call where etcd's authentication is on. This module and lease_keeper.py (its
 stubs on a synchronous channel) are the only ones that import aetcd, and only
-``controlplane.server`` imports this module, when ``--etcd`` is given.
+``pushkv.controlplane.server`` imports this module, when ``--etcd`` is given.
 """
 
 from __future__ import annotations
@@ -48,8 +48,15 @@ import grpc
 import structlog
 from aetcd import rpc
 
-from controlplane.leadership import ElectionSettings, Leadership, Role, View, endpoints, etcd_tls
-from controlplane.lease_keeper import LeaseKeeper, LoopPulse
+from pushkv.controlplane.leadership import (
+    ElectionSettings,
+    Leadership,
+    Role,
+    View,
+    endpoints,
+    etcd_tls,
+)
+from pushkv.controlplane.lease_keeper import LeaseKeeper, LoopPulse
 
 log = structlog.get_logger("pushkv.coordinator")
 

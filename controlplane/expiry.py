@@ -6,9 +6,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from controlplane.domain import TransferId
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Transfer
+from pushkv.controlplane.domain import TransferId
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Transfer
 
 
 class Deadlines:

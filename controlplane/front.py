@@ -55,18 +55,18 @@ from typing import Any, Protocol
 
 import grpc
 import structlog
+
+from pushkv.controlplane.errors import Unavailable
+from pushkv.controlplane.front_watch import FrontWatches
+from pushkv.controlplane.metric_families import FamilyCopy
+from pushkv.controlplane.metrics import Snapshot
+from pushkv.controlplane.metrics_merge import merge_snapshots, snapshot_from_json
+from pushkv.controlplane.partitions import partition_of
+from pushkv.controlplane.servicers import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_SUBMIT_CALLS
+from pushkv.controlplane.status_map import error_for
+from pushkv.net.batching import Batcher
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane.errors import Unavailable
-from controlplane.front_watch import FrontWatches
-from controlplane.metric_families import FamilyCopy
-from controlplane.metrics import Snapshot
-from controlplane.metrics_merge import merge_snapshots, snapshot_from_json
-from controlplane.partitions import partition_of
-from controlplane.servicers import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, MAX_SUBMIT_CALLS
-from controlplane.status_map import error_for
-from wire.batching import Batcher
 
 log = structlog.get_logger("pushkv.coordinator")
 

@@ -40,28 +40,28 @@ from collections.abc import AsyncIterator, Sequence
 
 import structlog
 import uvloop
-from pushkv.v1 import partition_pb2 as ppb
 
-from controlplane import gcpolicy, logs
-from controlplane.auth import Authorizer
-from controlplane.front import PartitionFront
-from controlplane.grpc_edge import (
+from pushkv.controlplane import gcpolicy, logs
+from pushkv.controlplane.auth import Authorizer
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.grpc_edge import (
     add_front_services,
     add_health_and_reflection,
     bind,
     new_server,
     set_health,
 )
-from controlplane.leadership import Leadership, Role, View
-from controlplane.metric_families import HistogramSeries
-from controlplane.partition_host import die_with_parent
-from controlplane.partition_link import PartitionConnection
-from controlplane.servicers import leadership_reply, leadership_view
-from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS
-from controlplane.transfer_metrics import loop_lag_family
-from wire.event_loop import check_dump_after, report_stalls, sample_loop_lag
-from wire.frames import frame, read_frames
-from wire.tls import TLSFiles
+from pushkv.controlplane.leadership import Leadership, Role, View
+from pushkv.controlplane.metric_families import HistogramSeries
+from pushkv.controlplane.partition_host import die_with_parent
+from pushkv.controlplane.partition_link import PartitionConnection
+from pushkv.controlplane.servicers import leadership_reply, leadership_view
+from pushkv.controlplane.settings import MAX_FRONTS, MAX_PARTITIONS
+from pushkv.controlplane.transfer_metrics import loop_lag_family
+from pushkv.net.event_loop import check_dump_after, report_stalls, sample_loop_lag
+from pushkv.net.frames import frame, read_frames
+from pushkv.net.tls import TLSFiles
+from pushkv.v1 import partition_pb2 as ppb
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -213,7 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m controlplane.front_host")
+    p = argparse.ArgumentParser(prog="python -m pushkv.controlplane.front_host")
     p.add_argument("--socket-dir", required=True, help="the partitions' sockets")
     p.add_argument("--partitions", dest="k", type=int, required=True)
     p.add_argument("--index", type=int, required=True, help="this front (1 and up)")

@@ -22,14 +22,14 @@ from collections.abc import Sequence
 
 import structlog
 from google.protobuf.message import DecodeError
-from pushkv.v1 import partition_pb2 as ppb
 
-from controlplane.front_host import READY, control
-from controlplane.leadership import Leadership, View
-from controlplane.metric_families import FamilyCopy
-from wire.child import Child
-from wire.frames import FrameError, read_frames
-from wire.tls import TLSFiles
+from pushkv.controlplane.front_host import READY, control
+from pushkv.controlplane.leadership import Leadership, View
+from pushkv.controlplane.metric_families import FamilyCopy
+from pushkv.net.child import Child
+from pushkv.net.frames import FrameError, read_frames
+from pushkv.net.tls import TLSFiles
+from pushkv.v1 import partition_pb2 as ppb
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -80,7 +80,7 @@ class FrontProcesses:
                         sys.executable,
                         *(("-P",) if sys.flags.safe_path else ()),  # as partition_link's
                         "-m",
-                        "controlplane.front_host",
+                        "pushkv.controlplane.front_host",
                         *("--socket-dir", socket_dir, "--partitions", str(k)),
                         *("--index", str(index), "--address", address),
                         *("--parent", str(os.getpid()), "--log-level", log_level),

@@ -19,14 +19,13 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pushkv.controlplane.auth import Authorizer, principal_to_wire
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.leadership import Leadership
+from pushkv.controlplane.servicers import Ctx, fence, first_message, leadership_reply
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.auth import Authorizer, principal_to_wire
-from controlplane.front import PartitionFront
-from controlplane.leadership import Leadership
-from controlplane.servicers import Ctx, fence, first_message, leadership_reply
 
 
 class FrontTransferServicer(pbg.TransferServiceServicer):

@@ -21,13 +21,12 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pushkv.controlplane.errors import PushKVError, ResourceExhausted
+from pushkv.controlplane.runtime import WATCH_QUEUE_LIMIT
+from pushkv.controlplane.servicers import MAX_LIST_LIMIT
+from pushkv.controlplane.status_map import error_for
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane.errors import PushKVError, ResourceExhausted
-from controlplane.runtime import WATCH_QUEUE_LIMIT
-from controlplane.servicers import MAX_LIST_LIMIT
-from controlplane.status_map import error_for
 
 # What a watch may hold for a slow client: its replay, and a watcher's queue.
 QUEUE_LIMIT = MAX_LIST_LIMIT + WATCH_QUEUE_LIMIT

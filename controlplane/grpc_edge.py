@@ -9,19 +9,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.auth import Authorizer
-from controlplane.front import PartitionFront
-from controlplane.front_servicers import (
+from pushkv.controlplane.auth import Authorizer
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.front_servicers import (
     FrontAgentServicer,
     FrontStatusServicer,
     FrontTransferServicer,
 )
-from controlplane.leadership import Leadership
-from controlplane.status_map import ErrorMappingInterceptor
-from wire.tls import SERVER_PING_OPTIONS, TLSFiles
+from pushkv.controlplane.leadership import Leadership
+from pushkv.controlplane.status_map import ErrorMappingInterceptor
+from pushkv.net.tls import SERVER_PING_OPTIONS, TLSFiles
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 SERVICE_NAMES = tuple(
     pb.DESCRIPTOR.services_by_name[n].full_name

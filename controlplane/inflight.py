@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.clock import Clock
-from controlplane.domain import (
+from pushkv.controlplane.clock import Clock
+from pushkv.controlplane.domain import (
     Effect,
     EngineId,
     RankState,
@@ -27,13 +27,13 @@ from controlplane.domain import (
     TransferChanged,
     TransferId,
 )
-from controlplane.errors import ResourceExhausted
-from controlplane.expiry import Deadlines, Retention
-from controlplane.notices import transfer_notices
-from controlplane.orders import OpenOrders
-from controlplane.registry import Registry
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Transfer
+from pushkv.controlplane.errors import ResourceExhausted
+from pushkv.controlplane.expiry import Deadlines, Retention
+from pushkv.controlplane.notices import transfer_notices
+from pushkv.controlplane.orders import OpenOrders
+from pushkv.controlplane.registry import Registry
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Transfer
 
 # Timeline stage names, without an Enum .value lookup (a Python property) per event.
 _STAGE = {st: st.value for st in State}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 # Trailing metadata key of a refusal: the leader's advertised HOST:PORT (empty
-# while no leader is known). Clients read it (wire/leader.py) to move there.
+# while no leader is known). Clients read it (pushkv/net/leader.py) to move there.
 LEADER_METADATA_KEY = "pushkv-leader"
 
 # The services only the leader serves (every RPC in them orders, records or

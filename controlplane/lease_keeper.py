@@ -32,7 +32,7 @@ import grpc
 import structlog
 from aetcd import rpc
 
-from controlplane.leadership import LOOP_STALL_LIMIT_S
+from pushkv.controlplane.leadership import LOOP_STALL_LIMIT_S
 
 log = structlog.get_logger("pushkv.coordinator")
 

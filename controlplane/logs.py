@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 if TYPE_CHECKING:
-    from controlplane.transfer import Transfer
+    from pushkv.controlplane.transfer import Transfer
 
 
 class _Levels:
@@ -85,7 +85,7 @@ class TransferLog:
     _STAGES = frozenset({"complete", "failed", "cancelled", "expired", "released"})
 
     def __init__(self, alive: Callable[[str], bool]) -> None:
-        from controlplane.timeline import TimelineCursor
+        from pushkv.controlplane.timeline import TimelineCursor
 
         self._cursor = TimelineCursor(alive)
         self._log = structlog.get_logger("pushkv.coordinator")

@@ -26,16 +26,16 @@ from wsgiref.simple_server import WSGIServer
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+
+from pushkv.controlplane.core_build import core_build
+from pushkv.controlplane.leadership import Leadership
+from pushkv.controlplane.metric_families import FamilyCopy, created_series
+from pushkv.controlplane.transfer_metrics import TransferMetrics
+from pushkv.net.event_loop import sample_loop_lag
 from pushkv.protocol import PROTOCOL_VERSION
 
-from controlplane.core_build import core_build
-from controlplane.leadership import Leadership
-from controlplane.metric_families import FamilyCopy, created_series
-from controlplane.transfer_metrics import TransferMetrics
-from wire.event_loop import sample_loop_lag
-
 if TYPE_CHECKING:
-    from controlplane.runtime import Runtime
+    from pushkv.controlplane.runtime import Runtime
 
 # Which build of the core this process runs (controlplane/core_build.py).
 _CORE = core_build()

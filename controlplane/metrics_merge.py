@@ -21,8 +21,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from controlplane.metric_families import FamilyCopy
-from controlplane.metrics import EngineSnap, RankLease, Snapshot
+from pushkv.controlplane.metric_families import FamilyCopy
+from pushkv.controlplane.metrics import EngineSnap, RankLease, Snapshot
 
 
 def snapshot_to_json(snap: Snapshot) -> str:

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import structlog
-from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane.auth import Principal
-from controlplane.errors import PushKVError, ResourceExhausted
-from controlplane.runtime import AgentSession, Outgoing, Runtime, to_message
-from controlplane.status_map import outcome
-from wire.batching import MAX_BATCH_BYTES, Batcher
+from pushkv.controlplane.auth import Principal
+from pushkv.controlplane.errors import PushKVError, ResourceExhausted
+from pushkv.controlplane.runtime import AgentSession, Outgoing, Runtime, to_message
+from pushkv.controlplane.status_map import outcome
+from pushkv.net.batching import MAX_BATCH_BYTES, Batcher
+from pushkv.v1 import pushkv_pb2 as pb
 
 log = structlog.get_logger("pushkv.coordinator")
 

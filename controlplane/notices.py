@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controlplane.domain import AgentKey, Effect, EngineId, Notice, SendNotice, SendPeerFenced
-from controlplane.registry import Registry
-from controlplane.transfer import Transfer
+from pushkv.controlplane.domain import (
+    AgentKey,
+    Effect,
+    EngineId,
+    Notice,
+    SendNotice,
+    SendPeerFenced,
+)
+from pushkv.controlplane.registry import Registry
+from pushkv.controlplane.transfer import Transfer
 
 
 def transfer_notices(registry: Registry, t: Transfer, engines: Iterable[EngineId]) -> list[Effect]:

@@ -7,7 +7,7 @@ varint and tag, and each block id at the width of its group's largest id."""
 
 from __future__ import annotations
 
-from controlplane.domain import Blocks, Order
+from pushkv.controlplane.domain import Blocks, Order
 
 # The gRPC default; the server passes its --max-message-bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20

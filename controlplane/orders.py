@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from controlplane import order_size
-from controlplane.domain import (
+from pushkv.controlplane import order_size
+from pushkv.controlplane.domain import (
     AgentKey,
     Blocks,
     Effect,
@@ -21,19 +21,19 @@ from controlplane.domain import (
     TransferId,
     WriteTarget,
 )
-from controlplane.errors import InvalidArgument
-from controlplane.registry import EngineRecord
-from controlplane.transfer import OrderRecord, Side, Transfer
-from wire.pairing import head_span_units, pair_mismatch
-from wire.pp_map import region_map
-from wire.prompt_blocks import prompt_shortfall, prompt_tails
-from wire.tp_map import prefill_targets, total_heads
+from pushkv.controlplane.errors import InvalidArgument
+from pushkv.controlplane.registry import EngineRecord
+from pushkv.controlplane.transfer import OrderRecord, Side, Transfer
+from pushkv.rules.pairing import head_span_units, pair_mismatch
+from pushkv.rules.pp_map import region_map
+from pushkv.rules.prompt_blocks import prompt_shortfall, prompt_tails
+from pushkv.rules.tp_map import prefill_targets, total_heads
 
 
 def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
     """Why the prefill engine `pe` cannot write the transfer into decode engine `de`, or "".
 
-    The engines' side of it is wire/pairing.py's rule, the one routers apply too."""
+    The engines' side of it is pushkv/rules/pairing.py's rule, the one routers apply too."""
     assert t.decode is not None and t.prefill is not None
     problem = pair_mismatch(pe.tp_size, pe.shape, de.tp_size, de.shape)
     if problem:
@@ -152,7 +152,7 @@ def rank_targets(
     pe: EngineRecord, de: EngineRecord, rank: int, src: Blocks, dst: Blocks
 ) -> tuple[WriteTarget, ...]:
     """Where prefill rank `rank` writes (`mismatch` found nothing wrong): the
-    decode ranks whose heads it is chosen to write (wire/tp_map.py), each
+    decode ranks whose heads it is chosen to write (pushkv/rules/tp_map.py), each
     with its slice and the count of prefill ranks writing into it.
 
     Equal TP: whole blocks into decode rank `rank`, 1 writer. Prefill TP = k x
@@ -181,7 +181,7 @@ def rank_targets(
         total,
         tp_rank,
     )
-    # Pipeline-parallel prefill (wire/pp_map.py): the rank's regions into the
+    # Pipeline-parallel prefill (pushkv/rules/pp_map.py): the rank's regions into the
     # decode regions of their layers; every stage writes each decode rank.
     regions = stage_regions(pe.ranks[rank].reg.layout, d_layout) if pe.pp_size > 1 else ()
     return tuple(

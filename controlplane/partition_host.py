@@ -7,7 +7,7 @@ machine with its share of the limits, the agents' sessions, the effects
 turned into the messages each agent gets), fed by the leading replica's
 front over a Unix socket. What crosses the socket is what a node relay's
 NodeStream carries (`node_stream.NodeChannels`), as length-prefixed frames
-(`wire.frames`), never pickle:
+(`pushkv.net.frames`), never pickle:
 
 - up, `PartitionUp` (a `NodeUp`): each agent's hello, heartbeats and
   disconnect on its channel (the front, controlplane/front.py, sends them to
@@ -61,27 +61,27 @@ from collections.abc import AsyncIterator, Sequence
 
 import structlog
 import uvloop
+
+from pushkv.controlplane import gcpolicy, logs
+from pushkv.controlplane.auth import TRUSTED, Authorizer, Principal, principal_from_wire
+from pushkv.controlplane.clock import SystemClock
+from pushkv.controlplane.errors import FailedPrecondition, InvalidArgument
+from pushkv.controlplane.leadership import Leadership
+from pushkv.controlplane.logs import TransferLog
+from pushkv.controlplane.metrics import CoordinatorMetrics
+from pushkv.controlplane.metrics_merge import snapshot_to_json
+from pushkv.controlplane.node_stream import NodeChannels
+from pushkv.controlplane.partition_watch import PartitionWatches
+from pushkv.controlplane.partitions import partition_of, partition_settings
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.runtime import Runtime
+from pushkv.controlplane.servicers import AgentServicer, TransferServicer, list_transfers
+from pushkv.controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
+from pushkv.controlplane.status_map import outcome
+from pushkv.controlplane.tracing import tracer_from_env
+from pushkv.net.frames import frame, read_frames
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane import gcpolicy, logs
-from controlplane.auth import TRUSTED, Authorizer, Principal, principal_from_wire
-from controlplane.clock import SystemClock
-from controlplane.errors import FailedPrecondition, InvalidArgument
-from controlplane.leadership import Leadership
-from controlplane.logs import TransferLog
-from controlplane.metrics import CoordinatorMetrics
-from controlplane.metrics_merge import snapshot_to_json
-from controlplane.node_stream import NodeChannels
-from controlplane.partition_watch import PartitionWatches
-from controlplane.partitions import partition_of, partition_settings
-from controlplane.rendezvous import Rendezvous
-from controlplane.runtime import Runtime
-from controlplane.servicers import AgentServicer, TransferServicer, list_transfers
-from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
-from controlplane.status_map import outcome
-from controlplane.tracing import tracer_from_env
-from wire.frames import frame, read_frames
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -329,7 +329,7 @@ def settings_json(settings: CoreSettings) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m controlplane.partition_host")
+    p = argparse.ArgumentParser(prog="python -m pushkv.controlplane.partition_host")
     p.add_argument("--socket", required=True, help="the Unix socket to listen on")
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--partitions", type=int, required=True)
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = CoreSettings(**json.loads(args.settings))
     rt = partition_runtime(settings, args.index, args.partitions, args.term, args.coordinator_id)
     gcpolicy.install()
-    # The coordinator's event loop (cli/main.py).
+    # The coordinator's event loop (pushkv/cli/main.py).
     uvloop.run(
         serve(
             args.socket,

@@ -18,12 +18,11 @@ import os
 import sys
 from collections.abc import AsyncIterator
 
+from pushkv.controlplane.partition_host import READY, settings_json
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.net.child import Child
+from pushkv.net.frames import frame, read_frames
 from pushkv.v1 import partition_pb2 as ppb
-
-from controlplane.partition_host import READY, settings_json
-from controlplane.settings import CoreSettings
-from wire.child import Child
-from wire.frames import frame, read_frames
 
 START_S = 30.0  # a child imports the coordinator's modules first
 STOP_S = 10.0
@@ -107,7 +106,7 @@ class PartitionProcess(PartitionConnection):
                 # source tree (scripts/test.sh, docs/operations.md).
                 *(("-P",) if sys.flags.safe_path else ()),
                 "-m",
-                "controlplane.partition_host",
+                "pushkv.controlplane.partition_host",
                 *("--socket", path, "--index", str(index), "--partitions", str(k)),
                 *("--term", str(term), "--coordinator-id", coordinator_id),
                 *("--parent", str(os.getpid()), "--log-level", log_level),

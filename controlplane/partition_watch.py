@@ -20,17 +20,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from pushkv.controlplane.errors import ResourceExhausted
+from pushkv.controlplane.runtime import Runtime, Watcher
+from pushkv.controlplane.servicers import MAX_LIST_LIMIT, watch_filter
+from pushkv.controlplane.status_map import outcome
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane.errors import ResourceExhausted
-from controlplane.runtime import Runtime, Watcher
-from controlplane.servicers import MAX_LIST_LIMIT, watch_filter
-from controlplane.status_map import outcome
-
 RPC = "/pushkv.v1.StatusService/WatchTransfers"
 # Events per PartitionDown: a replay of MAX_LIST_LIMIT transfers goes in
-# several frames, each well under wire/frames.MAX_FRAME.
+# several frames, each well under pushkv/net/frames.MAX_FRAME.
 CHUNK = 256
 
 

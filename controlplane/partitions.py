@@ -41,8 +41,8 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from controlplane.clock import Clock
-from controlplane.domain import (
+from pushkv.controlplane.clock import Clock
+from pushkv.controlplane.domain import (
     AgentKey,
     AgentNotBack,
     AgentRegistration,
@@ -53,12 +53,12 @@ from controlplane.domain import (
     SendPeerFenced,
     WriteStatus,
 )
-from controlplane.order_size import MAX_ORDER_BYTES
-from controlplane.registry import EngineRecord, Registry
-from controlplane.rendezvous import Rendezvous
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Transfer
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.order_size import MAX_ORDER_BYTES
+from pushkv.controlplane.registry import EngineRecord, Registry
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Transfer
+from pushkv.controlplane.transfer_filter import TransferFilter
 
 
 class Core(Protocol):

@@ -12,11 +12,10 @@ so one object serves every session.
 
 from __future__ import annotations
 
+from pushkv.controlplane import convert
+from pushkv.controlplane.domain import AgentKey
+from pushkv.controlplane.registry import AgentRecord, Registry
 from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane import convert
-from controlplane.domain import AgentKey
-from controlplane.registry import AgentRecord, Registry
 
 # Pruned when it grows past twice its size after the last pruning (at least
 # this): entries of ranks gone or re-registered go, so the cache follows the

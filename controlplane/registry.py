@@ -6,10 +6,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from controlplane.domain import AgentKey, AgentRegistration, EngineId, Role
-from controlplane.errors import FailedPrecondition, InvalidArgument, NoAgents, NotFound
-from wire.pairing import KVShape
-from wire.pp_map import merge_stages
+from pushkv.controlplane.domain import AgentKey, AgentRegistration, EngineId, Role
+from pushkv.controlplane.errors import FailedPrecondition, InvalidArgument, NoAgents, NotFound
+from pushkv.rules.pairing import KVShape
+from pushkv.rules.pp_map import merge_stages
 
 
 @dataclass(slots=True)
@@ -49,9 +49,9 @@ class EngineRecord:
 
     @property
     def shape(self) -> KVShape:
-        """What pairing reads (wire/pairing.py): the first rank's layout, and
+        """What pairing reads (pushkv/rules/pairing.py): the first rank's layout, and
         with several PP stages, every registered stage's first rank's regions
-        (wire/pp_map.py). Some rank must be registered."""
+        (pushkv/rules/pp_map.py). Some rank must be registered."""
         first = self.ranks[min(self.ranks)].reg.layout.shape
         if self.pp_size <= 1:
             return first

@@ -35,9 +35,9 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
-from controlplane import agent_loss, validation
-from controlplane.admission import check_hello, differing_field, refused_side, side_blocks
-from controlplane.adoption import (
+from pushkv.controlplane import agent_loss, validation
+from pushkv.controlplane.admission import check_hello, differing_field, refused_side, side_blocks
+from pushkv.controlplane.adoption import (
     WHY_WRITTEN,
     UnclaimedArrivals,
     adopt_counted,
@@ -46,8 +46,8 @@ from controlplane.adoption import (
     join,
     name_engines,
 )
-from controlplane.clock import Clock
-from controlplane.domain import (
+from pushkv.controlplane.clock import Clock
+from pushkv.controlplane.domain import (
     MOVING,
     AgentKey,
     AgentRegistration,
@@ -64,17 +64,17 @@ from controlplane.domain import (
     TransferId,
     WriteStatus,
 )
-from controlplane.errors import (
+from pushkv.controlplane.errors import (
     Conflict,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unavailable,
 )
-from controlplane.inflight import InFlight
-from controlplane.notices import transfer_notices
-from controlplane.order_size import MAX_ORDER_BYTES, OrderTooLarge
-from controlplane.orders import (
+from pushkv.controlplane.inflight import InFlight
+from pushkv.controlplane.notices import transfer_notices
+from pushkv.controlplane.order_size import MAX_ORDER_BYTES, OrderTooLarge
+from pushkv.controlplane.orders import (
     OpenOrders,
     arm_problem,
     issue,
@@ -83,11 +83,11 @@ from controlplane.orders import (
     pair_source_blocks,
     record_arrivals,
 )
-from controlplane.registry import EngineRecord, Registry
-from controlplane.resubmission import WHY_NO_AGENTS, resubmitted_side
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Side, Transfer
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.registry import EngineRecord, Registry
+from pushkv.controlplane.resubmission import WHY_NO_AGENTS, resubmitted_side
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Side, Transfer
+from pushkv.controlplane.transfer_filter import TransferFilter
 
 _WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
 _RANK_OF_REPORT = {

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import enum
 
-from controlplane import validation
-from controlplane.domain import Effect, EngineId, Reason, State
-from controlplane.errors import Unavailable
-from controlplane.inflight import InFlight
-from controlplane.transfer import Transfer
+from pushkv.controlplane import validation
+from pushkv.controlplane.domain import Effect, EngineId, Reason, State
+from pushkv.controlplane.errors import Unavailable
+from pushkv.controlplane.inflight import InFlight
+from pushkv.controlplane.transfer import Transfer
 
 WHY_FAILED = (
     "resubmitted after a failover, but no agent of engine {engine} re-sent the "

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import structlog
-from pushkv.v1 import pushkv_pb2 as pb
 
-from controlplane import convert, logs
-from controlplane.clock import Clock
-from controlplane.domain import (
+from pushkv.controlplane import convert, logs
+from pushkv.controlplane.clock import Clock
+from pushkv.controlplane.domain import (
     AgentKey,
     AgentNotBack,
     AgentRegistration,
@@ -31,14 +30,15 @@ from controlplane.domain import (
     SendPeerFenced,
     TransferChanged,
 )
-from controlplane.errors import InvalidArgument
-from controlplane.order_size import MAX_ORDER_BYTES
-from controlplane.partitions import make_core
-from controlplane.peer_messages import PeerMessages
-from controlplane.settings import CoreSettings
-from controlplane.timeline import TransferObserver
-from controlplane.transfer import Transfer
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.errors import InvalidArgument
+from pushkv.controlplane.order_size import MAX_ORDER_BYTES
+from pushkv.controlplane.partitions import make_core
+from pushkv.controlplane.peer_messages import PeerMessages
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.timeline import TransferObserver
+from pushkv.controlplane.transfer import Transfer
+from pushkv.controlplane.transfer_filter import TransferFilter
+from pushkv.v1 import pushkv_pb2 as pb
 
 # The tick loop sleeps until the next deadline, within these bounds.
 TICK_MIN_S, TICK_MAX_S = 0.005, 0.25

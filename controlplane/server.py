@@ -15,40 +15,40 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1._async import HealthServicer
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import gcpolicy, logs
-from controlplane.auth import Authorizer
-from controlplane.clock import Clock, SystemClock
-from controlplane.core_build import core_build
-from controlplane.front import PartitionFront
-from controlplane.front_link import FrontProcesses
-from controlplane.grpc_edge import (
+from pushkv.controlplane import gcpolicy, logs
+from pushkv.controlplane.auth import Authorizer
+from pushkv.controlplane.clock import Clock, SystemClock
+from pushkv.controlplane.core_build import core_build
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.front_link import FrontProcesses
+from pushkv.controlplane.grpc_edge import (
     add_front_services,
     add_health_and_reflection,
     bind,
     new_server,
     set_health,
 )
-from controlplane.leadership import (
+from pushkv.controlplane.leadership import (
     LOOP_STALL_LIMIT_S,
     ElectionSettings,
     Leadership,
     Role,
     View,
 )
-from controlplane.logs import TransferLog
-from controlplane.metric_families import FamilyCopy
-from controlplane.metrics import CoordinatorMetrics, LeadershipCollector, Snapshot
-from controlplane.order_size import max_order_bytes
-from controlplane.partition_link import PartitionProcess
-from controlplane.runtime import Runtime
-from controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
-from controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
-from controlplane.tracing import TransferTracer, tracer_from_env
-from wire.event_loop import check_dump_after, event_loop_name, report_stalls
-from wire.port_file import write_port_file
-from wire.tls import TLSFiles
+from pushkv.controlplane.logs import TransferLog
+from pushkv.controlplane.metric_families import FamilyCopy
+from pushkv.controlplane.metrics import CoordinatorMetrics, LeadershipCollector, Snapshot
+from pushkv.controlplane.order_size import max_order_bytes
+from pushkv.controlplane.partition_link import PartitionProcess
+from pushkv.controlplane.runtime import Runtime
+from pushkv.controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
+from pushkv.controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
+from pushkv.controlplane.tracing import TransferTracer, tracer_from_env
+from pushkv.net.event_loop import check_dump_after, event_loop_name, report_stalls
+from pushkv.net.port_file import write_port_file
+from pushkv.net.tls import TLSFiles
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 log = structlog.get_logger("pushkv.coordinator")
 
@@ -102,7 +102,7 @@ class ServerSettings:
     # replica's own and fronts - 1 front processes (controlplane/front_host.py).
     fronts: int = 1
     # A loop that did not run for this long has every thread's stack written
-    # to stderr (wire/event_loop.report_stalls); 0 = off.
+    # to stderr (pushkv/net/event_loop.report_stalls); 0 = off.
     hang_dump_s: float = 0.0
 
 
@@ -249,7 +249,7 @@ def _log_stall(seconds: float) -> None:
 
 def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
     """Campaign on etcd; the write services serve while this replica leads."""
-    from controlplane.election import EtcdElection  # aetcd only with --etcd
+    from pushkv.controlplane.election import EtcdElection  # aetcd only with --etcd
 
     election_settings = ElectionSettings(
         etcd=settings.etcd,

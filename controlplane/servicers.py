@@ -9,23 +9,23 @@ from typing import Any
 
 import grpc
 import structlog
-from pushkv.protocol import PROTOCOL_VERSION
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import convert
-from controlplane.auth import Authorizer, Principal
-from controlplane.calls import TransferCalls
-from controlplane.errors import (
+from pushkv.controlplane import convert
+from pushkv.controlplane.auth import Authorizer, Principal
+from pushkv.controlplane.calls import TransferCalls
+from pushkv.controlplane.errors import (
     FailedPrecondition,
     InvalidArgument,
     PushKVError,
     ResourceExhausted,
 )
-from controlplane.leadership import Leadership, NotLeader, Role, StaleTerm, View
-from controlplane.node_stream import NodeChannels, Submit, session_messages
-from controlplane.runtime import AgentSession, Runtime
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.leadership import Leadership, NotLeader, Role, StaleTerm, View
+from pushkv.controlplane.node_stream import NodeChannels, Submit, session_messages
+from pushkv.controlplane.runtime import AgentSession, Runtime
+from pushkv.controlplane.transfer_filter import TransferFilter
+from pushkv.protocol import PROTOCOL_VERSION
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 log = structlog.get_logger("pushkv.coordinator")
 

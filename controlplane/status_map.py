@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import structlog
 
-from controlplane import errors
-from controlplane.auth import Authorizer
-from controlplane.leadership import LEADER_METADATA_KEY, Leadership, NotLeader
+from pushkv.controlplane import errors
+from pushkv.controlplane.auth import Authorizer
+from pushkv.controlplane.leadership import LEADER_METADATA_KEY, Leadership, NotLeader
 
 log = structlog.get_logger("pushkv.coordinator")
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from controlplane.domain import State
-from controlplane.timeline import TERMINAL_STAGES, TimelineCursor
-from controlplane.transfer import Transfer
+from pushkv.controlplane.domain import State
+from pushkv.controlplane.timeline import TERMINAL_STAGES, TimelineCursor
+from pushkv.controlplane.transfer import Transfer
 
 if TYPE_CHECKING:
-    from controlplane.runtime import Runtime
+    from pushkv.controlplane.runtime import Runtime
 
 log = structlog.get_logger("pushkv.coordinator")
 

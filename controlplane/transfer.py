@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     AgentKey,
     Blocks,
     EngineId,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.domain import State
-from controlplane.transfer import Transfer
+from pushkv.controlplane.domain import State
+from pushkv.controlplane.transfer import Transfer
 
 
 @dataclass(frozen=True, slots=True)

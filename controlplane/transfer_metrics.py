@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from controlplane.domain import RankState, State
-from controlplane.metric_families import CounterFamily, FamilyCopy, HistogramFamily
-from controlplane.timeline import TERMINAL_STAGES, Event, TimelineCursor, first
-from controlplane.transfer import Transfer
+from pushkv.controlplane.domain import RankState, State
+from pushkv.controlplane.metric_families import CounterFamily, FamilyCopy, HistogramFamily
+from pushkv.controlplane.timeline import TERMINAL_STAGES, Event, TimelineCursor, first
+from pushkv.controlplane.transfer import Transfer
 
 # Seconds. Rendezvous waits span from "both at once" to the rendezvous timeout.
 WAIT_BUCKETS = (

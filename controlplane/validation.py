@@ -6,8 +6,8 @@ import math
 import re
 from collections.abc import Sequence
 
-from controlplane.domain import Blocks, EngineId, TransferId
-from controlplane.errors import InvalidArgument
+from pushkv.controlplane.domain import Blocks, EngineId, TransferId
+from pushkv.controlplane.errors import InvalidArgument
 
 # Ids travel inside NIXL notifications, so '|' and whitespace are excluded.
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\-]*$")

@@ -9,7 +9,7 @@ out=${1:-build/compiled}
 VENV=${PUSHKV_VENV:-.venv}
 py="$VENV/bin/python"
 # Every packaged source: the copy in DIR holds all packages, not only the core.
-want=$(find proto wire controlplane agent relay vllm_integration ops harness bench demo cli \
+want=$(find -L pushkv \
   -name '*.py' -o -name '*.pyi' | sort | xargs cat setup.py pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$out/.pushkv-build" ] && [ "$(cat "$out/.pushkv-build")" = "$want" ]; then
   echo "build_compiled: $out is up to date"

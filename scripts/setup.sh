@@ -28,7 +28,7 @@ else
   # on CPU hosts the cu12 build alone works (UCX over host memory).
   pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION" 2>&1 | grep -v "is ignored" || true
   pip install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-  "$VENV/bin/python" -c "import nixl, grpc, vllm_integration, agent, controlplane, cli" \
+  "$VENV/bin/python" -c "import nixl, grpc, pushkv.vllm_integration, pushkv.agent, pushkv.controlplane, pushkv.cli" \
     || { echo "setup: install incomplete" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "setup: done"

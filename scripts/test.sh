@@ -15,7 +15,7 @@ echo "== ruff"
 ruff check .
 ruff format --check .
 echo "== mypy (strict)"
-mypy wire controlplane agent relay vllm_integration ops harness bench demo cli scripts tests setup.py
+mypy pushkv scripts tests setup.py
 echo "== import layers (import-linter)"
 lint-imports
 echo "== pytest"

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Generator
 import pytest
 from pytest import TestReport
 
-from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.settings import CoreSettings
-from harness.coordinator import COORD_HANG_DUMP_ENV
-from relay.server import Relay, RelaySettings
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.harness.coordinator import COORD_HANG_DUMP_ENV
+from pushkv.relay.server import Relay, RelaySettings
 from tests.support.failure_report import engines_report
 
 # A coordinator child whose loop stalls 20 s writes its threads' stacks to

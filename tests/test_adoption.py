@@ -7,11 +7,9 @@ from typing import Any
 
 import grpc
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane.clock import FakeClock
-from controlplane.domain import (
+from pushkv.controlplane.clock import FakeClock
+from pushkv.controlplane.domain import (
     AgentKey,
     Effect,
     EngineId,
@@ -23,10 +21,12 @@ from controlplane.domain import (
     State,
     WriteStatus,
 )
-from controlplane.partitions import Core
-from controlplane.server import ServerSettings, start
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Transfer
+from pushkv.controlplane.partitions import Core
+from pushkv.controlplane.server import ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Transfer
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.core_shapes import each_core_shape, new_core
 from tests.support.sim_agent import SimAgent, rendezvous, wait_terminal
 from tests.test_rendezvous import D, P, notices, orders, reg

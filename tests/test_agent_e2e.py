@@ -6,10 +6,10 @@ import time
 
 import grpc
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import (
     CANARY,
     NB,

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from agent.dataplane import DataPlane
-from agent.messages import (
+from pushkv.agent.dataplane import DataPlane
+from pushkv.agent.messages import (
     CancelMsg,
     FireMsg,
     OrderMsg,
@@ -22,7 +22,7 @@ from agent.messages import (
     TermMsg,
     WriteReportMsg,
 )
-from agent.nixl_adapter import NixlEndpoint
+from pushkv.agent.nixl_adapter import NixlEndpoint
 from tests.support.nixl_peer import regions_of
 from tests.support.waits import wait_until
 

@@ -6,11 +6,11 @@ connector's worker does after the request's last prefill forward)."""
 from __future__ import annotations
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import KVHost
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import KVHost
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import (
     CANARY,
     NB,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     AgentKey,
     Effect,
     EngineId,
@@ -17,8 +17,8 @@ from controlplane.domain import (
     State,
     WriteStatus,
 )
-from controlplane.partitions import Core
-from controlplane.settings import CoreSettings
+from pushkv.controlplane.partitions import Core
+from pushkv.controlplane.settings import CoreSettings
 from tests.support.core_shapes import each_core_shape
 from tests.test_rendezvous import D, P, core, may_land, notices, orders, reg, state_of
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from agent import arrivals
-from agent.arrivals import Arrivals
-from agent.events import EventKind
-from agent.notif import WriteNotif
+from pushkv.agent import arrivals
+from pushkv.agent.arrivals import Arrivals
+from pushkv.agent.events import EventKind
+from pushkv.agent.notif import WriteNotif
 
 
 def test_ready_once_every_writer_counted_and_re_sent_for_a_while() -> None:

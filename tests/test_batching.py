@@ -14,16 +14,23 @@ from typing import Any
 
 import grpc
 import pytest
+
+from pushkv.agent.link import CoordinatorLink
+from pushkv.agent.link_messages import report_to_pb
+from pushkv.agent.messages import (
+    ArrivalMsg,
+    Inbound,
+    OrderMsg,
+    PeerMsg,
+    ReportStatus,
+    WriteReportMsg,
+)
+from pushkv.controlplane.domain import AgentKey
+from pushkv.controlplane.server import Coordinator
+from pushkv.controlplane.servicers import MAX_SUBMIT_CALLS
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.link import CoordinatorLink
-from agent.link_messages import report_to_pb
-from agent.messages import ArrivalMsg, Inbound, OrderMsg, PeerMsg, ReportStatus, WriteReportMsg
-from controlplane.domain import AgentKey
-from controlplane.server import Coordinator
-from controlplane.servicers import MAX_SUBMIT_CALLS
-from controlplane.settings import CoreSettings
 from tests.support.sim_agent import SimAgent, SimCluster, blocks, hello, wait_terminal
 
 WAIT = 5.0
@@ -298,10 +305,10 @@ async def test_the_link_batches_both_ways_only_when_enabled(
 
 
 async def test_an_outbox_batch_keeps_orders_and_messages_in_order() -> None:
-    from controlplane import convert
-    from controlplane.clock import SystemClock
-    from controlplane.domain import EngineId, Order, OrderId, TransferId
-    from controlplane.runtime import Runtime
+    from pushkv.controlplane import convert
+    from pushkv.controlplane.clock import SystemClock
+    from pushkv.controlplane.domain import EngineId, Order, OrderId, TransferId
+    from pushkv.controlplane.runtime import Runtime
 
     rt = Runtime(CoreSettings(), SystemClock())
     session = rt.open_session(

@@ -15,9 +15,9 @@ from typing import cast
 
 import pytest
 
-from agent.link import CoordinatorLink
-from bench import cluster_agents
-from bench.cluster import (
+from pushkv.agent.link import CoordinatorLink
+from pushkv.bench import cluster_agents
+from pushkv.bench.cluster import (
     build_parser,
     default_hosts,
     default_leader_cpus,
@@ -25,13 +25,13 @@ from bench.cluster import (
     main,
     summary,
 )
-from bench.cluster_agents import engines
-from bench.cluster_runs import ClusterBench, Failover, Result
-from bench.coordinator_report import row
-from bench.coordinator_server import cpu_split
-from bench.coordinator_step import Step
-from harness.etcd import EtcdCluster
-from relay.server import RelaySettings
+from pushkv.bench.cluster_agents import engines
+from pushkv.bench.cluster_runs import ClusterBench, Failover, Result
+from pushkv.bench.coordinator_report import row
+from pushkv.bench.coordinator_server import cpu_split
+from pushkv.bench.coordinator_step import Step
+from pushkv.harness.etcd import EtcdCluster
+from pushkv.relay.server import RelaySettings
 from tests.support.etcd import require_etcd
 
 FINAL = re.compile(
@@ -129,7 +129,7 @@ SHARDED = ("--partition-procs", "2", "--fronts", "2")
 )
 def test_small_cluster_follows_a_new_leader_after_kill_9(relay: bool, sharded: bool) -> None:
     """With `--relay`, each engine's ranks are channels of one NodeStream
-    (relay/upstream.py); the Upstream follows the new leader and every rank's
+    (pushkv/relay/upstream.py); the Upstream follows the new leader and every rank's
     channel re-registers through it. With partitions and fronts, the same
     through each replica's partition processes and fronts."""
     require_etcd()
@@ -202,7 +202,7 @@ def test_small_cluster_follows_a_frozen_leader(relay: bool) -> None:
     """`--failure freeze`: the leader is stopped with SIGSTOP, its connections
     open and silent. Every agent (or, with `--relay`, every NodeStream) leaves
     it once the standby names itself the leader, or after a lease of silence
-    (agent/link.py's rules, relay/upstream.py's), and re-registers with the
+    (agent/link.py's rules, pushkv/relay/upstream.py's), and re-registers with the
     new leader; thawed, the old one exits 3."""
     require_etcd()
     args = build_parser().parse_args(

@@ -11,23 +11,23 @@ import time
 from typing import Any
 
 import grpc
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from bench.coordinator import build_parser, modes
-from bench.coordinator_agents import Ledger, _agents
-from bench.coordinator_load import ClientReport
-from bench.coordinator_report import final_line, summary
-from bench.coordinator_runs import Memory, Run
-from bench.coordinator_step import Step, measure_step
-from bench.coordinator_workload import (
+from pushkv.bench.coordinator import build_parser, modes
+from pushkv.bench.coordinator_agents import Ledger, _agents
+from pushkv.bench.coordinator_load import ClientReport
+from pushkv.bench.coordinator_report import final_line, summary
+from pushkv.bench.coordinator_runs import Memory, Run
+from pushkv.bench.coordinator_step import Step, measure_step
+from pushkv.bench.coordinator_workload import (
     COMPLETE,
     CORE_SETTINGS,
     decode_request,
     prefill_request,
 )
-from controlplane.server import ServerSettings, start
-from controlplane.settings import CoreSettings
+from pushkv.controlplane.server import ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 FAILED = pb.TRANSFER_STATE_FAILED
 

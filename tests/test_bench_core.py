@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from bench import coordinator_core as core
+from pushkv.bench import coordinator_core as core
 
 
 def test_every_rank_is_ordered_and_every_rendezvous_completes_at_tp_4() -> None:
@@ -100,7 +100,7 @@ def test_procs_runs_partition_processes_beside_one_in_process(
 
 
 def test_frames_are_cut_whole_and_the_rest_kept() -> None:
-    from wire.frames import HEADER, take_frames
+    from pushkv.net.frames import HEADER, take_frames
 
     data = bytearray(HEADER.pack(3) + b"abc" + HEADER.pack(0) + HEADER.pack(5) + b"de")
     assert take_frames(data) == [b"abc", b""]
@@ -116,7 +116,7 @@ def test_retained_transfers_are_counted_and_a_full_pass_timed(
     if fewer are retained), and the line gives the objects each holds, the
     RSS and the full GC passes over them; the process's GC policy is left as
     it was."""
-    from controlplane import gcpolicy
+    from pushkv.controlplane import gcpolicy
 
     before = gcpolicy.installed()  # other runs here install it (`pushkv bench core` does)
     assert core.main(["--retained", "64", "--tp", "2", "--batch", "16"]) == 0

@@ -1,4 +1,4 @@
-"""The serving benchmark's critical-path breakdown (bench/serving/critpath.py),
+"""The serving benchmark's critical-path breakdown (pushkv/bench/serving/critpath.py),
 from synthetic client records, front timings and coordinator timelines: which
 timestamp bounds which stage, and exact p50 / p99 (linear interpolation)."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving.config import BenchConfig
-from bench.serving.critpath import (
+from pushkv.bench.serving.config import BenchConfig
+from pushkv.bench.serving.critpath import (
     PATH_ARMED,
     PATH_LEFT,
     PATH_POST,
@@ -23,10 +23,10 @@ from bench.serving.critpath import (
     request_marks,
     stages_of,
 )
-from bench.serving.report import report
-from bench.serving.results import RateResult, SystemRun, pushkv_stages
-from bench.serving.workload import ReqRecord
-from vllm_integration.front_timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
+from pushkv.bench.serving.report import report
+from pushkv.bench.serving.results import RateResult, SystemRun, pushkv_stages
+from pushkv.bench.serving.workload import ReqRecord
+from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
 
 T0 = 1000.0  # small: unix-sized times would round at 0.24 us
 MS = 1e-3

@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from agent.nixl_adapter import quiet_nixl_env
-from bench import dataplane
-from bench.dataplane_memory import HostMemory, memory_for
+from pushkv.agent.nixl_adapter import quiet_nixl_env
+from pushkv.bench import dataplane
+from pushkv.bench.dataplane_memory import HostMemory, memory_for
 
 # One repetition of 1, 8 and 64 blocks of 128 KiB: the goal's combination.
 SHORT = ["--quick", "--block-kib", "128", "--reps", "1"]

@@ -14,8 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.request import RequestStatus
 
-from bench.floor_connector import FloorConnector, FloorMetadata
-from bench.hooks.report import compare_lines, final_line
+from pushkv.bench.floor_connector import FloorConnector, FloorMetadata
+from pushkv.bench.hooks.report import compare_lines, final_line
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     kv_output,
@@ -34,7 +34,7 @@ BLOCK = 16
 def _engine(model_dir: Any, kv_role: str) -> tuple[Any, FloorConnector]:
     cfg = make_vllm_config(
         model_dir,
-        connector_module="bench.floor_connector",
+        connector_module="pushkv.bench.floor_connector",
         connector_name="FloorConnector",
         kv_role=kv_role,
         block_size=BLOCK,

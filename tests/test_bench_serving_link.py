@@ -10,12 +10,11 @@ import math
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from bench.serving import deployment
-from bench.serving.config import BenchConfig
-from bench.serving.critpath import LEFT_STAGE, POST_STAGE
-from bench.serving.linked import (
+from pushkv.bench.serving import deployment
+from pushkv.bench.serving.config import BenchConfig
+from pushkv.bench.serving.critpath import LEFT_STAGE, POST_STAGE
+from pushkv.bench.serving.linked import (
     LINK_STEP_TOKENS,
     LINK_SYSTEMS,
     LOOP_SYSTEMS,
@@ -24,11 +23,12 @@ from bench.serving.linked import (
     phase_configs,
     summarize,
 )
-from bench.serving.main import _parse
-from bench.serving.results import RateResult, SystemRun
-from harness.netlink import TwoNodeLink, parse_rate
-from harness.tiny_model import model_params
-from harness.vllm_server import VllmServer
+from pushkv.bench.serving.main import _parse
+from pushkv.bench.serving.results import RateResult, SystemRun
+from pushkv.harness.netlink import TwoNodeLink, parse_rate
+from pushkv.harness.tiny_model import model_params
+from pushkv.harness.vllm_server import VllmServer
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.serving import completion, external_tokens, one_by_one, settled, varied_prompts
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 

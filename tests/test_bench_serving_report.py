@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.serving.config import BenchConfig
-from bench.serving.main import _parse
-from bench.serving.processes import worker_schedstat
-from bench.serving.report import final_line, report, single_floor
-from bench.serving.results import RateResult, SystemRun
-from bench.serving.vllm_patches import sitecustomize
+from pushkv.bench.serving.config import BenchConfig
+from pushkv.bench.serving.main import _parse
+from pushkv.bench.serving.processes import worker_schedstat
+from pushkv.bench.serving.report import final_line, report, single_floor
+from pushkv.bench.serving.results import RateResult, SystemRun
+from pushkv.bench.serving.vllm_patches import sitecustomize
 
 RATES = (0.5, 1.0, 2.0)
 
@@ -177,7 +177,7 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
     # nixl_agent_config, num_threads, no UCX params). Under the benchmark's shim
     # its UCX backend gets pushkv's agent's params; a creator that passes its own,
     # as pushkv's agent does, keeps them.
-    from agent.nixl_adapter import DEFAULT_UCX_PARAMS
+    from pushkv.agent.nixl_adapter import DEFAULT_UCX_PARAMS
 
     shim = sitecustomize(unpin=True, ucx_params=DEFAULT_UCX_PARAMS)
     (tmp_path / "sitecustomize.py").write_text(shim)
@@ -215,8 +215,8 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
 
 
 def test_fault_summary_splits_requests_at_the_kill() -> None:
-    from bench.serving.fault import fault_lines, fault_summary
-    from bench.serving.workload import ReqRecord
+    from pushkv.bench.serving.fault import fault_lines, fault_summary
+    from pushkv.bench.serving.workload import ReqRecord
 
     recs = [
         ReqRecord(0, 100, sent=0.0, first=0.2, last=1.0, tokens=8),  # pushed

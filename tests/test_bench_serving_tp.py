@@ -11,14 +11,19 @@ from typing import Any
 
 import pytest
 
-from bench.serving import deployment
-from bench.serving.config import HETERO_TP_SYSTEMS, SYSTEMS, TP2_COORDINATOR_FLAGS, BenchConfig
-from bench.serving.deployment import Deployment
-from bench.serving.main import _parse
-from bench.serving.processes import worker_schedstat
-from bench.serving.report import report
-from bench.serving.results import RateResult, SystemRun
-from harness.vllm_server import PushkvCluster
+from pushkv.bench.serving import deployment
+from pushkv.bench.serving.config import (
+    HETERO_TP_SYSTEMS,
+    SYSTEMS,
+    TP2_COORDINATOR_FLAGS,
+    BenchConfig,
+)
+from pushkv.bench.serving.deployment import Deployment
+from pushkv.bench.serving.main import _parse
+from pushkv.bench.serving.processes import worker_schedstat
+from pushkv.bench.serving.report import report
+from pushkv.bench.serving.results import RateResult, SystemRun
+from pushkv.harness.vllm_server import PushkvCluster
 
 
 def test_the_default_run_stays_tp1() -> None:

@@ -1,11 +1,11 @@
-"""`python -m bench.tick_wakeups`: the coordinator's clock under load."""
+"""`python -m pushkv.bench.tick_wakeups`: the coordinator's clock under load."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import tick_wakeups
-from controlplane.runtime import TICK_MAX_S
+from pushkv.bench import tick_wakeups
+from pushkv.controlplane.runtime import TICK_MAX_S
 
 
 def test_under_load_the_clock_wakes_at_its_idle_pace(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from bench import transport
+from pushkv.bench import transport
 
 FINAL = re.compile(
     r"^unary_us=(\d+) stream_pair_us=(\d+) unary_us_asyncio=(\d+) "

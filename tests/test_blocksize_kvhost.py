@@ -14,11 +14,11 @@ import math
 from collections.abc import Iterator
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import stop_all as stop
 from tests.test_tp_kvhost import both_sides as send
 from tests.test_tp_kvhost import complete, transfer_rpcs, wait_for

@@ -1,5 +1,5 @@
 """The coordinator's mapping between engines of different block sizes
-(controlplane/orders.py, wire/pairing.py): the decode side's blocks cover the
+(controlplane/orders.py, pushkv/rules/pairing.py): the decode side's blocks cover the
 prompt's tokens [local hit, num_tokens), the prefill side's [0, num_tokens);
 each order carries the prefill blocks holding those tokens and the token
 range (pushkv.proto, WriteTarget). Driven through the rendezvous core with a
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from controlplane.clock import FakeClock
-from controlplane.domain import (
+from pushkv.controlplane.clock import FakeClock
+from pushkv.controlplane.domain import (
     AgentRegistration,
     EngineId,
     KVLayout,
@@ -23,9 +23,9 @@ from controlplane.domain import (
     State,
     WriteTarget,
 )
-from controlplane.rendezvous import Rendezvous
-from controlplane.settings import CoreSettings
-from wire.pairing import KVShape, format_span_units, pair_mismatch, parse_span_units
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.rules.pairing import KVShape, format_span_units, pair_mismatch, parse_span_units
 
 P, D = EngineId("P"), EngineId("D")
 TOKEN = 128  # bytes of one token of one head in one region (K|V of head size 16, fp32)
@@ -178,7 +178,7 @@ def test_span_units_read_and_write() -> None:
 def test_connector_reads_spans_from_coded_tokens() -> None:
     """vllm_integration/kv_token_layout.py's reading of a probed block: K
     element e of token t holds t x head_size + e + 1, V its negative."""
-    from vllm_integration.kv_token_layout import spans_of
+    from pushkv.vllm_integration.kv_token_layout import spans_of
 
     n, hs = 4, 2
     k_t = [t * hs + e + 1 for e in range(hs) for t in range(n)]  # K transposed
@@ -193,11 +193,10 @@ def test_connector_reads_spans_from_coded_tokens() -> None:
 
 def test_orders_carry_the_token_range_to_the_agent() -> None:
     """The coordinator's order, through the contract, as the agent reads it."""
+    from pushkv.agent.link_messages import order_from_pb
+    from pushkv.agent.nixl_types import BlockResize
+    from pushkv.controlplane.convert import fill_order
     from pushkv.v1 import pushkv_pb2 as pb
-
-    from agent.link_messages import order_from_pb
-    from agent.nixl_types import BlockResize
-    from controlplane.convert import fill_order
 
     rv = core(layout(64), layout(32))
     rv.register_decode("t", D, [[7, 8, 9, 10]], 150)  # hit 32: the tail of 5 blocks

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401

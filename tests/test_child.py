@@ -1,4 +1,4 @@
-"""wire/child.py: a child process's pipes and exit on the event loop, on both
+"""pushkv/net/child.py: a child process's pipes and exit on the event loop, on both
 loops the servers run (uvloop, the default, and asyncio's own)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from wire.child import Child
+from pushkv.net.child import Child
 
 DEADLINE_S = 30.0
 # Says it is ready, echoes its stdin's lines until it ends, then exits 7.

@@ -1,4 +1,4 @@
-"""vllm_integration.compat's block-id helpers (first_group_block_ids, group_block_ids,
+"""pushkv.vllm_integration.compat's block-id helpers (first_group_block_ids, group_block_ids,
 held_tail) on vLLM's KVCacheBlocks and on other shapes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_integration.compat import (
+from pushkv.vllm_integration.compat import (
     NULL_BLOCK_ID,
     first_group_block_ids,
     group_block_ids,

@@ -10,15 +10,15 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
+from pushkv.controlplane.servicers import TransferServicer
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.servicers import TransferServicer
-from controlplane.settings import CoreSettings
+from pushkv.vllm_integration import client as client_mod
+from pushkv.vllm_integration.client import Call, CoordinatorClient, Result, needs_engine
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator
 from tests.support.waits import wait_until
-from vllm_integration import client as client_mod
-from vllm_integration.client import Call, CoordinatorClient, Result, needs_engine
 
 DEADLINE_S = 20.0
 

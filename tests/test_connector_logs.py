@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_integration import logs
+from pushkv.vllm_integration import logs
 
 
 @pytest.fixture

@@ -21,8 +21,6 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -34,7 +32,13 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from harness.coordinator import CoordinatorProcess
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
+from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
+from pushkv.vllm_integration.connector import PushKVConnector
+from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
+from pushkv.vllm_integration.settings import ConnectorSettings
 from tests.support.sim_agent import SimAgent
 from tests.support.sim_agent import layout as sim_layout
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
@@ -48,10 +52,6 @@ from tests.support.vllm_harness import (
     prompt_tokens,
     step,
 )
-from vllm_integration.client import Call, CoordinatorClient, Result
-from vllm_integration.connector import PushKVConnector
-from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.settings import ConnectorSettings
 
 BLOCK = 16  # matches the SimAgent layout's tokens_per_block
 DEADLINE_S = 10.0
@@ -187,7 +187,7 @@ async def engine(
         extra["progressive_push"] = config.pop("progressive_push")
     cfg = make_vllm_config(
         model_dir,
-        connector_module="vllm_integration.connector",
+        connector_module="pushkv.vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role=role,
         engine_id=engine_id,
@@ -599,7 +599,7 @@ async def test_on_transfer_failure_sets_vllms_load_failure_policy(
     the connector's setting (recompute unless told) is the one it runs with."""
     cfg = make_vllm_config(
         tiny_model_dir,
-        connector_module="vllm_integration.connector",
+        connector_module="pushkv.vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role="kv_consumer",
         engine_id=f"dec-{policy}",
@@ -1078,7 +1078,7 @@ async def test_unreachable_coordinator_fails_the_load_only_after_the_grace(
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     cfg = make_vllm_config(
         tiny_model_dir,
-        connector_module="vllm_integration.connector",
+        connector_module="pushkv.vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role="kv_consumer",
         engine_id="dec-unreachable",

@@ -19,27 +19,27 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
+from pushkv.agent.events import EventKind
+from pushkv.agent.nixl_adapter import quiet_nixl_env
+from pushkv.agent.nixl_types import KVRegion
+from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from agent.nixl_adapter import quiet_nixl_env
-from agent.nixl_types import KVRegion
-from harness.coordinator import CoordinatorProcess
-from tests.support.kvpair import wait_state
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
-from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
-from vllm_integration.compat import KVConnectorRole
-from vllm_integration.connector import PushKVConnector
-from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.settings import ConnectorSettings
-from vllm_integration.worker import (
+from pushkv.vllm_integration.compat import KVConnectorRole
+from pushkv.vllm_integration.connector import PushKVConnector
+from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
+from pushkv.vllm_integration.settings import ConnectorSettings
+from pushkv.vllm_integration.worker import (
     PushWorkerHalf,
     block_layout,
     distinct_regions,
     mla_block_layout,
     regions_of,
 )
+from tests.support.kvpair import wait_state
+from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB = 32  # blocks per layer
 HEADS, BLOCK, HEAD_DIM = 2, 16, 8
@@ -294,7 +294,7 @@ def decode_connector(
     engine_id = f"D-{uuid.uuid4().hex[:8]}"
     cfg = make_vllm_config(
         tiny_model_dir,
-        connector_module="vllm_integration.connector",
+        connector_module="pushkv.vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role="kv_consumer",
         engine_id=engine_id,

@@ -24,7 +24,7 @@ class Recorder:
     def isatty(self):
         return False
 real, sys.stderr = sys.stderr, Recorder()
-from controlplane import logs
+from pushkv.controlplane import logs
 import structlog
 logs.configure("INFO", process="partition-1")
 structlog.get_logger("pushkv.coordinator").info("transfer_complete", transfer_id="t1")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from controlplane import core_build, rendezvous
+from pushkv.controlplane import core_build, rendezvous
 
 ROOT = Path(__file__).resolve().parent.parent
 

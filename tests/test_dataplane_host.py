@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from agent import dataplane as dp_mod
-from agent.dataplane import DataPlane
-from agent.messages import ExpectMsg, HoldMsg
-from agent.nixl_adapter import NixlEndpoint
+from pushkv.agent import dataplane as dp_mod
+from pushkv.agent.dataplane import DataPlane
+from pushkv.agent.messages import ExpectMsg, HoldMsg
+from pushkv.agent.nixl_adapter import NixlEndpoint
 from tests.support.nixl_peer import regions_of
 from tests.support.waits import wait_until
 

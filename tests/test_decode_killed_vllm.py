@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving, waits
 from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401

@@ -23,9 +23,9 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from kubernetes_validate.utils import latest_version  # type: ignore[import-untyped]
 
-from cli.main import build_parser
-from harness.vllm_server import pushkv_config
-from vllm_integration.settings import ConnectorSettings
+from pushkv.cli.main import build_parser
+from pushkv.harness.vllm_server import pushkv_config
+from pushkv.vllm_integration.settings import ConnectorSettings
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 DOCS: list[tuple[str, dict[str, Any]]] = [
@@ -167,8 +167,10 @@ def test_engine_connector_config_parses(role: str, tmp_path: Path) -> None:
     reference = pushkv_config(
         {"prefill": "kv_producer", "decode": "kv_consumer"}[role], "x", "c:1", "http://h:1"
     )
-    for key in ("kv_connector", "kv_connector_module_path", "kv_role"):
+    for key in ("kv_connector", "kv_role"):
         assert config[key] == reference[key], key
+    # vLLM finds the connector by name (vllm_integration/plugin.py).
+    assert "kv_connector_module_path" not in config
     assert config["engine_id"] == f"pushkv-{role}-abc"  # one identity per pod
     settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"])
     coordinators = settings.coordinator.split(",")

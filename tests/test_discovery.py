@@ -1,4 +1,4 @@
-"""What grpcurl does, done with server reflection only (ops/reflection.py)."""
+"""What grpcurl does, done with server reflection only (pushkv/tools/reflection.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from google.protobuf import descriptor_pool
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pushkv.v1 import pushkv_pb2 as pb
 
-from ops import reflection as rc
+from pushkv.tools import reflection as rc
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous, wait_terminal
 
 PUSHKV = ("pushkv.v1.AgentService", "pushkv.v1.TransferService", "pushkv.v1.StatusService")
@@ -194,7 +194,7 @@ def test_reflection_works_against_a_running_asyncio_server() -> None:
     """Sanity: the module API opens and closes its own channel per call."""
 
     async def main() -> list[str]:
-        from controlplane.server import ServerSettings, start
+        from pushkv.controlplane.server import ServerSettings, start
 
         c = await start(ServerSettings(port=0))
         try:

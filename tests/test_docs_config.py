@@ -1,6 +1,6 @@
 """docs/configuration.md cannot rot: its reference tables are generated from the code.
 
-The flag tables come from the `pushkv` argparse parser (cli/main.py),
+The flag tables come from the `pushkv` argparse parser (pushkv/cli/main.py),
 the environment variable of each flag is found by setting it and watching the
 flag's default change, descriptions of settings come from the comments in
 CoreSettings and ConnectorSettings, and the kv_connector_extra_config table
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from cli import main as cli
-from controlplane.settings import CoreSettings
-from vllm_integration.settings import ConnectorSettings
+from pushkv.cli import main as cli
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.vllm_integration.settings import ConnectorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
@@ -135,7 +135,9 @@ def clean_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _probe_value(default: Any) -> str:
+def _probe_value(default: Any, choices: Any = None) -> str:
+    if choices:  # a variable outside the choices is refused (pushkv/net/env.py)
+        return str(next(c for c in choices if c != default))
     if isinstance(default, bool):
         return "0" if default else "1"
     if isinstance(default, int | float):
@@ -150,7 +152,7 @@ def env_vars(command: str, action: argparse.Action) -> list[str]:
     candidates = [ENV_PREFIX + dest, ENV_PREFIX + words[0].upper() + "_" + dest]
     found = []
     for name in candidates:
-        os.environ[name] = _probe_value(action.default)
+        os.environ[name] = _probe_value(action.default, action.choices)
         try:
             parser, _ = cli.build_parser()
             probed = next(

@@ -2,7 +2,7 @@
 
 grpcurl itself is not installed here, so each command is parsed (the flags
 the cookbook uses: -plaintext, -d, -max-time; verbs list, describe, or a
-method) and executed through ops/reflection.py, which, like
+method) and executed through pushkv/tools/reflection.py, which, like
 grpcurl, knows nothing but what server reflection tells it. The coordinator
 holds transfers named like the ones the cookbook uses.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from pushkv.tools import reflection as rc
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from ops import reflection as rc
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"

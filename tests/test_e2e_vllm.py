@@ -20,22 +20,22 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.placement import cgroup_cpus, numa_nodes, numa_span
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import (
+from pushkv.agent.placement import cgroup_cpus, numa_nodes, numa_span
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import (
     RouterProcess,
     VllmServer,
     metric_value,
     pushkv_server,
 )
+from pushkv.router.app import _legs as router_legs
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving
 from tests.support.serving import completion, json_request, post
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
-from vllm_integration.router import _legs as router_legs
 
 pytestmark = pytest.mark.e2e
 

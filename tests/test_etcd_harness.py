@@ -1,11 +1,11 @@
-"""The test etcd (harness/etcd.py) starts again on new ports when another
+"""The test etcd (pushkv/harness/etcd.py) starts again on new ports when another
 process took one it picked: caused for real by listening on it first."""
 
 from __future__ import annotations
 
 import socket
 
-from harness.etcd import EtcdCluster, EtcdServer
+from pushkv.harness.etcd import EtcdCluster, EtcdServer
 from tests.support.etcd import require_etcd
 
 

@@ -10,10 +10,10 @@ import time
 
 import grpc
 import pytest
+
+from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess, RelayProcess
 
 DEADLINE_S = 20.0
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.coordinator import CoordinatorProcess, live_coordinators
-from harness.vllm_server import VllmServer, live_servers, track, untrack
+from pushkv.harness.coordinator import CoordinatorProcess, live_coordinators
+from pushkv.harness.vllm_server import VllmServer, live_servers, track, untrack
 from tests.support.failure_report import engines_report, stack
 from tests.support.waits import Lines
 

@@ -25,11 +25,11 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, metric_value, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import RouterProcess, VllmServer, metric_value, pushkv_server
 from tests.support.serving import TERMINAL, post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 

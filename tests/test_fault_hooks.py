@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_integration import fault_hooks as fh
+from pushkv.vllm_integration import fault_hooks as fh
 
 
 def test_hooks_are_armed_together_with_commas() -> None:

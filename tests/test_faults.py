@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
 from tests.support.kvpair import wait_state, wait_states
 from tests.support.netcut import CuttableProxy
 

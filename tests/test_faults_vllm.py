@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 import pytest
+
+from pushkv.agent.starvation import STARVED_S
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.starvation import STARVED_S
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving
 from tests.support.serving import STALL_LINE, post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401

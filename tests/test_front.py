@@ -12,10 +12,8 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from pushkv.v1 import partition_pb2 as ppb
-from pushkv.v1 import pushkv_pb2 as pb
 
-from bench.coordinator_workload import (
+from pushkv.bench.coordinator_workload import (
     CORE_SETTINGS,
     DECODE,
     PREFILL,
@@ -23,11 +21,13 @@ from bench.coordinator_workload import (
     decode_request,
     prefill_request,
 )
-from controlplane.errors import NotFound, PushKVError
-from controlplane.front import PartitionFront
-from controlplane.partition_link import PartitionProcess
-from controlplane.partitions import partition_of
-from controlplane.settings import CoreSettings
+from pushkv.controlplane.errors import NotFound, PushKVError
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.partition_link import PartitionProcess
+from pushkv.controlplane.partitions import partition_of
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.v1 import partition_pb2 as ppb
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.core_shapes import ids_in_partition
 
 DEADLINE_S = 30.0

@@ -11,12 +11,12 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from pushkv.v1 import partition_pb2 as ppb
 
-from controlplane.front import PartitionFront
-from controlplane.front_host import apply, control
-from controlplane.leadership import Leadership, NotLeader, Role, View
-from wire.frames import read_frames
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.front_host import apply, control
+from pushkv.controlplane.leadership import Leadership, NotLeader, Role, View
+from pushkv.net.frames import read_frames
+from pushkv.v1 import partition_pb2 as ppb
 
 WRITE = "/pushkv.v1.TransferService/BeginTransfer"
 

@@ -10,13 +10,13 @@ import signal
 from collections.abc import AsyncGenerator
 
 import pytest
+
+from pushkv.bench.coordinator_workload import DECODE, PREFILL, decode_request
+from pushkv.controlplane.errors import InvalidArgument, Unavailable
+from pushkv.controlplane.front import PartitionFront
+from pushkv.controlplane.partition_link import PartitionProcess
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
-
-from bench.coordinator_workload import DECODE, PREFILL, decode_request
-from controlplane.errors import InvalidArgument, Unavailable
-from controlplane.front import PartitionFront
-from controlplane.partition_link import PartitionProcess
 from tests.support.core_shapes import ids_in_partition
 from tests.test_front import DEADLINE_S, D, K, Node, P, hello, with_front, with_partitions
 

@@ -20,13 +20,13 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from pushkv.controlplane.domain import EngineId
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.domain import EngineId
-from controlplane.rendezvous import Rendezvous
-from controlplane.settings import CoreSettings
 from tests.support.sim_agent import (
     SimCluster,
     ThreadedCoordinator,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from controlplane import gcpolicy
+from pushkv.controlplane import gcpolicy
 
 WAIT = 10.0
 

@@ -20,19 +20,19 @@ from typing import Any, cast
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess, leadership
+from pushkv.harness.etcd import EtcdCluster
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.net.tls import TLSFiles
+from pushkv.tools import status as status_cli
+from pushkv.tools.devpki import make_pki
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess, RelayProcess, leadership
-from harness.etcd import EtcdCluster
-from harness.kvhost import HostSpec, KVHost
-from ops import status as status_cli
-from ops.devpki import make_pki
+from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
-from vllm_integration.client import Call, CoordinatorClient, Result
-from wire.tls import TLSFiles
 
 pytestmark = pytest.mark.faults
 
@@ -198,11 +198,11 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
     ], out.getvalue()
     assert in_flight == "transfers in flight: 1", out.getvalue()
 
-    # Asking "who leads?" (wire/leader_ask.py): the standby names the leader
+    # Asking "who leads?" (pushkv/net/leader_ask.py): the standby names the leader
     # and its term; an address that refuses, and the one dialed, are passed.
     import asyncio
 
-    from wire.leader_ask import ask, ask_aio
+    from pushkv.net.leader_ask import ask, ask_aio
 
     opened: list[str] = []
 
@@ -224,8 +224,8 @@ def test_one_leader_standby_refuses_writes_naming_it_and_serves_reads(cluster: C
 def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None:
     import asyncio
 
-    from vllm_integration.router import Router, RouterSettings
-    from vllm_integration.router_engines import Engine
+    from pushkv.router.app import Router, RouterSettings
+    from pushkv.router.engines import Engine
 
     lead = cluster.leader()
     (standby,) = cluster.standbys()
@@ -272,8 +272,8 @@ def test_router_and_scheduler_client_leave_a_frozen_leader(cluster: Cluster) -> 
     their own deadline; the thawed leader, deposed, exits without ordering."""
     import asyncio
 
-    from vllm_integration.router import Router, RouterSettings
-    from vllm_integration.router_engines import Engine
+    from pushkv.router.app import Router, RouterSettings
+    from pushkv.router.engines import Engine
 
     lead = cluster.leader()
     (standby,) = cluster.standbys()

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess, leadership
-from harness.etcd import EtcdCluster
+from pushkv.harness.coordinator import CoordinatorProcess, leadership
+from pushkv.harness.etcd import EtcdCluster
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.test_ha import REPLICA, etcd3, poll, running_replicas  # noqa: F401
 

@@ -12,10 +12,10 @@ from typing import cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
 from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
 from tests.test_ha import _events, _in_flight_transfers_complete, running_replicas
 

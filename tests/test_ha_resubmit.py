@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import leadership
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from harness.coordinator import leadership
+from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
 from tests.test_ha import (
@@ -35,7 +36,6 @@ from tests.test_ha import (
     rebuilding_hosts,
     running_replicas,
 )
-from vllm_integration.client import Call, CoordinatorClient, Result
 
 pytestmark = pytest.mark.faults
 

@@ -35,12 +35,12 @@ from typing import Any
 
 import grpc
 import pytest
+
+from pushkv.harness.coordinator import CoordinatorProcess, leadership
+from pushkv.harness.etcd import EtcdServer
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess, leadership
-from harness.etcd import EtcdServer
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from tests.support import serving, waits
 from tests.support.etcd import require_etcd
 from tests.support.serving import post_status

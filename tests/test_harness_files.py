@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import gc
 
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import RouterProcess
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import RouterProcess
 
 
 def test_a_coordinator_folder_outlives_its_stop_and_goes_with_its_owner() -> None:

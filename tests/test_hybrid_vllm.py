@@ -33,11 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
-from harness.tiny_model import build_tiny_hybrid_model
-from harness.vllm_server import RouterProcess, VllmServer, free_port, metric_value, pushkv_server
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.tiny_model import build_tiny_hybrid_model
+from pushkv.harness.vllm_server import (
+    RouterProcess,
+    VllmServer,
+    free_port,
+    metric_value,
+    pushkv_server,
+)
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.waits import wait_until

@@ -43,12 +43,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.structured_output import StructuredOutputManager
 
+from pushkv.vllm_integration import kv_checks
+from pushkv.vllm_integration.connector import PushKVConnector
+from pushkv.vllm_integration.kv_checks import UnsupportedKVCache
+from pushkv.vllm_integration.worker import layer_of
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
-from vllm_integration import kv_checks
-from vllm_integration.connector import PushKVConnector
-from vllm_integration.kv_checks import UnsupportedKVCache
-from vllm_integration.worker import layer_of
 
 BLOCK = 16
 NB = 40
@@ -60,7 +60,7 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 def cfg(tiny_model_dir: Path) -> VllmConfig:
     return make_vllm_config(
         tiny_model_dir,
-        connector_module="vllm_integration.connector",
+        connector_module="pushkv.vllm_integration.connector",
         connector_name="PushKVConnector",
         kv_role="kv_producer",
         engine_id="P-checks",
@@ -341,7 +341,7 @@ def test_a_role_pushkv_does_not_play_is_refused(cfg: VllmConfig, role: KVConnect
 
 
 def test_pipeline_parallel_prefill_is_accepted(cfg: VllmConfig) -> None:
-    """A prefill engine may run PP (each stage writes its layers, wire/pp_map.py)."""
+    """A prefill engine may run PP (each stage writes its layers, pushkv/rules/pp_map.py)."""
     cfg.parallel_config.pipeline_parallel_size = 2
     assert kv_checks.config_problems(cfg, make_kv_cache_config(cfg, NB)) == []
 

@@ -1,4 +1,4 @@
-"""harness.vllm_server.free_port: ports for servers that tests and benchmarks start."""
+"""pushkv.harness.vllm_server.free_port: ports for servers that tests and benchmarks start."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from harness import vllm_server as launch
-from harness.vllm_server import free_port
+from pushkv.harness import vllm_server as launch
+from pushkv.harness.vllm_server import free_port
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:

@@ -1,4 +1,4 @@
-"""Where clients go among coordinator replicas (wire/leader.py), and the
+"""Where clients go among coordinator replicas (pushkv/net/leader.py), and the
 coordinator's leadership gate (controlplane/leadership.py): no network."""
 
 from __future__ import annotations
@@ -9,9 +9,16 @@ from typing import Any
 import grpc
 import pytest
 
-from controlplane.leadership import ElectionSettings, Leadership, NotLeader, Role, View, endpoints
-from controlplane.status_map import outcome
-from wire.leader import (
+from pushkv.controlplane.leadership import (
+    ElectionSettings,
+    Leadership,
+    NotLeader,
+    Role,
+    View,
+    endpoints,
+)
+from pushkv.controlplane.status_map import outcome
+from pushkv.net.leader import (
     LEADER_METADATA_KEY,
     STANDBY_RETRY_CAP_S,
     STANDBY_WAIT_S,
@@ -166,7 +173,7 @@ def test_election_settings_validate() -> None:
 
 
 def test_leadership_metrics() -> None:
-    from controlplane.metrics import LeadershipCollector
+    from pushkv.controlplane.metrics import LeadershipCollector
 
     gate = Leadership(View(Role.STANDBY, "lead:1", 9))
     leader, term = LeadershipCollector(gate).collect()

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from controlplane.election import EtcdElection
-from controlplane.leadership import ElectionSettings, Leadership, Role
+from pushkv.controlplane.election import EtcdElection
+from pushkv.controlplane.leadership import ElectionSettings, Leadership, Role
 from tests.support.etcd import EtcdServer, etcd, require_etcd  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.faults

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from agent.link import CoordinatorLink
-from agent.messages import Inbound
-from controlplane.server import Coordinator
+from pushkv.agent.link import CoordinatorLink
+from pushkv.agent.messages import Inbound
+from pushkv.controlplane.server import Coordinator
 from tests.support.netcut import CuttableProxy
 from tests.support.sim_agent import hello
 

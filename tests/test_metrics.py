@@ -32,23 +32,24 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from pushkv.agent.events import EventKind
+from pushkv.cli.main import build_parser
+from pushkv.controlplane import tracing
+from pushkv.controlplane import transfer_metrics as cmetrics
+from pushkv.controlplane.core_build import core_build
+from pushkv.controlplane.metric_families import CounterFamily, HistogramFamily, created_series
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.vllm_server import free_port
+from pushkv.relay.server import Relay, RelaySettings
+from pushkv.router.app import Router, RouterSettings
+from pushkv.router.metrics import outcome_of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from cli.main import build_parser
-from controlplane import tracing
-from controlplane import transfer_metrics as cmetrics
-from controlplane.core_build import core_build
-from controlplane.metric_families import CounterFamily, HistogramFamily, created_series
-from controlplane.server import Coordinator, ServerSettings, start
-from harness.coordinator import CoordinatorProcess
-from harness.vllm_server import free_port
-from relay.server import Relay, RelaySettings
+from pushkv.vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector
 from tests.support.sim_agent import SimAgent, SimCluster, blocks, rendezvous, wait_terminal
 from tests.support.waits import wait_until
-from vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector, outcome_of
-from vllm_integration.router import Router, RouterSettings
 
 WAIT = 10.0
 OPERATIONS_DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"

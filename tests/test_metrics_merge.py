@@ -4,9 +4,9 @@ tests/test_metrics.py::test_coordinator_metrics_after_real_transfers)."""
 
 from __future__ import annotations
 
-from controlplane.metric_families import FamilyCopy
-from controlplane.metrics import EngineSnap, RankLease, Snapshot
-from controlplane.metrics_merge import merge_snapshots, snapshot_from_json, snapshot_to_json
+from pushkv.controlplane.metric_families import FamilyCopy
+from pushkv.controlplane.metrics import EngineSnap, RankLease, Snapshot
+from pushkv.controlplane.metrics_merge import merge_snapshots, snapshot_from_json, snapshot_to_json
 
 
 def engine(name: str, inflight: int, orders: tuple[int, int]) -> EngineSnap:

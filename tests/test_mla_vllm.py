@@ -63,11 +63,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
-from harness.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.tiny_model import MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_mla_model_dir_fixture  # noqa: F401

@@ -1,4 +1,4 @@
-"""The emulated two-node link (harness/netlink.py): a real transfer crosses it,
+"""The emulated two-node link (pushkv/harness/netlink.py): a real transfer crosses it,
 its rate cap is in force (tc's counters), and nothing is left behind."""
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec
-from harness.netlink import (
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec
+from pushkv.harness.netlink import (
     LinkUnavailable,
     NetnsKVHost,
     TwoNodeLink,
@@ -24,6 +22,8 @@ from harness.netlink import (
     namespaces,
     parse_rate,
 )
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 RATE = parse_rate("200mbit")  # slow enough that 2 MiB must wait for the bucket
 NB, BLOCK_LEN, REGIONS = 64, 16 * 1024, 2

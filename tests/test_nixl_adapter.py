@@ -21,9 +21,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from agent import write_plan
-from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
-from agent.nixl_types import (
+from pushkv.agent import write_plan
+from pushkv.agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
+from pushkv.agent.nixl_types import (
     FailureReason,
     KVRegion,
     NixlError,
@@ -31,7 +31,7 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.write_plan import merge_runs
+from pushkv.agent.write_plan import merge_runs
 from tests.support.nixl_peer import alloc_regions, block_pattern, regions_of, run_target
 
 pytestmark = pytest.mark.timeout(60)

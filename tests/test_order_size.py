@@ -16,12 +16,10 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from controlplane import convert
-from controlplane.clock import FakeClock
-from controlplane.domain import (
+from pushkv.controlplane import convert
+from pushkv.controlplane.clock import FakeClock
+from pushkv.controlplane.domain import (
     EngineId,
     KVLayout,
     KVRegion,
@@ -32,13 +30,15 @@ from controlplane.domain import (
     State,
     TransferId,
 )
-from controlplane.domain import WriteTarget as Target
-from controlplane.errors import InvalidArgument
-from controlplane.node_stream import split_batch
-from controlplane.order_size import OrderTooLarge, check, max_order_bytes, order_bytes
-from controlplane.rendezvous import Rendezvous
-from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.settings import CoreSettings
+from pushkv.controlplane.domain import WriteTarget as Target
+from pushkv.controlplane.errors import InvalidArgument
+from pushkv.controlplane.node_stream import split_batch
+from pushkv.controlplane.order_size import OrderTooLarge, check, max_order_bytes, order_bytes
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.sim_agent import TOKENS_PER_BLOCK, SimAgent, blocks, layout
 from tests.test_rendezvous import D, P, orders, reg
 

@@ -1,6 +1,6 @@
 """Partition processes (controlplane/partition_host.py, step 2 of the
 partitioned leader): real child processes on real Unix sockets, driven as
-the leader's front would drive them (bench/partition_procs.py)."""
+the leader's front would drive them (pushkv/bench/partition_procs.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from pushkv.bench.coordinator_workload import CORE_SETTINGS
+from pushkv.bench.partition_procs import run_procs
+from pushkv.controlplane.partition_host import partition_runtime
+from pushkv.controlplane.partition_link import PartitionProcess
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.net.frames import read_frames
 from pushkv.v1 import partition_pb2 as ppb
 from pushkv.v1 import pushkv_pb2 as pb
-
-from bench.coordinator_workload import CORE_SETTINGS
-from bench.partition_procs import run_procs
-from controlplane.partition_host import partition_runtime
-from controlplane.partition_link import PartitionProcess
-from controlplane.settings import CoreSettings
 from tests.support import waits
-from wire.frames import read_frames
 
 DEADLINE_S = 60.0
 
@@ -68,7 +68,7 @@ async def _second_connection_refused() -> bytes:
             got = await asyncio.wait_for(reader.read(), DEADLINE_S)  # EOF: closed at once
             writer.close()
             # The first connection still works: a hello is welcomed.
-            from bench.coordinator_workload import agent_hello
+            from pushkv.bench.coordinator_workload import agent_hello
 
             hello = agent_hello("e", pb.ROLE_DECODE, batched=True)
             up = ppb.PartitionUp()
@@ -94,11 +94,11 @@ def test_a_partition_serves_its_first_connection_only() -> None:
 REPLICA = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from controlplane.partition_host import READY
+    from pushkv.controlplane.partition_host import READY
 
     sock = os.path.join(sys.argv[1], "p.sock")
     child = subprocess.Popen(
-        [sys.executable, "-m", "controlplane.partition_host", "--socket", sock,
+        [sys.executable, "-m", "pushkv.controlplane.partition_host", "--socket", sock,
          "--index", "0", "--partitions", "1", "--coordinator-id", "c",
          "--parent", str(os.getpid())],
         stdout=subprocess.PIPE, text=True,
@@ -142,7 +142,7 @@ async def _frames_of(data: bytes) -> list[list[bytes]]:
 
 
 def test_frames_past_the_bound_are_refused() -> None:
-    from wire.frames import HEADER, MAX_FRAME, FrameError, frame
+    from pushkv.net.frames import HEADER, MAX_FRAME, FrameError, frame
 
     assert asyncio.run(_frames_of(frame(b"ab") + frame(b""))) == [[b"ab", b""]]
     with pytest.raises(FrameError):
@@ -155,9 +155,9 @@ def test_a_partition_keeps_only_its_own_held_transfers_of_a_hello() -> None:
     """The front sends every partition an agent's whole hello; each keeps the
     held transfers that hash to it (as the in-process split does), so that
     no transfer is adopted by two partitions."""
-    from bench.coordinator_workload import agent_hello
-    from controlplane.partition_host import keep_own_held
-    from controlplane.partitions import partition_of
+    from pushkv.bench.coordinator_workload import agent_hello
+    from pushkv.controlplane.partition_host import keep_own_held
+    from pushkv.controlplane.partitions import partition_of
 
     ids = [f"h{i}" for i in range(12)]
     hello = agent_hello("e", pb.ROLE_DECODE, batched=True)

@@ -17,13 +17,13 @@ from typing import Any
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.controlplane.partitions import partition_of
+from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
+from pushkv.harness.kvhost import KVHost
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from controlplane.partitions import partition_of
-from harness.coordinator import CoordinatorProcess, RelayProcess
-from harness.kvhost import KVHost
 from tests.support import waits
 from tests.support.core_shapes import ids_in_partition
 from tests.support.kvpair import (
@@ -233,8 +233,8 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
             ("front-1", 1),
             ("front-2", 2),
         ], started
-        parts = _children(coord.proc.pid, "controlplane.partition_host")
-        fronts = _children(coord.proc.pid, "controlplane.front_host")
+        parts = _children(coord.proc.pid, "pushkv.controlplane.partition_host")
+        fronts = _children(coord.proc.pid, "pushkv.controlplane.front_host")
         assert len(parts) == K and len(fronts) == 2, (parts, fronts)
         os.kill(fronts[0], signal.SIGKILL)
         assert coord.proc.wait(DEADLINE_S) == EXIT_PARTITION_LOST, coord.log_text()[-3000:]
@@ -270,7 +270,7 @@ def test_front_processes_share_the_port_and_end_with_the_coordinator() -> None:
 
 def test_fronts_without_partition_processes_are_refused() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "coordinator", "--port", "0", "--fronts", "2"],
+        [sys.executable, "-m", "pushkv.cli.main", "coordinator", "--port", "0", "--fronts", "2"],
         check=False,
         capture_output=True,
         text=True,
@@ -329,7 +329,7 @@ def test_partitions_in_one_process_and_in_processes_together_are_refused() -> No
         [
             sys.executable,
             "-m",
-            "cli.main",
+            "pushkv.cli.main",
             "coordinator",
             "--port",
             "0",

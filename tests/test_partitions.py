@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.clock import FakeClock
-from controlplane.domain import (
+from pushkv.controlplane.clock import FakeClock
+from pushkv.controlplane.domain import (
     AgentKey,
     AgentNotBack,
     Effect,
@@ -33,17 +33,17 @@ from controlplane.domain import (
     TransferChanged,
     WriteStatus,
 )
-from controlplane.errors import NotFound, ResourceExhausted
-from controlplane.partitions import (
+from pushkv.controlplane.errors import NotFound, ResourceExhausted
+from pushkv.controlplane.partitions import (
     Core,
     Partitioned,
     make_core,
     partition_of,
     partition_settings,
 )
-from controlplane.rendezvous import Rendezvous
-from controlplane.settings import CoreSettings
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.rendezvous import Rendezvous
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer_filter import TransferFilter
 from tests.support.core_shapes import ids_in_partition
 from tests.test_rendezvous import D, P, finish, orders, reg
 

@@ -4,12 +4,11 @@ forgotten once the rank is gone (controlplane/peer_messages.py)."""
 
 from __future__ import annotations
 
+from pushkv.controlplane import peer_messages
+from pushkv.controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
+from pushkv.controlplane.peer_messages import PeerMessages
+from pushkv.controlplane.registry import AgentRecord, Registry
 from pushkv.v1 import pushkv_pb2 as pb
-
-from controlplane import peer_messages
-from controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
-from controlplane.peer_messages import PeerMessages
-from controlplane.registry import AgentRecord, Registry
 
 LAYOUT = KVLayout(16, tuple(KVRegion(0x1000 * (i + 1), 4096, 64, layer=i) for i in range(8)))
 
@@ -63,7 +62,7 @@ def test_entries_of_ranks_gone_are_pruned() -> None:
 
 
 def test_the_bench_line() -> None:
-    from bench.peer_messages import _one
+    from pushkv.bench.peer_messages import _one
 
     line = _one(2)
     assert line.startswith("regions=2 bytes=") and "alone_us=" in line and "batched_us=" in line

@@ -5,7 +5,7 @@ agent's threads (link, watchdog, NIXL, and the threads UCX and gRPC start
 under them) may run on every CPU of the bound cores' NUMA nodes that the
 cgroup allows instead.
 
-The agents are real (harness/kvhost.py: a real agent with real NIXL in its own
+The agents are real (pushkv/harness/kvhost.py: a real agent with real NIXL in its own
 process, against a real coordinator process), bound as vLLM binds a worker,
 and each thread's CPUs are read from /proc."""
 
@@ -19,10 +19,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from agent.placement import (
+from pushkv.agent.events import EventKind
+from pushkv.agent.placement import (
     ROOT_CPUSET_FILES,
     auto_cpus,
     cgroup_cpus,
@@ -36,10 +35,11 @@ from agent.placement import (
     resolve,
     thread_cpus,
 )
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.vllm_integration.settings import ConnectorSettings
 from tests.support.kvpair import coord_fixture, prefill_done, register, stubs, wait_state  # noqa: F401
-from vllm_integration.settings import ConnectorSettings
 
 ALLOWED = cgroup_cpus()
 BOUND = min(ALLOWED)  # the "compute core" a test binds the starting thread to
@@ -76,7 +76,7 @@ def test_the_setting_refuses_what_cannot_be_placed() -> None:
 # thread bound as vLLM binds a worker's, a thread started inside `placed`.
 PLACED_CHILD = """
 import json, os, sys, threading
-from agent.placement import placed, resolve, thread_cpus
+from pushkv.agent.placement import placed, resolve, thread_cpus
 os.sched_setaffinity(0, {{{BOUND}}})
 cpus = resolve(sys.argv[1], cpu_engine=sys.argv[2] == "cpu")
 got = {{}}
@@ -220,8 +220,8 @@ def test_a_bound_agents_threads_are_placed_and_it_moves_bytes(
 def test_the_placement_bench_runs_both_settings_side_by_side(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`python -m bench.thread_placement`, short: one trial of each setting."""
-    from bench.thread_placement import main
+    """`python -m pushkv.bench.thread_placement`, short: one trial of each setting."""
+    from pushkv.bench.thread_placement import main
 
     main(["--runs", "1", "--seconds", "0.3"])
     out = capsys.readouterr().out.splitlines()

@@ -3,7 +3,7 @@ real agents in separate processes, real NIXL WRITEs, a real coordinator.
 
 Each prefill stage's hosts hold only their own layers' regions (reported as
 KVRegion.layer); the decode hosts hold every layer. Contents are keyed by
-layer and head (harness/kvhost.py), so every decode host verifies that each
+layer and head (pushkv/harness/kvhost.py), so every decode host verifies that each
 layer's region got that layer's bytes, whichever stage and TP rank wrote
 them; each decode rank becomes ready only once every stage's writer arrived."""
 
@@ -13,12 +13,12 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from cli import main as cli
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
+from pushkv.agent.events import EventKind
+from pushkv.cli import main as cli
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import stop_all as stop
 from tests.test_tp_kvhost import (
     CANARY,

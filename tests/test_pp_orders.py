@@ -1,8 +1,8 @@
 """Pipeline-parallel prefill in the coordinator's core and the pairing rule:
 engine rank numbering and readiness (controlplane/registry.py), which decode
 region each stage's region goes into and how many writers each decode rank
-expects (controlplane/orders.py), and the pairing rule (wire/pp_map.py,
-wire/pairing.py). Pure core, no processes."""
+expects (controlplane/orders.py), and the pairing rule (pushkv/rules/pp_map.py,
+pushkv/rules/pairing.py). Pure core, no processes."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
-from controlplane.errors import FailedPrecondition, InvalidArgument
-from controlplane.orders import mismatch, rank_targets
-from controlplane.registry import EngineRecord, Registry
+from pushkv.controlplane.domain import AgentRegistration, EngineId, KVLayout, KVRegion, Role
+from pushkv.controlplane.errors import FailedPrecondition, InvalidArgument
+from pushkv.controlplane.orders import mismatch, rank_targets
+from pushkv.controlplane.registry import EngineRecord, Registry
+from pushkv.rules.pairing import KVShape, pair_mismatch
+from pushkv.rules.pp_map import merge_stages, region_map
 from tests.test_tp_orders import COMPAT, HEAD, transfer
-from wire.pairing import KVShape, pair_mismatch
-from wire.pp_map import merge_stages, region_map
 
 
 def reg(

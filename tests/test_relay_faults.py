@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import RelayProcess, leadership
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from harness.coordinator import RelayProcess, leadership
+from pushkv.vllm_integration.client import Call, CoordinatorClient
 from tests.support.etcd import EtcdServer, etcd  # noqa: F401  (the fixture)
 from tests.support.kvpair import wait_state
 from tests.test_ha import (
@@ -35,7 +36,6 @@ from tests.test_ha import (
     rebuilding_hosts,
     running_replicas,
 )
-from vllm_integration.client import Call, CoordinatorClient
 
 pytestmark = pytest.mark.faults
 # A lease the relay's restart fits in on a loaded box (the REPLICA flags give 2 s).

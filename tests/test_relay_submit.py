@@ -8,17 +8,17 @@ import asyncio
 
 import grpc
 import pytest
+
+from pushkv.controlplane.leadership import Role, View
+from pushkv.controlplane.server import Coordinator
+from pushkv.controlplane.servicers import MAX_SUBMIT_CALLS
+from pushkv.relay.server import Relay, RelaySettings
+from pushkv.relay.upstream import Generation, RelayError, Upstream
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.leadership import Role, View
-from controlplane.server import Coordinator
-from controlplane.servicers import MAX_SUBMIT_CALLS
-from relay.server import Relay, RelaySettings
-from relay.upstream import Generation, RelayError, Upstream
+from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
 from tests.support.sim_agent import SimCluster, blocks, hello, wait_terminal
 from tests.test_relay import Node, up
-from vllm_integration.client import Call, CoordinatorClient, Result
 
 WAIT = 10.0
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from controlplane.clock import FakeClock
-from controlplane.domain import (
+from pushkv.controlplane.clock import FakeClock
+from pushkv.controlplane.domain import (
     AgentKey,
     AgentNotBack,
     AgentRegistration,
@@ -27,7 +27,7 @@ from controlplane.domain import (
     State,
     WriteStatus,
 )
-from controlplane.errors import (
+from pushkv.controlplane.errors import (
     Conflict,
     FailedPrecondition,
     InvalidArgument,
@@ -35,10 +35,10 @@ from controlplane.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from controlplane.partitions import Core
-from controlplane.settings import CoreSettings
-from controlplane.transfer import Transfer
-from controlplane.transfer_filter import TransferFilter
+from pushkv.controlplane.partitions import Core
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.transfer import Transfer
+from pushkv.controlplane.transfer_filter import TransferFilter
 from tests.support.core_shapes import each_core_shape, ids_in_partition, new_core
 
 __all__ = ["each_core_shape"]  # every test runs on one core and on two partitions
@@ -703,8 +703,8 @@ def test_a_settled_transfer_drops_its_targets_and_keeps_its_status() -> None:
     a full GC pass). Not before: a WRITE still in flight keeps its order
     whole. Status shows the same ranks after, and a late report still finds
     its order (a duplicate, ignored)."""
-    from controlplane.convert import transfer_to_pb
-    from controlplane.transfer import SETTLED_TARGETS
+    from pushkv.controlplane.convert import transfer_to_pb
+    from pushkv.controlplane.transfer import SETTLED_TARGETS
 
     def ranks(t: Transfer) -> list[tuple[int, str, int, bool, str]]:
         return [
@@ -748,8 +748,8 @@ def test_compaction_keeps_a_rank_with_nothing_to_write_apart() -> None:
     """A rank whose order never had a target (its heads written by another
     replica) counts as arrived; a compacted rank with targets still needs its
     arrival counted."""
-    from controlplane.domain import Order, OrderId, TransferId, WriteTarget
-    from controlplane.transfer import OrderRecord
+    from pushkv.controlplane.domain import Order, OrderId, TransferId, WriteTarget
+    from pushkv.controlplane.transfer import OrderRecord
 
     t = Transfer(TransferId("t"), State.FAILED, 0.0, 0.0, 60.0, 0.0)
     tgt = WriteTarget(D, 0, "i1", ((1,),), ((5,),), 1)

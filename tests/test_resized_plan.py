@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from agent.nixl_types import BlockResize, FailureReason, KVRegion, NixlError
-from agent.write_plan import Layout, WritePlan, plan_resized_write, plan_write
+from pushkv.agent.nixl_types import BlockResize, FailureReason, KVRegion, NixlError
+from pushkv.agent.write_plan import Layout, WritePlan, plan_resized_write, plan_write
 
 TB = (16, 48)  # bytes per token of one head, per region
 NB = 40  # blocks per region on each side

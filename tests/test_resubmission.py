@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
+from pushkv.controlplane.domain import (
+    AgentKey,
+    EngineId,
+    HeldTransfer,
+    Reason,
+    Role,
+    State,
+    WriteStatus,
+)
+from pushkv.controlplane.errors import FailedPrecondition, Unavailable
+from pushkv.controlplane.server import ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.domain import AgentKey, EngineId, HeldTransfer, Reason, Role, State, WriteStatus
-from controlplane.errors import FailedPrecondition, Unavailable
-from controlplane.server import ServerSettings, start
-from controlplane.settings import CoreSettings
 from tests.support.core_shapes import each_core_shape
 from tests.support.sim_agent import SimAgent
 from tests.test_adoption import hello, leader

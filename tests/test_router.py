@@ -23,12 +23,12 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.router.app import Router, RouterSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess
 from tests.support.sim_agent import SimAgent
-from vllm_integration.router import Router, RouterSettings
 
 DEADLINE_S = 10.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.coordinator import CoordinatorProcess
+from pushkv.harness.coordinator import CoordinatorProcess
 from tests.test_router import CHAT, COMPLETIONS, cluster
 
 ALLOWED = {200, 400, 405, 413, 429}

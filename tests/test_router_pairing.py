@@ -1,4 +1,4 @@
-"""The router pairs only engines the coordinator would accept (wire/pairing.py).
+"""The router pairs only engines the coordinator would accept (pushkv/rules/pairing.py).
 
 A mixed cluster, as in tests/test_router.py: a real coordinator process, the
 ranks of each engine as ``SimAgent``s whose hellos carry their KV layouts, and
@@ -22,14 +22,14 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.router.app import Router, RouterSettings
+from pushkv.router.engines import EngineDirectory
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess
 from tests.support.sim_agent import SimAgent, blocks, wait_terminal
 from tests.test_router import COMPLETIONS, FakeEngine, completion, sample, wait
-from vllm_integration.router import Router, RouterSettings
-from vllm_integration.router_engines import EngineDirectory
 
 HEAD = 4096  # bytes of one KV head in one block (K or V region)
 HEADS = 4  # the model's KV heads

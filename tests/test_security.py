@@ -1,6 +1,6 @@
 """Mutual TLS and per-identity authorisation, against real servers and real agents.
 
-Certificates are generated when the tests run (ops/devpki.py); no key
+Certificates are generated when the tests run (pushkv/tools/devpki.py); no key
 is committed.
 """
 
@@ -12,17 +12,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.net.tls import TLSFiles
 from pushkv.protocol import PROTOCOL_VERSION
+from pushkv.relay.server import Relay, RelaySettings
+from pushkv.tools.devpki import make_pki
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from controlplane.server import Coordinator, ServerSettings, start
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
-from ops.devpki import make_pki
-from relay.server import Relay, RelaySettings
-from wire.tls import TLSFiles
 
 
 @pytest.fixture(scope="module")

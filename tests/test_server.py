@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.settings import CoreSettings
 from tests.support.sim_agent import SimAgent, SimCluster, blocks, hello, rendezvous, wait_terminal
 
 WAIT = 5.0

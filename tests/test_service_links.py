@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from cli import main as cli
-from harness.coordinator import CoordinatorProcess, RelayProcess
-from harness.vllm_server import RouterProcess
-from wire.env import EnvSettingError, env_setting, is_service_link
+from pushkv.cli import main as cli
+from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
+from pushkv.harness.vllm_server import RouterProcess
+from pushkv.net.env import EnvSettingError, env_setting, is_service_link
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 
@@ -104,7 +104,7 @@ def test_servers_start_with_service_links(service_links: dict[str, str]) -> None
 def test_a_bad_number_is_one_line_naming_the_variable() -> None:
     """Through the installed entry point's module, as an operator runs it."""
     out = subprocess.run(
-        [sys.executable, "-m", "cli.main", "status", "--help"],
+        [sys.executable, "-m", "pushkv.cli.main", "status", "--help"],
         env={"PUSHKV_PORT": "abc", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

@@ -1,11 +1,11 @@
-"""The silence rule's clock (wire/silence.py), on a clock the test moves:
+"""The silence rule's clock (pushkv/net/silence.py), on a clock the test moves:
 when a stream is overdue, and when a client with several replicas asks
 another which one leads. The processes that live by it are in tests/test_ha.py
 (frozen leaders, frozen replicas first in a list)."""
 
 from __future__ import annotations
 
-from wire.silence import UNANSWERED_LIMITS, SilenceWatch
+from pushkv.net.silence import UNANSWERED_LIMITS, SilenceWatch
 
 
 class Clock:

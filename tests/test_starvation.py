@@ -20,18 +20,18 @@ import textwrap
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pushkv.v1 import pushkv_pb2 as pb
 
-from agent.link import CoordinatorLink
-from agent.messages import Inbound
-from agent.starvation import STARVED_S, StarvationWatch
-from controlplane.server import Coordinator
-from harness.coordinator import CoordinatorProcess, RelayProcess
+from pushkv.agent.link import CoordinatorLink
+from pushkv.agent.messages import Inbound
+from pushkv.agent.starvation import STARVED_S, StarvationWatch
+from pushkv.controlplane.server import Coordinator
+from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
+from pushkv.net.event_loop import STALL_S
+from pushkv.net.silence import WATCH_S
+from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.sim_agent import hello
 from tests.support.waits import Lines, poll, wait_until
-from wire.event_loop import STALL_S
-from wire.silence import WATCH_S
 
 WAIT_S = 30.0
 
@@ -111,7 +111,7 @@ async def test_the_link_logs_a_process_that_starved_it(
 CHILD = textwrap.dedent(
     """
     import ctypes, sys, threading
-    from agent.starvation import StarvationWatch
+    from pushkv.agent.starvation import StarvationWatch
     watch = StarvationWatch(0.05, dump_after_s=1.0, starved_s=0.5)
     stop, ticked = threading.Event(), threading.Event()
     def watchdog():
@@ -175,7 +175,7 @@ def test_a_hang_dump_shows_every_thread_while_the_gil_is_held() -> None:
 LOOP_CHILD = textwrap.dedent(
     """
     import asyncio, ctypes, sys
-    from wire.event_loop import report_stalls
+    from pushkv.net.event_loop import report_stalls
     def held_on_the_loop(fd):  # a frame the dump must show
         buf = ctypes.create_string_buffer(1)
         ctypes.PyDLL(None).read(fd, buf, 1)
@@ -198,7 +198,7 @@ LOOP_CHILD = textwrap.dedent(
 
 
 def test_a_stalled_event_loop_has_its_threads_dumped_while_the_stall_lasts() -> None:
-    """wire/event_loop.report_stalls with a hang dump (the coordinator's
+    """pushkv/net/event_loop.report_stalls with a hang dump (the coordinator's
     --hang-dump-s): a loop held in a C call that keeps the GIL has every
     thread's stack written before it runs again, then logs the stall."""
     dump, stalled = held_child(LOOP_CHILD, "held_on_the_loop")
@@ -278,7 +278,7 @@ def freeze_past_stall(proc: CoordinatorProcess) -> None:
 
 
 def test_a_coordinator_kept_from_running_logs_the_stall() -> None:
-    """The coordinator's side (wire/event_loop.report_stalls): frozen, then
+    """The coordinator's side (pushkv/net/event_loop.report_stalls): frozen, then
     let go, it logs how long its event loop did not run."""
     coord = CoordinatorProcess("--log-level", "WARNING").start()
     try:

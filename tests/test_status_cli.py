@@ -11,13 +11,13 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import json_format
+
+from pushkv.cli import main as cli
+from pushkv.controlplane import timeline
+from pushkv.tools import status as status_cli
+from pushkv.tools import tables
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from cli import main as cli
-from controlplane import timeline
-from ops import status as status_cli
-from ops import tables
 from tests.support.sim_agent import SimCluster, ThreadedCoordinator, rendezvous
 
 WAIT = 10.0
@@ -240,7 +240,7 @@ def test_the_overview_of_no_coordinator_fails_cleanly(capsys: pytest.CaptureFixt
 def test_a_rank_within_its_reconnect_grace_shows_grace() -> None:
     """CONNECTED: yes; grace (its stream closed, the same agent may still say
     hello again: its engine stays READY); no."""
-    from ops import tables
+    from pushkv.tools import tables
 
     ranks = [
         pb.RankLease(tp_rank=0, incarnation="i1", connected=True),
@@ -430,3 +430,12 @@ def test_waits_agree_between_transfer_and_status(
         a, b = from_transfer.get(name), from_status.get(name)
         assert a is not None and b is not None, name
         assert a == pytest.approx(b, abs=2e-6), name
+
+
+def test_the_rules_terminal_stages_are_the_coordinators() -> None:
+    """pushkv/rules/timeline.py spells the terminal states' stage names for the
+    tools (which import no coordinator); they are the coordinator's own."""
+    from pushkv.controlplane.domain import State
+    from pushkv.rules.timeline import TERMINAL_STAGES
+
+    assert frozenset(s.value for s in State if s.terminal) == TERMINAL_STAGES

@@ -25,12 +25,10 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from pushkv.v1 import pushkv_pb2 as pb
-from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-from agent.dataplane import DataPlane
-from agent.events import HostEvent
-from agent.messages import (
+from pushkv.agent.dataplane import DataPlane
+from pushkv.agent.events import HostEvent
+from pushkv.agent.messages import (
     CancelMsg,
     OrderMsg,
     Outbound,
@@ -40,9 +38,11 @@ from agent.messages import (
     TermMsg,
     WriteReportMsg,
 )
-from agent.nixl_adapter import NixlEndpoint
-from controlplane.server import Coordinator, ServerSettings, start
-from harness.kvhost import HostSpec, KVHost
+from pushkv.agent.nixl_adapter import NixlEndpoint
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.v1 import pushkv_pb2 as pb
+from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.nixl_peer import regions_of
 from tests.support.sim_agent import SimAgent, SimCluster, rendezvous
 

@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+
+from pushkv.agent.events import EventKind
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from agent.events import EventKind
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
 from tests.support.kvpair import stop_all as stop
 
 CANARY = 0x5A

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.domain import (
+from pushkv.controlplane.domain import (
     AgentRegistration,
     EngineId,
     KVLayout,
@@ -16,9 +16,9 @@ from controlplane.domain import (
     State,
     TransferId,
 )
-from controlplane.orders import mismatch, rank_targets, source_blocks
-from controlplane.registry import AgentRecord, EngineRecord
-from controlplane.transfer import Side, Transfer
+from pushkv.controlplane.orders import mismatch, rank_targets, source_blocks
+from pushkv.controlplane.registry import AgentRecord, EngineRecord
+from pushkv.controlplane.transfer import Side, Transfer
 
 HEAD = 4096  # bytes of one KV head in one block
 COMPAT = (("dtype", "float32"), ("head_size", "32"), ("model", "tiny"))
@@ -259,8 +259,8 @@ def test_retained_transfers_share_their_writer_sets(ptp: int, dtp: int) -> None:
     same in every transfer between the same engines: shared frozensets, not
     objects of each retained transfer (each is one more for a full GC pass,
     gcpolicy.py)."""
-    from controlplane.order_size import MAX_ORDER_BYTES
-    from controlplane.orders import OpenOrders, issue, record_arrivals
+    from pushkv.controlplane.order_size import MAX_ORDER_BYTES
+    from pushkv.controlplane.orders import OpenOrders, issue, record_arrivals
 
     pe, de = engine("P", Role.PREFILL, ptp), engine("D", Role.DECODE, dtp)
     ids = iter(range(1_000))
@@ -297,7 +297,7 @@ def test_retained_transfers_share_their_writer_sets(ptp: int, dtp: int) -> None:
 def test_the_shared_rank_sets_are_bounded_and_still_correct(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from controlplane import orders
+    from pushkv.controlplane import orders
 
     monkeypatch.setattr(orders, "_RANK_SETS", {})
     monkeypatch.setattr(orders, "_MAX_RANK_SETS", 2)

@@ -1,4 +1,4 @@
-"""wire/tls.py's channel options against a slow server: a coordinator that
+"""pushkv/net/tls.py's channel options against a slow server: a coordinator that
 answers the HTTP/2 handshake late (a busy event loop on a loaded host) must
 still be reached; only a dead one may fail fast.
 
@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from wire.tls import OPTIONS
+from pushkv.net.tls import OPTIONS
 
 HOLD_S = 1.0  # how late the server's handshake arrives: a loaded coordinator
 

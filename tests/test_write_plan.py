@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent import write_plan
-from agent.nixl_types import BlockSlice, FailureReason, KVRegion, NixlError, PeerKey
-from agent.write_plan import Layout, check_pairing, merge_runs, plan_sliced_write, plan_write
+from pushkv.agent import write_plan
+from pushkv.agent.nixl_types import BlockSlice, FailureReason, KVRegion, NixlError, PeerKey
+from pushkv.agent.write_plan import Layout, check_pairing, merge_runs, plan_sliced_write, plan_write
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def test_planner_loads_without_nixl() -> None:
     """The planner and its value types import neither NIXL nor the NIXL boundary."""
     code = (
         "import sys, agent.write_plan; print(sorted(m for m in sys.modules"
-        " if m.split('.')[0].startswith('nixl') or m == 'agent.nixl_adapter'))"
+        " if m.split('.')[0].startswith('nixl') or m == 'pushkv.agent.nixl_adapter'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -244,7 +244,7 @@ def test_descriptor_arrays_match_tuple_rows(monkeypatch: pytest.MonkeyPatch) -> 
     lb, rb = [0, 1, 2, 9, 4], [7, 8, 9, 3, 30]  # runs (0,7,3) (9,3,1) (4,30,1)
     tuples = plan_write(local, remote, lb, rb, "peer")
     assert isinstance(tuples.local_rows, list)
-    monkeypatch.setattr("agent.write_plan.PY_ROWS_MAX", 0)
+    monkeypatch.setattr("pushkv.agent.write_plan.PY_ROWS_MAX", 0)
     arrays = plan_write(local, remote, lb, rb, "peer")
     assert isinstance(arrays.local_rows, np.ndarray) and arrays.local_rows.dtype == np.uint64
     assert _rows(arrays.local_rows) == _rows(tuples.local_rows)

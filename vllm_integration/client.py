@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
+
+from pushkv.net.codes import REFUSALS, RETRYABLE, code_of
+from pushkv.net.leader import LeaderFollower
+from pushkv.net.tls import TLSFiles
+from pushkv.net.tls import channel as tls_channel
+from pushkv.rules.states import TERMINAL
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from vllm_integration.open_calls import OpenCalls
-from wire.codes import REFUSALS, RETRYABLE, code_of
-from wire.leader import LeaderFollower
-from wire.states import TERMINAL
-from wire.tls import TLSFiles
-from wire.tls import channel as tls_channel
+from pushkv.vllm_integration.open_calls import OpenCalls
 
 log = logging.getLogger("pushkv.connector")
 

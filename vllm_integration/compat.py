@@ -188,7 +188,7 @@ def kv_geometry(vllm_config: Any) -> dict[str, str]:
         "block_size": str(cc.block_size),
         "head_size": str(mc.get_head_size()),
         # MLA: one latent per token on every rank (get_num_kv_heads says 1), not
-        # the config's num_key_value_heads: wire/tp_map.py maps it as 1 head.
+        # the config's num_key_value_heads: pushkv/rules/tp_map.py maps it as 1 head.
         "total_kv_heads": "1" if mc.use_mla else str(mc.get_total_num_kv_heads()),
         "mla": str(bool(mc.use_mla)),
         "kv_heads_per_rank": str(mc.get_num_kv_heads(vllm_config.parallel_config)),

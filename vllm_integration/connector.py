@@ -1,9 +1,9 @@
 """The pushkv KV connector for vLLM: a facade over the scheduler and worker halves.
 
-Enable it on both engines with
+Enable it on both engines with (vLLM finds it by name through pushkv's
+`vllm.general_plugins` entry point, vllm_integration/plugin.py)
 
   --kv-transfer-config '{"kv_connector": "PushKVConnector",
-     "kv_connector_module_path": "vllm_integration.connector",
      "kv_role": "kv_producer" | "kv_consumer", "engine_id": "<stable id>",
      "kv_connector_extra_config": {"coordinator": "host:port", "api_url": "http://..."}}'
 """
@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_integration import compat, kv_checks, logs
-from vllm_integration.compat import (
+from pushkv.vllm_integration import compat, kv_checks, logs
+from pushkv.vllm_integration.compat import (
     KVConnectorBase_V1,
     KVConnectorRole,
     NoLayerwiseHooks,
     SupportsHMA,
 )
-from vllm_integration.metadata import PushKVMetadata
-from vllm_integration.scheduler import PushSchedulerHalf
-from vllm_integration.settings import ConnectorSettings
-from vllm_integration.worker import PushWorkerHalf
+from pushkv.vllm_integration.metadata import PushKVMetadata
+from pushkv.vllm_integration.scheduler import PushSchedulerHalf
+from pushkv.vllm_integration.settings import ConnectorSettings
+from pushkv.vllm_integration.worker import PushWorkerHalf
 
 log = logging.getLogger("pushkv.connector")
 

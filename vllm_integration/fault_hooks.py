@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent.runtime import Agent
+    from pushkv.agent.runtime import Agent
 
 ENV = "PUSHKV_TEST_FAULT"
 log = logging.getLogger("pushkv.fault_hooks")

@@ -1,6 +1,6 @@
 """How one head's part of a KV block is laid out token by token on this
 engine's attention backend: the compat field `kv_span_units`
-(wire/pairing.py), which pairing engines of different block sizes needs.
+(pushkv/rules/pairing.py), which pairing engines of different block sizes needs.
 
 It is found, not assumed: the backend's own cache-write op writes coded
 tokens into a scratch block of the engine's block size and head size, and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from wire.pairing import format_span_units
+from pushkv.rules.pairing import format_span_units
 
 log = logging.getLogger("pushkv.connector")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from agent.messages import FireMsg
-from vllm_integration.compat import KVConnectorMetadata
+from pushkv.agent.messages import FireMsg
+from pushkv.vllm_integration.compat import KVConnectorMetadata
 
 
 class RecvSpec(NamedTuple):

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vllm_integration.client import Call
+    from pushkv.vllm_integration.client import Call
 
 SIDES = ("register", "prefill_done")
 

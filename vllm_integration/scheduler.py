@@ -33,14 +33,14 @@ import logging
 import time
 from typing import Any
 
-from agent.messages import FireMsg
-from agent.placement import placed, resolve
-from vllm_integration import compat, fault_hooks
-from vllm_integration.client import Call, CoordinatorClient, needs_engine
-from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
-from vllm_integration.settings import ConnectorSettings
-from wire.tls import TLSFiles
+from pushkv.agent.messages import FireMsg
+from pushkv.agent.placement import placed, resolve
+from pushkv.net.tls import TLSFiles
+from pushkv.vllm_integration import compat, fault_hooks
+from pushkv.vllm_integration.client import Call, CoordinatorClient, needs_engine
+from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
+from pushkv.vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
+from pushkv.vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
 

@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from agent.placement import check_setting as check_cpus
-from agent.starvation import check_dump_after
-from vllm_integration.logs import check_level
-from wire.tls import TLSFiles
+from pushkv.agent.placement import check_setting as check_cpus
+from pushkv.agent.starvation import check_dump_after
+from pushkv.net.tls import TLSFiles
+from pushkv.vllm_integration.logs import check_level
 
 # on_transfer_failure values; each is also the vLLM kv_load_failure_policy it sets.
 FAILURE_POLICIES = ("recompute", "fail")

@@ -14,17 +14,17 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from agent.events import EventKind, HostEvent
-from agent.nixl_types import KVRegion, MemoryKind
-from agent.placement import launch_cpus, placed, resolve
-from agent.runtime import Agent, AgentConfig, AgentRole
-from vllm_integration import fault_hooks, kv_checks
-from vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
-from vllm_integration.metadata import PushKVMetadata, RecvSpec
-from vllm_integration.metrics import ConnectorMetrics
-from vllm_integration.settings import ConnectorSettings
-from wire.pairing import SPAN_UNITS
-from wire.tls import TLSFiles
+from pushkv.agent.events import EventKind, HostEvent
+from pushkv.agent.nixl_types import KVRegion, MemoryKind
+from pushkv.agent.placement import launch_cpus, placed, resolve
+from pushkv.agent.runtime import Agent, AgentConfig, AgentRole
+from pushkv.net.tls import TLSFiles
+from pushkv.rules.pairing import SPAN_UNITS
+from pushkv.vllm_integration import fault_hooks, kv_checks
+from pushkv.vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
+from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
+from pushkv.vllm_integration.metrics import ConnectorMetrics
+from pushkv.vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
 

@@ -12,7 +12,7 @@ The workers busy-poll vLLM's shared-memory queues on oversubscribed cores.
   only where the prefill agent logged that its process starved it
   (tests/support/serving.split_starved), and the engines dump their threads'
   stacks after such a stall with PUSHKV_TEST_HANG_DUMP_S set
-  (harness/vllm_server.pushkv_config).
+  (pushkv/harness/vllm_server.pushkv_config).
 - A write timeout longer than the default 15 s does the same for a starved
   rank's DONE report.
 - The rendezvous timeout (default 60 s) bounds how long an armed transfer

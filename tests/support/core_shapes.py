@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from controlplane.clock import Clock
-from controlplane.partitions import Core, make_core, partition_of
-from controlplane.settings import CoreSettings
+from pushkv.controlplane.clock import Clock
+from pushkv.controlplane.partitions import Core, make_core, partition_of
+from pushkv.controlplane.settings import CoreSettings
 
 _partitions = [1]  # the shape the running test asked for
 

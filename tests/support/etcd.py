@@ -1,4 +1,4 @@
-"""A real etcd server for the tests (harness/etcd.py). Where etcd is absent the
+"""A real etcd server for the tests (pushkv/harness/etcd.py). Where etcd is absent the
 tests skip on a developer's machine, and fail under CI (CI=true), where
 scripts/setup.sh must have installed it."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from harness.etcd import ETCD, EtcdServer
+from pushkv.harness.etcd import ETCD, EtcdServer
 
 __all__ = ["EtcdServer", "etcd", "require_etcd"]
 

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.coordinator import CoordinatorProcess, live_coordinators
-from harness.vllm_server import VllmServer, live_servers
+from pushkv.harness.coordinator import CoordinatorProcess, live_coordinators
+from pushkv.harness.vllm_server import VllmServer, live_servers
 from tests.support.serving import KEY_MARKS, LOG_MARKS, hang_dump
 
 DUMP_S = 20.0  # one process's stack dump; a frozen process must not hang the report

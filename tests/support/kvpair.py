@@ -1,4 +1,4 @@
-"""KV hosts (harness/kvhost.py: real agents and real NIXL in their own
+"""KV hosts (pushkv/harness/kvhost.py: real agents and real NIXL in their own
 processes) against a real coordinator process: the fixtures and the calls
 that the KV-host tests share.
 
@@ -13,11 +13,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
+from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.harness.kvhost import HostSpec, KVHost
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.coordinator import CoordinatorProcess
-from harness.kvhost import HostSpec, KVHost
 
 CANARY = 0x5A
 NB = 64

@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
-from agent.nixl_types import KVRegion
+from pushkv.agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
+from pushkv.agent.nixl_types import KVRegion
 
 CANARY = 0xA5
 

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+
+from pushkv.harness.vllm_server import VllmServer, metric_value
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from harness.vllm_server import VllmServer, metric_value
 
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 USAGE = "vllm:kv_cache_usage_perc"
@@ -190,7 +190,7 @@ def hang_dump(text: str, limit: int = 150) -> list[str]:
 
 # Lines why_not_loaded puts first: an agent starved by its process, its lease
 # lapsed, a coordinator taken as gone or itself stalled (agent/link.py,
-# agent/starvation.py, wire/event_loop.report_stalls).
+# agent/starvation.py, pushkv/net/event_loop.report_stalls).
 KEY_MARKS = (
     "could not run for",
     "lease lapsed",
@@ -211,7 +211,7 @@ LOG_MARKS = ("pushkv", "WARN", "ERROR", "Traceback", "relay:", '"warning"', '"er
 # prompts, whose outputs the test still compares. Either the agent's worker
 # starved it (the agent logs the stall, agent/starvation.py, and drops the
 # orders it held), or the coordinator's own loop did not run for a lease (it
-# logs coordinator_stalled, wire/event_loop.py, and on waking takes the
+# logs coordinator_stalled, pushkv/net/event_loop.py, and on waking takes the
 # agents it did not hear from as lost). 4 TP or PP workers share this
 # machine's 2 cores (tests/support/allowances.py); tests/test_tp_faults.py
 # proves the lease itself.

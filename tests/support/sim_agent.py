@@ -29,12 +29,12 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
+
+from pushkv.controlplane.server import Coordinator, ServerSettings, start
+from pushkv.controlplane.settings import CoreSettings
 from pushkv.protocol import PROTOCOL_VERSION
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-
-from controlplane.server import Coordinator, ServerSettings, start
-from controlplane.settings import CoreSettings
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tiny_model import build_tiny_mla_model, build_tiny_model
+from pushkv.harness.tiny_model import build_tiny_mla_model, build_tiny_model
 
 __all__ = [
     "tiny_mla_model_dir_fixture",

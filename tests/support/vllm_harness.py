@@ -10,7 +10,7 @@ Typical use::
     out, _ = step(sched)                                   # schedule + update_from_output
     step(sched, connector_output=kv_output(finished_recving={req.request_id}))
 
-The vLLM objects are built by ``harness/offline.py``, which the
+The vLLM objects are built by ``pushkv/harness/offline.py``, which the
 engine-loop benchmark uses too.
 
 What is real: ``VllmConfig`` (from the tiny model dir), ``Scheduler`` with its
@@ -33,7 +33,7 @@ import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from harness import offline
+from pushkv.harness import offline
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -1,5 +1,0 @@
-"""``python -m bench.serving [proxy] ...``: the benchmark, or one of its proxies."""
-
-from bench.serving.main import main
-
-raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m pushkv.bench.serving [proxy] ...``: the benchmark, or one of its proxies."""
+
+from pushkv.bench.serving.main import main
+
+raise SystemExit(main())
