@@ -76,3 +76,29 @@ def test_hold_fire_waits_while_its_file_exists_and_gives_up_at_its_bound(tmp_pat
         assert held.result(timeout=10) >= 0.3
     flag.touch()
     assert fh.hold_fire(str(flag), 0.2) >= 0.2 and flag.exists()  # bounded: fires anyway
+
+
+def test_the_hooks_load_only_where_a_test_arms_one() -> None:
+    """Production processes never import the hooks module (faults.armed)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from pushkv.vllm_integration import faults, worker, scheduler; "
+        "h = faults.armed(); "
+        "print(h is not None, 'pushkv.vllm_integration.fault_hooks' in sys.modules)"
+    )
+
+    def run(env: dict[str, str]) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            env={"PATH": "/usr/bin:/bin", **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return out.stdout.split("\n")[-2]
+
+    assert run({}) == "False False"
+    assert run({"PUSHKV_TEST_FAULT": "kv_digest"}) == "True True"

@@ -1,5 +1,8 @@
 """Test-only fault hooks: the one place where pushkv misbehaves on purpose.
 
+Imported only through vllm_integration/faults.armed(), in a process whose
+environment arms a hook: never on a production code path.
+
 Every hook is disarmed unless the environment variable ``PUSHKV_TEST_FAULT``
 names its fault; only tests set it (on the engine they start). Disarmed, a hook
 is one call that returns at once. Faults:
@@ -54,7 +57,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pushkv.agent.runtime import Agent
 
-ENV = "PUSHKV_TEST_FAULT"
+from pushkv.vllm_integration.faults import ENV
+
 log = logging.getLogger("pushkv.fault_hooks")
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from pushkv.agent.messages import FireMsg
 from pushkv.agent.placement import placed, resolve
 from pushkv.net.tls import TLSFiles
-from pushkv.vllm_integration import compat, fault_hooks
+from pushkv.vllm_integration import compat, faults
 from pushkv.vllm_integration.client import Call, CoordinatorClient, needs_engine
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
 from pushkv.vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
@@ -76,6 +76,7 @@ class PushSchedulerHalf:
     ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
+        self._faults = faults.armed()  # None outside tests
         self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
         # Per sliding-window group: (window, tokens of a prompt of n tokens that
         # vLLM keeps besides n - window + 1: its extra_retained_tokens).
@@ -445,7 +446,7 @@ class PushSchedulerHalf:
                     restart = leg is not None and leg.chunked > 0
                     n = request.num_prompt_tokens
                     self._meta.fire.append(FireMsg(tid, (first, *more), n, restart=restart))
-                if fault_hooks.DIGEST:
+                if self._faults is not None and self._faults.DIGEST:
                     self._meta.send_blocks[tid] = first
                 return True, {"transfer_id": tid}
             self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))

@@ -20,7 +20,7 @@ from pushkv.agent.placement import launch_cpus, placed, resolve
 from pushkv.agent.runtime import Agent, AgentConfig, AgentRole
 from pushkv.net.tls import TLSFiles
 from pushkv.rules.pairing import SPAN_UNITS
-from pushkv.vllm_integration import fault_hooks, kv_checks
+from pushkv.vllm_integration import faults, kv_checks
 from pushkv.vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
 from pushkv.vllm_integration.metrics import ConnectorMetrics
@@ -191,6 +191,7 @@ class PushWorkerHalf:
     ) -> None:
         self.settings = settings
         self.engine_id = engine_id
+        self._faults = faults.armed()  # None outside tests
         self.is_prefill = is_prefill
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # Pipeline parallelism (prefill only): this worker's stage holds only its
@@ -343,8 +344,8 @@ class PushWorkerHalf:
         for rid, tid in meta.send:
             self._send[tid] = rid
             self._held.add(rid)
-            if tid in meta.send_blocks:  # only with the test hook kv_digest armed
-                fault_hooks.kv_sent(self.agent, tid, meta.send_blocks[tid])
+            if self._faults is not None and tid in meta.send_blocks:  # kv_digest armed
+                self._faults.kv_sent(self.agent, tid, meta.send_blocks[tid])
         if self.agent is not None:
             if expect:
                 self.agent.expect(expect)
@@ -372,7 +373,8 @@ class PushWorkerHalf:
             import torch
 
             torch.cuda.current_stream().synchronize()
-        fault_hooks.hold_fire()  # no-op unless a test arms it
+        if self._faults is not None:  # a test armed a hook
+            self._faults.hold_fire()
         self.agent.fire(meta.fire)
 
     def get_finished(
@@ -443,7 +445,8 @@ class PushWorkerHalf:
             return 0
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
-            fault_hooks.kv_arrived(self.agent, tid, recv.block_ids)  # no-op unless a test arms it
+            if self._faults is not None:  # a test armed a hook
+                self._faults.kv_arrived(self.agent, tid, recv.block_ids)
             self._recving_done.add(recv.request_id)
             return 1
         if e.kind is EventKind.KV_FAILED:
