@@ -27,7 +27,7 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving
-from tests.support.serving import STALL_LINE, post_status
+from tests.support.serving import post_status
 from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import poll
 
@@ -80,6 +80,10 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         c.prefill.stop()
         c.decode.stop()
         coord.stop()
+
+
+# The agent link's stall line (agent/link.py).
+STALL_LINE = "the agent's threads could not run for"
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:

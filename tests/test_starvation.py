@@ -28,8 +28,6 @@ from pushkv.controlplane.server import Coordinator
 from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
 from pushkv.net.event_loop import STALL_S
 from pushkv.net.silence import WATCH_S
-from pushkv.v1 import pushkv_pb2 as pb
-from tests.support import serving
 from tests.support.sim_agent import hello
 from tests.support.waits import Lines, poll, wait_until
 
@@ -210,57 +208,6 @@ def test_a_stalled_event_loop_has_its_threads_dumped_while_the_stall_lasts() -> 
 def test_a_coordinator_refuses_a_hang_dump_wait_out_of_range(value: str) -> None:
     with pytest.raises(RuntimeError, match=r"--hang-dump-s: .* is not within 0"):
         CoordinatorProcess("--hang-dump-s", value).start()
-
-
-def _listed(complete: int, starved: int) -> list[pb.TransferStatus]:
-    done = [
-        pb.TransferStatus(transfer_id=f"c{i}", state=pb.TRANSFER_STATE_COMPLETE, num_tokens=10)
-        for i in range(complete)
-    ]
-    lapsed = [
-        pb.TransferStatus(
-            transfer_id=f"s{i}",
-            state=pb.TRANSFER_STATE_FAILED,
-            detail=f"prefill rank 0 dropped the order: {serving.STARVED} while ...",
-            num_tokens=7,
-        )
-        for i in range(starved)
-    ]
-    return done + lapsed
-
-
-def test_mapping_tests_let_by_lapses_only_with_the_stall_logged() -> None:
-    """tests/support/serving.split_starved, which the vLLM mapping tests use."""
-    stall = f"(Worker_TP0 pid=1) WARNING [pushkv.agent link.py:9] {serving.STALL_LINE} 61.0 s"
-    assert serving.split_starved(_listed(3, 0), "why") == (_listed(3, 0), 0)
-    with pytest.warns(UserWarning, match="2 of 5 transfers failed"):
-        kept, tokens = serving.split_starved(_listed(3, 2), "why", "other line", stall)
-    assert (len(kept), tokens) == (3, 14)
-    with pytest.raises(AssertionError, match="no stall logged"):
-        serving.split_starved(_listed(3, 2), "why", "other line")
-    with pytest.raises(AssertionError, match="3 of 5 starved"):
-        serving.split_starved(_listed(2, 3), "why", stall)
-
-
-def test_mapping_tests_let_by_expiries_only_with_the_coordinator_stall_logged() -> None:
-    """A coordinator whose loop did not run for a lease takes the agents it
-    did not hear from as lost when it wakes (controlplane/agent_loss.py)."""
-    expired = [
-        pb.TransferStatus(
-            transfer_id=f"e{i}",
-            state=pb.TRANSFER_STATE_FAILED,
-            detail=f"agent prefill-tp2/0 {serving.EXPIRED}",
-            num_tokens=5,
-        )
-        for i in range(2)
-    ]
-    listed = _listed(3, 0) + expired
-    stalled = '{"seconds": 55.3, "event": "coordinator_stalled", "level": "warning"}'
-    with pytest.raises(AssertionError, match="no stall logged"):
-        serving.split_starved(listed, "why", "other line", coordinator_log='{"event": "x"}')
-    with pytest.warns(UserWarning, match="2 of 5 transfers failed"):
-        kept, tokens = serving.split_starved(listed, "why", coordinator_log=stalled)
-    assert (kept, tokens) == (_listed(3, 0), 10)
 
 
 def freeze_past_stall(proc: CoordinatorProcess) -> None:

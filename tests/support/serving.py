@@ -7,7 +7,6 @@ import random
 import time
 import urllib.error
 import urllib.request
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -204,49 +203,6 @@ KEY_MARKS = (
 # lines in an engine's log (vllm_integration/logs.py names the pushkv logger on
 # each), tracebacks, a relay's lines, and the coordinator's JSON warnings and errors.
 LOG_MARKS = ("pushkv", "WARN", "ERROR", "Traceback", "relay:", '"warning"', '"error"')
-
-
-# The one failure a mapping test lets by: a prefill agent's lease lapsed
-# because a process was kept from running, and decode recomputed those
-# prompts, whose outputs the test still compares. Either the agent's worker
-# starved it (the agent logs the stall, agent/starvation.py, and drops the
-# orders it held), or the coordinator's own loop did not run for a lease (it
-# logs coordinator_stalled, pushkv/net/event_loop.py, and on waking takes the
-# agents it did not hear from as lost). 4 TP or PP workers share this
-# machine's 2 cores (tests/support/allowances.py); tests/test_tp_faults.py
-# proves the lease itself.
-STARVED = "agent lease lapsed"  # the agent's side
-EXPIRED = "lease expired"  # the coordinator's side (controlplane/agent_loss.py)
-STALL_LINE = "the agent's threads could not run for"
-COORD_STALL_LINE = '"coordinator_stalled"'
-
-
-def split_starved(
-    listed: list[pb.TransferStatus], why: str, *prefill_logs: str, coordinator_log: str = ""
-) -> tuple[list[pb.TransferStatus], int]:
-    """The transfers not failed by a starved process, and the prompt tokens of
-    those that were (decode recomputed them). Let by only where a prefill
-    agent logged that its process kept its threads from running, or the
-    coordinator that its loop did not run, and for at most half the
-    transfers: anything else is a fault of pushkv."""
-    starved = [
-        t
-        for t in listed
-        if t.state == pb.TRANSFER_STATE_FAILED and (STARVED in t.detail or EXPIRED in t.detail)
-    ]
-    if starved:
-        stalls = [ln for log in prefill_logs for ln in log.splitlines() if STALL_LINE in ln]
-        stalls += [ln for ln in coordinator_log.splitlines() if COORD_STALL_LINE in ln]
-        assert stalls, f"{len(starved)} lease lapses with no stall logged:\n{why}"
-        assert 2 * len(starved) <= len(listed), f"{len(starved)} of {len(listed)} starved:\n{why}"
-        warnings.warn(
-            f"{len(starved)} of {len(listed)} transfers failed for a prefill agent's lease "
-            f"lapsed while a process was kept from running (decode recomputed them): "
-            f"{stalls[-1]}",
-            stacklevel=2,
-        )
-    kept = [t for t in listed if t not in starved]
-    return kept, sum(t.num_tokens for t in starved)
 
 
 def wait_no_blocks_held(*servers: VllmServer, timeout: float = 60.0) -> None:
