@@ -1,14 +1,16 @@
 """Fixtures shared by the test modules: an in-process coordinator (real gRPC
 server, default settings) and a node relay in front of it. A module that
 needs another coordinator (a child process, TLS, other settings) defines its
-own `coord`, which takes precedence over this one. A failed test that left
+own `coord`, which takes precedence over this one. The tiny models and the
+independent reference engines are built once per session. A failed test that left
 vLLM engines running reports their logs' key lines and their stacks
 (tests/support/failure_report.py)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Iterator
+from pathlib import Path
 
 import pytest
 from pytest import TestReport
@@ -16,8 +18,10 @@ from pytest import TestReport
 from pushkv.controlplane.server import Coordinator, ServerSettings, start
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.harness.coordinator import COORD_HANG_DUMP_ENV
+from pushkv.harness.tiny_model import build_tiny_mla_model, build_tiny_model
 from pushkv.relay.server import Relay, RelaySettings
 from tests.support.failure_report import engines_report
+from tests.support.reference import ReferenceEngines
 
 # A coordinator child whose loop stalls 20 s writes its threads' stacks to
 # its log, which a failed test's report prints (tests/support/serving.hang_dump).
@@ -36,6 +40,38 @@ async def relay(coord: Coordinator) -> AsyncIterator[Relay]:
     r = await Relay(RelaySettings(coordinators=coord.address, listen="127.0.0.1:0")).start()
     yield r
     await r.stop()
+
+
+# ------------------------------------------------ real vLLM: shared by the session
+# Here, not in a module the tests import: a fixture imported into each module
+# is one fixture per module, built again in each.
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama (2 layers, hidden 128, vocab 1024), built once per session."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_1kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with 1 KV head (4 attention heads): TP 2 replicates it."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model_1kv"), kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random DeepSeek-V2 (MLA: one 576-wide latent per token; 2 layers)."""
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_mla_model"))
+
+
+@pytest.fixture(scope="session")
+def references() -> Iterator[ReferenceEngines]:
+    """Independent engines with no connector, one per model, for the session
+    (tests/support/reference.py)."""
+    engines = ReferenceEngines()
+    yield engines
+    engines.close()
 
 
 @pytest.hookimpl(wrapper=True)

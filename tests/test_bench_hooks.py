@@ -16,7 +16,6 @@ from vllm.v1.request import RequestStatus
 
 from pushkv.bench.floor_connector import FloorConnector, FloorMetadata
 from pushkv.bench.hooks.report import compare_lines, final_line
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     kv_output,
     make_kv_cache_config,

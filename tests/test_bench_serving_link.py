@@ -30,7 +30,6 @@ from pushkv.harness.tiny_model import model_params
 from pushkv.harness.vllm_server import VllmServer
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.serving import completion, external_tokens, one_by_one, settled, varied_prompts
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 # ------------------------------------------------------------------ settings
 

@@ -27,7 +27,7 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.reference import ReferenceEngines
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +38,9 @@ PROMPTS = serving.varied_prompts(91)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[str]:
+def reference(tiny_model_dir: Path, references: ReferenceEngines) -> list[str]:
     """Outputs of an independent engine with no KV connector."""
-    ref = VllmServer(tiny_model_dir, "reference-bs32", cpu_core=0, block_size=32)
-    assert ref.kv_transfer_config is None
-    try:
-        ref.start().wait_ready()
-        return serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
-    finally:
-        ref.stop()
+    return references.outputs(tiny_model_dir, PROMPTS, MAX_TOKENS, block_size=32)
 
 
 @dataclass

@@ -41,7 +41,6 @@ from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
 from pushkv.vllm_integration.settings import ConnectorSettings
 from tests.support.sim_agent import SimAgent
 from tests.support.sim_agent import layout as sim_layout
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     DEFAULT_SAMPLED_TOKEN,
     kv_output,

@@ -38,7 +38,6 @@ from pushkv.vllm_integration.worker import (
     regions_of,
 )
 from tests.support.kvpair import wait_state
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB = 32  # blocks per layer

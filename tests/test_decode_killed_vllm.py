@@ -36,8 +36,8 @@ from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving, waits
+from tests.support.reference import ReferenceEngines
 from tests.support.serving import post_status
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
@@ -91,14 +91,11 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, references: ReferenceEngines
+) -> Iterator[Cluster]:
     hold = tmp_path_factory.mktemp("decode-killed") / "hold-fire"
-    ref = VllmServer(tiny_model_dir, "reference-decode-killed", cpu_core=0).start()
-    try:
-        ref.wait_ready()
-        outputs = serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
-    finally:
-        ref.stop()
+    outputs = references.outputs(tiny_model_dir, PROMPTS, MAX_TOKENS)
     assert len(set(outputs)) > 1, "the reference cannot tell answers apart"
     reference = {tuple(p): o for p, o in zip(PROMPTS, outputs, strict=True)}
     coord = CoordinatorProcess(*COORDINATOR).start()

@@ -33,8 +33,8 @@ from pushkv.router.app import _legs as router_legs
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving
+from tests.support.reference import ReferenceEngines
 from tests.support.serving import completion, json_request, post
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -60,12 +60,18 @@ class Cluster:
     coord: CoordinatorProcess
     prefill: VllmServer
     decode: VllmServer
-    reference: VllmServer  # no KV connector: the independent engine outputs are compared to
     router: RouterProcess
+    model: Path
+    # No KV connector: the independent engine the outputs are compared to.
+    references: ReferenceEngines
+
+    @property
+    def reference(self) -> VllmServer:
+        return self.references.server(self.model, block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+def cluster(tiny_model_dir: Path, references: ReferenceEngines) -> Iterator[Cluster]:
     coord = CoordinatorProcess("--log-level", "WARNING").start()
     # A step budget of CHUNK tokens: longer prompts are prefilled in chunks,
     # each chunk's whole blocks pushed as its forward ends (progressive push).
@@ -87,23 +93,18 @@ def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
         block_size=BLOCK,
         env={"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CORRUPT_BLOCKS}"},
     )
-    reference = VllmServer(tiny_model_dir, "reference", cpu_core=0, block_size=BLOCK)
-    assert reference.kv_transfer_config is None
     router = RouterProcess(coord.address)
     try:
         prefill.start()
         decode.start()
-        reference.start()
         prefill.wait_ready()
         decode.wait_ready()
-        reference.wait_ready()
         router.start()
-        yield Cluster(coord, prefill, decode, reference, router)
+        yield Cluster(coord, prefill, decode, router, tiny_model_dir, references)
     finally:
         router.stop()
         prefill.stop()
         decode.stop()
-        reference.stop()
         coord.stop()
 
 
@@ -115,11 +116,9 @@ def on_router(c: Cluster, ps: list[list[int]], max_tokens: int) -> list[str]:
 
 def on_reference(c: Cluster, ps: list[list[int]], max_tokens: int) -> list[str]:
     """The same prompts, one at a time, on the engine with no connector."""
-    out = [completion(c.reference.url, p, max_tokens) for p in ps]
-    # A comparison with empty or constant outputs would prove nothing.
-    assert all(out), f"reference produced an empty output: {out}"
-    assert len(ps) < 2 or len(set(out)) > 1, f"reference outputs all equal: {out[0]!r}"
-    return out
+    # Non-empty and not all equal (ReferenceEngines.outputs checks): a
+    # comparison with empty or constant outputs would prove nothing.
+    return c.references.outputs(c.model, ps, max_tokens, block_size=BLOCK)
 
 
 def external_tokens(c: Cluster) -> float:

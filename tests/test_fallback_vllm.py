@@ -30,8 +30,8 @@ from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.harness.vllm_server import RouterProcess, VllmServer, metric_value, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
+from tests.support.reference import ReferenceEngines
 from tests.support.serving import TERMINAL, post_status
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
@@ -122,20 +122,10 @@ def no_blocks_held(*servers: VllmServer) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
-    # The reference first, alone: an engine with no connector at all.
-    ref = VllmServer(tiny_model_dir, "reference", cpu_core=0).start()
-    try:
-        ref.wait_ready()
-        reference = {}
-        for p in PROMPTS + FRESH:
-            status, answer = post(ref.url + "/v1/completions", body(p))
-            assert status == 200, answer
-            reference[tuple(p)] = text(answer)
-    finally:
-        ref.stop()
-    outputs = list(reference.values())
-    assert all(outputs) and len(set(outputs)) > 1, "the reference cannot tell answers apart"
+def cluster(tiny_model_dir: Path, references: ReferenceEngines) -> Iterator[Cluster]:
+    # The independent engine's answers (no connector at all), as body() asks.
+    outputs = references.outputs(tiny_model_dir, PROMPTS + FRESH, body([])["max_tokens"])
+    reference = {tuple(p): o for p, o in zip(PROMPTS + FRESH, outputs, strict=True)}
 
     coord = CoordinatorProcess("--log-level", "WARNING", *COORD_FLAGS).start()
     prefill = pushkv_server(tiny_model_dir, "prefill", "prefill-0", coord.address, cpu_core=0)

@@ -28,7 +28,6 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving
 from tests.support.serving import post_status
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.waits import poll
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]

@@ -43,8 +43,8 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving, waits
 from tests.support.etcd import require_etcd
+from tests.support.reference import ReferenceEngines
 from tests.support.serving import post_status
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e]
 
@@ -119,15 +119,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, references: ReferenceEngines
+) -> Iterator[Cluster]:
     require_etcd()
     hold = tmp_path_factory.mktemp("ha-vllm") / "hold-sends"
-    ref = VllmServer(tiny_model_dir, "reference-ha", cpu_core=0).start()
-    try:
-        ref.wait_ready()
-        outputs = serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
-    finally:
-        ref.stop()
+    outputs = references.outputs(tiny_model_dir, PROMPTS, MAX_TOKENS)
     assert len(set(outputs)) > 1, "the reference cannot tell answers apart"
     reference = {tuple(p): o for p, o in zip(PROMPTS, outputs, strict=True)}
     etcd = EtcdServer().start()

@@ -47,7 +47,6 @@ from pushkv.vllm_integration import kv_checks
 from pushkv.vllm_integration.connector import PushKVConnector
 from pushkv.vllm_integration.kv_checks import UnsupportedKVCache
 from pushkv.vllm_integration.worker import layer_of
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import make_kv_cache_config, make_vllm_config
 
 BLOCK = 16

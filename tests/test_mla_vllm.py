@@ -70,7 +70,6 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
-from tests.support.vllm_fixtures import tiny_mla_model_dir_fixture  # noqa: F401
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -34,7 +34,6 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

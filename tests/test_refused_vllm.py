@@ -49,7 +49,6 @@ import pytest
 
 from pushkv.harness.tiny_model import build_tiny_jamba_model
 from pushkv.harness.vllm_server import VllmServer, pushkv_config
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 

@@ -27,7 +27,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.cpu_load import busy_cores
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.support.reference import ReferenceEngines
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -42,16 +42,10 @@ KILL_PROMPTS = serving.varied_prompts(78, (600, 511, 450, 383, 300, 255, 200, 12
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> list[str]:
+def reference(tiny_model_dir: Path, references: ReferenceEngines) -> list[str]:
     """Outputs of an independent TP1 engine with no KV connector: PROMPTS', then
     KILL_PROMPTS'."""
-    ref = VllmServer(tiny_model_dir, "reference-tp1", cpu_core=0, block_size=BLOCK)
-    assert ref.kv_transfer_config is None
-    try:
-        ref.start().wait_ready()
-        return serving.one_by_one(ref.url, PROMPTS + KILL_PROMPTS, MAX_TOKENS)
-    finally:
-        ref.stop()
+    return references.outputs(tiny_model_dir, PROMPTS + KILL_PROMPTS, MAX_TOKENS, block_size=BLOCK)
 
 
 @dataclass

@@ -26,10 +26,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.cpu_load import busy_cores
-from tests.support.vllm_fixtures import (  # noqa: F401
-    tiny_model_1kv_dir_fixture,
-    tiny_model_dir_fixture,
-)
+from tests.support.reference import ReferenceEngines
 
 pytestmark = pytest.mark.e2e
 
@@ -66,6 +63,7 @@ def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     coordinator on one NodeStream; the schedulers and the router dial it."""
     model, through_relays = request.param
     tiny_model_dir: Path = request.getfixturevalue(model)
+    references: ReferenceEngines = request.getfixturevalue("references")
     coord = CoordinatorProcess(*COORD_FLAGS).start()
     relays = [RelayProcess(coord.address).start() for _ in range(2)] if through_relays else []
     prefill, decode = (
@@ -82,23 +80,18 @@ def tp2_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         )
         for i, role in enumerate(("prefill", "decode"))
     )
-    reference = VllmServer(tiny_model_dir, "reference-tp1", cpu_core=0, block_size=BLOCK)
-    assert reference.kv_transfer_config is None and reference.tp_size == 1
+    # An independent TP1 engine with no connector (shared, idle between uses).
+    expected = references.outputs(tiny_model_dir, PROMPTS, MAX_TOKENS, block_size=BLOCK)
     router = RouterProcess(coord.address)
     try:
-        reference.start()
         prefill.start()
         decode.start()
-        reference.wait_ready()
-        expected = serving.one_by_one(reference.url, PROMPTS, MAX_TOKENS)
-        reference.stop()  # frees its core for the two TP2 engines
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
         yield Cluster(coord, prefill, decode, router, expected, relays)
     finally:
         router.stop()
-        reference.stop()
         prefill.stop()
         decode.stop()
         for r in relays:

@@ -12,7 +12,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from tests.support.toy_connector import ToyConnector
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
 from tests.support.vllm_harness import (
     DEFAULT_SAMPLED_TOKEN,
     kv_output,
