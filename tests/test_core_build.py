@@ -9,6 +9,7 @@ the ones imported.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,8 +24,8 @@ def test_the_expected_build_of_the_core_is_imported() -> None:
     expected = os.environ.get("PUSHKV_EXPECT_CORE", "python")
     assert core_build.core_build() == expected, rendezvous.__file__
     for name in core_build.CORE_MODULES:
-        module = sys.modules.get(f"controlplane.{name}") or __import__(
-            f"controlplane.{name}", fromlist=["x"]
+        module = sys.modules.get(f"pushkv.controlplane.{name}") or __import__(
+            f"pushkv.controlplane.{name}", fromlist=["x"]
         )
         suffix = Path(module.__file__ or "").suffix
         assert (suffix == ".py") == (expected == "python"), module.__file__
@@ -37,13 +38,17 @@ def test_every_core_module_exists_as_source() -> None:
 
 def test_importing_the_agent_and_the_connector_imports_no_coordinator_code() -> None:
     code = (
-        "import sys, agent.runtime, vllm_integration.client, vllm_integration.router; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'controlplane'))"
+        "import json, sys, pushkv.agent.runtime, pushkv.vllm_integration.client, "
+        "pushkv.vllm_integration.connector, pushkv.router.app, pushkv.relay.server, "
+        "pushkv.tools.status; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('pushkv.'))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    assert out.stdout.strip() == "[]"
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "pushkv.agent.runtime" in loaded and "pushkv.vllm_integration.connector" in loaded
+    assert [m for m in loaded if m.startswith("pushkv.controlplane")] == []
 
 
 def test_a_compiled_build_without_the_dependencies_says_what_is_missing() -> None:

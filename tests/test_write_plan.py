@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_planner_loads_without_nixl() -> None:
     """The planner and its value types import neither NIXL nor the NIXL boundary."""
     code = (
-        "import sys, agent.write_plan; print(sorted(m for m in sys.modules"
+        "import sys, pushkv.agent.write_plan; print(sorted(m for m in sys.modules"
         " if m.split('.')[0].startswith('nixl') or m == 'pushkv.agent.nixl_adapter'))"
     )
     out = subprocess.run(
