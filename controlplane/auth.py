@@ -67,17 +67,6 @@ def parse_identity(common_name: str) -> Principal:
     )
 
 
-def principal_to_wire(p: Principal) -> str:
-    """`p` as a partition process is told it (PartitionUp.principal): its
-    certificate identity, or "" for a trusted caller (no TLS)."""
-    return "" if p.kind is Kind.TRUSTED else str(p)
-
-
-def principal_from_wire(text: str) -> Principal:
-    """The inverse of `principal_to_wire`."""
-    return TRUSTED if not text else parse_identity(text)
-
-
 def _allowed(kind: Kind, method: str) -> bool:
     for prefix, kinds in _METHODS.items():
         if method.startswith(prefix):

@@ -32,7 +32,6 @@ CORE_MODULES = (
     "inflight",
     "agent_loss",
     "rendezvous",
-    "partitions",
     "convert",
     "runtime",
     "calls",

@@ -428,7 +428,8 @@ class EtcdElection:
         if time.monotonic() >= self._valid_until - self.margin_s:
             return  # too close to our lease's end to order anything: renew first
         self._update(Role.LEADER, self.settings.advertise, term)
-        log.info("leadership_won", term=term, lease=self._lease_id, ttl_s=self._ttl)
+        key = self.settings.key
+        log.info("leadership_won", term=term, lease=self._lease_id, ttl_s=self._ttl, key=key)
         loop = asyncio.get_running_loop()
         self._watchdog = loop.create_task(self._watch_deadline())
         self._start_keeper(loop)

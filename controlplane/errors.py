@@ -47,8 +47,3 @@ class Unauthenticated(PushKVError):
 class Unavailable(PushKVError):
     """Not now, nothing recorded: the same call may succeed shortly (a new
     leader still rebuilding its state after a failover)."""
-
-
-class Unimplemented(PushKVError):
-    """Not served in this coordinator's configuration (an experimental mode
-    that lacks it); the message says which."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,17 +78,10 @@ class Leadership:
         # etcd lease could be near its end); infinite for the single coordinator.
         self._order_deadline = math.inf if self._view.role is Role.SINGLE else 0.0
         self.on_change: list[Callable[[View], None]] = []
-        # Told each extended deadline, from whichever thread renewed the lease.
-        self.on_extend: list[Callable[[float], None]] = []
 
     @property
     def view(self) -> View:
         return self._view
-
-    @property
-    def order_deadline(self) -> float:
-        """Monotonic time after which no order may go out (inf: single)."""
-        return self._order_deadline
 
     @property
     def serving_writes(self) -> bool:
@@ -101,8 +95,6 @@ class Leadership:
         """A renewed lease: orders may go out until `order_deadline` (monotonic)."""
         if self._view.role is Role.LEADER:
             self._order_deadline = max(self._order_deadline, order_deadline)
-            for cb in list(self.on_extend):
-                cb(self._order_deadline)
 
     def update(self, view: View, *, order_deadline: float = 0.0) -> None:
         self._order_deadline = math.inf if view.role is Role.SINGLE else order_deadline
@@ -118,7 +110,27 @@ class Leadership:
             raise NotLeader(self._view.leader, self._view.term)
 
 
+# The election key of the replicas started without --cell (one cell per etcd).
 DEFAULT_KEY = "/pushkv/coordinator/leader"
+# A cell's name (--cell): a DNS label (lower-case letters, digits and inner
+# dashes, at most 63), so that it reads the same in its key, a log line and
+# a pod's name, and no name can reach into another cell's key.
+_CELL_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def election_key(cell: str = "") -> str:
+    """The etcd key the replicas of `cell` campaign on: /pushkv/cells/CELL/leader,
+    or DEFAULT_KEY without a cell. Cells on one etcd share nothing else: each
+    has its own leader, term and engines (docs/operations.md, "Coordinator
+    cells")."""
+    if not cell:
+        return DEFAULT_KEY
+    if not _CELL_NAME.fullmatch(cell):
+        raise ValueError(
+            f"--cell {cell!r}: a cell's name is a DNS label (a-z, 0-9 and '-', "
+            "at most 63, starting and ending with a letter or digit)"
+        )
+    return f"/pushkv/cells/{cell}/leader"
 
 
 # A loop whose pulse is older than this gets no more renewals from the lease

@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -50,7 +50,7 @@ SNAPSHOT_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
-class RankLease:
+class _RankLease:
     engine: str
     rank: int
     connected: bool
@@ -60,7 +60,7 @@ class RankLease:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSnap:
+class _EngineSnap:
     engine: str
     role: str
     tp_size: int
@@ -73,13 +73,13 @@ class EngineSnap:
     seen_max_s: float
     lease_min_s: float
     open_orders: int
-    ranks: tuple[RankLease, ...]  # empty without the per-rank series
+    ranks: tuple[_RankLease, ...]  # empty without the per-rank series
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class _Snapshot:
     coordinator_id: str
-    engines: tuple[EngineSnap, ...]
+    engines: tuple[_EngineSnap, ...]
     inflight: tuple[tuple[str, int], ...]  # (state, transfers)
     events: list[FamilyCopy]  # TransferMetrics.families, copied on the loop
 
@@ -120,17 +120,12 @@ class _Collector:
 
     def collect(self) -> Iterable[Metric]:
         snap = self._m.snapshot()
-        # Without the loop's answer: the event series copied from this thread
-        # (with partitions, none: the front's own alone would look like a reset).
-        events: list[FamilyCopy] | None = None
-        if snap is not None:
-            events = snap.events
-        elif self._m.gather is None:
-            events = self._m.copy_events()
+        # Without the loop's answer: the event series copied from this thread.
+        events = snap.events if snap is not None else self._m.copy_events()
         return [*self._m.export_events(events), *self._live(snap, self._m.rank_series)]
 
     @staticmethod
-    def _live(snap: Snapshot | None, rank_series: bool) -> Iterator[Metric]:
+    def _live(snap: _Snapshot | None, rank_series: bool) -> Iterator[Metric]:
         """Engine, lease and in-flight gauges, read from the core."""
         info = InfoMetricFamily(
             "pushkv_coordinator",
@@ -224,19 +219,13 @@ class CoordinatorMetrics:
         loop: asyncio.AbstractEventLoop | None = None,
         *,
         rank_series: bool = True,
-        gather: Callable[[list[FamilyCopy]], Awaitable[Snapshot]] | None = None,
-        process: str = "coordinator",
     ) -> None:
         self._rt = runtime
-        # With partition processes (metrics_merge.py): the snapshot is theirs,
-        # merged, with this process's own event series (its loop's lag) added.
-        self.gather = gather
         self._loop = loop or asyncio.get_running_loop()
         # The three pushkv_agent_* series per rank (--rank-metrics): a scrape of
         # 1,000 ranks took about 56 ms of the coordinator's interpreter with
         # them and 24 without (docs/operations.md); the per-engine aggregates stay.
         self.rank_series = rank_series
-        self.process = process  # its pushkv_event_loop_lag_seconds series
         self.registry = CollectorRegistry()
         self.events = TransferMetrics(runtime.core.has_transfer)
         runtime.order_residence = self.events.order_residence_series.observe
@@ -252,15 +241,9 @@ class CoordinatorMetrics:
         self._server, self._thread = server, thread
         bound: int = server.server_port
         log.info("metrics_listening", host=host, port=bound)
-        self.sample_lag()
+        lag = sample_loop_lag(self.events.loop_lag_series.observe)
+        self._lag_task = self._loop.create_task(lag, name="loop-lag")
         return bound
-
-    def sample_lag(self) -> None:
-        """Sample this process's event loop lag (serve() does; a partition
-        process, whose /metrics the coordinator serves, calls it itself)."""
-        if self._lag_task is None:
-            lag = sample_loop_lag(self.events.loop_lag.child(self.process).observe)
-            self._lag_task = self._loop.create_task(lag, name="loop-lag")
 
     @property
     def port(self) -> int | None:
@@ -278,25 +261,17 @@ class CoordinatorMetrics:
             server.server_close()
 
     # ------------------------------------------------------------ scrape
-    def snapshot(self) -> Snapshot | None:
+    def snapshot(self) -> _Snapshot | None:
         """Engines and leases, read on the event loop (from any thread)."""
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is self._loop:
-            return self._take() if self.gather is None else None  # a gather awaits
+            return self._take()
         if self._loop.is_closed() or not self._loop.is_running():
             return None
-        if self.gather is not None:
-            gathered = asyncio.run_coroutine_threadsafe(self._gathered(), self._loop)
-            try:
-                return gathered.result(SNAPSHOT_TIMEOUT_S)
-            except Exception:
-                gathered.cancel()
-                log.warning("metrics_snapshot_failed", exc_info=True)
-                return None
-        fut: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
 
         def fill() -> None:
             try:
@@ -311,22 +286,13 @@ class CoordinatorMetrics:
             log.warning("metrics_snapshot_failed", exc_info=True)
             return None
 
-    def snapshot_now(self) -> Snapshot:
-        """This process's own snapshot, on its event loop (a partition's, for
-        its front: partition_host.py)."""
-        return self._take()
-
-    async def _gathered(self) -> Snapshot:
-        assert self.gather is not None
-        return await self.gather(self.copy_events())
-
-    def _take(self) -> Snapshot:
+    def _take(self) -> _Snapshot:
         core = self._rt.core
         now = self._rt.clock.monotonic()
         engines = []
         for eng in core.engines():
             ranks = [
-                RankLease(
+                _RankLease(
                     eng.engine_id,
                     r,
                     a.connected,
@@ -337,7 +303,7 @@ class CoordinatorMetrics:
                 for r, a in sorted(eng.ranks.items())
             ]
             engines.append(
-                EngineSnap(
+                _EngineSnap(
                     eng.engine_id,
                     eng.role.value,
                     eng.tp_size,
@@ -352,12 +318,7 @@ class CoordinatorMetrics:
                 )
             )
         inflight = tuple((st.value, n) for st, n in self.events.inflight.items())
-        return Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
-
-    def with_loop_lag(self, copies: list[FamilyCopy], more: FamilyCopy) -> list[FamilyCopy]:
-        """`copies` (copy_events) with `more` loop lag series (another process's)."""
-        i = self.events.families.index(self.events.loop_lag)
-        return [*copies[:i], copies[i] + more, *copies[i + 1 :]]
+        return _Snapshot(core.coordinator_id, tuple(engines), inflight, self.copy_events())
 
     def copy_events(self) -> list[FamilyCopy]:
         """The event series now, family by family (on the loop, or from any thread)."""

@@ -132,15 +132,6 @@ class NodeChannels:
         # When the orders moved to `down` were issued (AgentSession.handoff):
         # their residence ends when the NodeDown holding them goes to gRPC.
         self._handoff: list[float] = []
-        # A partition process's channels (its front names each stream's
-        # origin: PartitionUp.via): the via of a channel not yet opened.
-        self.vias: dict[int, str] = {}
-
-    def act_as(self, principal: Principal) -> None:
-        """The caller whose NodeUps come next: its hellos and Submits are
-        authorized as it (a partition process, whose one stream carries every
-        caller of its front, told each one's identity; partition_host.py)."""
-        self._principal = principal
 
     # ------------------------------------------------------------ up
     def _end(self, channel: int, exc: BaseException | None = None) -> None:
@@ -154,8 +145,7 @@ class NodeChannels:
     def _open(self, channel: int, first: pb.AgentMessage) -> None:
         if len(self._channels) >= MAX_CHANNELS:
             raise ResourceExhausted(f"a NodeStream carries at most {MAX_CHANNELS} channels")
-        via = self.vias.pop(channel, self._peer or "relay")
-        session = self._open_agent(first, self._principal, via)
+        session = self._open_agent(first, self._principal, self._peer or "relay")
         self._channels[channel] = _Channel(session)
         session.notify = partial(self._mark, channel)
         if session.residence is not None:
@@ -168,15 +158,6 @@ class NodeChannels:
             channel=channel,
             peer=self._peer,
         )
-
-    def lose_link(self, channel: int) -> None:
-        """The channel's carrier ended, not (known to be) its agent: its session
-        closes as the relay's stream end closes it (a partition process told
-        so by its front, partition_host.py)."""
-        ch = self._channels.get(channel)
-        if ch is not None:
-            ch.session.link_lost = True
-            ch.session.close()  # the drain ends the channel and the session
 
     def _on_submit(self, relayed: pb.RelayedSubmit) -> None:
         reply = pb.RelayedSubmitReply(id=relayed.id)

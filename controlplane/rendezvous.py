@@ -89,7 +89,6 @@ from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.transfer import Side, Transfer
 from pushkv.controlplane.transfer_filter import TransferFilter
 
-_WAITING = (State.AWAITING, State.REGISTERED, State.PREFILL_DONE)
 _RANK_OF_REPORT = {
     WriteStatus.DONE: RankState.DONE,
     WriteStatus.FAILED: RankState.FAILED,
@@ -113,9 +112,6 @@ class Rendezvous:
         self._deadlines = self._book.deadlines
         self._open_orders = self._book.open_orders
         self.coordinator_id = uuid.uuid4().hex[:12]
-        # Order ids are "<prefix>-<n>": unique per process, and per partition
-        # of one (partitions.py gives each a prefix of its own).
-        self.order_prefix = self.coordinator_id
         self._order_seq = itertools.count(1)
         # Until then (monotonic), resubmitted sides no agent re-sent are answered
         # UNAVAILABLE rather than FAILED (resubmission.py); set by lead().
@@ -138,10 +134,7 @@ class Rendezvous:
         return t
 
     def find(self, flt: TransferFilter, limit: int) -> tuple[list[Transfer], int]:
-        now = self._clock.wall()
-        matching = [t for t in self._transfers.values() if flt.matches(t, now)]
-        matching.sort(key=lambda t: t.created_wall, reverse=True)
-        return matching[:limit], len(matching)
+        return flt.newest(self._transfers.values(), self._clock.wall(), limit)
 
     def transfers(self) -> Iterable[Transfer]:
         return self._transfers.values()
@@ -247,8 +240,7 @@ class Rendezvous:
             return effects
         was_open = t.write_may_land
         rec.state = _RANK_OF_REPORT[status]
-        rec.detail, rec.bytes, rec.descriptors = detail, nbytes, descriptors
-        rec.posts = posts
+        rec.detail, rec.bytes, rec.descriptors, rec.posts = detail, nbytes, descriptors, posts
         self._open_orders.close(rec)
         t.mark(_WRITE_STAGE[rec.state], wall, rank)
         if t.state in MOVING:
@@ -397,15 +389,12 @@ class Rendezvous:
 
     def next_wakeup(self) -> float | None:
         """Monotonic time of the next deadline or lease expiry, if any."""
-        candidates: list[float] = []
-        for nxt in (
+        due = (
             self._deadlines.earliest(self._transfers),
             self.registry.next_deadline(),
             self._away.earliest(),
-        ):
-            if nxt is not None:
-                candidates.append(nxt)
-        return min(candidates, default=None)
+        )
+        return min((d for d in due if d is not None), default=None)
 
     # ================================================================ internals
     def _arrive(
@@ -515,8 +504,8 @@ class Rendezvous:
         return effects + self._maybe_complete(t)  # adopted ranks may be done already
 
     def _order_id(self) -> OrderId:
-        """Unique per coordinator process (and partition)."""
-        return OrderId(f"{self.order_prefix}-{next(self._order_seq)}")
+        """Unique per coordinator process."""
+        return OrderId(f"{self.coordinator_id}-{next(self._order_seq)}")
 
     def _order_args(self) -> tuple[Callable[[], OrderId], OpenOrders, int]:
         return self._order_id, self._open_orders, self.max_order_bytes

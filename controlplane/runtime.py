@@ -32,8 +32,8 @@ from pushkv.controlplane.domain import (
 )
 from pushkv.controlplane.errors import InvalidArgument
 from pushkv.controlplane.order_size import MAX_ORDER_BYTES
-from pushkv.controlplane.partitions import make_core
 from pushkv.controlplane.peer_messages import PeerMessages
+from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.timeline import TransferObserver
 from pushkv.controlplane.transfer import Transfer
@@ -196,7 +196,7 @@ class Runtime:
     def __init__(
         self, settings: CoreSettings, clock: Clock, max_order_bytes: int = MAX_ORDER_BYTES
     ) -> None:
-        self.core = make_core(settings, clock, max_order_bytes)
+        self.core = Rendezvous(settings, clock, max_order_bytes)
         self.clock = clock
         self._sessions: dict[AgentKey, AgentSession] = {}
         self._peer_msgs = PeerMessages(self.core.registry)

@@ -5,49 +5,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import shutil
 import signal
-import tempfile
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
-from pushkv.controlplane import gcpolicy, logs
+from pushkv.controlplane import gcpolicy
 from pushkv.controlplane.auth import Authorizer
 from pushkv.controlplane.clock import Clock, SystemClock
 from pushkv.controlplane.core_build import core_build
-from pushkv.controlplane.front import PartitionFront
-from pushkv.controlplane.front_link import FrontProcesses
-from pushkv.controlplane.grpc_edge import (
-    add_front_services,
-    add_health_and_reflection,
-    bind,
-    new_server,
-    set_health,
-)
 from pushkv.controlplane.leadership import (
     LOOP_STALL_LIMIT_S,
     ElectionSettings,
     Leadership,
     Role,
     View,
+    election_key,
 )
 from pushkv.controlplane.logs import TransferLog
-from pushkv.controlplane.metric_families import FamilyCopy
-from pushkv.controlplane.metrics import CoordinatorMetrics, LeadershipCollector, Snapshot
+from pushkv.controlplane.metrics import CoordinatorMetrics, LeadershipCollector
 from pushkv.controlplane.order_size import max_order_bytes
-from pushkv.controlplane.partition_link import PartitionProcess
 from pushkv.controlplane.runtime import Runtime
 from pushkv.controlplane.servicers import AgentServicer, StatusServicer, TransferServicer
-from pushkv.controlplane.settings import MAX_FRONTS, MAX_PARTITIONS, CoreSettings
+from pushkv.controlplane.settings import CoreSettings
+from pushkv.controlplane.status_map import ErrorMappingInterceptor
 from pushkv.controlplane.tracing import TransferTracer, tracer_from_env
 from pushkv.net.event_loop import check_dump_after, event_loop_name, report_stalls
 from pushkv.net.port_file import write_port_file
-from pushkv.net.tls import TLSFiles
+from pushkv.net.tls import SERVER_PING_OPTIONS, TLSFiles
+from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -57,11 +48,13 @@ log = structlog.get_logger("pushkv.coordinator")
 EXIT_LEADERSHIP_LOST = 3
 # etcd refused this replica's user, password or permissions (its log says which).
 EXIT_ETCD_REFUSED = 4
-# A partition process of this coordinator ended (--partition-procs), or a
-# front process (--fronts): the state is gone.
-EXIT_PARTITION_LOST = 5
-# How long a lost partition waits for a front process's exit to name the cause.
-FRONT_EXIT_S = 1.0
+
+SERVICE_NAMES = tuple(
+    pb.DESCRIPTOR.services_by_name[n].full_name
+    for n in ("AgentService", "TransferService", "StatusService")
+)
+# Served by the leader only (controlplane/leadership.py); health says so per service.
+WRITE_SERVICE_NAMES = SERVICE_NAMES[:2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +75,10 @@ class ServerSettings:
     # Replicated coordinators (docs/reliability.md): etcd client URLs; empty =
     # the single in-memory coordinator, with no election.
     etcd: str = ""
+    # The coordinator cell this replica belongs to (docs/operations.md,
+    # "Coordinator cells"): its replicas campaign on /pushkv/cells/CELL/leader;
+    # empty = /pushkv/coordinator/leader. Needs etcd.
+    cell: str = ""
     # The address clients dial for this replica; empty = host:bound port.
     advertise: str = ""
     # TTL of the replica's etcd lease (s): failover takes about this long.
@@ -94,13 +91,6 @@ class ServerSettings:
     etcd_password_file: str = ""
     # A leader whose event loop has not run for this long lets its lease go.
     loop_stall_limit_s: float = LOOP_STALL_LIMIT_S
-    # Experimental: the state machine in this many partition processes behind
-    # a front in this one (controlplane/front.py; docs/reliability.md, "Past
-    # one leader core"); 0 = in this process. Not with --partitions.
-    partition_procs: int = 0
-    # Experimental, with partition_procs: this many fronts on the port, the
-    # replica's own and fronts - 1 front processes (controlplane/front_host.py).
-    fronts: int = 1
     # A loop that did not run for this long has every thread's stack written
     # to stderr (pushkv/net/event_loop.report_stalls); 0 = off.
     hang_dump_s: float = 0.0
@@ -121,10 +111,6 @@ class Coordinator:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # health updates
     stall_task: asyncio.Task[None] | None = None  # logs a stalled event loop
-    front: PartitionFront | None = None  # --partition-procs: the partitions' front
-    partitions: list[PartitionProcess] = field(default_factory=list)
-    socket_dir: str = ""  # the partitions' sockets (removed at stop)
-    fronts: FrontProcesses | None = None  # --fronts F: the front processes
 
     @property
     def address(self) -> str:
@@ -146,12 +132,8 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.election_task
         await self.health.enter_graceful_shutdown()
-        stopping = [self.server.stop(grace)]
-        if self.fronts is not None:  # each front lets its own calls finish meanwhile
-            stopping.append(self.fronts.close(grace))
-        await asyncio.gather(*stopping)
+        await self.server.stop(grace)
         await self.runtime.stop()
-        await _stop_partitions(self.front, self.partitions, self.socket_dir)
         if self.metrics is not None:
             await self.metrics.close()
         if self.tracer is not None:
@@ -164,7 +146,9 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         raise ValueError(
             f"--host {settings.host} is no address a client can dial: give --advertise HOST:PORT"
         )
-    check_partition_procs(settings)
+    if settings.cell and not settings.etcd:
+        raise ValueError("--cell names an election on etcd: give --etcd too")
+    election_key(settings.cell)  # a bad name is refused before anything starts
     check_dump_after(settings.hang_dump_s)
     limit = max_order_bytes(settings.max_message_bytes)
     runtime = Runtime(settings.core, clock or SystemClock(), limit)
@@ -173,8 +157,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         if settings.metrics_port is not None
         else None
     )
-    # With partition processes each traces its own transfers (partition_host.py).
-    tracer = None if settings.partition_procs else tracer_from_env(runtime)
+    tracer = tracer_from_env(runtime)
     if metrics is not None:
         runtime.observers.append(metrics.events)
     if tracer is not None:
@@ -183,40 +166,24 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     authz = Authorizer(tls_enabled=settings.tls.enabled)
     # With --etcd a replica starts as a standby: nothing is written before it is elected.
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
-    server = new_server(settings.max_message_bytes, authz, gate)
-    front, partitions, socket_dir = await _start_partitions(settings, runtime)
-    if front is not None and metrics is not None:
-        metrics.gather = front.metrics_snapshot  # the partitions' state, merged
-    try:
-        if front is None:
-            transfers = TransferServicer(runtime, authz)
-            agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
-            pbg.add_AgentServiceServicer_to_server(agents, server)
-            pbg.add_TransferServiceServicer_to_server(transfers, server)
-            pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
-        else:
-            add_front_services(server, front, authz, gate)
-        health_servicer = add_health_and_reflection(server)
-        if not settings.tls.enabled:
-            log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
-        port = bind(server, settings.host, settings.port, settings.tls)
-        if metrics is not None and settings.metrics_port is not None:
-            metrics.serve(settings.host, settings.metrics_port)
-        await server.start()
-        fronts = await _start_fronts(settings, gate, socket_dir, port)
-        if front is not None and fronts is not None and metrics is not None:
-            metrics.gather = _gather_with_fronts(front, fronts, metrics)
-    except BaseException:  # the partitions started are this call's to stop
-        await server.stop(0)
-        await _stop_partitions(front, partitions, socket_dir)
-        raise
+    server = _new_server(settings.max_message_bytes, authz, gate)
+    transfers = TransferServicer(runtime, authz)
+    agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
+    pbg.add_AgentServiceServicer_to_server(agents, server)
+    pbg.add_TransferServiceServicer_to_server(transfers, server)
+    pbg.add_StatusServiceServicer_to_server(StatusServicer(runtime, gate), server)
+    health_servicer = _add_health_and_reflection(server)
+    if not settings.tls.enabled:
+        log.warning("coordinator_insecure", detail="no TLS: every caller is trusted (dev mode)")
+    port = _bind(server, settings.host, settings.port, settings.tls)
+    if metrics is not None and settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)
+    await server.start()
     runtime.start()
-    await set_health(health_servicer, gate)
+    await _set_health(health_servicer, gate)
     if metrics is not None:
         metrics.registry.register(LeadershipCollector(gate))
     coord = Coordinator(server, runtime, health_servicer, port, metrics, tracer, gate)
-    coord.front, coord.partitions, coord.socket_dir = front, partitions, socket_dir
-    coord.fronts = fronts
     coord.stall_task = asyncio.get_running_loop().create_task(
         report_stalls(_log_stall, dump_after_s=settings.hang_dump_s), name="stall-report"
     )
@@ -228,13 +195,56 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
         port=port,
         coordinator_id=runtime.core.coordinator_id,
         core=core_build(),
-        partitions=settings.core.partitions,
-        partition_procs=settings.partition_procs,
-        fronts=settings.fronts,
         etcd=settings.etcd or None,
+        cell=settings.cell or None,
         event_loop=event_loop_name(),
     )
     return coord
+
+
+def _new_server(max_message_bytes: int, authz: Authorizer, gate: Leadership) -> grpc.aio.Server:
+    opts = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *SERVER_PING_OPTIONS,
+    ]
+    return grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
+
+
+def _add_health_and_reflection(server: grpc.aio.Server) -> HealthServicer:
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSFiles) -> int:
+    """Listen on host:port (0: a free port); the port bound."""
+    address = f"{host}:{port}"
+    if tls.enabled:
+        bound = server.add_secure_port(address, tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return bound
+
+
+def _health_status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+
+
+async def _set_health(health_servicer: HealthServicer, gate: Leadership) -> None:
+    """Health per service, as `gate` says: the write services only while
+    this replica leads (or is the single coordinator)."""
+    for name in ("", *SERVICE_NAMES):
+        serving = gate.serving_writes or name not in WRITE_SERVICE_NAMES
+        await health_servicer.set(name, _health_status(serving))
 
 
 def _log_stall(seconds: float) -> None:
@@ -255,6 +265,7 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         etcd=settings.etcd,
         advertise=settings.advertise or f"{settings.host}:{coord.port}",
         lease_s=settings.etcd_lease_s,
+        key=election_key(settings.cell),
         tls_ca=settings.etcd_tls.ca,
         tls_cert=settings.etcd_tls.cert,
         tls_key=settings.etcd_tls.key,
@@ -268,124 +279,17 @@ def _start_election(coord: Coordinator, settings: ServerSettings) -> None:
         if view.role is Role.LEADER:
             # Stamped on every welcome, order and cancel from now on (term fencing).
             coord.runtime.lead(view.term)
-            if coord.front is not None:
-                coord.front.lead(view.term)
-        # The front processes follow the view through the gate (front_link.py).
-        task = loop.create_task(set_health(coord.health, coord.leadership))
+        task = loop.create_task(_set_health(coord.health, coord.leadership))
         coord.pending.add(task)
         task.add_done_callback(coord.pending.discard)
 
     def on_lost(reason: str) -> None:
         coord.runtime.silence()  # no order leaves after this line
-        if coord.front is not None:
-            coord.front.silence()
-        if coord.fronts is not None:
-            coord.fronts.silence()
         coord.lost.set()
 
     coord.leadership.on_change.append(on_change)
     coord.election = EtcdElection(election_settings, coord.leadership, on_lost)
     coord.election_task = loop.create_task(coord.election.run(), name="etcd-election")
-
-
-def check_partition_procs(settings: ServerSettings) -> None:
-    """--partition-procs K: what this experimental mode does not take yet."""
-    k = settings.partition_procs
-    if not k:
-        if settings.fronts != 1:
-            raise ValueError(
-                "--fronts (experimental) needs --partition-procs: the fronts share "
-                "the partition processes' state"
-            )
-        return
-    if not 1 <= k <= MAX_PARTITIONS:
-        raise ValueError(f"--partition-procs must be 1 to {MAX_PARTITIONS}, got {k}")
-    if not 1 <= settings.fronts <= MAX_FRONTS:
-        raise ValueError(f"--fronts must be 1 to {MAX_FRONTS}, got {settings.fronts}")
-    if settings.core.partitions > 1:
-        raise ValueError(
-            "--partitions and --partition-procs are one split of the state machine, "
-            "in this process or in that many processes: give one of them"
-        )
-
-
-async def _start_partitions(
-    settings: ServerSettings, runtime: Runtime
-) -> tuple[PartitionFront | None, list[PartitionProcess], str]:
-    """--partition-procs K: the partition processes, started under this
-    coordinator's id, and their front; (None, [], "") without it."""
-    k = settings.partition_procs
-    if not k:
-        return None, [], ""
-    socket_dir = tempfile.mkdtemp(prefix="pushkv-partitions-")  # mode 0700: this user's
-    parts: list[PartitionProcess] = []
-    try:
-        for i in range(k):
-            parts.append(
-                await PartitionProcess.start(
-                    socket_dir,
-                    i,
-                    k,
-                    term=0,
-                    coordinator_id=runtime.core.coordinator_id,
-                    settings=settings.core,
-                    metrics=settings.metrics_port is not None,
-                    rank_metrics=settings.rank_metrics,
-                    fronts=settings.fronts,
-                    log_level=logs.level_name(),  # as the replica's
-                )
-            )
-    except BaseException:
-        for p in parts:
-            await p.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        raise
-    front = PartitionFront(parts)
-    front.start()
-    return front, parts, socket_dir
-
-
-async def _start_fronts(
-    settings: ServerSettings, gate: Leadership, socket_dir: str, port: int
-) -> FrontProcesses | None:
-    """--fronts F: F - 1 front processes on this replica's bound port."""
-    if settings.fronts <= 1:
-        return None
-    return await FrontProcesses.start(
-        settings.fronts - 1,
-        socket_dir=socket_dir,
-        k=settings.partition_procs,
-        address=f"{settings.host}:{port}",
-        gate=gate,
-        tls=settings.tls,
-        max_message_bytes=settings.max_message_bytes,
-        log_level=logs.level_name(),
-        hang_dump_s=settings.hang_dump_s,
-    )
-
-
-def _gather_with_fronts(
-    front: PartitionFront, fronts: FrontProcesses, metrics: CoordinatorMetrics
-) -> Callable[[list[FamilyCopy]], Awaitable[Snapshot]]:
-    """A scrape with front processes: the partitions' state, merged, with
-    the event loop lag of every front process next to this one's."""
-
-    async def gather(own: list[FamilyCopy]) -> Snapshot:
-        lag = await fronts.loop_lag()
-        return await front.metrics_snapshot(metrics.with_loop_lag(own, lag))
-
-    return gather
-
-
-async def _stop_partitions(
-    front: PartitionFront | None, parts: list[PartitionProcess], socket_dir: str
-) -> None:
-    if front is not None:
-        await front.stop()
-    for p in parts:
-        await p.close()
-    if socket_dir:
-        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def tune_gc() -> None:
@@ -413,26 +317,9 @@ async def serve(settings: ServerSettings) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(coord.lost.wait())]
-        if coord.front is not None:
-            waits.append(asyncio.ensure_future(coord.front.dead.wait()))
-        if coord.fronts is not None:
-            waits.append(asyncio.ensure_future(coord.fronts.dead.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
-        if coord.front is not None and coord.front.dead.is_set() and coord.fronts is not None:
-            # A front process that died ends the partitions' connections too:
-            # its exit, seen a moment later, names the cause.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(coord.fronts.dead.wait(), FRONT_EXIT_S)
-        broken = [  # a front process's end first: its partitions end with it
-            *(coord.fronts.broken if coord.fronts is not None else []),
-            *(coord.front.broken if coord.front is not None else []),
-        ]
-        if broken:
-            log.error("coordinator_stopping", reason=broken[0], exit=EXIT_PARTITION_LOST)
-            await coord.stop(0)
-            return EXIT_PARTITION_LOST
         if coord.lost.is_set():
             refused = coord.election.refused if coord.election is not None else ""
             if refused:

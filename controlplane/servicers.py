@@ -19,7 +19,7 @@ from pushkv.controlplane.errors import (
     PushKVError,
     ResourceExhausted,
 )
-from pushkv.controlplane.leadership import Leadership, NotLeader, Role, StaleTerm, View
+from pushkv.controlplane.leadership import Leadership, NotLeader, Role, StaleTerm
 from pushkv.controlplane.node_stream import NodeChannels, Submit, session_messages
 from pushkv.controlplane.runtime import AgentSession, Runtime
 from pushkv.controlplane.transfer_filter import TransferFilter
@@ -48,19 +48,11 @@ class TransferServicer(pbg.TransferServiceServicer):
     async def BeginTransfer(
         self, request: pb.BeginTransferRequest, context: Ctx
     ) -> pb.TransferStatus:
-        return self.begin(request)
-
-    def begin(self, request: pb.BeginTransferRequest) -> pb.TransferStatus:
-        """BeginTransfer's answer (the RPC's, and a partition's: partition_host.py)."""
         t, effects = self._rt.core.begin(
             request.transfer_id, request.prefill_engine_id, request.decode_engine_id
         )
         self._rt.apply(effects)
         return self._rt.status(t)
-
-    @property
-    def calls(self) -> TransferCalls:
-        return self._calls
 
     async def RegisterDecodeBlocks(
         self, request: pb.RegisterDecodeBlocksRequest, context: Ctx
@@ -102,42 +94,11 @@ def _filter(
     return TransferFilter(frozenset(wanted), engine_id, min_age_ms / 1000, max_age_ms / 1000)
 
 
-def watch_filter(request: pb.WatchTransfersRequest) -> TransferFilter:
-    """WatchTransfers' filter (the RPC's, and a partition's: partition_watch.py)."""
-    return _filter(request.states, request.engine_id)
-
-
-def list_transfers(rt: Runtime, request: pb.ListTransfersRequest) -> pb.ListTransfersResponse:
-    """ListTransfers' answer (the RPC's, and a partition's: partition_host.py)."""
-    flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
-    limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
-    found, total = rt.core.find(flt, limit)
-    return pb.ListTransfersResponse(transfers=[rt.status(t) for t in found], total_matching=total)
-
-
 _ROLES = {
     Role.SINGLE: pb.LEADER_ROLE_SINGLE,
     Role.LEADER: pb.LEADER_ROLE_LEADER,
     Role.STANDBY: pb.LEADER_ROLE_STANDBY,
 }
-
-
-def leadership_reply(v: View, front: int = 0) -> pb.Leadership:
-    """GetLeadership's answer: `v`, as front process `front` serves it."""
-    return pb.Leadership(
-        role=_ROLES[v.role],
-        leader=v.leader,
-        term=v.term,
-        advertise=v.advertise,
-        etcd=v.etcd,
-        front=front,
-    )
-
-
-def leadership_view(m: pb.Leadership) -> View:
-    """`leadership_reply`'s inverse (a front process's view: front_host.py)."""
-    role = next(r for r, wire in _ROLES.items() if wire == m.role)
-    return View(role, m.leader, m.term, m.advertise, m.etcd)
 
 
 class StatusServicer(pbg.StatusServiceServicer):
@@ -146,7 +107,10 @@ class StatusServicer(pbg.StatusServiceServicer):
         self._gate = gate or Leadership()
 
     async def GetLeadership(self, request: pb.GetLeadershipRequest, context: Ctx) -> pb.Leadership:
-        return leadership_reply(self._gate.view)
+        v = self._gate.view
+        return pb.Leadership(
+            role=_ROLES[v.role], leader=v.leader, term=v.term, advertise=v.advertise, etcd=v.etcd
+        )
 
     async def GetTransfer(self, request: pb.GetTransferRequest, context: Ctx) -> pb.TransferStatus:
         return self._rt.status(self._rt.core.get(request.transfer_id))
@@ -154,12 +118,17 @@ class StatusServicer(pbg.StatusServiceServicer):
     async def ListTransfers(
         self, request: pb.ListTransfersRequest, context: Ctx
     ) -> pb.ListTransfersResponse:
-        return list_transfers(self._rt, request)
+        flt = _filter(request.states, request.engine_id, request.min_age_ms, request.max_age_ms)
+        limit = min(request.limit or DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT)
+        found, total = self._rt.core.find(flt, limit)
+        return pb.ListTransfersResponse(
+            transfers=[self._rt.status(t) for t in found], total_matching=total
+        )
 
     async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferEvent]:
-        flt = watch_filter(request)
+        flt = _filter(request.states, request.engine_id)
         w = self._rt.watch(flt)  # before the replay: no change between the two is lost
         try:
             if request.include_existing:
@@ -185,21 +154,6 @@ class StatusServicer(pbg.StatusServiceServicer):
         return pb.ListEnginesResponse(engines=self._rt.engines(request.role))
 
 
-def fence(gate: Leadership) -> None:
-    """Nothing goes to an agent once this replica may no longer order."""
-    if not gate.may_order():
-        v = gate.view
-        raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
-
-
-async def first_message(request_iterator: AsyncIterator[pb.AgentMessage]) -> pb.AgentMessage:
-    """An agent stream's first message (its hello), waited for at most HELLO_TIMEOUT_S."""
-    try:
-        return await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
-    except (StopAsyncIteration, TimeoutError):
-        raise InvalidArgument("the first message must be hello", field="hello") from None
-
-
 class AgentServicer(pbg.AgentServiceServicer):
     def __init__(
         self,
@@ -214,7 +168,10 @@ class AgentServicer(pbg.AgentServiceServicer):
         self._submit = submit  # what a NodeStream's relayed Submits call (TransferServicer.submit)
 
     def _fence(self) -> None:
-        fence(self._gate)
+        """Nothing goes to an agent once this replica may no longer order."""
+        if not self._gate.may_order():
+            v = self._gate.view
+            raise NotLeader(v.leader if v.role is Role.STANDBY else "", v.term)
 
     def open_agent(
         self, first: pb.AgentMessage, principal: Principal, via: str = ""
@@ -247,7 +204,10 @@ class AgentServicer(pbg.AgentServiceServicer):
     async def AgentStream(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: Ctx
     ) -> AsyncIterator[pb.CoordinatorMessage]:
-        first = await first_message(request_iterator)
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
+        except (StopAsyncIteration, TimeoutError):
+            raise InvalidArgument("the first message must be hello", field="hello") from None
         session = self.open_agent(first, self._authz.principal(context))
         broken: list[PushKVError] = []
 

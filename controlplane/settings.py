@@ -6,9 +6,6 @@ from dataclasses import dataclass, fields
 
 # Settings whose 0 means "none" (every other number must be > 0).
 _MAY_BE_ZERO = ("reconnect_grace_s",)
-MAX_PARTITIONS = 64
-# Front processes of a partitioned leader (--fronts): one per core it may use.
-MAX_FRONTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +55,6 @@ class CoreSettings:
     # engine's agents are all back, FAILED (docs/reliability.md, "Scheduler
     # resubmission"). Agents reconnect within a few seconds.
     rebuild_window_s: float = 10.0
-    # The state machine split by transfer id into this many partitions, each
-    # with its limits' share (controlplane/partitions.py). Experimental: in
-    # one process it only costs (each agent event is applied this many
-    # times); it is the seam of the partitioned leader (docs/reliability.md,
-    # "Past one leader core"). 1: one state machine.
-    partitions: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -73,7 +64,5 @@ class CoreSettings:
             zero_ok = f.name in _MAY_BE_ZERO
             if value < 0 or (value == 0 and not zero_ok):
                 raise ValueError(f"{f.name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
-        if self.partitions > MAX_PARTITIONS:
-            raise ValueError(f"partitions must be at most {MAX_PARTITIONS}, got {self.partitions}")
         if self.heartbeat_interval_s >= self.lease_s:
             raise ValueError("heartbeat_interval_s must be shorter than lease_s")

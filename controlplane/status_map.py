@@ -32,36 +32,10 @@ _CODES: dict[type[errors.PushKVError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 
-_STATUS = {c.value[0]: c for c in grpc.StatusCode}
-_ERRORS = {c.value[0]: cls for cls, c in _CODES.items()}
-
-
-class Relayed(errors.PushKVError):
-    """A failure another process of this coordinator answered (a partition,
-    controlplane/front.py) with a code no domain error stands for (INTERNAL,
-    say): told with that code."""
-
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
-        super().__init__(detail)
-        self.code = code
-
-
-def error_for(code: int, detail: str) -> errors.PushKVError:
-    """The domain error a relayed status code stands for (the inverse of
-    `code_for`), so that it is answered as the partition answered it."""
-    cls = _ERRORS.get(code)
-    if cls is not None:
-        return cls(detail)
-    return Relayed(_STATUS.get(code, grpc.StatusCode.UNKNOWN), detail)
-
-
 def code_for(exc: errors.PushKVError) -> grpc.StatusCode:
-    if isinstance(exc, Relayed):
-        return exc.code
     for cls in type(exc).__mro__:
         if cls in _CODES:
             return _CODES[cls]

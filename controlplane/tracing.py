@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -43,12 +42,9 @@ class TransferTracer:
     optional dependency, used through `Any`.
     """
 
-    def __init__(
-        self, runtime: Runtime, tracer_provider: Any, attributes: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, runtime: Runtime, tracer_provider: Any) -> None:
         self._rt = runtime
         self._tracer = tracer_provider.get_tracer("pushkv.coordinator")
-        self._attributes = dict(attributes or {})  # on every span (a partition's index)
         self._spans: dict[str, Any] = {}
         self._cursor = TimelineCursor(self._alive)
         self._status = importlib.import_module("opentelemetry.trace").Status
@@ -66,7 +62,7 @@ class TransferTracer:
             span = self._tracer.start_span(
                 "pushkv.transfer",
                 start_time=_ns(t.created_wall),
-                attributes={"pushkv.transfer_id": t.transfer_id, **self._attributes},
+                attributes={"pushkv.transfer_id": t.transfer_id},
             )
             self._spans[t.transfer_id] = span
         if span is None:
@@ -92,22 +88,16 @@ class TransferTracer:
         self._spans.clear()
 
 
-def tracing_asked() -> bool:
-    """Whether PUSHKV_OTEL asks for a span per transfer."""
-    return os.environ.get(OTEL_ENV, "").lower() in ("1", "true", "yes", "on")
-
-
-def tracer_from_env(runtime: Runtime, partition: int | None = None) -> TransferTracer | None:
+def tracer_from_env(runtime: Runtime) -> TransferTracer | None:
     """A tracer when PUSHKV_OTEL=1 and opentelemetry is importable, else None.
 
     If no SDK tracer provider is configured yet (for example by
     `opentelemetry-instrument`), one is installed that exports with OTLP
     (standard OTEL_EXPORTER_OTLP_* variables) or, with
     PUSHKV_OTEL_EXPORTER=console, prints spans to stdout, one JSON object a
-    line. A partition process (`partition`: its index, on every span as
-    `pushkv.partition`) prints them to stderr: its stdout is its parent's.
+    line.
     """
-    if not tracing_asked():
+    if os.environ.get(OTEL_ENV, "").lower() not in ("1", "true", "yes", "on"):
         return None
     try:
         trace = importlib.import_module("opentelemetry.trace")
@@ -117,17 +107,16 @@ def tracer_from_env(runtime: Runtime, partition: int | None = None) -> TransferT
     provider = trace.get_tracer_provider()
     if type(provider).__name__ in ("ProxyTracerProvider", "NoOpTracerProvider"):
         try:
-            provider = _sdk_provider(console=sys.stderr if partition is not None else sys.stdout)
+            provider = _sdk_provider()
         except ImportError as exc:
             log.warning("otel_sdk_unavailable", error=str(exc))
             return None
         trace.set_tracer_provider(provider)
-    log.info("otel_enabled", provider=type(provider).__name__, partition=partition)
-    attributes = {"pushkv.partition": partition} if partition is not None else None
-    return TransferTracer(runtime, provider, attributes)
+    log.info("otel_enabled", provider=type(provider).__name__)
+    return TransferTracer(runtime, provider)
 
 
-def _sdk_provider(console: TextIO) -> Any:
+def _sdk_provider() -> Any:
     sdk = importlib.import_module("opentelemetry.sdk.trace")
     export = importlib.import_module("opentelemetry.sdk.trace.export")
     resources = importlib.import_module("opentelemetry.sdk.resources")
@@ -136,7 +125,7 @@ def _sdk_provider(console: TextIO) -> Any:
     )
     if os.environ.get(OTEL_EXPORTER_ENV, "otlp") == "console":
         exporter = export.ConsoleSpanExporter(
-            out=console, formatter=lambda span: span.to_json(indent=None) + os.linesep
+            formatter=lambda span: span.to_json(indent=None) + os.linesep
         )
     else:
         otlp = importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pushkv.controlplane.domain import State
@@ -24,3 +25,11 @@ class TransferFilter:
         if age < self.min_age_s:
             return False
         return not (self.max_age_s and age > self.max_age_s)
+
+    def newest(
+        self, transfers: Iterable[Transfer], now_wall: float, limit: int
+    ) -> tuple[list[Transfer], int]:
+        """The matching transfers, newest first, at most `limit`; and how many match."""
+        matching = [t for t in transfers if self.matches(t, now_wall)]
+        matching.sort(key=lambda t: t.created_wall, reverse=True)
+        return matching[:limit], len(matching)

@@ -95,20 +95,6 @@ def _all_done(t: Transfer) -> bool:
     return all(rec.state is RankState.DONE for rec in t.orders.values())
 
 
-def loop_lag_family() -> HistogramFamily:
-    """pushkv_event_loop_lag_seconds, by process: "coordinator" (the
-    coordinator's own process), and with --partition-procs "partition-N"
-    and "front-N" (its front processes): each samples its own loop."""
-    return HistogramFamily(
-        "pushkv_event_loop_lag_seconds",
-        "how late the event loop ran a 5 ms timer (what a message read now waits "
-        "before it is handled; up to 1 ms of it is epoll's millisecond timeout), "
-        "per process of the coordinator",
-        LATENCY_BUCKETS,
-        ("process",),
-    )
-
-
 class TransferMetrics:
     """Every event series of `pushkv_*`: counters and histograms, by transfer change."""
 
@@ -179,7 +165,12 @@ class TransferMetrics:
             "coordinator's own queueing; not the write itself or the network)",
             LATENCY_BUCKETS,
         )
-        self.loop_lag = loop_lag_family()
+        self.loop_lag = HistogramFamily(
+            "pushkv_event_loop_lag_seconds",
+            "how late the event loop ran a 5 ms timer (what a message read now waits "
+            "before it is handled; up to 1 ms of it is epoll's millisecond timeout)",
+            LATENCY_BUCKETS,
+        )
         # Exported in this order (the order they were registered in before).
         self.families: tuple[CounterFamily | HistogramFamily, ...] = (
             self.started,
@@ -207,6 +198,7 @@ class TransferMetrics:
         self._write_completion = self.write_completion.child()
         self._write_time = self.write_time.child()
         self._write_size = self.write_size.child()
+        self.loop_lag_series = self.loop_lag.child()
         self.order_residence_series = self.order_residence.child()
         self._alive = alive
         self._cursor = TimelineCursor(alive)

@@ -28,8 +28,7 @@ if [ $# -eq 0 ]; then
   PUSHKV_EXPECT_CORE=compiled PYTHONPATH="$PWD/build/compiled" python -P -m pytest -q \
     --import-mode=append -p no:cacheprovider \
     tests/test_core_build.py tests/test_rendezvous.py tests/test_adoption.py tests/test_resubmission.py \
-    tests/test_armed_orders.py tests/test_partitions.py tests/test_partition_host.py tests/test_front.py \
-    tests/test_front_watch.py \
+    tests/test_armed_orders.py \
     tests/test_server.py \
     tests/test_batching.py tests/test_fuzz.py tests/test_status_cli.py \
     tests/test_metrics.py tests/test_security.py tests/test_relay.py tests/test_relay_submit.py \

@@ -21,27 +21,24 @@ from pushkv.controlplane.domain import (
     State,
     WriteStatus,
 )
-from pushkv.controlplane.partitions import Core
+from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.server import ServerSettings, start
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.transfer import Transfer
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-from tests.support.core_shapes import each_core_shape, new_core
 from tests.support.sim_agent import SimAgent, rendezvous, wait_terminal
 from tests.test_rendezvous import D, P, notices, orders, reg
 
-__all__ = ["each_core_shape"]  # every test runs on one core and on two partitions
 
-
-def leader(tp: int = 1, **kw: Any) -> tuple[Core, FakeClock]:
+def leader(tp: int = 1, **kw: Any) -> tuple[Rendezvous, FakeClock]:
     """A fresh core: the new leader, before any agent said hello."""
     clock = FakeClock()
-    return new_core(clock, **kw), clock
+    return Rendezvous(CoreSettings(**kw), clock), clock
 
 
 def hello(
-    rv: Core, engine: EngineId, role: Role, rank: int, tp: int, *held: HeldTransfer
+    rv: Rendezvous, engine: EngineId, role: Role, rank: int, tp: int, *held: HeldTransfer
 ) -> list[Effect]:
     return rv.agent_hello(reg(engine, role, rank, tp), held, adopt=True)
 
@@ -182,7 +179,7 @@ def test_ready_for_a_transfer_this_leader_ordered_changes_nothing() -> None:
     assert t.state is State.COMPLETE and "written before" not in t.detail
 
 
-def replayed_before_any_hello(rv: Core, arrival_from: AgentKey) -> Transfer:
+def replayed_before_any_hello(rv: Rendezvous, arrival_from: AgentKey) -> Transfer:
     """TP 2: prefill rank 0 wrote, freed its blocks and re-sends nothing; decode
     rank 0 was told, holds nothing and only replays its arrival, which reaches
     the new leader before any hello names the transfer. Then the ranks that
@@ -299,11 +296,9 @@ def test_a_begin_retried_to_the_new_leader_agrees_with_the_adopted_engines() -> 
 # ---------------------------------------------------------------- over gRPC
 
 
-async def test_over_grpc_an_order_posted_before_the_failover_completes_without_a_new_one(
-    each_core_shape: int,
-) -> None:
+async def test_over_grpc_an_order_posted_before_the_failover_completes_without_a_new_one() -> None:
     """The hello's transfers reach the core through the servicer (convert.held_from_pb)."""
-    c = await start(ServerSettings(port=0, core=CoreSettings(partitions=each_core_shape)))
+    c = await start(ServerSettings(port=0))
     c.runtime.term = 9  # the new leader's
     p = SimAgent(c.address, "p0", "prefill")
     p.hello.hello.term = 8  # it followed the old leader
@@ -333,12 +328,10 @@ async def test_over_grpc_an_order_posted_before_the_failover_completes_without_a
         await c.stop(0)
 
 
-async def test_over_grpc_a_tell_only_hello_is_never_adopted_an_ended_transfer_is_told(
-    each_core_shape: int,
-) -> None:
+async def test_over_grpc_a_tell_only_hello_is_never_adopted_an_ended_transfer_is_told() -> None:
     """An agent that does not rebuild (AgentHello.held_tell_only) re-sends its
     transfers only to be told of those that ended: a newer leader adopts none."""
-    c = await start(ServerSettings(port=0, core=CoreSettings(partitions=each_core_shape)))
+    c = await start(ServerSettings(port=0))
     c.runtime.term = 9
     d = SimAgent(c.address, "d0", "decode")
     d.hello.hello.term = 8  # it followed the old leader: adopted, were it rebuilding

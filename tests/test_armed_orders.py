@@ -17,15 +17,12 @@ from pushkv.controlplane.domain import (
     State,
     WriteStatus,
 )
-from pushkv.controlplane.partitions import Core
+from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.settings import CoreSettings
-from tests.support.core_shapes import each_core_shape
 from tests.test_rendezvous import D, P, core, may_land, notices, orders, reg, state_of
 
-__all__ = ["each_core_shape"]  # every test runs on one core and on two partitions
 
-
-def armed(rv: Core, tid: str = "t", dst: list[list[int]] | None = None) -> SendOrder:
+def armed(rv: Rendezvous, tid: str = "t", dst: list[list[int]] | None = None) -> SendOrder:
     rv.begin(tid, P, D)
     t, effects = rv.register_decode(tid, D, dst or [[5, 9, 2]], 40)
     [o] = orders(effects)
@@ -33,11 +30,11 @@ def armed(rv: Core, tid: str = "t", dst: list[list[int]] | None = None) -> SendO
     return o
 
 
-def report(rv: Core, o: SendOrder, status: WriteStatus) -> list[Effect]:
+def report(rv: Rendezvous, o: SendOrder, status: WriteStatus) -> list[Effect]:
     return list(rv.write_report(o.to, "i1", o.order.order_id, o.order.transfer_id, status))
 
 
-def arrive(rv: Core, o: SendOrder) -> list[Effect]:
+def arrive(rv: Rendezvous, o: SendOrder) -> list[Effect]:
     out: list[Effect] = []
     for tgt in o.order.targets:
         out += rv.arrival_report(

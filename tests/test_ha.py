@@ -673,24 +673,6 @@ def test_kv_host_agents_follow_the_new_leader_after_kill9(cluster: Cluster) -> N
 def test_in_flight_transfers_complete_through_the_new_leader(
     cluster: Cluster, via: str, how: str
 ) -> None:
-    _in_flight_transfers_complete(cluster, via, how)
-
-
-def test_in_flight_transfers_complete_through_a_new_leader_in_partitions(
-    etcd: EtcdServer,  # noqa: F811
-) -> None:
-    """The same with the replicas' state machines in two partitions
-    (`--partitions 2`, controlplane/partitions.py): the transfers of the test
-    land in both (ha-written and ha-ordered in one, the other two in the
-    other), the agents' hellos reach both, and each adopts its own."""
-    with running_replicas(etcd, "--partitions", "2") as cluster:
-        for r in cluster.replicas:
-            [started] = _events(r, "coordinator_started")
-            assert started["partitions"] == "2"
-        _in_flight_transfers_complete(cluster, "direct", "kill9")
-
-
-def _in_flight_transfers_complete(cluster: Cluster, via: str, how: str) -> None:
     """Failover rebuild: agents that rebuild re-send their live transfers, the
     new leader adopts them, and the transfers of every stage complete through
     it with their bytes verified and one WRITE each. With `relay`, both agents

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,28 +177,9 @@ async def complete(
     return status
 
 
-@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
-async def either_coord(request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
-    """One coordinator, and one with two partition processes, whose /metrics
-    merges theirs (controlplane/metrics_merge.py)."""
-    c = await start(ServerSettings(port=0, metrics_port=0, partition_procs=request.param))
-    yield c
-    await c.stop(0)
-
-
-@pytest.fixture
-async def either_cluster(either_coord: Coordinator) -> AsyncIterator[SimCluster]:
-    async with SimCluster(either_coord.address, auto_complete=False) as c:
-        yield c
-
-
 async def test_coordinator_metrics_after_real_transfers(
-    either_coord: Coordinator, either_cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
+    coord: Coordinator, cluster: SimCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same figures from a coordinator with its state in partition
-    processes: each counts its own transfers, the front merges them, and the
-    registry's copies (engines, agents) are not counted once per partition."""
-    coord, cluster = either_coord, either_cluster
     assert coord.metrics_port and coord.metrics is not None
     # The observer's plain counters take no lock: it must only run on the loop's thread.
     threads: set[int] = set()
@@ -213,7 +192,6 @@ async def test_coordinator_metrics_after_real_transfers(
 
     observers = [OnLoop() if o is events else o for o in coord.runtime.observers]
     monkeypatch.setattr(coord.runtime, "observers", observers)
-    in_process = coord.front is None
     async with grpc.aio.insecure_channel(coord.address) as ch:
         stub = pbg.TransferServiceStub(ch)
         await complete(ch, cluster, "m-decode-first", decode_first=True)
@@ -224,8 +202,7 @@ async def test_coordinator_metrics_after_real_transfers(
 
         text, s = await scrape(f"http://127.0.0.1:{coord.metrics_port}/metrics")
 
-    # In process, on this loop's thread; with partitions, in theirs.
-    assert threads == ({threading.get_ident()} if in_process else set())
+    assert threads == {threading.get_ident()}
     assert value(s, "pushkv_transfers_started_total") == 4
     assert value(s, "pushkv_transfers_finished_total", state="complete", reason="none") == 2
     assert value(s, "pushkv_transfers_finished_total", state="cancelled", reason="cancelled") == 1
@@ -479,8 +456,8 @@ async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
     url = f"http://127.0.0.1:{coord.metrics_port}/metrics"
 
     def late() -> float:  # samples above 25 ms
-        return value(s, "pushkv_event_loop_lag_seconds_count", process="coordinator") - value(
-            s, "pushkv_event_loop_lag_seconds_bucket", le="0.025", process="coordinator"
+        return value(s, "pushkv_event_loop_lag_seconds_count") - value(
+            s, "pushkv_event_loop_lag_seconds_bucket", le="0.025"
         )
 
     _, s = await scrape(url)
@@ -495,56 +472,7 @@ async def test_a_stalled_event_loop_shows_as_lag(coord: Coordinator) -> None:
             break
         assert time.monotonic() < deadline, "no lag sample above 25 ms"
         await asyncio.sleep(0.005)  # poll, under the deadline
-    assert value(s, "pushkv_event_loop_lag_seconds_sum", process="coordinator") >= 0.035
-
-
-async def _scrape_until(url: str, check: Callable[[Samples], bool], what: str) -> Samples:
-    """Scrape `url` until `check` holds of what it shows (within WAIT)."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        _, s = await scrape(url)
-        if check(s):
-            return s
-        assert time.monotonic() < deadline, f"not within {WAIT} s: {what}"
-        await asyncio.sleep(0.02)  # poll, under the deadline
-
-
-async def test_every_process_of_a_partitioned_coordinator_shows_its_loop_lag() -> None:
-    """--partition-procs 2 --fronts 2: a lag series for the coordinator's
-    own loop, each partition's and the front process's; a front process
-    stopped for 60 ms (SIGSTOP) shows in its own series, above 25 ms."""
-    c = await start(ServerSettings(port=0, metrics_port=0, partition_procs=2, fronts=2))
-    try:
-        url = f"http://127.0.0.1:{c.metrics_port}/metrics"
-        name = "pushkv_event_loop_lag_seconds"
-        processes = ("coordinator", "front-1", "partition-0", "partition-1")
-
-        def sampled(s: Samples) -> bool:
-            return all(s.get((f"{name}_count", (("process", p),))) for p in processes)
-
-        s = await _scrape_until(url, sampled, "a lag series of every process")
-        assert {labels for n, labels in s if n == f"{name}_count"} == {
-            (("process", p),) for p in processes
-        }
-
-        def late(s: Samples) -> float:  # front-1's samples above 25 ms
-            return value(s, f"{name}_count", process="front-1") - value(
-                s, f"{name}_bucket", le="0.025", process="front-1"
-            )
-
-        before = late(s)
-        assert c.fronts is not None
-        [pid] = c.fronts.pids
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(0.06)  # the fault's length (nothing is waited for)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-
-        s = await _scrape_until(url, lambda s: late(s) > before, "front-1's stall in its lag")
-        assert value(s, f"{name}_sum", process="front-1") >= 0.035
-    finally:
-        await c.stop(0)
+    assert value(s, "pushkv_event_loop_lag_seconds_sum") >= 0.035
 
 
 async def test_without_rank_series_the_engine_aggregates_stay() -> None:

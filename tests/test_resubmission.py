@@ -21,12 +21,9 @@ from pushkv.controlplane.server import ServerSettings, start
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-from tests.support.core_shapes import each_core_shape
 from tests.support.sim_agent import SimAgent
 from tests.test_adoption import hello, leader
 from tests.test_rendezvous import D, P, notices, orders
-
-__all__ = ["each_core_shape"]  # every test runs on one core and on two partitions
 
 WINDOW = 4.0
 
@@ -148,9 +145,8 @@ def test_a_coordinator_that_never_led_a_term_fails_resubmissions_at_once() -> No
 # ---------------------------------------------------------------- over gRPC
 
 
-async def test_over_grpc_submit_carries_the_term_and_the_flag(each_core_shape: int) -> None:
-    settings = CoreSettings(rebuild_window_s=60.0, partitions=each_core_shape)
-    c = await start(ServerSettings(port=0, core=settings))
+async def test_over_grpc_submit_carries_the_term_and_the_flag() -> None:
+    c = await start(ServerSettings(port=0, core=CoreSettings(rebuild_window_s=60.0)))
     c.runtime.lead(9)
     d = SimAgent(c.address, "d0", "decode")
     d.hello.hello.term = 8  # it followed the old leader

@@ -37,19 +37,9 @@ def files(pki: Path, name: str, ca: Path | None = None) -> TLSFiles:
     return TLSFiles(str(ca or pki / "ca.pem"), str(pki / f"{name}.pem"), str(pki / f"{name}.key"))
 
 
-# Each test against the coordinator's own servicers, and against two fronts
-# (the replica's and a front process on its port: --fronts 2) over two
-# partition processes (--partition-procs 2): a front authenticates the caller
-# and has each partition authorize it (controlplane/front_servicers.py).
-@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
-async def coord(pki: Path, request: pytest.FixtureRequest) -> AsyncIterator[Coordinator]:
-    settings = ServerSettings(
-        port=0,
-        host="127.0.0.1",
-        tls=files(pki, "coordinator"),
-        partition_procs=request.param,
-        fronts=2 if request.param else 1,
-    )
+@pytest.fixture
+async def coord(pki: Path) -> AsyncIterator[Coordinator]:
+    settings = ServerSettings(port=0, host="127.0.0.1", tls=files(pki, "coordinator"))
     c = await start(settings)
     yield c
     await c.stop(0)
@@ -129,41 +119,6 @@ async def test_missing_or_foreign_certificate_is_rejected(coord: Coordinator, pk
     # The operator's certificate works for the read-only API.
     ok = pbg.StatusServiceStub(chan(coord, files(pki, "operator-alice")))
     assert await code_of(ok.ListTransfers(req, timeout=5)) == grpc.StatusCode.OK
-
-
-async def test_every_front_process_authenticates_and_has_the_caller_authorized(
-    pki: Path,
-) -> None:
-    """`--fronts 3`: new connections reach all three fronts (each answer
-    names its front); on each, engine D's certificate passes for D (then
-    refused only because no agent of D is registered) and is refused for P,
-    by the partition that holds the transfer."""
-    c = await start(
-        ServerSettings(
-            port=0, host="127.0.0.1", tls=files(pki, "coordinator"), partition_procs=2, fronts=3
-        )
-    )
-    try:
-        creds = files(pki, "engine-D").channel_credentials()
-        fresh = [("grpc.use_local_subchannel_pool", 1)]
-        seen: dict[int, list[grpc.StatusCode]] = {}
-        for n in range(60):  # each front missed: at most 3 * (2/3)^60, about 1e-10
-            async with grpc.aio.secure_channel(f"localhost:{c.port}", creds, fresh) as ch:
-                view = await pbg.StatusServiceStub(ch).GetLeadership(
-                    pb.GetLeadershipRequest(), timeout=5
-                )
-                t = pbg.TransferServiceStub(ch)
-                codes = [
-                    await code_of(t.RegisterDecodeBlocks(register("D", f"own-{n}"), timeout=5)),
-                    await code_of(t.RegisterDecodeBlocks(register("P", f"p-{n}"), timeout=5)),
-                ]
-                seen.setdefault(view.front, []).extend(codes)
-        assert set(seen) == {0, 1, 2}, seen
-        for codes in seen.values():
-            assert set(codes[0::2]) == {grpc.StatusCode.FAILED_PRECONDITION}, seen
-            assert set(codes[1::2]) == {grpc.StatusCode.PERMISSION_DENIED}, seen
-    finally:
-        await c.stop(0)
 
 
 async def test_operator_is_read_only(coord: Coordinator, pki: Path) -> None:
@@ -302,12 +257,9 @@ async def test_a_relay_carries_submits_for_its_nodes_engine_only(
         d_call.cancel()
 
 
-@pytest.fixture(params=[0, 2], ids=["in-process", "partition-procs"])
-def tls_coord_process(pki: Path, request: pytest.FixtureRequest) -> Iterator[CoordinatorProcess]:
+@pytest.fixture
+def tls_coord_process(pki: Path) -> Iterator[CoordinatorProcess]:
     c = CoordinatorProcess(
-        "--partition-procs",
-        str(request.param),
-        *(("--fronts", "2") if request.param else ()),
         "--tls-ca",
         str(pki / "ca.pem"),
         "--tls-cert",

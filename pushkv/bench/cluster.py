@@ -10,10 +10,9 @@ three-member cluster on loopback, every replica given all three), ``--replicas``
 processes of simulated ranks (`pushkv.bench.cluster_agents`: one gRPC channel and
 AgentStream per rank, asyncio, following the leader as ``agent/link.py``
 does; ``--relay``: one node relay's NodeStream per engine, its ranks as
-channels, ``pushkv/relay/upstream.py`` following the leader). The leader (with its
-partition and front processes) is pinned to the first ``--leader-cpus`` CPUs
-(default one; one per leader process with ``--partition-procs``) when the
-host has more; etcd, the standby and the hosts share the others. On a small
+channels, ``pushkv/relay/upstream.py`` following the leader). The leader is
+pinned to the first ``--leader-cpus`` CPUs (default one) when the host has
+more; etcd, the standby and the hosts share the others. On a small
 box the hosts may be what saturates first: the table prints their CPU, and the
 figures are "simulated agents, same host".
 
@@ -65,27 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replicas", type=int, default=2, help="coordinator replicas")
     p.add_argument(
-        "--partition-procs",
-        type=int,
-        default=0,
-        help="the replicas' --partition-procs (experimental): "
-        "the leader's CPU and memory then count its partition processes, pinned with it",
-    )
-    p.add_argument(
-        "--fronts",
-        type=int,
-        default=1,
-        help="with --partition-procs: the replicas' --fronts (experimental), the "
-        "processes serving the leader's port, counted and pinned with it",
-    )
-    p.add_argument(
         "--leader-cpus",
         type=int,
-        default=None,
-        help="CPUs the leader and its partition and front processes are pinned to, the "
-        "first this process may run on; the load gets the others (default: 1; with "
-        "--partition-procs, one per leader process, partitions + fronts, leaving the "
-        "load at least one)",
+        default=1,
+        help="CPUs the leader is pinned to, the first this process may run on; the load "
+        "gets the others (default 1)",
     )
     p.add_argument(
         "--leader-metrics",
@@ -153,16 +136,6 @@ def default_hosts(leader_cpus: int = 1) -> int:
     return max(1, len(load) if load else (os.cpu_count() or 1))
 
 
-def default_leader_cpus(partition_procs: int, fronts: int, cpus: int) -> int:
-    """One CPU for a single-process leader; with partition processes, one for
-    each of the leader's processes (its partitions, and its fronts: the
-    replica's own and the front processes), as far as the host leaves the load
-    at least one."""
-    if not partition_procs:
-        return 1
-    return max(1, min(partition_procs + fronts, cpus - 1))
-
-
 def final_line(res: Result) -> str:
     sat = res.saturation.completed_per_s if res.steps else math.nan
     p99 = percentile(res.half.order_ms, 99) if res.half is not None else math.nan
@@ -184,12 +157,9 @@ def summary(res: Result, hosts: int) -> list[str]:
         f"{i.rss_mib:.0f} MiB",
     ]
     if res.connections:
-        held = ", ".join(
-            f"{n} {c}" for n, c in sorted(res.connections.items()) if not n.startswith("part")
-        )
         out.append(
-            f"  connections to the leader's port, idle: {sum(res.connections.values())} "
-            f"({held}; each rank, relay and engine client on one of its own)"
+            f"  connections to the leader's port, idle: {res.connections} "
+            "(each rank, relay and engine client on one of its own)"
         )
     if res.steps:
         sat = res.saturation
@@ -206,10 +176,6 @@ def summary(res: Result, hosts: int) -> list[str]:
             f"leader CPU {lcpu}, hosts CPU {hcpu * 100:.0f}% "
             f"of one core); {to:.0f} agent messages/s to the leader, {back:.0f}/s from it"
         )
-        procs = res.leader_procs[k] if k < len(res.leader_procs) else {}
-        if len(procs) > 1:  # which of the leader's processes is the bound
-            each = ", ".join(f"{n} {c * 100:.0f}%" for n, c in sorted(procs.items()))
-            out.append(f"  the leader's processes, each of one core: {each}")
         if sat.completed_per_s > 0:
             per_rdv = sat.coord_cpu / sat.completed_per_s * 1e3
             out.append(
@@ -218,10 +184,8 @@ def summary(res: Result, hosts: int) -> list[str]:
             )
         if not res.saturated:
             out.append("  (a lower bound: the ramp ended at --max-steps or --max-rate)")
-        # Not bound: no process of the leader near a whole core, nor its CPUs all busy.
-        busiest = max(procs.values()) if procs else sat.coord_cpu
-        cores = max(1, res.leader_cpus)
-        if res.saturated and busiest < 0.8 and sat.coord_cpu < 0.8 * cores:
+        # Not bound: the leader (one process, one event loop) not near a whole core.
+        if res.saturated and sat.coord_cpu < 0.8:
             out.append(
                 "  the leader was not CPU-bound at saturation: the simulated agents and "
                 "clients on the same host limit this figure"
@@ -287,9 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.submit_direct and not args.relay:
         parser.error("--submit-direct is a choice of --relay's (without it every Submit is direct)")
     cpus = len(os.sched_getaffinity(0))
-    if args.leader_cpus is None:
-        args.leader_cpus = default_leader_cpus(args.partition_procs, args.fronts, cpus)
-    elif not 1 <= args.leader_cpus < cpus:
+    if not 1 <= args.leader_cpus < cpus:
         parser.error(
             f"--leader-cpus {args.leader_cpus}: this process may run on {cpus} CPUs, "
             "and the load needs at least one of them"

@@ -63,8 +63,7 @@ if TYPE_CHECKING:
 # and relays and engines on their own nodes do. gRPC would otherwise share one
 # connection among every channel of this process to the same address: a
 # host's ranks multiplexed on one HTTP/2 connection, which costs the leader
-# less per message than a cluster does, and which a leader's fronts
-# (SO_REUSEPORT: by connection) cannot spread.
+# less per message than a cluster does.
 OWN = (("grpc.use_local_subchannel_pool", 1),)
 # agent/link.py's CoordinatorLink defaults (tests/test_bench_cluster.py checks them).
 BACKOFF_MIN_S = 0.05

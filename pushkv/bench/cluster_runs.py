@@ -26,15 +26,7 @@ import grpc
 
 from pushkv.bench.cluster_agents import HostSpec, Stats, engines, host_main
 from pushkv.bench.coordinator_load import ClientReport
-from pushkv.bench.coordinator_server import (
-    children,
-    cpu_by_process,
-    cpu_seconds,
-    cpu_split,
-    tcp_connections,
-    tree_cpu_seconds,
-    tree_rss_bytes,
-)
+from pushkv.bench.coordinator_server import cpu_seconds, cpu_split, rss_bytes, tcp_connections
 from pushkv.bench.coordinator_step import Step, measure_step
 from pushkv.bench.coordinator_workload import CORE_SETTINGS
 from pushkv.bench.leader_metrics import Buckets, leader_share, scrape
@@ -95,11 +87,9 @@ class Result:
     failover: Failover = field(default_factory=Failover)
     after: Step | None = None  # a step against the new leader
     host_cpu: list[float] = field(default_factory=list)  # per step, all hosts, of one core
-    # Per step: each of the leader's processes (replica, partition-i, front-i), of one core.
-    leader_procs: list[dict[str, float]] = field(default_factory=list)
-    leader_cpus: int = 1  # the CPUs the leader's processes were pinned to (0: not pinned)
-    # Registered and idle: the TCP connections on the leader's port, by its process.
-    connections: dict[str, int] = field(default_factory=dict)
+    leader_cpus: int = 1  # the CPUs the leader was pinned to (0: not pinned)
+    # Registered and idle: the TCP connections on the leader's port.
+    connections: int = 0
     msgs: list[tuple[float, float]] = field(default_factory=list)  # per step: to, from leader
     relay: bool = False  # --relay: each engine's ranks through one NodeStream
     node_streams: int = 0  # NodeStreams the hosts' Upstreams opened, the whole run
@@ -123,16 +113,13 @@ def poll(cond: Callable[[], bool], what: str, deadline_s: float, every_s: float 
 
 
 def pin_all_threads(pid: int, cpus: set[int] | None) -> None:
-    """Pin every thread of process `pid` (gRPC starts its own), and of its
-    children (a coordinator's partition processes), to `cpus`."""
+    """Pin every thread of process `pid` (gRPC starts its own) to `cpus`."""
     if not cpus:
         return
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(tid), cpus)
-    for kid in children(pid):
-        pin_all_threads(kid, cpus)
 
 
 def core_flags() -> list[str]:
@@ -156,7 +143,6 @@ class ClusterBench:
         self.hosts: list[Connection] = []
         self.leader: CoordinatorProcess | None = None
         self.last_host_cpu = 0.0  # the last step's, all hosts, fraction of one core
-        self.last_procs: dict[str, float] = {}  # the last step's, per leader process
         self.last_msgs = (0.0, 0.0)  # the last step's agent messages/s (to, from) the leader
 
     # ------------------------------------------------------------ processes
@@ -172,8 +158,6 @@ class ClusterBench:
             pin_all_threads(m.proc.pid if m.proc else 0, self.load_cpus)
         flags = ["--etcd", url, "--etcd-lease-s", str(a.lease_s)]
         flags += ["--log-level", "WARNING", *core_flags()]
-        if a.partition_procs:
-            flags += ["--partition-procs", str(a.partition_procs), "--fronts", str(a.fronts)]
         for _ in range(a.replicas):
             port = free_port() if a.leader_metrics else 0
             more = ["--metrics-port", str(port)] if port else []
@@ -275,14 +259,14 @@ class ClusterBench:
         """Heartbeat load over --idle-s seconds of a registered, idle cluster."""
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
-        s0, c0, h0, t0 = self.stats(), tree_cpu_seconds(pid), self.host_cpu(), time.monotonic()
+        s0, c0, h0, t0 = self.stats(), cpu_seconds(pid), self.host_cpu(), time.monotonic()
         time.sleep(self.a.idle_s)  # the measured interval itself
-        s1, c1, h1, t1 = self.stats(), tree_cpu_seconds(pid), self.host_cpu(), time.monotonic()
+        s1, c1, h1, t1 = self.stats(), cpu_seconds(pid), self.host_cpu(), time.monotonic()
         dt = t1 - t0
         sent = sum(b[1].sent for b in s1) - sum(b[1].sent for b in s0)
         acks = sum(b[1].acks for b in s1) - sum(b[1].acks for b in s0)
         return Idle(
-            dt, sent / dt, acks / dt, (c1 - c0) / dt, (h1 - h0) / dt, tree_rss_bytes(pid) / 2**20
+            dt, sent / dt, acks / dt, (c1 - c0) / dt, (h1 - h0) / dt, rss_bytes(pid) / 2**20
         )
 
     def live(self) -> int:
@@ -312,12 +296,11 @@ class ClusterBench:
         assert self.leader is not None and self.leader.proc is not None
         pid = self.leader.proc.pid
         m0 = self.leader_metrics()
-        cpu0, h0, st0 = tree_cpu_seconds(pid), self.host_cpu(), self.stats()
-        procs0 = cpu_by_process(pid)
+        cpu0, h0, st0 = cpu_seconds(pid), self.host_cpu(), self.stats()
         share = rate / len(self.hosts)
         cap = a.max_outstanding
         reports: list[ClientReport] = self.ask("run", name, share, duration, cap, a.step_ms / 1000)
-        cpu1, h1, procs1 = tree_cpu_seconds(pid), self.host_cpu(), cpu_by_process(pid)
+        cpu1, h1 = cpu_seconds(pid), self.host_cpu()
         wall1, st1 = time.monotonic(), self.stats()
         m1 = self.leader_metrics()  # as the offer ends: its lag samples are the load's
         want = sum(len(r.sent) for r in reports)
@@ -347,7 +330,6 @@ class ClusterBench:
         self.row(s, label)
         dt = max(wall1 - t_start, 1e-9)
         self.last_host_cpu = (h1 - h0) / dt
-        self.last_procs = {k: (v - procs0.get(k, 0.0)) / dt for k, v in procs1.items()}
         self.last_msgs = (
             (sum(x[1].sent for x in st1) - sum(x[1].sent for x in st0)) / dt,
             (sum(x[1].received for x in st1) - sum(x[1].received for x in st0)) / dt,
@@ -363,13 +345,11 @@ class ClusterBench:
             s = self.step(f"s{i}", rate, a.duration)
             res.steps.append(s)
             res.host_cpu.append(self.last_host_cpu)
-            res.leader_procs.append(self.last_procs)
             res.msgs.append(self.last_msgs)
             if s.saturated and a.recheck:  # on a shared host one hiccup is not saturation
                 s = self.step(f"s{i}x", rate, a.duration, "again")
                 res.steps.append(s)
                 res.host_cpu.append(self.last_host_cpu)
-                res.leader_procs.append(self.last_procs)
                 res.msgs.append(self.last_msgs)
             res.saturated = s.saturated
             if s.saturated or rate >= a.max_rate:
@@ -448,7 +428,7 @@ class ClusterBench:
         if a.max_steps > 0:
             self.ramp(res)
         assert self.leader is not None and self.leader.proc is not None
-        res.loaded_rss_mib = tree_rss_bytes(self.leader.proc.pid) / 2**20
+        res.loaded_rss_mib = rss_bytes(self.leader.proc.pid) / 2**20
         res.failover = self.failover()
         if a.max_steps > 0 and res.failover.followed >= res.agents:
             rate = res.half.offered if res.half is not None else a.start_rate

@@ -109,13 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="cProfile the coordinator into FILE (FILE.batched for the batched run)",
     )
     p.add_argument("--profile-top", type=int, default=25)
-    p.add_argument(
-        "--partition-procs",
-        type=int,
-        default=0,
-        help="run the coordinator with --partition-procs K (experimental; its CPU then "
-        "counts its partition processes too)",
-    )
     p.add_argument("--batched-only", action="store_true", help="same as --modes batched")
     p.add_argument("--unbatched-only", action="store_true", help="same as --modes unbatched")
     return p

@@ -227,7 +227,6 @@ def run(
     with_metrics: bool,
     default_gc: bool = False,
     tp: int = 1,
-    prefix: str = "",
 ) -> list[dict[str, float]]:
     from pushkv.controlplane.server import tune_gc
 
@@ -235,41 +234,8 @@ def run(
         tune_gc()  # as `pushkv coordinator` does
     results = []
     for rep in range(reps):
-        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, prefix)))
+        results.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp)))
     return results
-
-
-def run_seam(
-    k: int, n: int, batch: int, reps: int, with_metrics: bool, tp: int
-) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """Repetitions of one state machine and of `k` partitions in one process
-    (controlplane/partitions.py), alternated: (one's, the partitions')."""
-    from pushkv.controlplane.server import tune_gc
-
-    tune_gc()
-    one, many = [], []
-    for rep in range(reps):
-        one.append(asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, "one-")))
-        seam, kept = {"partitions": k}, list[Any]()
-        many.append(
-            asyncio.run(_one_rep(n, batch, with_metrics, rep, tp, "k-", kept, settings=seam))
-        )
-        if len(getattr(kept[0].core, "parts", ())) != k:
-            raise RuntimeError(f"the runtime did not hold {k} partitions")
-        kept.clear()
-    return one, many
-
-
-def report_seam(k: int, one: list[dict[str, float]], many: list[dict[str, float]]) -> None:
-    for label, results in (("one state machine", one), (f"{k} partitions", many)):
-        print(f"-- {label}")
-        report(results)
-    ratios = [m["total"] / o["total"] for o, m in zip(one, many, strict=True)]
-    print(
-        f"seam_partitions={k} cost_ratio_median={statistics.median(ratios):.3f} "
-        f"({min(ratios):.3f}-{max(ratios):.3f}, each repetition's K-partition total "
-        "over the one-core total run beside it)"
-    )
 
 
 def _fmt(values: Sequence[float]) -> str:
@@ -310,40 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default="", help="write cProfile stats of one repetition here")
     p.add_argument(
-        "--front-hop",
-        action="store_true",
-        help="instead: one report and its order between a front and a partition process "
-        "over a Unix socket, against the same work in one process (pushkv/bench/front_hop.py)",
-    )
-    p.add_argument(
         "--retained",
         type=int,
         default=0,
         help="instead: N rendezvous kept as terminal transfers, as the status API keeps "
         "them: GC-tracked objects each, RSS, and a full GC pass over them "
         "(pushkv/bench/coordinator_retained.py)",
-    )
-    p.add_argument(
-        "--seam",
-        type=int,
-        default=1,
-        help="K > 1: the state machine as K partitions in this one process "
-        "(--partitions K of the coordinator), alternated with one, and the cost ratio",
-    )
-    p.add_argument(
-        "--partitions",
-        type=int,
-        default=1,
-        help="K > 1: wall-clock rate of K processes with --n each, against one process "
-        "in the same repetition (pushkv/bench/coordinator_partitions.py)",
-    )
-    p.add_argument(
-        "--procs",
-        type=int,
-        default=0,
-        help="K >= 1: the state machine in K partition processes fed over Unix sockets "
-        "(controlplane/partition_host.py), with one partition process and one in-process "
-        "Runtime alternated in the same run (pushkv/bench/partition_procs.py)",
     )
     return p
 
@@ -353,23 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tp < 1:
         print("pushkv bench core: --tp must be at least 1", file=sys.stderr)
         return 2
-    if args.partitions < 1 or args.seam < 1:
-        print("pushkv bench core: --partitions and --seam must be at least 1", file=sys.stderr)
-        return 2
     quiet_logs(args.log_level)
-    if args.procs:
-        return run_procs(args)
-    if args.front_hop:
-        from pushkv.bench import front_hop
-
-        print(
-            f"{args.reps} repetitions of {args.n} reports and orders, {args.batch} frames "
-            f"per write, a Unix socket between two processes; {os.cpu_count()} CPUs"
-        )
-        front_hop.report(
-            [front_hop.one_rep(args.n, args.batch) for _ in range(args.reps)], args.batch
-        )
-        return 0
     if args.retained > 0:
         from pushkv.bench import coordinator_retained as retained
 
@@ -379,32 +301,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics={'on' if args.metrics else 'off'}, gc tuned"
         )
         retained.report(retained.run(args.retained, args.tp, args.batch, args.metrics))
-        return 0
-    if args.partitions > 1:
-        from pushkv.bench import coordinator_partitions as parts
-
-        print(core_build())
-        print(
-            f"{args.reps} repetitions: 1 process x {args.n} rendezvous, then "
-            f"{args.partitions} processes x {args.n}, at TP {args.tp}, batches of "
-            f"{args.batch}, metrics={'on' if args.metrics else 'off'}; "
-            f"{os.cpu_count()} CPUs"
-        )
-        parts.report(
-            args.partitions,
-            parts.run(args.partitions, args.n, args.batch, args.reps, args.tp, args.metrics),
-        )
-        return 0
-    if args.seam > 1:
-        print(core_build())
-        print(
-            f"{args.reps} x {args.n} rendezvous at TP {args.tp}, batches of {args.batch}, "
-            f"one state machine and {args.seam} partitions alternated, "
-            f"metrics={'on' if args.metrics else 'off'}"
-        )
-        report_seam(
-            args.seam, *run_seam(args.seam, args.n, args.batch, args.reps, args.metrics, args.tp)
-        )
         return 0
     if args.profile:
         import cProfile
@@ -423,34 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gc {'default' if args.default_gc else 'tuned'}"
     )
     report(run(args.n, args.batch, args.reps, args.metrics, args.default_gc, args.tp))
-    return 0
-
-
-def run_procs(args: argparse.Namespace) -> int:
-    """--procs K: each repetition one in-process Runtime, then one partition
-    process, then K (when K > 1), all at the same TP, n and batch."""
-    from pushkv.bench import partition_procs as procs
-
-    if args.procs < 1:
-        print("pushkv bench core: --procs must be at least 1", file=sys.stderr)
-        return 2
-    print(core_build())
-    ks = sorted({1, args.procs})
-    print(
-        f"{args.reps} repetitions of {args.n} rendezvous at TP {args.tp}, batches of "
-        f"{args.batch}: in process, then {' and '.join(map(str, ks))} partition "
-        f"process(es); {os.cpu_count()} CPUs"
-    )
-    runs: dict[int, list[procs.ProcsRun]] = {k: [] for k in ks}
-    base: list[float] = []
-    for rep in range(args.reps):
-        base.append(procs.baseline_us(args.n, args.tp, args.batch))
-        for k in ks:
-            r = asyncio.run(procs.run_procs(k, args.n, args.tp, args.batch, prefix=f"r{rep}"))
-            if r.states != {"TRANSFER_STATE_COMPLETE": args.n} or r.misrouted or r.repeated:
-                raise RuntimeError(f"K={k}: {dict(r.states)}, {r.misrouted} misrouted")
-            runs[k].append(r)
-    procs.report(runs, base)
     return 0
 
 

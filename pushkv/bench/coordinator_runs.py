@@ -21,9 +21,9 @@ from pushkv.bench.coordinator_load import ClientReport, client_main
 from pushkv.bench.coordinator_server import (
     CoordinatorReady,
     coordinator_main,
+    cpu_seconds,
     cpu_split,
-    tree_cpu_seconds,
-    tree_rss_bytes,
+    rss_bytes,
 )
 from pushkv.bench.coordinator_step import Step, measure_step
 
@@ -75,7 +75,7 @@ class Bench:
         return parent
 
     def start_coordinator(self, profile: str | None) -> tuple[Connection, CoordinatorReady, int]:
-        conn = self._spawn(coordinator_main, self.coord_cpus, profile, self.args.partition_procs)
+        conn = self._spawn(coordinator_main, self.coord_cpus, profile)
         if not conn.poll(30):
             raise RuntimeError("coordinator did not start")
         ready: CoordinatorReady = conn.recv()
@@ -120,11 +120,11 @@ class Bench:
         """One open-loop step at `rate` transfers/s, then its drain."""
         agents.send(("live",))
         live_before = int(agents.recv())  # held ones, or an overloaded step's leftovers
-        cpu0 = tree_cpu_seconds(coord_pid)
+        cpu0 = cpu_seconds(coord_pid)
         for c in clients:
             c.send(("run", name, rate / len(clients), duration, self.args.max_outstanding, step_s))
         reports: list[ClientReport] = [c.recv() for c in clients]  # every RPC has returned
-        cpu1, wall1 = tree_cpu_seconds(coord_pid), time.monotonic()
+        cpu1, wall1 = cpu_seconds(coord_pid), time.monotonic()
         # Drain: wait (bounded) until the agents saw every admitted transfer end.
         want = sum(len(r.sent) for r in reports)
         deadline = time.monotonic() + self.args.drain_s
@@ -212,10 +212,10 @@ class Bench:
         try:
             client.send(("fill", "warm", min(1000, a.inflight), 200))
             client.recv()
-            before = tree_rss_bytes(pid)
+            before = rss_bytes(pid)
             client.send(("fill", "held", a.inflight, 200))
             ok, errors = client.recv()
-            after = tree_rss_bytes(pid)
+            after = rss_bytes(pid)
             if errors or ok != a.inflight:
                 print(f"memory phase: {ok} registered, errors {errors}", file=sys.stderr)
             # Load while those transfers stay held: latency must stay steady and

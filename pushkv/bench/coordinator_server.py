@@ -45,38 +45,16 @@ def cpu_split(leader: int = 1) -> tuple[set[int] | None, set[int] | None]:
     return set(cpus[:leader]), set(cpus[leader:])
 
 
-def process_name(pid: int, root: int) -> str:
-    """A coordinator's process by what it runs: "replica" (the coordinator
-    `root` itself), "partition-<i>" or "front-<i>" (its --partition-procs and
-    --fronts children, by their --index), else "pid-<pid>"."""
-    if pid == root:
-        return "replica"
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return f"pid-{pid}"
-    index = argv[argv.index("--index") + 1] if "--index" in argv[:-1] else "?"
-    for module, name in (("partition_host", "partition"), ("front_host", "front")):
-        if f"controlplane.{module}" in argv:
-            return f"{name}-{index}"
-    return f"pid-{pid}"
-
-
-def tcp_connections(pid: int, port: int) -> dict[str, int]:
-    """Established TCP connections on local `port` held by the coordinator
-    `pid` and its children, by `process_name` (each front process ends the
-    connections the kernel handed it: SO_REUSEPORT)."""
-    procs = {process_name(p, pid): p for p in (pid, *children(pid))}
-    owner: dict[str, str] = {}  # socket inode -> process name
-    for name, p in procs.items():
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{p}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{p}/fd/{fd}")
-                    if link.startswith("socket:["):
-                        owner[link[8:-1]] = name
-    counts = dict.fromkeys(procs, 0)
+def tcp_connections(pid: int, port: int) -> int:
+    """Established TCP connections on local `port` held by the process `pid`."""
+    held: set[str] = set()  # its sockets' inodes
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    held.add(link[8:-1])
+    count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as f:
             next(f)  # the header
@@ -84,21 +62,11 @@ def tcp_connections(pid: int, port: int) -> dict[str, int]:
                 cols = line.split()  # sl local remote st ... uid timeout inode
                 if cols[3] != "01" or int(cols[1].rsplit(":", 1)[1], 16) != port:
                     continue  # 01: ESTABLISHED
-                held_by = owner.get(cols[9])
-                if held_by is not None:
-                    counts[held_by] += 1
-    return counts
+                count += cols[9] in held
+    return count
 
 
-def cpu_by_process(pid: int) -> dict[str, float]:
-    """`cpu_seconds` of the coordinator `pid` and of each live child, by
-    `process_name`."""
-    return {process_name(p, pid): cpu_seconds(p) for p in (pid, *children(pid))}
-
-
-def coordinator_main(
-    conn: Connection, cpus: set[int] | None, profile: str | None, partition_procs: int = 0
-) -> None:
+def coordinator_main(conn: Connection, cpus: set[int] | None, profile: str | None) -> None:
     """Process entry: serve until the controller sends "stop"."""
     pin(cpus)
     from pushkv.controlplane import logs, rendezvous
@@ -110,11 +78,7 @@ def coordinator_main(
     tune_gc()  # as `pushkv coordinator` does
 
     async def run() -> None:
-        coord = await start(
-            ServerSettings(
-                port=0, core=CoreSettings(**CORE_SETTINGS), partition_procs=partition_procs
-            )
-        )
+        coord = await start(ServerSettings(port=0, core=CoreSettings(**CORE_SETTINGS)))
         conn.send(CoordinatorReady(coord.port, core_label(core_build()), rendezvous.__file__ or ""))
         await asyncio.to_thread(conn.recv)  # "stop"
         await coord.stop(0)
@@ -140,25 +104,6 @@ def cpu_seconds(pid: int) -> float:
         return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def children(pid: int) -> list[int]:
-    """The live children of a process (a coordinator's partition processes)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(k) for k in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """`cpu_seconds` of a process and its live children (--partition-procs)."""
-    return cpu_seconds(pid) + sum(cpu_seconds(k) for k in children(pid))
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """`rss_bytes` of a process and its live children (--partition-procs)."""
-    return rss_bytes(pid) + sum(rss_bytes(k) for k in children(pid))
 
 
 def rss_bytes(pid: int) -> int:

@@ -9,9 +9,9 @@ so they are as coarse as the buckets (controlplane/metrics.py,
 
 * ``pushkv_order_residence_seconds``: per order, from the step that issued it
   to its message built for the agent's stream (the leader's own queueing).
-* ``pushkv_event_loop_lag_seconds{process="coordinator"}``: how late the
-  leader's own event loop ran a 5 ms timer, i.e. what a message read from a
-  socket waits before the leader handles it.
+* ``pushkv_event_loop_lag_seconds``: how late the leader's event loop ran a
+  5 ms timer, i.e. what a message read from a socket waits before the leader
+  handles it.
 """
 
 from __future__ import annotations
@@ -42,18 +42,11 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[str, Buckets]:
         rows = [
             (float(s.labels["le"]), s.value)
             for s in fam.samples
-            if s.name.endswith("_bucket") and _own(s.labels)
+            if s.name.endswith("_bucket") and set(s.labels) == {"le"}
         ]
         if rows:
             out[fam.name] = sorted(rows)
     return out
-
-
-def _own(labels: dict[str, str]) -> bool:
-    """An unlabelled series, or the coordinator process's own loop lag (not
-    a partition's or a front process's)."""
-    own = labels.get("process", "coordinator") == "coordinator"
-    return own and set(labels) <= {"le", "process"}
 
 
 def delta(before: Buckets, after: Buckets) -> Buckets:

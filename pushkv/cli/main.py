@@ -28,6 +28,16 @@ def _hang_dump_s(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _cell(text: str) -> str:
+    from pushkv.controlplane.leadership import election_key
+
+    try:
+        election_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _env(name: str, default: Any, choices: Sequence[str] | None = None) -> Any:
     return env_setting(name, default, choices=choices)
 
@@ -119,14 +129,13 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         tls=_tls(args),
         core=_core_settings(args),
         etcd=args.etcd,
+        cell=args.cell,
         advertise=args.advertise,
         etcd_lease_s=args.etcd_lease_s,
         etcd_tls=_etcd_tls(args),
         etcd_user=args.etcd_user,
         etcd_password_file=args.etcd_password_file,
         loop_stall_limit_s=args.loop_stall_limit_s,
-        partition_procs=args.partition_procs,
-        fronts=args.fronts,
         hang_dump_s=args.hang_dump_s,
     )
     return _run(serve(settings), args.event_loop)
@@ -269,23 +278,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     )
     c.add_argument("--log-level", default=_env("log_level", "INFO"))
     c.add_argument(
-        "--partition-procs",
-        type=int,
-        default=_env("partition_procs", 0),
-        help="experimental: the state machine in this many partition processes behind a "
-        "front in this one (docs/reliability.md, 'Past one leader core'); 0 = in this "
-        "process (default). Not with --partitions, the same split in one process",
-    )
-    c.add_argument(
-        "--fronts",
-        type=int,
-        default=_env("fronts", 1),
-        help="experimental, with --partition-procs: this many processes serve the port "
-        "(SO_REUSEPORT), this one and fronts - 1 front processes, each ending the streams "
-        "and RPCs the kernel hands it (docs/reliability.md, 'Past one leader core'); "
-        "default 1",
-    )
-    c.add_argument(
         "--hang-dump-s",
         type=_hang_dump_s,
         default=_env("hang_dump_s", 0.0),
@@ -301,6 +293,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         default=_env("etcd", ""),
         help="etcd client URLs (http://HOST:PORT, comma-separated): run as a replica that "
         "campaigns for leadership there; empty = the single in-memory coordinator",
+    )
+    h.add_argument(
+        "--cell",
+        type=_cell,
+        default=_env("cell", ""),
+        help="with --etcd: the coordinator cell this replica belongs to (a DNS label): its "
+        "replicas campaign on /pushkv/cells/CELL/leader, so several cells share one etcd, "
+        "each with its own leader and engines (docs/operations.md, 'Coordinator cells'); "
+        "default none: /pushkv/coordinator/leader",
     )
     h.add_argument(
         "--advertise",
@@ -340,7 +341,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         "--etcd-user",
         default=_env("etcd_user", ""),
         help="where etcd's authentication is on: the etcd user this replica acts as "
-        "(it needs read and write on the election key, /pushkv/coordinator/leader)",
+        "(it needs read and write on the election key: /pushkv/coordinator/leader, or "
+        "/pushkv/cells/CELL/leader with --cell)",
     )
     h.add_argument(
         "--etcd-password-file",

@@ -1891,7 +1891,7 @@ class EngineStatus(_message.Message):
     @_builtins.property
     def kv(self) -> Global___KVShape:
         """What a router needs to pair this engine with engines of the other role
-        (wire/pairing.py holds the rule the coordinator applies): rank 0's layout
+        (pushkv/rules/pairing.py holds the rule the coordinator applies): rank 0's layout
         without addresses. Unset while no rank is registered.
         """
 
@@ -2073,7 +2073,6 @@ class Leadership(_message.Message):
     TERM_FIELD_NUMBER: _builtins.int
     ADVERTISE_FIELD_NUMBER: _builtins.int
     ETCD_FIELD_NUMBER: _builtins.int
-    FRONT_FIELD_NUMBER: _builtins.int
     role: Global___LeaderRole.ValueType
     leader: _builtins.str
     """the leader's advertised HOST:PORT; empty while unknown"""
@@ -2083,10 +2082,6 @@ class Leadership(_message.Message):
     """this replica's own advertised HOST:PORT"""
     etcd: _builtins.str
     """the etcd endpoint this replica campaigns on (empty: single)"""
-    front: _builtins.int
-    """Which of the replica's front processes answered (`--fronts F`: 0 is the
-    replica's own, 1..F-1 its front processes on the same port); 0 without.
-    """
     def __init__(
         self,
         *,
@@ -2095,11 +2090,10 @@ class Leadership(_message.Message):
         term: _builtins.int = ...,
         advertise: _builtins.str = ...,
         etcd: _builtins.str = ...,
-        front: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "etcd", b"etcd", "front", b"front", "leader", b"leader", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "etcd", b"etcd", "leader", b"leader", "role", b"role", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
