@@ -4,7 +4,7 @@ isort:skip_file
 Between a leading replica's front and its partition processes
 (controlplane/partition_host.py, controlplane/front.py; docs/reliability.md,
 "Past one leader core"). Internal: both ends are the same build, on one
-host, over a Unix socket in length-prefixed frames (wire/frames.py). Not an
+host, over a Unix socket in length-prefixed frames (pushkv/net/frames.py). Not an
 API: no client outside the replica speaks it.
 """
 
