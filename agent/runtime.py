@@ -53,6 +53,13 @@ class AgentConfig:
     kv_heads: int = 0
     head_major: bool = False
     api_url: str = ""
+    # Routers dispatch requests to this engine (the connector sets it): the
+    # coordinator then refuses a hello without api_url. False: an agent no
+    # router uses (a KV host, an in-process engine).
+    routable: bool = False
+    # The engine's on_transfer_failure, published to routers through the
+    # coordinator (ListEngines); unspecified reads as recompute.
+    on_transfer_failure: pb.OnTransferFailure.ValueType = pb.ON_TRANSFER_FAILURE_UNSPECIFIED
     # mTLS to the coordinator; the certificate's CN must be "engine:<engine_id>".
     tls: TLSFiles = field(default_factory=TLSFiles)
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
@@ -176,6 +183,8 @@ class Agent:
             nixl_agent_name=c.agent_name,
             nixl_metadata=metadata,
             api_url=c.api_url,
+            routable=c.routable,
+            on_transfer_failure=c.on_transfer_failure,
             layout=pb.KVLayout(
                 tokens_per_block=c.tokens_per_block,
                 regions=[

@@ -32,6 +32,7 @@ def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:
         raise InvalidArgument("must not be empty", field="nixl_agent_name")
     if len(reg.nixl_agent_name) > s.max_id_len or len(reg.api_url) > 2048:
         raise InvalidArgument("too long", field="nixl_agent_name/api_url")
+    check_api_url(reg)
     if reg.layout.tokens_per_block <= 0:
         raise InvalidArgument("must be > 0", field="layout.tokens_per_block")
     if not reg.layout.regions:
@@ -47,6 +48,22 @@ def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:
             raise InvalidArgument(
                 "base_addr, block_len and num_blocks must be > 0", field=f"layout.regions[{i}]"
             )
+
+
+def check_api_url(reg: AgentRegistration) -> None:
+    """A routable engine (a vLLM server with the connector) names the URL
+    routers send its requests to: without one, ListEngines would list an
+    engine no router can use, and requests would meet a 503 with no hint."""
+    if reg.routable and not reg.api_url:
+        raise InvalidArgument(
+            f"engine {reg.engine_id!r} is routable but gave no api_url: set api_url "
+            "(its OpenAI API base URL, http://HOST:PORT) in kv_connector_extra_config",
+            field="api_url",
+        )
+    if reg.api_url and not reg.api_url.startswith(("http://", "https://")):
+        raise InvalidArgument(
+            f"{reg.api_url[:100]!r} is not an http:// or https:// URL", field="api_url"
+        )
 
 
 def side_blocks(

@@ -8,6 +8,7 @@ from pushkv.controlplane.domain import (
     AgentRegistration,
     Blocks,
     EngineId,
+    FailurePolicy,
     HeldTransfer,
     KVLayout,
     KVRegion,
@@ -27,6 +28,12 @@ from pushkv.v1 import pushkv_pb2 as pb
 
 ROLE_TO_PB = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
+POLICY_TO_PB = {
+    FailurePolicy.UNSTATED: pb.ON_TRANSFER_FAILURE_UNSPECIFIED,
+    FailurePolicy.RECOMPUTE: pb.ON_TRANSFER_FAILURE_RECOMPUTE,
+    FailurePolicy.FAIL: pb.ON_TRANSFER_FAILURE_FAIL,
+}
+POLICY_FROM_PB = {v: k for k, v in POLICY_TO_PB.items()}
 
 STATE_TO_PB = {
     State.AWAITING: pb.TRANSFER_STATE_AWAITING,
@@ -138,6 +145,12 @@ def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
     role = ROLE_FROM_PB.get(ident.role)
     if role is None:
         raise InvalidArgument("must be ROLE_PREFILL or ROLE_DECODE", field="identity.role")
+    policy = POLICY_FROM_PB.get(hello.on_transfer_failure)
+    if policy is None:
+        raise InvalidArgument(
+            f"{hello.on_transfer_failure} is not an OnTransferFailure value",
+            field="on_transfer_failure",
+        )
     return AgentRegistration(
         engine_id=EngineId(ident.engine_id),
         role=role,
@@ -150,6 +163,8 @@ def registration_from_pb(hello: pb.AgentHello) -> AgentRegistration:
         api_url=hello.api_url,
         pp_rank=ident.pp_rank,
         pp_size=max(1, ident.pp_size),
+        routable=hello.routable,
+        on_transfer_failure=policy,
     )
 
 
@@ -300,6 +315,9 @@ def engine_to_pb(
             relay=(relays or {}).get(rec.key.rank, ""),
         )
 
+    # An engine's ranks share one configuration: rank 0's policy is the engine's.
+    first = eng.ranks[min(eng.ranks)].reg if eng.ranks else None
+    policy = first.on_transfer_failure if first is not None else FailurePolicy.UNSTATED
     return pb.EngineStatus(
         engine_id=eng.engine_id,
         role=ROLE_TO_PB[eng.role],
@@ -311,6 +329,7 @@ def engine_to_pb(
         tokens_per_block=eng.tokens_per_block,
         api_url=next((r.reg.api_url for r in eng.ranks.values() if r.reg.api_url), ""),
         kv=shape_to_pb(eng.shape) if eng.ranks else None,
+        on_transfer_failure=POLICY_TO_PB[policy],
     )
 
 

@@ -27,6 +27,17 @@ class Role(enum.Enum):
     __hash__ = object.__hash__
 
 
+class FailurePolicy(enum.Enum):
+    """An engine's on_transfer_failure, carried from its hello to ListEngines
+    (the coordinator only publishes it; routers act on it)."""
+
+    UNSTATED = "unstated"  # read as RECOMPUTE, the connector's default
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+    __hash__ = object.__hash__
+
+
 class State(enum.Enum):
     AWAITING = "awaiting"
     REGISTERED = "registered"
@@ -161,6 +172,9 @@ class AgentRegistration:
     # key's) is pp_rank * tp_size + tp_rank.
     pp_rank: int = 0
     pp_size: int = 1
+    # Routers dispatch to this engine: api_url is required (admission.check_hello).
+    routable: bool = False
+    on_transfer_failure: FailurePolicy = FailurePolicy.UNSTATED
     # Derived once: read several times per report on the hot path.
     key: AgentKey = field(init=False, repr=False, compare=False)
 

@@ -408,6 +408,8 @@ class Runtime:
             block_len=reg.layout.regions[0].block_len,
             regions=len(reg.layout.regions),
             compat=dict(reg.layout.compat),
+            api_url=reg.api_url,
+            on_transfer_failure=reg.on_transfer_failure.value,
         )
         return s
 

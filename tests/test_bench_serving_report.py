@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pushkv.bench.serving.config import BenchConfig
-from pushkv.bench.serving.main import _parse
+from pushkv.bench.serving.main import _parse, plot_path
 from pushkv.bench.serving.processes import worker_schedstat
 from pushkv.bench.serving.report import final_line, report, single_floor
 from pushkv.bench.serving.results import RateResult, SystemRun
@@ -245,3 +245,18 @@ def test_kill_prefill_at_needs_pushkv_and_one_rate() -> None:
         ["--kill-prefill-at", "5", "--rates", "1", "--systems", "pushkv", "--scenarios", "nocache"]
     )
     assert cfg.kill_prefill_at_s == 5.0
+
+
+def test_the_plot_goes_into_the_source_tree_only_when_named(tmp_path: Path) -> None:
+    """`--quick` once rewrote the tracked docs/bench_ttft.png: the plot goes
+    where --plot names, else beside --out's figures, else into a new
+    temporary directory."""
+    root = Path(__file__).resolve().parent.parent
+    assert _parse(["--quick"])[1].plot is None
+    default = plot_path(None, None)
+    assert default.name == "bench_ttft.png" and default.parent.is_dir()
+    assert not default.resolve().is_relative_to(root), default
+    assert plot_path(None, tmp_path) == tmp_path / "bench_ttft.png"
+    named = Path("docs/bench_ttft.png")
+    assert plot_path(named, tmp_path) == named
+    default.parent.rmdir()

@@ -181,7 +181,8 @@ async def engine(
     # The connector's on_transfer_failure sets vLLM's kv_load_failure_policy;
     # these tests name the policy they exercise ("fail" unless told).
     policy = config.pop("kv_load_failure_policy", "fail")
-    extra = {"coordinator": coord.address, "on_transfer_failure": policy}
+    # In process: no HTTP server, so no api_url (routable false).
+    extra = {"coordinator": coord.address, "on_transfer_failure": policy, "routable": False}
     if "progressive_push" in config:
         extra["progressive_push"] = config.pop("progressive_push")
     cfg = make_vllm_config(
@@ -602,7 +603,7 @@ async def test_on_transfer_failure_sets_vllms_load_failure_policy(
         connector_name="PushKVConnector",
         kv_role="kv_consumer",
         engine_id=f"dec-{policy}",
-        kv_connector_extra_config={"coordinator": coord.address}
+        kv_connector_extra_config={"coordinator": coord.address, "routable": False}
         | ({} if policy == "recompute" else {"on_transfer_failure": policy}),
         kv_load_failure_policy="fail" if policy == "recompute" else "recompute",
         block_size=BLOCK,
@@ -618,15 +619,17 @@ async def test_on_transfer_failure_sets_vllms_load_failure_policy(
 def test_an_unknown_on_transfer_failure_is_refused() -> None:
     with pytest.raises(ValueError, match="on_transfer_failure: 'retry' is not one of"):
         ConnectorSettings.from_extra_config(
-            {"coordinator": "127.0.0.1:1", "on_transfer_failure": "retry"}
+            {"coordinator": "127.0.0.1:1", "routable": False, "on_transfer_failure": "retry"}
         )
 
 
 def test_a_log_level_logging_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="log_level 'LOUD' is not one of"):
-        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "log_level": "LOUD"})
+        ConnectorSettings.from_extra_config(
+            {"coordinator": "127.0.0.1:1", "routable": False, "log_level": "LOUD"}
+        )
     quiet = ConnectorSettings.from_extra_config(
-        {"coordinator": "127.0.0.1:1", "log_level": "warning"}
+        {"coordinator": "127.0.0.1:1", "routable": False, "log_level": "warning"}
     )
     assert quiet.log_level == "WARNING"
 
@@ -634,10 +637,16 @@ def test_a_log_level_logging_lacks_is_refused() -> None:
 def test_a_negative_hang_dump_is_refused() -> None:
     for bad in ("-1", "inf", "nan", "1e12"):
         with pytest.raises(ValueError, match=r"hang_dump_s: .* is not within 0 \(off\) and"):
-            ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": bad})
+            ConnectorSettings.from_extra_config(
+                {"coordinator": "127.0.0.1:1", "routable": False, "hang_dump_s": bad}
+            )
     with pytest.raises(ValueError, match="hang_dump_s: bad value 'soon'"):
-        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": "soon"})
-    on = ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "hang_dump_s": "2.5"})
+        ConnectorSettings.from_extra_config(
+            {"coordinator": "127.0.0.1:1", "routable": False, "hang_dump_s": "soon"}
+        )
+    on = ConnectorSettings.from_extra_config(
+        {"coordinator": "127.0.0.1:1", "routable": False, "hang_dump_s": "2.5"}
+    )
     assert on.hang_dump_s == 2.5
 
 
@@ -1083,6 +1092,7 @@ async def test_unreachable_coordinator_fails_the_load_only_after_the_grace(
         engine_id="dec-unreachable",
         kv_connector_extra_config={
             "coordinator": dead,
+            "routable": False,
             "rpc_timeout_s": 0.3,
             "uncertain_grace_s": 1.0,
             "on_transfer_failure": "fail",

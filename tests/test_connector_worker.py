@@ -93,7 +93,7 @@ class Side:
 def start_half(coord: CoordinatorProcess, is_prefill: bool) -> Side:
     engine_id = f"{'P' if is_prefill else 'D'}-{uuid.uuid4().hex[:8]}"
     half = PushWorkerHalf(
-        ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+        ConnectorSettings(coordinator=coord.address, register_timeout_s=30, routable=False),
         engine_id=engine_id,
         is_prefill=is_prefill,
         tp_rank=0,
@@ -297,7 +297,11 @@ def decode_connector(
         connector_name="PushKVConnector",
         kv_role="kv_consumer",
         engine_id=engine_id,
-        kv_connector_extra_config={"coordinator": coord.address, "register_timeout_s": 30},
+        kv_connector_extra_config={
+            "coordinator": coord.address,
+            "register_timeout_s": 30,
+            "routable": False,  # in process: no HTTP server
+        },
         block_size=BLOCK,
     )
     kv_cache_config = make_kv_cache_config(cfg, num_blocks=NB)
@@ -486,7 +490,7 @@ def test_groups_of_a_hybrid_model_land_byte_for_byte(
     for is_prefill in (True, False):
         engine_id = f"{'P' if is_prefill else 'D'}-{uuid.uuid4().hex[:8]}"
         half = PushWorkerHalf(
-            ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+            ConnectorSettings(coordinator=coord.address, register_timeout_s=30, routable=False),
             engine_id=engine_id,
             is_prefill=is_prefill,
             tp_rank=0,
@@ -564,7 +568,7 @@ def test_a_failed_load_names_block_ids_only_with_one_kv_group(kv_groups: int) ->
     ids are unique only per group): the worker then reports the request in
     failed_recving only, and vLLM applies kv_load_failure_policy to it."""
     half = PushWorkerHalf(
-        ConnectorSettings(coordinator="127.0.0.1:9"),
+        ConnectorSettings(coordinator="127.0.0.1:9", routable=False),
         engine_id="D-groups",
         is_prefill=False,
         tp_rank=0,
@@ -627,7 +631,7 @@ def test_mla_layout_refuses_a_shape_it_cannot_describe(shape: tuple[int, ...]) -
 
 def test_mla_worker_registers_the_latent_layout(coord: CoordinatorProcess, nixl_env: None) -> None:
     half = PushWorkerHalf(
-        ConnectorSettings(coordinator=coord.address, register_timeout_s=30),
+        ConnectorSettings(coordinator=coord.address, register_timeout_s=30, routable=False),
         engine_id=f"D-mla-{uuid.uuid4().hex[:8]}",
         is_prefill=False,
         tp_rank=0,

@@ -52,8 +52,10 @@ NOTES: dict[tuple[str, str], str] = {
     ("router", "host"): "address of the OpenAI-compatible HTTP API (also /health and /metrics)",
     ("router", "port"): "port of the HTTP API",
     ("router", "leg_timeout_s"): "time limit of each leg's whole HTTP request to an engine",
-    ("router", "log_level"): "DEBUG, INFO, WARNING or ERROR",
-    ("relay", "log_level"): "DEBUG, INFO, WARNING or ERROR",
+    ("router", "log_level"): "DEBUG, INFO, WARNING or ERROR; structlog to stderr as the "
+    "coordinator's (JSON lines when stderr is not a terminal, the same keys)",
+    ("relay", "log_level"): "DEBUG, INFO, WARNING or ERROR; structlog to stderr as the "
+    "coordinator's (JSON lines when stderr is not a terminal, the same keys)",
 }
 
 

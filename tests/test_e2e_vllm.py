@@ -29,7 +29,7 @@ from pushkv.harness.vllm_server import (
     metric_value,
     pushkv_server,
 )
-from pushkv.router.app import _legs as router_legs
+from pushkv.router.legs import split_legs as router_legs
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support import serving

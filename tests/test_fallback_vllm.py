@@ -1,8 +1,8 @@
 """Failures the client never sees, on real vLLM engines: when the push cannot
 happen (the prefill engine dies, the coordinator dies, clients abort in a
 storm), every request still gets the single-engine answer, through the decode
-engine computing the KV itself, and a fail-fast router answers with a clean
-status naming the stage.
+engine computing the KV itself, and a decode engine set to fail fast gets,
+from the router, a clean status naming the stage.
 
 The reference outputs come from an independent engine with no connector.
 """
@@ -10,6 +10,7 @@ The reference outputs come from an independent engine with no connector.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -115,6 +116,16 @@ def wait_until(what: str, check: Any, timeout: float) -> Any:
             return last
         time.sleep(0.1)  # polling another process's state under a deadline
     raise AssertionError(f"{what} not within {timeout} s (last: {last!r})")
+
+
+def router_health(url: str) -> dict[str, Any]:
+    """The router's /health body, whether it answers 200 or 503."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            out: dict[str, Any] = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        out = json.loads(exc.read())
+    return out
 
 
 def no_blocks_held(*servers: VllmServer) -> bool:
@@ -311,19 +322,33 @@ def test_prefill_engine_killed_during_a_burst(cluster: Cluster) -> None:
     cluster.prefill.stop()
 
 
-def test_fail_fast_router_names_the_stage(cluster: Cluster) -> None:
-    """With --on-transfer-failure fail, a dead prefill engine is a clean 502/503 that
-    says so, not a recompute, and not a bare 500."""
-    fail_fast = RouterProcess(cluster.coord.address, flags=("--on-transfer-failure", "fail"))
-    fail_fast.start(wait_engines=False)
-    try:
-        status, answer = post(fail_fast.url + "/v1/completions", body(FRESH[2]), timeout=10)
-        assert status in (502, 503), answer
-        assert answer["error"]["stage"] in ("prefill_lost", "no_engine"), answer
-        assert "prefill" in answer["error"]["message"]
-    finally:
-        fail_fast.stop()
-    # A replacement prefill engine registers and the default router pushes again.
+def test_a_fail_fast_decode_engine_gets_a_503_naming_the_stage(cluster: Cluster) -> None:
+    """A decode engine set to on_transfer_failure "fail": with the prefill
+    engine dead, the router, which follows that engine's setting (there is no
+    router setting to disagree with it), answers a clean 503 that says so, not
+    a recompute, and not a bare 500."""
+    cluster.decode.stop()
+    cluster.decode = pushkv_server(
+        cluster.model,
+        "decode",
+        "decode-fail",
+        cluster.coord.address,
+        cpu_core=1,
+        extra_config={"uncertain_grace_s": UNCERTAIN_GRACE_S, "on_transfer_failure": "fail"},
+    ).start()
+    cluster.decode.wait_ready()
+
+    def routed_to_the_new_engine() -> bool:
+        return bool(router_health(cluster.router.url).get("decode") == ["decode-fail"])
+
+    wait_until("the router uses decode-fail alone", routed_to_the_new_engine, 60)
+    status, answer = post(cluster.router.url + "/v1/completions", body(FRESH[2]), timeout=10)
+    assert status == 503, answer
+    assert answer["error"]["stage"] == "no_engine", answer
+    message = answer["error"]["message"]
+    assert "no prefill engine available" in message, message
+    assert "(decode engine decode-fail: on_transfer_failure fail)" in message, message
+    # A replacement prefill engine registers and the router pushes again.
     cluster.start_prefill("prefill-1")
     p = FRESH[3]
 

@@ -64,7 +64,11 @@ def cfg(tiny_model_dir: Path) -> VllmConfig:
         kv_role="kv_producer",
         engine_id="P-checks",
         # Never reached by a refused connector; a passing one's client retries in the background.
-        kv_connector_extra_config={"coordinator": "127.0.0.1:9", "register_timeout_s": 1},
+        kv_connector_extra_config={
+            "coordinator": "127.0.0.1:9",
+            "register_timeout_s": 1,
+            "routable": False,
+        },
         block_size=BLOCK,
     )
 

@@ -64,7 +64,7 @@ def test_the_setting_refuses_what_cannot_be_placed() -> None:
     with pytest.raises(ValueError, match="not a CPU list"):
         check_setting("fast")
     # Refused where the engine reads its settings, naming the key.
-    base = {"coordinator": "127.0.0.1:1"}
+    base = {"coordinator": "127.0.0.1:1", "routable": False}
     assert ConnectorSettings.from_extra_config(base).thread_cpus == "auto"
     with pytest.raises(ValueError, match="thread_cpus: CPU"):
         ConnectorSettings.from_extra_config({**base, "thread_cpus": str(beyond)})

@@ -28,7 +28,7 @@ from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.router.app import Router, RouterSettings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-from tests.support.sim_agent import SimAgent
+from tests.support.sim_agent import SimAgent, serving
 
 DEADLINE_S = 10.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -161,9 +161,11 @@ async def cluster(
     coord: CoordinatorProcess,
     prefill: Respond | None = answer_json,
     decode: Respond | None = answer_json,
+    on_transfer_failure: str = "",
     **settings: Any,
 ) -> AsyncIterator[Cluster]:
-    """Stand-in engines registered at the coordinator, then the router in process."""
+    """Stand-in engines registered at the coordinator, each publishing
+    `on_transfer_failure` as a connector does, then the router in process."""
     engines: list[FakeEngine] = []
     agents: list[SimAgent] = []
     channel = grpc.aio.insecure_channel(coord.address)
@@ -178,7 +180,7 @@ async def cluster(
             engines.append(eng)
             fakes[role] = eng
             agent = SimAgent(coord.address, f"{role}-0", role, heartbeat_interval=0.5)
-            agent.hello.hello.api_url = eng.url
+            serving(agent.hello, eng.url, on_transfer_failure)
             await agent.start()
             agents.append(agent)
         router = Router(RouterSettings(coordinator=coord.address, port=0, **settings))
@@ -426,8 +428,9 @@ async def test_a_failed_prefill_leg_falls_back_to_the_decode_engine(
 
 
 async def test_a_failed_prefill_leg_fails_fast_when_configured(coord: CoordinatorProcess) -> None:
-    """on_transfer_failure=fail: a 502 naming the stage at once, without waiting for
-    the decode leg (which is cut off, and its transfer cancelled)."""
+    """The decode engine's on_transfer_failure is fail: a 502 naming the stage at
+    once, without waiting for the decode leg (which is cut off, and its transfer
+    cancelled)."""
     status: list[pbg.StatusServiceAsyncStub] = []
     hold = asyncio.Event()
 

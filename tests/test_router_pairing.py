@@ -28,7 +28,7 @@ from pushkv.router.app import Router, RouterSettings
 from pushkv.router.engines import EngineDirectory
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-from tests.support.sim_agent import SimAgent, blocks, wait_terminal
+from tests.support.sim_agent import SimAgent, blocks, serving, wait_terminal
 from tests.test_router import COMPLETIONS, FakeEngine, completion, sample, wait
 
 HEAD = 4096  # bytes of one KV head in one block (K or V region)
@@ -92,11 +92,16 @@ class Mixed:
 
 @asynccontextmanager
 async def mixed(
-    coord: CoordinatorProcess, specs: list[Spec], hold: int = 0, **settings: Any
+    coord: CoordinatorProcess,
+    specs: list[Spec],
+    hold: int = 0,
+    on_transfer_failure: str = "",
+    **settings: Any,
 ) -> AsyncIterator[Mixed]:
-    """Each spec's ranks registered, its stand-in engine behind its api_url, the
-    router in process. Decode legs are held until `hold` of them have arrived
-    (so that the router's load counts hold every request at once)."""
+    """Each spec's ranks registered, its stand-in engine behind its api_url
+    (every engine publishing `on_transfer_failure`), the router in process.
+    Decode legs are held until `hold` of them have arrived (so that the
+    router's load counts hold every request at once)."""
     channel = grpc.aio.insecure_channel(coord.address)
     transfers = pbg.TransferServiceStub(channel)
     slot: dict[str, int] = {}
@@ -158,7 +163,7 @@ async def mixed(
                     heartbeat_interval=0.5,
                     kv_layout=kv_layout(spec, r),
                 )
-                agent.hello.hello.api_url = eng.url
+                serving(agent.hello, eng.url, on_transfer_failure)
                 agents.append(agent)
         peers = {a.key: a for a in agents if a.role == pb.ROLE_DECODE}
         for a in agents:

@@ -122,7 +122,6 @@ def test_a_bad_number_is_one_line_naming_the_variable() -> None:
         ("PUSHKV_SHUTDOWN_GRACE_S", "soon", "float"),
         ("PUSHKV_RANK_METRICS", "maybe", "bool"),
         ("PUSHKV_EVENT_LOOP", "trio", "one of uvloop, asyncio"),
-        ("PUSHKV_ON_TRANSFER_FAILURE", "retry", "one of recompute, fail"),
     ],
 )
 def test_bad_values_are_usage_errors(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pushkv.agent.placement import check_setting as check_cpus
 from pushkv.agent.starvation import check_dump_after
@@ -29,8 +30,14 @@ class ConnectorSettings:
     # own (the relay's identity then authorizes them). False: they go to
     # `coordinator` directly, with `tls_*`.
     submit_through_relay: bool = True
-    # This engine's OpenAI API base URL, published to routers via ListEngines.
+    # This engine's OpenAI API base URL (http://HOST:PORT, as routers reach
+    # it), published to routers via ListEngines. Required unless routable is
+    # false (docs/configuration.md, "api_url").
     api_url: str = ""
+    # Routers dispatch requests to this engine (a vLLM OpenAI server). False:
+    # an engine no router uses (an offline LLM(), an in-process benchmark's
+    # engine), which needs no api_url.
+    routable: bool = True
     # How long worker start-up waits for the first registration with the coordinator.
     register_timeout_s: float = 60.0
     # Per-call deadline of the scheduler's coordinator RPCs.
@@ -48,7 +55,10 @@ class ConnectorSettings:
     # failed, prefill engine lost, coordinator unreachable, transfer failed or
     # expired): "recompute" computes the missing KV itself (the request
     # finishes correctly, later), "fail" ends the request with an error. Sets
-    # vLLM's kv_transfer_config.kv_load_failure_policy on both engines.
+    # vLLM's kv_transfer_config.kv_load_failure_policy on both engines, and the
+    # router does the same with the requests it sends a decode engine (it
+    # reads the engine's policy from the coordinator; docs/configuration.md,
+    # "One failure policy").
     on_transfer_failure: str = "recompute"
     # Prometheus metrics of the connector: worker rank r serves them on
     # 0.0.0.0:(metrics_port + r). 0 disables.
@@ -121,6 +131,7 @@ class ConnectorSettings:
             except (TypeError, ValueError):
                 raise ValueError(f"kv_connector_extra_config.{name}: bad value {raw!r}") from None
         out = cls(**values)
+        check_api_url(out.api_url, out.routable)
         if out.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(
                 "kv_connector_extra_config.on_transfer_failure: "
@@ -142,6 +153,25 @@ class ConnectorSettings:
         if out.tls.enabled or out.tls_key:
             out.tls.check()
         return out
+
+
+def check_api_url(api_url: str, routable: bool) -> None:
+    """A routable engine names where routers reach it: without api_url the
+    engine would register, and every router would skip it (503 no_engine)."""
+    if not api_url:
+        if routable:
+            raise ValueError(
+                "kv_connector_extra_config.api_url is required: this engine's OpenAI API "
+                "base URL as routers reach it (http://HOST:PORT of its vLLM server); "
+                'an engine no router uses (offline, in-process) sets "routable": false'
+            )
+        return
+    parts = urlsplit(api_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"kv_connector_extra_config.api_url: {api_url!r} is not an http:// or https:// "
+            "URL with a host"
+        )
 
 
 def _flag(raw: Any) -> bool:

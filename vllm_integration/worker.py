@@ -20,6 +20,7 @@ from pushkv.agent.placement import launch_cpus, placed, resolve
 from pushkv.agent.runtime import Agent, AgentConfig, AgentRole
 from pushkv.net.tls import TLSFiles
 from pushkv.rules.pairing import SPAN_UNITS
+from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.vllm_integration import faults, kv_checks
 from pushkv.vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
@@ -278,6 +279,10 @@ class PushWorkerHalf:
             kv_heads=self.kv_heads,
             head_major=head_major,
             api_url=self.settings.api_url,
+            routable=self.settings.routable,
+            on_transfer_failure=pb.ON_TRANSFER_FAILURE_FAIL
+            if self.settings.on_transfer_failure == "fail"
+            else pb.ON_TRANSFER_FAILURE_RECOMPUTE,
             tls=TLSFiles() if relay else self.settings.tls,
             give_up_s=self.settings.uncertain_grace_s,
             rebuild_on_failover=self.settings.rebuild_on_failover,

@@ -38,6 +38,16 @@ def _cell(text: str) -> str:
     return text
 
 
+class _Removed(argparse.Action):
+    """A flag that no longer exists, refused with what replaced it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
+        parser.error(
+            "--on-transfer-failure is gone: the router follows each decode engine's "
+            "on_transfer_failure (its kv_connector_extra_config; docs/configuration.md)"
+        )
+
+
 def _env(name: str, default: Any, choices: Sequence[str] | None = None) -> Any:
     return env_setting(name, default, choices=choices)
 
@@ -141,14 +151,24 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return _run(serve(settings), args.event_loop)
 
 
-def _cmd_router(args: argparse.Namespace) -> int:
-    import logging
+# The router's --on-transfer-failure is gone: the router follows each decode
+# engine's on_transfer_failure (docs/configuration.md, "One failure policy").
+# A deployment still setting it is told so, not silently ignored.
+_ROUTER_POLICY_VAR = "PUSHKV_ON_TRANSFER_FAILURE"
 
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import os
+
+    from pushkv.net import logs
     from pushkv.router.app import RouterSettings, serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
-    )
+    if os.environ.get(_ROUTER_POLICY_VAR):
+        raise ValueError(
+            f"{_ROUTER_POLICY_VAR} is no longer read: the router follows each decode engine's "
+            "on_transfer_failure (kv_connector_extra_config); unset it"
+        )
+    logs.configure(args.log_level)
     settings = RouterSettings(
         coordinator=args.coordinator,
         host=args.host,
@@ -156,20 +176,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
         leg_timeout_s=args.leg_timeout_s,
         pool_idle_s=args.pool_idle_s,
         unlisted_grace_s=args.unlisted_grace_s,
-        on_transfer_failure=args.on_transfer_failure,
     )
     asyncio.run(serve(settings))
     return 0
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    import logging
-
+    from pushkv.net import logs
     from pushkv.relay.server import RelaySettings, serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
-    )
+    logs.configure(args.log_level)
     settings = RelaySettings(
         coordinators=args.coordinator,
         listen=args.listen,
@@ -370,10 +386,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument("--leg-timeout-s", type=float, default=_env("leg_timeout_s", 600.0))
     r.add_argument(
         "--on-transfer-failure",
-        choices=["recompute", "fail"],
-        default=_env("on_transfer_failure", "recompute", ("recompute", "fail")),
-        help="when the push cannot happen: recompute (serve from the decode engine alone) "
-        "or fail (502/503 at once, naming the stage); pair with the engines' setting",
+        action=_Removed,
+        nargs="?",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     r.add_argument(
         "--pool-idle-s",

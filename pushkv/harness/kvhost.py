@@ -181,6 +181,9 @@ def _child(spec: HostSpec, conn: Connection, env: dict[str, str]) -> None:
     cfg = dataclasses.replace(
         cfg,
         api_url=spec.api_url,
+        # A KV host serves no HTTP of its own: routable only when a test puts
+        # an engine's HTTP surface behind the api_url it gives.
+        routable=bool(spec.api_url),
         tls=TLSFiles(spec.tls_ca, spec.tls_cert, spec.tls_key),
         give_up_s=spec.give_up_s,
         rebuild_on_failover=spec.rebuild,

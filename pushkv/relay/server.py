@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -36,7 +36,7 @@ from pushkv.relay.upstream import CODES, Channel, RelayError, Upstream
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-log = logging.getLogger("pushkv.relay")
+log = structlog.get_logger("pushkv.relay")
 
 HELLO_TIMEOUT_S = 10.0  # as the coordinator's AgentStream
 STOP_WAIT_S = 5.0  # for the upstream to end its stream on stop
@@ -101,15 +101,17 @@ class RelayServicer(pbg.AgentServiceServicer):
             ch.close_up()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         ch.send(first)
+        who = _agent_fields(first)
+        log.info("agent_relayed", **who)
         reader = asyncio.get_running_loop().create_task(self._forward(request_iterator, ch))
         try:
             while True:
                 item = await ch.down.get()
                 if item.ended:
                     if item.code:
-                        await context.abort(
-                            CODES.get(item.code, grpc.StatusCode.UNKNOWN), item.detail
-                        )
+                        code = CODES.get(item.code, grpc.StatusCode.UNKNOWN)
+                        log.warning("agent_stream_ended", code=code.name, detail=item.detail, **who)
+                        await context.abort(code, item.detail)
                     return
                 yield item.message
         finally:
@@ -243,10 +245,10 @@ class Relay:
         ]
         self._stalls = asyncio.ensure_future(report_stalls(_log_stall))
         log.info(
-            "relay: listening on %s, coordinators %s, event loop %s",
-            self.address,
-            ",".join(self.upstream.addresses),
-            event_loop_name(),
+            "relay_listening",
+            address=self.address,
+            coordinators=",".join(self.upstream.addresses),
+            event_loop=event_loop_name(),
         )
         return self
 
@@ -267,12 +269,23 @@ class Relay:
         await self._server.stop(1.0)
 
 
+def _agent_fields(hello: pb.AgentMessage) -> dict[str, str | int]:
+    """engine_id and rank of the agent whose first message this is, for its
+    log lines (the coordinator's keys; rank as the coordinator numbers it)."""
+    ident = hello.hello.identity
+    return {
+        "engine_id": ident.engine_id,
+        "rank": ident.pp_rank * max(1, ident.tp_size) + ident.tp_rank,
+    }
+
+
 def _log_stall(seconds: float) -> None:
     log.warning(
-        "relay: this process did not run its event loop for %.1f s (its host paused, its "
-        "cores oversubscribed, or a call blocked the loop): its agents and the leader "
-        "heard nothing through it meanwhile",
-        seconds,
+        "event_loop_stalled",
+        seconds=round(seconds, 1),
+        detail="this process did not run its event loop (its host paused, its cores "
+        "oversubscribed, or a call blocked the loop): its agents and the leader heard "
+        "nothing through it meanwhile",
     )
 
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import structlog
 
 from pushkv.net.batching import Batcher
 from pushkv.net.leader import LeaderFollower, go_to
@@ -47,7 +47,7 @@ from pushkv.net.tls import TLSFiles, aio_channel
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-log = logging.getLogger("pushkv.relay")
+log = structlog.get_logger("pushkv.relay")
 
 # Bounds: messages queued for the coordinator, and for one agent.
 UP_LIMIT = 100_000
@@ -373,7 +373,7 @@ class Upstream:
                 grpc.StatusCode.UNAVAILABLE, "relay: the coordinator is behind"
             ) from None
         if not g.submits:
-            log.info("relay: carrying the node's Submits on the stream to %s", g.address)
+            log.info("submits_carried", coordinator=g.address)
         g.submits += 1
         self.submits += 1
         try:
@@ -408,11 +408,11 @@ class Upstream:
             delay = self._follower.delay(0 if at_once else attempt, *self._backoff)
             attempt += 1
             log.info(
-                "relay: stream to %s ended (%s); next %s in %.2f s",
-                address,
-                _describe(err),
-                self._follower.current,
-                delay,
+                "coordinator_stream_ended",
+                coordinator=address,
+                detail=_describe(err),
+                next_coordinator=self._follower.current,
+                delay_s=round(delay, 2),
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
@@ -442,21 +442,20 @@ class Upstream:
             err, code, detail = exc, exc.code(), exc.details() or detail
         except CoordinatorSilent as exc:
             self.silenced += 1
-            log.warning("relay: %s", exc)
+            log.warning("coordinator_silent", coordinator=address, detail=str(exc))
             err, detail = exc, f"relay: {exc}"
         except LeaderElsewhere as exc:
             self.redirected += 1
             log.warning(
-                "relay: coordinator %s has %s in %.1f s and another replica names %s "
-                "as the leader: going there",
-                address,
-                "said nothing" if gen.answered else "not accepted the stream",
-                gen.silence.silent_for(),
-                exc.leader,
+                "leader_elsewhere",
+                coordinator=address,
+                detail="said nothing" if gen.answered else "not accepted the stream",
+                silent_s=round(gen.silence.silent_for(), 1),
+                leader=exc.leader,
             )
             err, detail = exc, f"relay: the leader is {exc.leader}"
         except Exception as exc:  # a bug here must not end the relay
-            log.exception("relay: stream to %s failed", address)
+            log.exception("coordinator_stream_failed", coordinator=address)
             err = exc
         finally:
             stopper.cancel()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import structlog
 from aiohttp import web
 
 from pushkv.net.codes import RETRYABLE
@@ -26,12 +26,13 @@ from pushkv.net.leader import LeaderFollower
 from pushkv.net.tls import TLSFiles, aio_channel
 from pushkv.router.engines import Engine, EngineDirectory
 from pushkv.router.failures import Failure, Stage, client_error
+from pushkv.router.legs import BadRequest, error_message, prefill_failure, split_legs, why
 from pushkv.router.metrics import RouterMetrics, outcome_of
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
-log = logging.getLogger("pushkv.router")
+log = structlog.get_logger("pushkv.router")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # With several coordinator replicas, one BeginTransfer attempt waits this long
@@ -52,11 +53,6 @@ class RouterSettings:
     unlisted_grace_s: float = 10.0
     leg_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
-    # What the router does when the push cannot happen: "recompute" serves the
-    # request from the decode engine alone (a lost prefill leg, an unreachable
-    # coordinator, no prefill engine); "fail" answers 502/503 at once, naming
-    # the stage. Pair it with the engines' on_transfer_failure.
-    on_transfer_failure: str = "recompute"
     # A pooled engine connection idle this long is closed by the router. It must
     # stay below the engines' own keep-alive (vLLM's uvicorn: 5 s,
     # VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or the router may send a request on a
@@ -65,38 +61,6 @@ class RouterSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     # mTLS to the coordinator; the router's certificate CN is "router".
     tls: TLSFiles = field(default_factory=TLSFiles)
-
-
-class BadRequest(Exception):
-    pass
-
-
-def _legs(
-    body: dict[str, Any], transfer_id: str, chat: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Build the prefill leg (one token, no stream) and the decode leg."""
-    if "kv_transfer_params" in body:
-        raise BadRequest("kv_transfer_params is set by the router, not by clients")
-    if chat:
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise BadRequest("'messages' must be a non-empty list")
-    elif not isinstance(body.get("prompt"), str | list) or not body["prompt"]:
-        raise BadRequest("'prompt' must be a non-empty string or list")
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
-        ):
-            raise BadRequest(f"'{key}' must be a positive integer")
-    prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    prefill["max_tokens"] = 1
-    if chat:
-        prefill["max_completion_tokens"] = 1
-    prefill["stream"] = False
-    prefill["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-    decode = dict(body)
-    decode["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id}
-    return prefill, decode
 
 
 _CONNECTION_LOST = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
@@ -108,11 +72,13 @@ async def _mark_reused(session: Any, ctx: Any, params: Any) -> None:
 
 
 class Router:
+    """What the router does when the push cannot happen is the decode engine's
+    own on_transfer_failure (Engine.recompute, from ListEngines), so router and
+    engine cannot disagree: "recompute" serves the request from the decode
+    engine alone (a lost prefill leg, an unreachable coordinator, no prefill
+    engine); "fail" answers 502/503 at once, naming the stage."""
+
     def __init__(self, settings: RouterSettings) -> None:
-        if settings.on_transfer_failure not in ("recompute", "fail"):
-            raise ValueError(
-                f"on_transfer_failure: {settings.on_transfer_failure!r} is not recompute or fail"
-            )
         self.settings = settings
         # One coordinator address, or several replicas (comma-separated): the
         # router dials the leader (pushkv/net/leader.py, _follow_leader).
@@ -128,10 +94,6 @@ class Router:
         self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
         self.metrics = RouterMetrics()
         self.timings = FrontTimings()  # GET /timings: per transfer id, for benchmarks
-
-    @property
-    def fallback(self) -> bool:
-        return self.settings.on_transfer_failure == "recompute"
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
@@ -229,6 +191,7 @@ class Router:
             "decode": sorted(d.decode),
             "pairs": [[p.engine_id, e.engine_id] for p, e in d.pairs],
             "unpaired": d.unpaired,
+            "unused": d.unused,
             "error": d.error,
         }
         ok = bool(d.pairs)
@@ -237,7 +200,9 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         eng = self.directory.pick(self.directory.decode)
         if eng is None or self._http is None:
-            return Failure(Stage.NO_ENGINE, "no decode engine").response()
+            return Failure(
+                Stage.NO_ENGINE, "no decode engine" + self.directory.unused_hint()
+            ).response()
         try:
             async with self._http.get(eng.url + "/v1/models") as resp:
                 return web.Response(
@@ -286,7 +251,13 @@ class Router:
                 if attempt or not ctx["reused"]:
                     raise
                 self.metrics.leg_retries.labels(leg).inc()
-                log.info("%s leg: %s closed a pooled connection (%s); sent again", leg, url, exc)
+                log.info(
+                    "leg_sent_again",
+                    transfer_id=headers.get("X-Request-Id", ""),
+                    leg=leg,
+                    url=url,
+                    detail=f"the engine closed a pooled connection ({why(exc)})",
+                )
                 continue
             async with resp:
                 yield resp
@@ -300,7 +271,7 @@ class Router:
             try:
                 response = await self._handle(request)
             except Failure as failure:
-                log.warning("%s %s: %s", request.method, request.path, failure)
+                log.warning("request_failed", path=request.path, **failure.log_fields())
                 response = failure.response()
             outcome = outcome_of(response.status)
             return response
@@ -323,7 +294,7 @@ class Router:
             return client_error(400, "body must be a JSON object")
         transfer_id = f"tx-{uuid.uuid4().hex}"
         try:
-            prefill_body, decode_body = _legs(body, transfer_id, chat)
+            prefill_body, decode_body = split_legs(body, transfer_id, chat)
         except BadRequest as exc:
             return client_error(400, str(exc))
         d = self.directory
@@ -341,8 +312,13 @@ class Router:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Failure(Stage.OVERLOADED, str(exc.details())) from None
-                if not self.fallback:
-                    raise Failure(Stage.COORDINATOR_UNAVAILABLE, exc.code().name) from None
+                if not d_eng.recompute:
+                    raise Failure(
+                        Stage.COORDINATOR_UNAVAILABLE,
+                        f"{exc.code().name} (decode engine {d_eng.engine_id}: "
+                        "on_transfer_failure fail)",
+                        transfer_id=transfer_id,
+                    ) from None
                 p_eng.local, p_held = p_eng.local - 1, False
                 return await self._decode_alone(request, body, d_eng, "coordinator_unavailable")
             return await self._disaggregated(
@@ -359,21 +335,24 @@ class Router:
         decode engine as able to serve as no prefill engine does: the same
         fallback, counted under its own reason."""
         d = self.directory
-        why = f" ({d.error})" if d.error else ""
+        hint = (f" ({d.error})" if d.error else "") + d.unused_hint()
         d_eng = d.pick(d.decode)
         if d_eng is None:
             d_eng = d.pick_unlisted()
-            if d_eng is None or not self.fallback:
-                raise Failure(Stage.NO_ENGINE, "no decode engine available" + why)
+            if d_eng is None or not d_eng.recompute:
+                raise Failure(Stage.NO_ENGINE, "no decode engine available" + hint)
             # e.g. a restarted coordinator whose agents are reconnecting
             reason, detail = "decode_unlisted", "no decode engine listed"
         elif not d.prefill:
-            reason, detail = "no_prefill_engine", "no prefill engine available" + why
+            reason, detail = "no_prefill_engine", "no prefill engine available" + hint
         else:
             reason = "no_compatible_prefill"
             detail = f"no prefill engine can push into a decode engine: {d.unpaired}"
-        if not self.fallback:
-            raise Failure(Stage.NO_ENGINE, detail)
+        if not d_eng.recompute:
+            raise Failure(
+                Stage.NO_ENGINE,
+                f"{detail} (decode engine {d_eng.engine_id}: on_transfer_failure fail)",
+            )
         d_eng.local += 1
         try:
             return await self._decode_alone(request, body, d_eng, reason)
@@ -431,7 +410,7 @@ class Router:
     ) -> web.StreamResponse:
         """Fallback: the decode engine serves the request as a single engine would."""
         self.metrics.fallbacks.labels(reason).inc()
-        log.info("serving a request on %s alone: %s", d_eng.engine_id, reason)
+        log.info("served_by_decode_alone", engine_id=d_eng.engine_id, reason=reason)
         response, _ = await self._relay(request, d_eng, body, {}, time.monotonic())
         return response
 
@@ -460,23 +439,24 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                failure = _prefill_failure(exc, p_eng.engine_id, self.settings.leg_timeout_s)
-                log.warning("prefill leg of %s failed: %s", transfer_id, failure)
+                failure = prefill_failure(exc, p_eng.engine_id, self.settings.leg_timeout_s)
+                failure.transfer_id = failure.transfer_id or transfer_id
+                log.warning("prefill_leg_failed", engine_id=p_eng.engine_id, **failure.log_fields())
                 # The decode side learns from the coordinator that no KV is coming:
                 # it recomputes (fallback) or fails the request, and no WRITE can
                 # land in its blocks after that.
                 # Fail fast: cut the decode leg before anything else can await,
                 # so a decode engine that recomputes cannot answer in between.
-                if self.fallback:
+                if d_eng.recompute:
                     self.metrics.fallbacks.labels("prefill_failed").inc()
                 elif decode is not None and not answering.is_set():
-                    prefill_failure.append(failure)
+                    lost_prefill.append(failure)
                     decode.cancel()
-                outcome = "decode recomputes" if self.fallback else "request failed"
+                outcome = "decode recomputes" if d_eng.recompute else "request failed"
                 reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
                 await self._cancel(transfer_id, reason)
 
-        prefill_failure: list[Failure] = []
+        lost_prefill: list[Failure] = []
         answering = asyncio.Event()  # the decode leg's answer has begun
         # Both legs leave now: the decode side registers its blocks while prefill runs.
         p_task = self._spawn(prefill_leg())
@@ -491,14 +471,14 @@ class Router:
                 response, finished = await decode
             except asyncio.CancelledError:
                 me = asyncio.current_task()
-                if prefill_failure and me is not None and not me.cancelling():
-                    raise prefill_failure[0] from None  # fail fast: the prefill leg is lost
+                if lost_prefill and me is not None and not me.cancelling():
+                    raise lost_prefill[0] from None  # fail fast: the prefill leg is lost
                 raise
             return response
         finally:
             if decode is not None and not decode.done():
                 decode.cancel()
-            if not finished and not prefill_failure:
+            if not finished and not lost_prefill:
                 # Client gone or decode failed: stop the prefill leg and release the KV.
                 # (After a lost prefill leg, that leg cancels the transfer itself.)
                 p_task.cancel()
@@ -523,7 +503,8 @@ class Router:
                     text = await resp.text()
                     raise Failure(
                         Stage.DECODE_FAILED,
-                        f"{d_eng.engine_id}: HTTP {resp.status}: {_message(text)}",
+                        f"{d_eng.engine_id}: HTTP {resp.status}: {error_message(text)}",
+                        transfer_id=headers.get("X-Request-Id", ""),
                     )
                 if answering is not None:
                     answering.set()
@@ -552,43 +533,28 @@ class Router:
         except (aiohttp.ClientError, TimeoutError) as exc:
             if response is not None:
                 # The answer has begun: its status is sent, so the stream breaks.
-                log.warning("decode stream from %s broke: %r", d_eng.engine_id, exc)
-                raise ConnectionResetError(
-                    f"decode engine {d_eng.engine_id}: {_why(exc)}"
-                ) from None
+                log.warning(
+                    "decode_stream_broke",
+                    transfer_id=headers.get("X-Request-Id", ""),
+                    engine_id=d_eng.engine_id,
+                    detail=why(exc),
+                )
+                raise ConnectionResetError(f"decode engine {d_eng.engine_id}: {why(exc)}") from None
             if isinstance(exc, TimeoutError):
                 raise Failure(
-                    Stage.TIMEOUT, f"decode leg after {self.settings.leg_timeout_s:g} s"
+                    Stage.TIMEOUT,
+                    f"decode leg after {self.settings.leg_timeout_s:g} s",
+                    transfer_id=headers.get("X-Request-Id", ""),
                 ) from None
-            raise Failure(Stage.DECODE_LOST, f"{d_eng.engine_id}: {_why(exc)}") from None
+            raise Failure(
+                Stage.DECODE_LOST,
+                f"{d_eng.engine_id}: {why(exc)}",
+                transfer_id=headers.get("X-Request-Id", ""),
+            ) from None
 
     def _observe_ttft(self, started: float) -> None:
         self.ttft_s.append(time.monotonic() - started)
         self.metrics.ttft.observe(self.ttft_s[-1])
-
-
-def _prefill_failure(exc: BaseException, engine_id: str, timeout_s: float) -> Failure:
-    if isinstance(exc, Failure):
-        return exc
-    if isinstance(exc, TimeoutError):
-        return Failure(Stage.TIMEOUT, f"prefill leg after {timeout_s:g} s")
-    return Failure(Stage.PREFILL_LOST, f"{engine_id}: {_why(exc)}")
-
-
-def _why(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _message(text: str) -> str:
-    """The `error.message` of an OpenAI-style error body, else the text's start."""
-    try:
-        err = json.loads(text).get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])[:300]
-    except (ValueError, AttributeError):
-        pass
-    return text[:300]
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -597,7 +563,7 @@ async def serve(settings: RouterSettings) -> None:
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    log.info("router listening on %s:%s", settings.host, settings.port)
+    log.info("router_listening", host=settings.host, port=settings.port)
     try:
         await asyncio.Event().wait()
     finally:

@@ -3,8 +3,9 @@
 A client never gets a bare 500: each failure is a 429, 502, 503 or 504 whose
 JSON body names the stage that failed, with ``Retry-After`` where a retry can
 help. Failures that the decode engine can absorb (a lost prefill leg, an
-unreachable coordinator) do not appear here under the default
-``--on-transfer-failure recompute``: the request is served by fallback.
+unreachable coordinator) do not appear here when the decode engine's
+on_transfer_failure is recompute (the default): the request is served by
+fallback.
 """
 
 from __future__ import annotations
@@ -47,10 +48,20 @@ _TYPES[504] = "gateway_timeout"
 class Failure(Exception):
     """A request that cannot be served: raised inside the router, answered once."""
 
-    def __init__(self, stage: Stage, detail: str = "") -> None:
+    def __init__(self, stage: Stage, detail: str = "", *, transfer_id: str = "") -> None:
         super().__init__(stage, detail)
         self.stage = stage
         self.detail = detail
+        self.transfer_id = transfer_id  # the request's, where one was minted
+
+    @property
+    def name(self) -> str:
+        return self.stage.name.lower()
+
+    def log_fields(self) -> dict[str, str]:
+        """Its fields in a log line: stage, detail, and transfer_id where known."""
+        out = {"stage": self.name, "detail": self.detail}
+        return out | ({"transfer_id": self.transfer_id} if self.transfer_id else {})
 
     def __str__(self) -> str:
         return f"{self.stage.label}: {self.detail}" if self.detail else self.stage.label
@@ -62,7 +73,7 @@ class Failure(Exception):
                 "message": str(self),
                 "type": _TYPES[stage.status],
                 "code": stage.status,
-                "stage": stage.name.lower(),
+                "stage": self.name,
             }
         }
         headers = {"Retry-After": str(stage.retry_after_s)} if stage.retry_after_s else None

@@ -103,6 +103,23 @@ def hello(
     )
 
 
+# A connector's on_transfer_failure as its hello publishes it ("": not stated).
+POLICIES = {
+    "": pb.ON_TRANSFER_FAILURE_UNSPECIFIED,
+    "recompute": pb.ON_TRANSFER_FAILURE_RECOMPUTE,
+    "fail": pb.ON_TRANSFER_FAILURE_FAIL,
+}
+
+
+def serving(msg: pb.AgentMessage, api_url: str, policy: str = "") -> pb.AgentMessage:
+    """`msg` (a hello) as a vLLM engine's agent sends it: routable, behind
+    `api_url`, publishing its on_transfer_failure."""
+    msg.hello.api_url = api_url
+    msg.hello.routable = True
+    msg.hello.on_transfer_failure = POLICIES[policy]
+    return msg
+
+
 def blocks(*groups: Sequence[int]) -> list[pb.BlockIds]:
     return [pb.BlockIds(ids=list(g)) for g in groups]
 

@@ -42,6 +42,30 @@ ROLE_PREFILL: Role.ValueType  # 1
 ROLE_DECODE: Role.ValueType  # 2
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
+class _OnTransferFailure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OnTransferFailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_OnTransferFailure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ON_TRANSFER_FAILURE_UNSPECIFIED: _OnTransferFailure.ValueType  # 0
+    """not stated: read as RECOMPUTE (the connector's default)"""
+    ON_TRANSFER_FAILURE_RECOMPUTE: _OnTransferFailure.ValueType  # 1
+    ON_TRANSFER_FAILURE_FAIL: _OnTransferFailure.ValueType  # 2
+
+class OnTransferFailure(_OnTransferFailure, metaclass=_OnTransferFailureEnumTypeWrapper):
+    """What a decode engine does with a request whose KV push cannot complete
+    (the connector's on_transfer_failure): compute the KV itself, or fail the
+    request. The router reads it from ListEngines and does the same for the
+    requests it sends that engine (docs/configuration.md, "One failure policy").
+    """
+
+ON_TRANSFER_FAILURE_UNSPECIFIED: OnTransferFailure.ValueType  # 0
+"""not stated: read as RECOMPUTE (the connector's default)"""
+ON_TRANSFER_FAILURE_RECOMPUTE: OnTransferFailure.ValueType  # 1
+ON_TRANSFER_FAILURE_FAIL: OnTransferFailure.ValueType  # 2
+Global___OnTransferFailure: _TypeAlias = OnTransferFailure  # noqa: Y015
+
 class _TransferState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -421,11 +445,15 @@ class AgentHello(_message.Message):
     TERM_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     HELD_TELL_ONLY_FIELD_NUMBER: _builtins.int
+    ROUTABLE_FIELD_NUMBER: _builtins.int
+    ON_TRANSFER_FAILURE_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     nixl_agent_name: _builtins.str
     nixl_metadata: _builtins.bytes
     api_url: _builtins.str
-    """The engine's OpenAI-compatible API base URL, for routers (optional)."""
+    """The engine's OpenAI-compatible API base URL (http:// or https://), for
+    routers: required when `routable`.
+    """
     accepts_batches: _builtins.bool
     """The agent understands CoordinatorMessage.batch; without it the
     coordinator sends one message per order or notice.
@@ -440,6 +468,14 @@ class AgentHello(_message.Message):
     rebuild (AgentConfig.rebuild_on_failover) and resolves its transfers
     locally on a new coordinator id, as after a restart.
     """
+    routable: _builtins.bool
+    """Routers dispatch requests to this engine (a vLLM server with the
+    connector): a hello without api_url is refused (INVALID_ARGUMENT naming
+    api_url). False: an agent no router uses (a KV host of the demos, tests
+    and benchmarks; an in-process engine), which may leave api_url empty.
+    """
+    on_transfer_failure: Global___OnTransferFailure.ValueType
+    """The engine's failure policy, published to routers (EngineStatus)."""
     @_builtins.property
     def identity(self) -> Global___AgentIdentity: ...
     @_builtins.property
@@ -465,10 +501,12 @@ class AgentHello(_message.Message):
         term: _builtins.int = ...,
         held: _abc.Iterable[Global___HeldTransfer] | None = ...,
         held_tell_only: _builtins.bool = ...,
+        routable: _builtins.bool = ...,
+        on_transfer_failure: Global___OnTransferFailure.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "held", b"held", "held_tell_only", b"held_tell_only", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "protocol_version", b"protocol_version", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_batches", b"accepts_batches", "api_url", b"api_url", "held", b"held", "held_tell_only", b"held_tell_only", "identity", b"identity", "layout", b"layout", "nixl_agent_name", b"nixl_agent_name", "nixl_metadata", b"nixl_metadata", "on_transfer_failure", b"on_transfer_failure", "protocol_version", b"protocol_version", "routable", b"routable", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1873,6 +1911,7 @@ class EngineStatus(_message.Message):
     API_URL_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
     PP_SIZE_FIELD_NUMBER: _builtins.int
+    ON_TRANSFER_FAILURE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     tp_size: _builtins.int
@@ -1886,6 +1925,10 @@ class EngineStatus(_message.Message):
     """from the agents' hello; empty if none was given"""
     pp_size: _builtins.int
     """Pipeline-parallel stages (0 or 1: none); ranks lists pp_size * tp_size."""
+    on_transfer_failure: Global___OnTransferFailure.ValueType
+    """As the agents' hello gave it: the router applies a decode engine's policy
+    to the requests it sends there.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankLease]: ...
     @_builtins.property
@@ -1908,10 +1951,11 @@ class EngineStatus(_message.Message):
         api_url: _builtins.str = ...,
         kv: Global___KVShape | None = ...,
         pp_size: _builtins.int = ...,
+        on_transfer_failure: Global___OnTransferFailure.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "kv", b"kv", "pp_size", b"pp_size", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_url", b"api_url", "engine_id", b"engine_id", "inflight_transfers", b"inflight_transfers", "kv", b"kv", "on_transfer_failure", b"on_transfer_failure", "pp_size", b"pp_size", "ranks", b"ranks", "ready", b"ready", "role", b"role", "tokens_per_block", b"tokens_per_block", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,7 +81,8 @@ def prompt(cfg: HookConfig, i: int) -> list[int]:
 
 def vllm_config(cfg: HookConfig, role: str, engine_id: str) -> Any:
     """The engine's ``VllmConfig``, with the connector under test in ``role``."""
-    extra: dict[str, Any] = {"coordinator": cfg.coordinator}
+    # In-process engines: no HTTP server, no router, so no api_url.
+    extra: dict[str, Any] = {"coordinator": cfg.coordinator, "routable": False}
     if cfg.idle_wait_ms is not None:
         extra["idle_wait_ms"] = cfg.idle_wait_ms
     name, module = CONNECTORS[cfg.connector]

@@ -7,6 +7,7 @@ import json
 import math
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -59,7 +60,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     )
     ap.add_argument("--quick", action="store_true", help="a <10 min run: nocache scenario only")
     ap.add_argument("--out", type=Path, help="write all raw figures to DIR/bench_serving.json")
-    ap.add_argument("--plot", type=Path, default=Path("docs/bench_ttft.png"))
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        help="write the TTFT plot here (default: DIR/bench_ttft.png with --out, else in a "
+        "new temporary directory; the run prints where). Nothing is written into the "
+        "source tree unless named: --plot docs/bench_ttft.png refreshes the tracked figure",
+    )
     ap.add_argument("--rates", type=str, help="comma-separated request rates (req/s)")
     ap.add_argument(
         "--systems", type=str, help=f"comma-separated, from {SYSTEMS + CONTROLS}; default {SYSTEMS}"
@@ -309,8 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     primary = all_runs.get("nocache") or next(iter(all_runs.values()))
     last, best = final_line(cfg, primary)
     try:
-        plot(cfg, all_runs, a.plot)
-        say(f"plot: {a.plot}")
+        where = plot_path(a.plot, a.out)
+        plot(cfg, all_runs, where)
+        say(f"plot: {where}")
     except Exception as exc:  # a missing matplotlib must not lose the figures
         say(f"plot not written: {type(exc).__name__}: {exc}")
     if a.out:
@@ -333,6 +341,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"wall time {time.monotonic() - t0:.0f} s; ratios taken at {best} req/s ({primary_name})")
     say(last)
     return 0
+
+
+def plot_path(plot: Path | None, out: Path | None) -> Path:
+    """Where the TTFT plot goes: `--plot`, else `--out`'s folder, else a new
+    temporary directory; never into the source tree unless named."""
+    if plot is not None:
+        return plot
+    if out is not None:
+        return out / "bench_ttft.png"
+    return Path(tempfile.mkdtemp(prefix="pushkv-bench-serving-")) / "bench_ttft.png"
 
 
 def _main_linked(cfg: BenchConfig, a: argparse.Namespace, t0: float) -> int:

@@ -186,4 +186,4 @@ def sitecustomize(
         f"unpin={unpin!r}, noprog={noprog!r}, spin_ms={spin_ms!r}, "
         f"ucx_params={dict(ucx_params) if ucx_params else None!r}"
     )
-    return f"from bench.serving.vllm_patches import apply\n\napply({args})\n"
+    return f"from pushkv.bench.serving.vllm_patches import apply\n\napply({args})\n"
