@@ -32,5 +32,5 @@ if [ $# -eq 0 ]; then
     tests/test_server.py \
     tests/test_batching.py tests/test_fuzz.py tests/test_status_cli.py \
     tests/test_metrics.py tests/test_security.py tests/test_relay.py tests/test_relay_submit.py \
-    tests/test_order_size.py
+    tests/test_order_size.py tests/test_plugin.py
 fi
