@@ -111,9 +111,11 @@ class Agent:
         self._event_ready = threading.Event()
         self._link: CoordinatorLink | None = None
         if channel_factory is None and config.tls.enabled:
-            config.tls.check()
+            config.tls.material()  # unreadable or mismatched files fail here, named
             tls = config.tls
 
+            # Each stream gets a new channel, made from the TLS files as they
+            # are then (renewed certificates: pushkv/net/tls.py).
             def channel_factory(address: str) -> grpc.Channel:
                 return tls_channel(address, tls)
 

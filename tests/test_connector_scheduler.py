@@ -623,6 +623,11 @@ def test_an_unknown_on_transfer_failure_is_refused() -> None:
         )
 
 
+def test_the_removed_metrics_port_is_refused_naming_where_the_metrics_went() -> None:
+    with pytest.raises(ValueError, match="metrics_port is gone: the connector's counters"):
+        ConnectorSettings.from_extra_config({"coordinator": "127.0.0.1:1", "metrics_port": 9470})
+
+
 def test_a_log_level_logging_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="log_level 'LOUD' is not one of"):
         ConnectorSettings.from_extra_config(

@@ -226,16 +226,11 @@ def test_push_lands_byte_for_byte_and_frees_after_finished(
     # completes the transfer, so the coordinator may lag the host by a message.
     t = wait_state(stubs.status, tid, pb.TRANSFER_STATE_COMPLETE)
     assert t.state == pb.TRANSFER_STATE_COMPLETE and not t.write_may_land
-    # The connector's metrics saw the real events.
-    d_lbl = {"engine": d.engine_id, "rank": "0"}
-    p_lbl = {"engine": p.engine_id, "rank": "0"}
-    d_reg, p_reg = d.half.metrics.registry, p.half.metrics.registry
-    assert d_reg.get_sample_value("pushkv_connector_transfers_ready_total", d_lbl) == 1
-    assert (
-        d_reg.get_sample_value("pushkv_connector_agent_events_total", {**d_lbl, "kind": "kv_ready"})
-        == 1
-    )
-    assert p_reg.get_sample_value("pushkv_connector_requests_freed_total", p_lbl) == 1
+    # The connector counted the real events (what vLLM's /metrics adds up:
+    # tests/test_connector_stats.py).
+    assert d.half.counts.ready == 1
+    assert d.half.counts.events[EventKind.KV_READY] == 1
+    assert p.half.counts.freed == 1
 
 
 def test_prefill_frees_only_after_its_id_was_finished(
@@ -358,18 +353,10 @@ def test_cancelled_transfer_fails_the_load_with_its_blocks(
     assert r == StepResult({"dfail"}, {"dfail"}, set(blocks))
     half = conn._worker
     assert half is not None
-    lbl = {"engine": engine_id, "rank": "0"}
-    assert (
-        half.metrics.registry.get_sample_value("pushkv_connector_transfers_failed_total", lbl) == 1
-    )
-    assert half.metrics.registry.get_sample_value(
-        "pushkv_connector_load_error_blocks_total", lbl
-    ) == len(blocks)
+    assert half.counts.failed == 1
+    assert half.counts.load_error_blocks == len(blocks)
     # on_transfer_failure=recompute (the default): vLLM recomputes it, counted as such.
-    fallbacks = half.metrics.registry.get_sample_value(
-        "pushkv_connector_fallbacks_total", {**lbl, "reason": "transfer_failed"}
-    )
-    assert fallbacks == 1
+    assert half.counts.fallbacks["transfer_failed"] == 1
     for _ in range(3):  # reported once
         assert worker_step(conn, PushKVMetadata(idle=True)) == StepResult(set(), set(), set())
 
@@ -379,16 +366,22 @@ def test_refused_registration_fails_the_load_in_the_same_step(
 ) -> None:
     conn, engine_id = decode_connector
     assert conn._worker is not None
-    sample = conn._worker.metrics.registry.get_sample_value
-    lbl = {"engine": engine_id, "rank": "0", "reason": "registration_failed"}
-    before = sample("pushkv_connector_fallbacks_total", lbl)
+    fallbacks = conn._worker.counts.fallbacks
+    before = fallbacks["registration_failed"]
     tid = new_tid()
     spec = RecvSpec("dref", tid, (8, 9))
     assert worker_step(conn, PushKVMetadata(recv=[spec])) == StepResult(set(), set(), set())
     r = worker_step(conn, PushKVMetadata(fail=[spec]))
     assert r == StepResult({"dref"}, {"dref"}, {8, 9})
     assert worker_step(conn, PushKVMetadata()) == StepResult(set(), set(), set())
-    assert sample("pushkv_connector_fallbacks_total", lbl) == (before or 0) + 1
+    assert fallbacks["registration_failed"] == before + 1
+    # What vLLM takes after a step: what the rank counted since it last
+    # answered (here: since the connector was built, every count so far).
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data["engine_id"] == engine_id
+    assert stats.data["ranks"]["0"]["fallback:registration_failed"] == before + 1
+    again = conn.get_kv_connector_stats()  # nothing counted since (but schedstat, maybe)
+    assert again is None or set(again.data["ranks"]["0"]) <= {"run_ns", "wait_ns"}
 
 
 # ---------------------------------------------------------------- regions_of

@@ -156,6 +156,15 @@ def test_probes_ask_what_each_side_serves() -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_metrics_are_on_vllms_own_port(role: str) -> None:
+    """Every rank's connector counters are on vLLM's /metrics (its API port):
+    no port of their own, and vLLM's stats, which carry them, left on."""
+    c = _container("Deployment", f"pushkv-{role}")
+    assert [p["containerPort"] for p in c["ports"]] == [8000]
+    assert "--disable-log-stats" not in c["command"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_engine_connector_config_parses(role: str, tmp_path: Path) -> None:
     c = _container("Deployment", f"pushkv-{role}")
     cmd = c["command"]

@@ -126,6 +126,15 @@ def external_tokens(c: Cluster) -> float:
     return metric_value(c.decode.metrics(), EXTERNAL, 'source="external_kv_transfer"')
 
 
+def connector_counts(c: Cluster) -> tuple[float, float]:
+    """Transfers whose KV arrived at decode-0's rank 0, and requests whose
+    blocks prefill-0's rank 0 handed back, as the engines' /metrics say."""
+    return (
+        serving.connector_count(c.decode, "pushkv_connector_transfers_ready_total", "decode-0", 0),
+        serving.connector_count(c.prefill, "pushkv_connector_requests_freed_total", "prefill-0", 0),
+    )
+
+
 def transfer_list(c: Cluster) -> list[pb.TransferStatus]:
     status = pbg.StatusServiceStub(grpc.insecure_channel(c.coord.address))
     return list(status.ListTransfers(pb.ListTransfersRequest(limit=1000), timeout=10).transfers)
@@ -165,6 +174,7 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
     ps = prompts()
     assert all(n_blocks(p) < CORRUPT_BLOCKS for p in ps)  # none meets the armed fault
     before = external_tokens(cluster)
+    ready_before, freed_before = connector_counts(cluster)
     earlier = {t.transfer_id for t in transfer_list(cluster)}
 
     disagg = on_router(cluster, ps, 12)
@@ -172,6 +182,12 @@ def test_disaggregated_greedy_equals_single_engine(cluster: Cluster) -> None:
 
     after = external_tokens(cluster)
     assert after - before == sum(len(p) for p in ps), "decode recomputed instead of loading"
+    # The connector's worker-rank counters, on each engine's own /metrics
+    # (vLLM's connector stats): every transfer arrived at decode and every
+    # prefill request's blocks were handed back. vLLM carries a step's stats
+    # to its API server after the step, so they may trail the answers.
+    want = (ready_before + len(ps), freed_before + len(ps))
+    wait_until(lambda: connector_counts(cluster) == want, f"connector counters {want}", 60)
 
     # Decode answers on its own agent's count of arrivals: the coordinator may
     # count the last reports after the answers.

@@ -156,7 +156,7 @@ def listed(
 
 
 def test_the_router_says_once_why_it_does_not_use_an_engine() -> None:
-    d = EngineDirectory(stub=None, refresh_s=1.0)  # type: ignore[arg-type]
+    d = EngineDirectory(stub=None)  # type: ignore[arg-type]
     engines = [
         listed("p-0", pb.ROLE_PREFILL, api_url="http://p"),
         listed("d-host", pb.ROLE_DECODE),  # registered without api_url
@@ -228,7 +228,7 @@ async def test_list_engines_publishes_the_engines_policy_and_the_router_follows_
             resp = await stub.ListEngines(pb.ListEnginesRequest(), timeout=WAIT_S)
             (mine,) = [e for e in resp.engines if e.engine_id == engine_id]
             assert mine.on_transfer_failure == POLICIES[policy]
-            d = EngineDirectory(stub, refresh_s=1.0)
+            d = EngineDirectory(stub)
             await d.refresh()
         # Unstated reads as recompute, the connector's default.
         assert d.decode[engine_id].recompute is (policy != "fail")

@@ -242,8 +242,7 @@ def test_router_and_scheduler_client_follow_the_leader(cluster: Cluster) -> None
             await router._follow_leader()  # GetLeadership: the standby names the leader
             return after_begin, router._follower.current
         finally:
-            for ch in router._channels.values():
-                await ch.close(None)
+            await router.close_channels()
 
     assert asyncio.run(router_follows()) == (lead.address, lead.address)
     with grpc.insecure_channel(lead.address) as ch:
@@ -295,8 +294,7 @@ def test_router_and_scheduler_client_leave_a_frozen_leader(cluster: Cluster) -> 
                 await router._begin("ha-frozen-1", Engine("P", "http://p"), Engine("D", "http://d"))
                 return router._follower.current
             finally:
-                for ch in router._channels.values():
-                    await ch.close(None)
+                await router.close_channels()
 
         assert asyncio.run(router_begins()) == standby.address
         with grpc.insecure_channel(standby.address) as ch:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the coordinator, the router and the connector, scraped over HTTP.
+"""Prometheus metrics of the coordinator and the router, scraped over HTTP.
 
 Transfers run through a real coordinator with simulated agents
 (tests/support/sim_agent.py); every wait is on a stream, an ack or a deadline.
@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,7 +29,6 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from pushkv.agent.events import EventKind
 from pushkv.cli.main import build_parser
 from pushkv.controlplane import tracing
 from pushkv.controlplane import transfer_metrics as cmetrics
@@ -45,9 +42,7 @@ from pushkv.router.app import Router, RouterSettings
 from pushkv.router.metrics import outcome_of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
-from pushkv.vllm_integration.metrics import ConnectorMetrics, ForwardThreadCollector
 from tests.support.sim_agent import SimAgent, SimCluster, blocks, rendezvous, wait_terminal
-from tests.support.waits import wait_until
 
 WAIT = 10.0
 OPERATIONS_DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
@@ -638,64 +633,5 @@ def test_outcomes_are_bounded() -> None:
     ]
 
 
-# ---------------------------------------------------------------- connector
-
-
-async def test_connector_metrics_served_per_rank() -> None:
-    base = free_port()
-    m = ConnectorMetrics("decode-0", tp_rank=0)
-    off = ConnectorMetrics("decode-0", tp_rank=0)
-    try:
-        assert off.serve(0) is None  # metrics_port 0: counted, not served
-        assert m.serve(base) == base  # rank r listens on metrics_port + r
-        # The worker half bumps plain ints on the engine thread; read at scrape time.
-        m.counts.ready += 1
-        m.counts.failed += 1
-        m.counts.load_error_blocks += 3
-        m.counts.freed += 2
-        m.counts.events[EventKind.KV_READY] += 1
-        m.counts.fallbacks["registration_failed"] += 1
-        _, s = await scrape(f"http://127.0.0.1:{base}/metrics")
-    finally:
-        m.close()
-        off.close()
-    lbl = {"engine": "decode-0", "rank": "0"}
-    assert value(s, "pushkv_connector_transfers_ready_total", **lbl) == 1
-    assert value(s, "pushkv_connector_transfers_failed_total", **lbl) == 1
-    assert value(s, "pushkv_connector_load_error_blocks_total", **lbl) == 3
-    assert value(s, "pushkv_connector_requests_freed_total", **lbl) == 2
-    assert value(s, "pushkv_connector_agent_events_total", kind="kv_ready", **lbl) == 1
-    assert value(s, "pushkv_connector_fallbacks_total", reason="registration_failed", **lbl) == 1
-    assert value(s, "pushkv_connector_fallbacks_total", reason="transfer_failed", **lbl) == 0
-    # This process's main thread has run (it ran this test), and may have waited.
-    assert value(s, "pushkv_connector_forward_thread_run_seconds_total", **lbl) > 0
-    assert value(s, "pushkv_connector_forward_thread_wait_seconds_total", **lbl) >= 0
-
-
-def test_forward_thread_counters_follow_the_kernel_and_vanish_without_it() -> None:
-    # A real process that keeps a CPU busy: its counters are the kernel's schedstat.
-    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        reg = CollectorRegistry()
-        reg.register(ForwardThreadCollector("prefill-0", 1, pid=child.pid))
-        lbl = {"engine": "prefill-0", "rank": "1"}
-        name = "pushkv_connector_forward_thread_run_seconds_total"
-
-        def run_s() -> float:
-            return reg.get_sample_value(name, lbl) or 0.0
-
-        wait_until(lambda: run_s() > 0.05, "the child's run counter passes 50 ms")
-        first = run_s()
-        wait_until(lambda: run_s() > first, "the run counter keeps growing")
-        wait = reg.get_sample_value("pushkv_connector_forward_thread_wait_seconds_total", lbl)
-        assert wait is not None and wait >= 0
-        gone = CollectorRegistry()
-        gone.register(ForwardThreadCollector("prefill-0", 1, pid=2**22 + 7))  # no such pid
-        assert gone.get_sample_value(name, lbl) is None
-    finally:
-        child.kill()
-        child.wait(10)
-
-
-# The connector's worker-half metrics are checked with real agents and real
-# events in tests/test_connector_worker.py.
+# The connector's counters reach vLLM's own /metrics: tests/test_connector_stats.py
+# (vLLM's stats API) and tests/test_e2e_vllm.py (a real engine's /metrics).

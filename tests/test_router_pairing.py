@@ -277,7 +277,7 @@ def status(engine_id: str, role: int, tp: int, spec: Spec, inflight: int = 0) ->
 
 
 def test_the_least_loaded_compatible_pair_is_picked() -> None:
-    d = EngineDirectory(stub=None, refresh_s=1.0)  # type: ignore[arg-type]
+    d = EngineDirectory(stub=None)  # type: ignore[arg-type]
     d.update(
         [
             status("p-idle-other", pb.ROLE_PREFILL, 2, P_OTHER),  # idle, but incompatible

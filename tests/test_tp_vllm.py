@@ -27,6 +27,7 @@ from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
 from tests.support.cpu_load import busy_cores
 from tests.support.reference import ReferenceEngines
+from tests.support.waits import poll
 
 pytestmark = pytest.mark.e2e
 
@@ -126,10 +127,16 @@ def test_each_worker_rank_logs_in_the_engine_log(tp2_cluster: Cluster) -> None:
             assert re.search(line, text), f"no ready line of {engine} rank {rank}"
 
 
+def ready_by_rank(c: Cluster) -> list[float]:
+    metric = "pushkv_connector_transfers_ready_total"
+    return [serving.connector_count(c.decode, metric, "decode-tp2", r) for r in (0, 1)]
+
+
 def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
     c = tp2_cluster
     before = serving.external_tokens(c.decode.metrics())
     earlier = {t.transfer_id for t in serving.transfers(c.coord.address)}
+    ready_before = ready_by_rank(c)
 
     outputs = serving.concurrently(c.router.url, PROMPTS, MAX_TOKENS)
     assert outputs == c.reference
@@ -156,6 +163,17 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
         assert list(t.outstanding_ranks) == []
         arrivals = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrivals == [0, 1]
+    # Both decode ranks' connector counters are on the engine's own /metrics
+    # (each rank counts the KV it received; vLLM sums the ranks' stats and
+    # its API server serves them by rank). They may trail the answers.
+    poll(
+        "both decode ranks' transfers_ready counted every transfer",
+        lambda: all(
+            n - was >= len(listed) > 0
+            for n, was in zip(ready_by_rank(c), ready_before, strict=True)
+        ),
+        60,
+    )
     # Through relays, each engine's scheduler sent its Submits up its relay's
     # stream too (the connector's submit_through_relay default).
     for r in c.relays:

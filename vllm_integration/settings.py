@@ -60,9 +60,6 @@ class ConnectorSettings:
     # reads the engine's policy from the coordinator; docs/configuration.md,
     # "One failure policy").
     on_transfer_failure: str = "recompute"
-    # Prometheus metrics of the connector: worker rank r serves them on
-    # 0.0.0.0:(metrics_port + r). 0 disables.
-    metrics_port: int = 0
     # Prefill: with chunked prefill (prompts longer than the step's token
     # budget) write each chunk's whole blocks of an armed order as soon as its
     # forward is done, not all at the end (docs/architecture.md, "Progressive
@@ -112,6 +109,12 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(extra) - set(known))
+        if "metrics_port" in unknown:
+            raise ValueError(
+                "kv_connector_extra_config.metrics_port is gone: the connector's counters "
+                "are on the engine's own /metrics now, every rank's (docs/operations.md, "
+                "Metrics); remove the key and its ports"
+            )
         if unknown:
             raise ValueError(
                 f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}"

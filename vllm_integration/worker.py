@@ -16,7 +16,7 @@ from typing import Any
 
 from pushkv.agent.events import EventKind, HostEvent
 from pushkv.agent.nixl_types import KVRegion, MemoryKind
-from pushkv.agent.placement import launch_cpus, placed, resolve
+from pushkv.agent.placement import launch_cpus, resolve
 from pushkv.agent.runtime import Agent, AgentConfig, AgentRole
 from pushkv.net.tls import TLSFiles
 from pushkv.rules.pairing import SPAN_UNITS
@@ -24,7 +24,7 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.vllm_integration import faults, kv_checks
 from pushkv.vllm_integration.kv_token_layout import UNKNOWN, probe_span_units
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
-from pushkv.vllm_integration.metrics import ConnectorMetrics
+from pushkv.vllm_integration.metrics import ConnectorCounts, StepStats
 from pushkv.vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
@@ -217,8 +217,9 @@ class PushWorkerHalf:
         self._recving_done: set[str] = set()
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
-        self.metrics = ConnectorMetrics(engine_id, self.rank)  # served if metrics_port > 0
-        self.counts = self.metrics.counts  # plain ints, bumped on the engine thread
+        self.counts = ConnectorCounts()  # plain ints, bumped on the engine thread
+        # vLLM takes what changed after every step (vllm_integration/stats.py).
+        self.step_stats = StepStats(self.counts)
 
     # ------------------------------------------------------------ setup
     def model_regions(self, regions: int, layers: tuple[int, ...]) -> int:
@@ -295,8 +296,6 @@ class PushWorkerHalf:
         )
         self.agent = Agent(cfg)
         self.agent.start()
-        with placed(cpus):
-            self.metrics.serve(self.settings.metrics_port)
         launched = launch_cpus()
         log.info(
             "pushkv threads of %s on CPUs %s (thread_cpus %s; the engine thread's: %s; "
@@ -493,7 +492,6 @@ class PushWorkerHalf:
             self._early.pop(next(iter(self._early)))
 
     def shutdown(self) -> None:
-        self.metrics.close()
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -176,6 +176,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         leg_timeout_s=args.leg_timeout_s,
         pool_idle_s=args.pool_idle_s,
         unlisted_grace_s=args.unlisted_grace_s,
+        tls=_tls(args),
     )
     asyncio.run(serve(settings))
     return 0
@@ -206,6 +207,7 @@ def _cmd_dev_certs(args: argparse.Namespace) -> int:
         engines=args.engine,
         operators=args.operator or ["ops"],
         hosts=args.host or ["localhost", "127.0.0.1"],
+        ca_from=Path(args.ca_from) if args.ca_from else None,
     )
     for cn, path in paths.items():
         sys.stdout.write(f"{cn:24s} {path} (+ .key)\n")
@@ -442,6 +444,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     k.add_argument("--engine", action="append", default=[], help="engine id (repeatable)")
     k.add_argument("--operator", action="append", default=[], help="operator name (repeatable)")
     k.add_argument("--host", action="append", default=[], help="server host/IP (repeatable)")
+    k.add_argument(
+        "--ca-from",
+        default="",
+        help="issue the certificates from the CA in this folder (a renewal: new keys, same CA)",
+    )
     handlers["dev-certs"] = _cmd_dev_certs
 
     b = sub.add_parser("bench", help="benchmarks (commands that print figures)")

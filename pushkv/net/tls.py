@@ -1,12 +1,31 @@
-"""TLS material for every gRPC channel: one place to build server and client credentials."""
+"""TLS material for every gRPC channel: one place to build server and client credentials.
+
+Certificates are renewed in place (cert-manager's CSI driver rewrites the
+mounted files), and every side follows them without a restart
+(pushkv/net/tls_files.py reads the newest consistent set):
+
+* a server (the coordinator) takes them for each new
+  connection: gRPC's dynamic server credentials ask `_Fetcher` before every
+  handshake;
+* a client builds each new channel from them (`channel`, `aio_channel`), and
+  `ChannelCache` replaces a cached channel made before they changed. A live
+  connection keeps the session it has: TLS checks certificates at the
+  handshake only.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
+
+from pushkv.net.tls_files import FileWatch, Material, watch
+
+log = logging.getLogger("pushkv.tls")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,21 +48,37 @@ class TLSFiles:
             if not Path(path).is_file():
                 raise ValueError(f"TLS {name} file {path!r} does not exist")
 
-    def _read(self) -> tuple[bytes, bytes, bytes]:
-        self.check()
-        return Path(self.ca).read_bytes(), Path(self.cert).read_bytes(), Path(self.key).read_bytes()
+    def _watch(self) -> FileWatch:
+        files = watch(self.ca, self.cert, self.key)
+        if not files.taken:  # once a set is taken, a file missing for a moment keeps it
+            self.check()
+        return files
+
+    def material(self) -> Material:
+        """The files' newest consistent contents (ValueError, naming what is
+        wrong, when they were never readable as a set)."""
+        return self._watch().current()
+
+    def version(self) -> int:
+        """Which set of the files' contents `material` gives now (grows by one
+        each time they change)."""
+        return self.material().version
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Mutual TLS: clients must present a certificate signed by the CA."""
-        ca, cert, key = self._read()
-        return grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=ca, require_client_auth=True
+        """Mutual TLS: clients must present a certificate signed by the CA.
+        Each new connection's handshake uses the files as they are then."""
+        files = self._watch()
+        first = files.current()
+        # grpc-stubs leave out the None that keeps the current configuration.
+        fetcher = cast(Callable[[], grpc.ServerCertificateConfiguration], _Fetcher(files, first))
+        return grpc.dynamic_ssl_server_credentials(
+            _server_config(first), fetcher, require_client_authentication=True
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        ca, cert, key = self._read()
+        m = self.material()
         return grpc.ssl_channel_credentials(
-            root_certificates=ca, private_key=key, certificate_chain=cert
+            root_certificates=m.ca, private_key=m.key, certificate_chain=m.cert
         )
 
     @classmethod
@@ -93,3 +128,68 @@ def aio_channel(
     if tls is not None and tls.enabled:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
     return grpc.aio.insecure_channel(address, options=opts)
+
+
+def _server_config(m: Material) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration([(m.key, m.cert)], root_certificates=m.ca)
+
+
+class _Fetcher:
+    """gRPC calls it before every handshake of the server (on a thread of
+    gRPC's own, aio servers too): a new configuration when the files changed
+    since the last one it gave, else None (keep the current one)."""
+
+    def __init__(self, files: FileWatch, first: Material) -> None:
+        self._files = files
+        self._served = first.version
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            m = self._files.current()
+        except Exception:  # raised into gRPC's C core it would end the handshake
+            log.exception("reading the TLS files failed: keeping the served certificate")
+            return None
+        if m.version == self._served:
+            return None
+        self._served = m.version
+        return _server_config(m)
+
+
+ChannelT = TypeVar("ChannelT", grpc.Channel, grpc.aio.Channel)
+
+
+class ChannelCache(Generic[ChannelT]):
+    """Channels by address, each made from the TLS files as they were: one made
+    before the files changed is replaced at the next `get` and handed to
+    `retire`, which closes it once the calls on it are done (a live call
+    keeps its connection; new calls get a new one, with the new files)."""
+
+    def __init__(
+        self,
+        make: Callable[[str], ChannelT],
+        tls: TLSFiles | None,
+        retire: Callable[[ChannelT], None],
+    ) -> None:
+        self._make: Callable[[str], ChannelT] = make
+        self._tls = tls if tls is not None and tls.enabled else None
+        self._retire: Callable[[ChannelT], None] = retire
+        self._channels: dict[str, tuple[ChannelT, int]] = {}
+        self.replaced = 0  # channels replaced because the files changed
+
+    def get(self, address: str) -> ChannelT:
+        version = self._tls.version() if self._tls is not None else 0
+        held = self._channels.get(address)
+        if held is not None:
+            if held[1] == version:
+                return held[0]
+            self.replaced += 1
+            self._retire(held[0])
+        channel = self._make(address)
+        self._channels[address] = (channel, version)
+        return channel
+
+    def take_all(self) -> list[ChannelT]:
+        """Every channel held (to close them); the cache is empty after."""
+        out = [c for c, _ in self._channels.values()]
+        self._channels.clear()
+        return out

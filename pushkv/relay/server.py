@@ -200,7 +200,7 @@ class Relay:
 
     def __init__(self, settings: RelaySettings) -> None:
         if settings.tls.enabled or settings.tls.key:
-            settings.tls.check()
+            settings.tls.material()  # names a missing or mismatched file
         self.settings = settings
         self.upstream = Upstream(
             settings.coordinators, settings.tls, max_message_bytes=settings.max_message_bytes

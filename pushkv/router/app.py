@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pushkv.net.codes import RETRYABLE
 from pushkv.net.leader import LeaderFollower
-from pushkv.net.tls import TLSFiles, aio_channel
+from pushkv.net.tls import ChannelCache, TLSFiles, aio_channel
 from pushkv.router.engines import Engine, EngineDirectory
 from pushkv.router.failures import Failure, Stage, client_error
 from pushkv.router.legs import BadRequest, error_message, prefill_failure, split_legs, why
@@ -83,13 +83,19 @@ class Router:
         # One coordinator address, or several replicas (comma-separated): the
         # router dials the leader (pushkv/net/leader.py, _follow_leader).
         self._follower = LeaderFollower(settings.coordinator)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._transfers = pbg.TransferServiceStub(self._channel())
+        # A channel per replica, replaced when the TLS files change (renewed
+        # certificates); a replaced one is closed once its calls are done.
+        self._channels: ChannelCache[grpc.aio.Channel] = ChannelCache(
+            lambda a: aio_channel(a, settings.tls), settings.tls, self._retire
+        )
+        self._retiring: set[grpc.aio.Channel] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stubs_on = self._channel()  # the channel the two stubs below call on
+        self._transfers = pbg.TransferServiceStub(self._stubs_on)
         self.directory = EngineDirectory(
-            pbg.StatusServiceStub(self._channel()), settings.refresh_s, settings.unlisted_grace_s
+            pbg.StatusServiceStub(self._stubs_on), settings.unlisted_grace_s
         )
         self._http: aiohttp.ClientSession | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
         self.ttft_s: list[float] = []  # recent TTFTs, for tests and the demo
         self.on_dispatch: Callable[[str, str], Awaitable[None]] | None = None  # test hook
         self.metrics = RouterMetrics()
@@ -112,7 +118,7 @@ class Router:
             self._spawn(self._refresh_following())
         else:
             await self.directory.refresh()
-            self._spawn(self.directory.run())
+            self._spawn(self._refresh_engines())
 
     async def stop(self, app: web.Application) -> None:
         for t in list(self._tasks):
@@ -120,21 +126,45 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._http:
             await self._http.close()
-        for channel in self._channels.values():
+        await self.close_channels()
+
+    async def close_channels(self) -> None:
+        """Close every channel to the coordinators, cancelling their calls."""
+        for channel in (*self._channels.take_all(), *self._retiring):
             await channel.close(None)
+        self._retiring.clear()
 
     # ------------------------------------------------------------ coordinator replicas
     def _channel(self) -> grpc.aio.Channel:
-        address = self._follower.current
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = aio_channel(address, self.settings.tls)
-        return channel
+        return self._channels.get(self._follower.current)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """A channel made before the TLS files changed: closed once the calls
+        on it end (each has a deadline of at most this long)."""
+        self._retiring.add(channel)
+        grace = max(self.settings.connect_timeout_s, 5.0)
+
+        async def close() -> None:
+            await channel.close(grace)
+            self._retiring.discard(channel)
+
+        self._spawn(close())
 
     def _use_current(self) -> None:
+        """The stubs on the channel to the replica dialed now, made from the
+        TLS files as they are now (one stat of each file when unchanged)."""
         channel = self._channel()
-        self._transfers = pbg.TransferServiceStub(channel)
-        self.directory.stub = pbg.StatusServiceStub(channel)
+        if channel is not self._stubs_on:
+            self._stubs_on = channel
+            self._transfers = pbg.TransferServiceStub(channel)
+            self.directory.stub = pbg.StatusServiceStub(channel)
+
+    async def _refresh_engines(self) -> None:
+        """The engine list, every refresh_s, from the one coordinator."""
+        while True:
+            await asyncio.sleep(self.settings.refresh_s)
+            self._use_current()
+            await self.directory.refresh()
 
     async def _follow_leader(self) -> None:
         """With several coordinator replicas: dial the one that leads (each
@@ -163,6 +193,7 @@ class Router:
         while True:
             await asyncio.sleep(self.settings.refresh_s)
             await self._follow_leader()
+            self._use_current()
             await self.directory.refresh()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -217,6 +248,7 @@ class Router:
         )
 
     async def _cancel(self, transfer_id: str, reason: str) -> None:
+        self._use_current()
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self._transfers.Cancel(
                 pb.CancelRequest(transfer_id=transfer_id, reason=reason), timeout=5
@@ -389,6 +421,7 @@ class Router:
     async def _begin_once(
         self, transfer_id: str, p_eng: Engine, d_eng: Engine, timeout_s: float | None = None
     ) -> None:
+        self._use_current()
         begin = asyncio.ensure_future(
             self._transfers.BeginTransfer(
                 pb.BeginTransferRequest(

@@ -4,7 +4,6 @@ and the (prefill, decode) pairs among them that the coordinator would accept
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Iterable
@@ -74,7 +73,6 @@ class EngineDirectory:
     (pushkv/rules/pairing.py: the rule it applies when the two sides meet)."""
 
     stub: pbg.StatusServiceAsyncStub
-    refresh_s: float
     # A decode engine that drops out of the list stays usable this long, for the
     # decode engine alone: a restarted coordinator lists no engine until the
     # agents' reconnects reach it (a few seconds), and the engines still serve.
@@ -167,11 +165,6 @@ class EngineDirectory:
         now = time.monotonic()
         live = {k: e for k, (e, until) in self.unlisted.items() if until > now}
         return self.pick(live)
-
-    async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.refresh_s)
 
     def pick(self, table: dict[str, Engine]) -> Engine | None:
         """Least loaded (coordinator in-flight + our open requests), round-robin on ties."""

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Execute a parsed `pushkv status` command, writing to `out`."""
     tls = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key)
     if tls.enabled or tls.key:
-        tls.check()
+        tls.material()  # names a missing or mismatched file
     replicas = addresses(args.coordinator)
     if args.status_command == "leader":
         return _leader(replicas, tls, args, out)

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pushkv.harness.vllm_server import VllmServer, metric_value
 from pushkv.v1 import pushkv_pb2 as pb
@@ -90,6 +91,18 @@ def router_engines(router_url: str, role: str) -> list[str]:
 def external_tokens(metrics_text: str) -> float:
     """Prompt tokens an engine loaded through its KV connector (not computed)."""
     return metric_value(metrics_text, EXTERNAL, 'source="external_kv_transfer"')
+
+
+def connector_count(server: VllmServer, metric: str, engine_id: str, rank: int) -> float:
+    """A connector counter of one worker rank, as the engine's own /metrics
+    serves it (vllm_integration/stats.py; 0 before the rank counted any)."""
+    want = {"engine_id": engine_id, "rank": str(rank)}
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(server.metrics())
+        for s in family.samples
+        if s.name == metric and want.items() <= s.labels.items()
+    )
 
 
 def status_stub(coordinator: str) -> pbg.StatusServiceStub:
