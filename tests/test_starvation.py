@@ -250,15 +250,16 @@ def test_a_relay_kept_from_running_logs_the_stall() -> None:
     relay = RelayProcess(coord.address).start()
     try:
         freeze_past_stall(relay)
-        mark = "relay: this process did not run its event loop for "
 
-        def stalls() -> list[str]:
-            return [ln for ln in relay.log_text().splitlines() if mark in ln]
+        def stalls() -> list[dict[str, object]]:
+            entries = [json.loads(ln) for ln in relay.log_text().splitlines() if ln.startswith("{")]
+            return [e for e in entries if e.get("event") == "event_loop_stalled"]
 
         found = poll("the relay's stall in its log", stalls, WAIT_S)
-        stall = max(found, key=lambda ln: float(ln.split(mark)[1].split()[0]))
-        assert float(stall.split(mark)[1].split()[0]) >= STALL_S, stall
-        assert "WARNING" in stall
+        stall = max(found, key=lambda e: float(str(e["seconds"])))
+        assert float(str(stall["seconds"])) >= STALL_S, stall
+        assert stall["level"] == "warning"
+        assert "did not run its event loop" in str(stall["detail"])
     finally:
         relay.stop()
         coord.stop()
