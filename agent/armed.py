@@ -12,6 +12,7 @@ import dataclasses
 from collections import OrderedDict
 
 from pushkv.agent.messages import FireMsg, OrderMsg
+from pushkv.rules.block_groups import lens
 from pushkv.rules.prompt_blocks import prompt_shortfall, prompt_tails
 
 # Fires remembered for an order not here yet (bounded: the oldest go first;
@@ -87,9 +88,10 @@ def filled(order: OrderMsg, fire: FireMsg, tokens_per_block: int) -> OrderMsg | 
         return f"num_tokens: decode {order.num_tokens} != prefill {fire.num_tokens}"
     targets = []
     for t in order.targets:
-        why = prompt_shortfall(fire.blocks, t.dst_groups, fire.num_tokens, tokens_per_block)
+        dst_lens = lens(t.dst)
+        why = prompt_shortfall(fire.blocks, dst_lens, fire.num_tokens, tokens_per_block)
         if why:
             return why
-        src = prompt_tails(fire.blocks, t.dst_groups, fire.num_tokens, tokens_per_block)
-        targets.append(dataclasses.replace(t, src=tuple([b for g in src for b in g])))
+        src = prompt_tails(fire.blocks, dst_lens, fire.num_tokens, tokens_per_block)
+        targets.append(dataclasses.replace(t, src=src))
     return dataclasses.replace(order, targets=tuple(targets), armed=False)

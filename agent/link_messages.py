@@ -14,6 +14,7 @@ from pushkv.agent.messages import (
 )
 from pushkv.agent.nixl_types import BlockResize, KVRegion, MemoryKind
 from pushkv.agent.snapshot import HeldItem
+from pushkv.rules import block_groups
 from pushkv.v1 import pushkv_pb2 as pb
 
 _STATUS = {
@@ -70,26 +71,18 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
             error = "src_blocks and dst_blocks name different numbers of KV groups"
         if t.slice_offset and not t.slice_len:
             error = "slice_offset without slice_len"
-        groups: tuple[int, ...] = ()
-        src: tuple[int, ...]
-        if o.armed:
-            src = ()
-            dst = tuple([b for g in t.dst_blocks for b in g.ids])
-            groups = tuple([len(g.ids) for g in t.dst_blocks])
-        elif len(t.src_blocks) == 1:  # one KV group: the common case
-            src = tuple(t.src_blocks[0].ids)
-            dst = tuple(t.dst_blocks[0].ids) if t.dst_blocks else ()
-        else:
-            # Several KV groups (vLLM's hybrid KV cache manager): one block pool,
-            # each block id in one group, every group's block b in every region
-            # (AgentConfig.kv_groups), so the groups' blocks are written as one
-            # list, paired position by position within each group.
-            src = tuple([b for g in t.src_blocks for b in g.ids])
-            dst = tuple([b for g in t.dst_blocks for b in g.ids])
-            if any(
-                len(s.ids) != len(d.ids) for s, d in zip(t.src_blocks, t.dst_blocks, strict=False)
-            ):
-                error = "a KV group's src_blocks and dst_blocks differ in length"
+        # Several KV groups (vLLM's hybrid KV cache manager): one block pool,
+        # each block id in one group, every group's block b in every region
+        # (AgentConfig.kv_groups); a WRITE pairs the groups position by
+        # position within each group (agent/posting.py).
+        src = block_groups.from_pb(t.src_blocks)  # armed: empty, the fire fills it
+        dst = block_groups.from_pb(t.dst_blocks)
+        if (
+            not o.armed
+            and len(src) > 1
+            and any(len(s) != len(d) for s, d in zip(src, dst, strict=False))
+        ):
+            error = "a KV group's src_blocks and dst_blocks differ in length"
         resize = resize_from_pb(t)
         if resize is not None and t.slice_len:
             error = "a token range (different block sizes) with a head slice is not supported"
@@ -107,7 +100,6 @@ def order_from_pb(o: pb.TransferOrder) -> OrderMsg:
                 t.slice_len,
                 resize,
                 tuple(t.dst_regions),
-                groups,
             )
         )
     return OrderMsg(

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pushkv.agent.nixl_types import BlockResize, KVRegion, MemoryKind
+from pushkv.rules.block_groups import BlockGroups
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,8 +15,11 @@ class Target:
     decode_engine_id: str
     decode_rank: int
     decode_incarnation: str
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
+    # Per KV group, the prefill blocks and the decode blocks they are written
+    # into (pushkv.proto, WriteTarget.src_blocks/dst_blocks). Armed orders:
+    # src is empty until the fire fills it (agent/armed.py).
+    src: BlockGroups
+    dst: BlockGroups
     expected_writers: int
     # Heterogeneous TP: a head range (pushkv.proto, WriteTarget); 0, 0 = whole blocks.
     slice_offset: int = 0
@@ -25,9 +29,6 @@ class Target:
     # Pipeline-parallel prefill: the peer region each local region goes into
     # (pushkv.proto, WriteTarget.dst_regions); () = region i into region i.
     dst_regions: tuple[int, ...] = ()
-    # Armed orders: the length of each KV group's part of `dst` (src is empty
-    # until the fire fills it: agent/armed.py).
-    dst_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class FireMsg:
     of the prompt (a tail ending at its last block)."""
 
     transfer_id: str
-    blocks: tuple[tuple[int, ...], ...]
+    blocks: BlockGroups
     num_tokens: int
     # Progressive push (chunked prefill): a chunk's fire, final=False, names
     # the blocks so far and the tokens computed so far; their whole blocks may

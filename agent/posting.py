@@ -18,11 +18,12 @@ from pushkv.agent.nixl_types import (
     WriteHandle,
 )
 from pushkv.agent.notif import WriteNotif
+from pushkv.rules.block_groups import BlockGroups, flat
 
 log = logging.getLogger("pushkv.agent")
 
-# (target, prefill blocks, decode blocks) of one WRITE
-Write = tuple[Target, tuple[int, ...], tuple[int, ...]]
+# (target, prefill blocks, decode blocks) of one WRITE, per KV group
+Write = tuple[Target, BlockGroups, BlockGroups]
 
 
 @dataclass(slots=True)
@@ -77,7 +78,9 @@ class Poster:
     def post(self, order: OrderMsg, writes: list[Write], notify: bool = True) -> list[WriteHandle]:
         """One WRITE per (target, src, dst), each with its notification unless
         `notify` is False; on a failure the ones posted are released and the
-        NixlError raised."""
+        NixlError raised. The WRITE pairs src's and dst's ids position by
+        position, group after group (`flat`: every group's block b lies in
+        every KV region)."""
         handles: list[WriteHandle] = []
         try:
             for tgt, src, dst in writes:
@@ -85,8 +88,8 @@ class Poster:
                 handles.append(
                     self.ep.post_write(
                         self.peer(tgt),
-                        src,
-                        dst,
+                        flat(src),
+                        flat(dst),
                         self.notif(order, tgt) if notify else b"",
                         block_slice=cut,
                         resize=tgt.resize,

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pushkv.agent.messages import FireMsg, OrderMsg, ReportStatus
 from pushkv.agent.nixl_types import NixlError, PeerKey, WriteHandle
 from pushkv.agent.posting import Poster, Write
+from pushkv.rules.block_groups import BlockGroups
+
+NO_GROUPS = BlockGroups(())  # a WRITE of no blocks: the notification alone
 
 Finish = Callable[[OrderMsg, ReportStatus, str, int, int, int], None]
 Posted = Callable[[OrderMsg, list[WriteHandle], tuple[tuple[PeerKey, bytes], ...], int], None]
@@ -50,7 +53,7 @@ class Partial:
 
 def progressive_ok(order: OrderMsg) -> bool:
     """Chunks are written only for one KV group with equal block sizes."""
-    return all(len(t.dst_groups) == 1 and t.resize is None for t in order.targets)
+    return all(len(t.dst) == 1 and t.resize is None for t in order.targets)
 
 
 def chunk_writes(
@@ -71,12 +74,14 @@ def chunk_writes(
         return f"prefill holds {len(held)} blocks, {upto} of the prompt's are computed"
     writes: list[Write] = []
     for t in order.targets:
-        first = n_prompt - len(t.dst)  # the prompt block decode's first block holds
+        dst = t.dst[0]  # one KV group (progressive_ok)
+        first = n_prompt - len(dst)  # the prompt block decode's first block holds
         lo = max(sent, first)
         if lo < upto:
-            writes.append((t, tuple(held[lo:upto]), t.dst[lo - first : upto - first]))
+            src_part, dst_part = held[lo:upto], dst[lo - first : upto - first]
+            writes.append((t, BlockGroups((src_part,)), BlockGroups((dst_part,))))
         elif fire.final:  # nothing left, but the notification still goes
-            writes.append((t, (), ()))
+            writes.append((t, NO_GROUPS, NO_GROUPS))
     return writes, max(upto, sent)
 
 

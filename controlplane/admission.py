@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pushkv.controlplane import validation
 from pushkv.controlplane.domain import (
     AgentRegistration,
-    Blocks,
     Effect,
     Reason,
     Role,
@@ -22,6 +21,7 @@ from pushkv.controlplane.inflight import InFlight
 from pushkv.controlplane.registry import EngineRecord
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.transfer import Side
+from pushkv.rules.block_groups import BlockGroups
 
 
 def check_hello(reg: AgentRegistration, s: CoreSettings) -> None:
@@ -72,7 +72,7 @@ def side_blocks(
     blocks: Sequence[Sequence[int]],
     num_tokens: int,
     s: CoreSettings,
-) -> Blocks:
+) -> BlockGroups:
     """One side's block ids, checked against its engine's layout and its token
     count: decode registers at most the blocks the prompt needs in each KV group,
     prefill at least that many in its longest group (a sliding-window group of

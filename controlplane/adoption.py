@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from pushkv.controlplane.domain import (
     AgentKey,
     AgentRegistration,
-    Blocks,
     Effect,
     EngineId,
     HeldTransfer,
@@ -47,6 +46,7 @@ from pushkv.controlplane.domain import (
 from pushkv.controlplane.orders import OpenOrders, rank_order, shared_ranks, with_rank
 from pushkv.controlplane.registry import EngineRecord
 from pushkv.controlplane.transfer import OrderRecord, Transfer
+from pushkv.rules.block_groups import BlockGroups
 
 
 def join(
@@ -141,7 +141,7 @@ def issue_adopted(
     t: Transfer,
     pe: EngineRecord,
     de: EngineRecord,
-    src: Blocks,
+    src: BlockGroups,
     deadline_unix: float,
     next_id: Callable[[], OrderId],
     open_orders: OpenOrders,

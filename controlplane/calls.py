@@ -18,6 +18,8 @@ from pushkv.controlplane.domain import Effect, Role
 from pushkv.controlplane.errors import InvalidArgument, NoAgents, PermissionDenied
 from pushkv.controlplane.runtime import Runtime
 from pushkv.controlplane.transfer import Transfer
+from pushkv.rules import block_groups
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.v1 import pushkv_pb2 as pb
 
 log = structlog.get_logger("pushkv.coordinator")
@@ -48,7 +50,7 @@ class TransferCalls:
         core = self._rt.core
 
         def report(
-            tid: str, engine: str, blocks: list[tuple[int, ...]], n: int
+            tid: str, engine: str, blocks: BlockGroups, n: int
         ) -> tuple[Transfer, list[Effect]]:
             return core.register_decode(tid, engine, blocks, n, resubmitted)
 
@@ -61,7 +63,7 @@ class TransferCalls:
         core, finished = self._rt.core, request.finished_unix_us / 1e6
 
         def report(
-            tid: str, engine: str, blocks: list[tuple[int, ...]], n: int
+            tid: str, engine: str, blocks: BlockGroups, n: int
         ) -> tuple[Transfer, list[Effect]]:
             return core.prefill_done(tid, engine, blocks, n, finished, resubmitted)
 
@@ -69,7 +71,7 @@ class TransferCalls:
 
     def _side(
         self,
-        report: Callable[[str, str, list[tuple[int, ...]], int], tuple[Transfer, list[Effect]]],
+        report: Callable[[str, str, BlockGroups, int], tuple[Transfer, list[Effect]]],
         request: pb.RegisterDecodeBlocksRequest | pb.ReportPrefillDoneRequest,
         engine_id: str,
         role: Role,
@@ -79,7 +81,7 @@ class TransferCalls:
             t, effects = report(
                 request.transfer_id,
                 engine_id,
-                convert.blocks_from_pb(request.block_ids),
+                block_groups.from_pb(request.block_ids),
                 request.num_tokens,
             )
         except NoAgents as exc:  # refused for good: the transfer ends with it

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pushkv.controlplane.domain import (
     AgentRegistration,
-    Blocks,
     EngineId,
     FailurePolicy,
     HeldTransfer,
@@ -23,6 +20,7 @@ from pushkv.controlplane.domain import (
 from pushkv.controlplane.errors import InvalidArgument
 from pushkv.controlplane.registry import AgentRecord, EngineRecord
 from pushkv.controlplane.transfer import Transfer
+from pushkv.rules import block_groups
 from pushkv.rules.pairing import KVShape
 from pushkv.v1 import pushkv_pb2 as pb
 
@@ -82,16 +80,6 @@ WRITE_TO_PB = {v: k for k, v in WRITE_FROM_PB.items()}
 
 def _us(seconds: float) -> int:
     return int(seconds * 1_000_000)
-
-
-def blocks_to_pb(blocks: Blocks) -> list[pb.BlockIds]:
-    return [pb.BlockIds(ids=list(g)) for g in blocks]
-
-
-def blocks_from_pb(groups: Sequence[pb.BlockIds]) -> list[tuple[int, ...]]:
-    if len(groups) == 1:  # the common case: one KV group
-        return [tuple(groups[0].ids[:])]  # a slice copies in one C call
-    return [tuple(g.ids[:]) for g in groups]
 
 
 def layout_from_pb(msg: pb.KVLayout) -> KVLayout:
@@ -271,8 +259,8 @@ def transfer_to_pb(t: Transfer, *, deadline_wall: float) -> pb.TransferStatus:
         prefill_engine_id=t.prefill_engine or "",
         decode_engine_id=t.decode_engine or "",
         num_tokens=_num_tokens(t),
-        decode_blocks=blocks_to_pb(t.decode.blocks) if t.decode else [],
-        prefill_blocks=blocks_to_pb(t.prefill.blocks) if t.prefill else [],
+        decode_blocks=block_groups.to_pb(t.decode.blocks) if t.decode else [],
+        prefill_blocks=block_groups.to_pb(t.prefill.blocks) if t.prefill else [],
         ranks=[
             pb.RankStatus(
                 prefill_rank=r,

@@ -6,14 +6,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.rules.pairing import KVShape
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
 OrderId = NewType("OrderId", str)
-
-# Per KV group, the block ids in the order of the prompt.
-Blocks = tuple[tuple[int, ...], ...]
 
 
 # Enum members are singletons compared by identity, so identity hashing is
@@ -189,8 +187,8 @@ class WriteTarget(NamedTuple):
     decode_engine_id: EngineId
     decode_rank: int
     decode_incarnation: str
-    src_blocks: Blocks
-    dst_blocks: Blocks
+    src_blocks: BlockGroups  # per KV group, in the order of the prompt
+    dst_blocks: BlockGroups
     expected_writers: int
     slice_offset: int = 0
     slice_len: int = 0

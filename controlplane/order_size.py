@@ -7,7 +7,8 @@ varint and tag, and each block id at the width of its group's largest id."""
 
 from __future__ import annotations
 
-from pushkv.controlplane.domain import Blocks, Order
+from pushkv.controlplane.domain import Order
+from pushkv.rules.block_groups import BlockGroups
 
 # The gRPC default; the server passes its --max-message-bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
@@ -40,7 +41,7 @@ def _text(s: str) -> int:
     return len(s) if s.isascii() else 4 * len(s)
 
 
-def _ids(groups: Blocks, fast: bool) -> int:
+def _ids(groups: BlockGroups, fast: bool) -> int:
     total = 0
     for ids in groups:
         width = 5 if fast or not ids else _varint(max(ids))

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from pushkv.controlplane import order_size
 from pushkv.controlplane.domain import (
     AgentKey,
-    Blocks,
     Effect,
     KVLayout,
     Order,
@@ -24,6 +23,7 @@ from pushkv.controlplane.domain import (
 from pushkv.controlplane.errors import InvalidArgument
 from pushkv.controlplane.registry import EngineRecord
 from pushkv.controlplane.transfer import OrderRecord, Side, Transfer
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.rules.pairing import head_span_units, pair_mismatch
 from pushkv.rules.pp_map import region_map
 from pushkv.rules.prompt_blocks import prompt_shortfall, prompt_tails
@@ -68,7 +68,7 @@ def arm_problem(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
     return ""
 
 
-def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
+def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> BlockGroups:
     """Per KV group, the prefill blocks written into the decode side's blocks.
 
     Each side's group is a tail of the prompt's blocks ending at its last block
@@ -81,7 +81,7 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> Blocks:
     )
 
 
-def pair_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> Blocks:
+def pair_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> BlockGroups:
     """Per KV group, the prefill blocks written into the decode side's:
     `source_blocks`, or between blocks of different sizes `resized_source_blocks`."""
     if p_tokens == d_tokens:
@@ -98,17 +98,19 @@ def token_window(decode: Side, d_tokens: int) -> tuple[int, int]:
     return hit, decode.num_tokens
 
 
-def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> Blocks:
+def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: int) -> BlockGroups:
     """Per KV group, the prefill blocks holding the tokens the decode side's
     blocks take (different block sizes: `token_window`); empty for a group
     the decode side registered no block in."""
     hit, end = token_window(decode, d_tokens)
     first, last = hit // p_tokens, math.ceil(end / p_tokens)
-    return tuple(
-        [
-            tuple(p_ids[first:last]) if d_ids else ()
-            for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True)
-        ]
+    return BlockGroups(
+        tuple(
+            [
+                tuple(p_ids[first:last]) if d_ids else ()
+                for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True)
+            ]
+        )
     )
 
 
@@ -149,7 +151,7 @@ def resized(
 
 
 def rank_targets(
-    pe: EngineRecord, de: EngineRecord, rank: int, src: Blocks, dst: Blocks
+    pe: EngineRecord, de: EngineRecord, rank: int, src: BlockGroups, dst: BlockGroups
 ) -> tuple[WriteTarget, ...]:
     """Where prefill rank `rank` writes (`mismatch` found nothing wrong): the
     decode ranks whose heads it is chosen to write (pushkv/rules/tp_map.py), each
@@ -219,7 +221,7 @@ def rank_order(
     pe: EngineRecord,
     de: EngineRecord,
     rank: int,
-    src: Blocks,
+    src: BlockGroups,
     deadline_unix: float,
     armed: bool = False,
 ) -> Order:
@@ -249,7 +251,7 @@ def issue(
     t: Transfer,
     pe: EngineRecord,
     de: EngineRecord,
-    src: Blocks,
+    src: BlockGroups,
     deadline_unix: float,
     armed: bool,
     next_id: Callable[[], OrderId],

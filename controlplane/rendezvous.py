@@ -51,7 +51,6 @@ from pushkv.controlplane.domain import (
     MOVING,
     AgentKey,
     AgentRegistration,
-    Blocks,
     Effect,
     EngineId,
     HeldTransfer,
@@ -88,6 +87,7 @@ from pushkv.controlplane.resubmission import WHY_NO_AGENTS, resubmitted_side
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.transfer import Side, Transfer
 from pushkv.controlplane.transfer_filter import TransferFilter
+from pushkv.rules import block_groups
 
 _RANK_OF_REPORT = {
     WriteStatus.DONE: RankState.DONE,
@@ -526,7 +526,7 @@ class Rendezvous:
         # Posted no later than the moment this transfer stops waiting for prefill.
         now, wall = self._clock.monotonic(), self._clock.wall()
         wait_s = self.settings.rendezvous_timeout_s
-        empty: Blocks = tuple([() for _ in t.decode.blocks])
+        empty = block_groups.none(len(t.decode.blocks))
         try:  # too large: prefill done will fail it (its orders are larger still)
             effects += issue(t, pe, de, empty, wall + wait_s, True, *self._order_args())
         except OrderTooLarge:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from pushkv.controlplane.domain import (
     AgentKey,
-    Blocks,
     EngineId,
     Order,
     RankState,
@@ -15,13 +14,16 @@ from pushkv.controlplane.domain import (
     TransferId,
     WriteTarget,
 )
+from pushkv.rules import block_groups
+from pushkv.rules.block_groups import BlockGroups
 
 _RESOLVED = frozenset({RankState.DONE, RankState.FAILED, RankState.DROPPED})
 _NO_RANKS: frozenset[int] = frozenset()
 # A compacted order's targets (Transfer.compact): one shared target with no
 # blocks. Not empty, so that `arrived_ranks` still tells a rank that had
 # targets from one that never had any.
-SETTLED_TARGETS: tuple[WriteTarget, ...] = (WriteTarget(EngineId(""), -1, "", (), (), 0),)
+_NONE = block_groups.none(0)
+SETTLED_TARGETS: tuple[WriteTarget, ...] = (WriteTarget(EngineId(""), -1, "", _NONE, _NONE, 0),)
 
 
 # The records below write their own __init__ (init=False): a dataclass-made
@@ -63,10 +65,10 @@ class Side:
     """What one engine said about the transfer."""
 
     engine_id: EngineId
-    blocks: Blocks
+    blocks: BlockGroups
     num_tokens: int
 
-    def __init__(self, engine_id: EngineId, blocks: Blocks, num_tokens: int) -> None:
+    def __init__(self, engine_id: EngineId, blocks: BlockGroups, num_tokens: int) -> None:
         self.engine_id, self.blocks, self.num_tokens = engine_id, blocks, num_tokens
 
 

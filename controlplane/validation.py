@@ -6,8 +6,9 @@ import math
 import re
 from collections.abc import Sequence
 
-from pushkv.controlplane.domain import Blocks, EngineId, TransferId
+from pushkv.controlplane.domain import EngineId, TransferId
 from pushkv.controlplane.errors import InvalidArgument
+from pushkv.rules.block_groups import BlockGroups
 
 # Ids travel inside NIXL notifications, so '|' and whitespace are excluded.
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\-]*$")
@@ -57,7 +58,7 @@ def blocks(
     num_groups: int | None = None,
     num_blocks: int | None = None,
     max_total: int | None = None,
-) -> Blocks:
+) -> BlockGroups:
     if not groups:
         raise InvalidArgument("needs one list of block ids per KV group", field=field)
     if len(groups) > max_groups:
@@ -96,4 +97,4 @@ def blocks(
                 raise InvalidArgument(f"duplicate block id {b}", field=where)
             seen.add(b)
         out.append(tuple(ids))
-    return tuple(out)
+    return BlockGroups(tuple(out))

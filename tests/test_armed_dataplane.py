@@ -23,6 +23,7 @@ from pushkv.agent.messages import (
     WriteReportMsg,
 )
 from pushkv.agent.nixl_adapter import NixlEndpoint
+from pushkv.rules.block_groups import of
 from tests.support.nixl_peer import regions_of
 from tests.support.waits import wait_until
 
@@ -83,14 +84,14 @@ def plane() -> Iterator[Plane]:
 
 
 def armed(oid: str, tid: str, term: int = 0) -> OrderMsg:
-    tgt = Target("D", 0, "inc", (), (1, 2), 1, dst_groups=(2,))
+    tgt = Target("D", 0, "inc", of(), of((1, 2)), 1)
     return OrderMsg(oid, tid, 0, (tgt,), 4e9, term=term, num_tokens=20, armed=True)
 
 
 def test_an_armed_order_never_fires_once_the_lease_lapsed(plane: Plane) -> None:
     plane.dp.inbox.put(armed("o1", "t1"))
     plane.lease = False
-    plane.dp.inbox.put(FireMsg("t1", ((5, 6),), 20))
+    plane.dp.inbox.put(FireMsg("t1", of((5, 6)), 20))
     out = plane.outcome("o1")
     assert out.status is ReportStatus.DROPPED and "lease lapsed" in out.detail
     assert plane.dp.writes_posted == 0
@@ -101,7 +102,7 @@ def test_an_armed_order_of_an_older_term_is_refused(plane: Plane) -> None:
     plane.dp.inbox.put(armed("o2", "t2", term=6))
     out = plane.outcome("o2")
     assert out.status is ReportStatus.DROPPED and "refused" in out.detail
-    plane.dp.inbox.put(FireMsg("t2", ((5, 6),), 20))
+    plane.dp.inbox.put(FireMsg("t2", of((5, 6)), 20))
     plane.dp.inbox.put(armed("o3", "t3", term=7))
     plane.dp.inbox.put(CancelMsg("o3", "t3", term=7))
     assert plane.outcome("o3").status is ReportStatus.DROPPED
@@ -113,7 +114,7 @@ def test_an_armed_order_past_its_deadline_is_not_posted(plane: Plane) -> None:
     plane.dp.inbox.put(
         OrderMsg(late.order_id, late.transfer_id, 0, late.targets, 1.0, num_tokens=20, armed=True)
     )
-    plane.dp.inbox.put(FireMsg("t4", ((5, 6),), 20))
+    plane.dp.inbox.put(FireMsg("t4", of((5, 6)), 20))
     out = plane.outcome("o4")
     assert out.status is ReportStatus.DROPPED and "deadline" in out.detail
     assert plane.dp.writes_posted == 0
@@ -124,12 +125,12 @@ def test_a_replayed_armed_order_fires_once(plane: Plane) -> None:
     so the single post attempt fails; a second would report twice."""
     plane.dp.inbox.put(armed("o5", "t5"))
     plane.dp.inbox.put(armed("o5", "t5"))
-    plane.dp.inbox.put(FireMsg("t5", ((5, 6),), 20))
+    plane.dp.inbox.put(FireMsg("t5", of((5, 6)), 20))
     out = plane.outcome("o5")
     assert out.status is ReportStatus.FAILED and "unknown" in out.detail
     assert plane.dp.orders_fired == 1
     wait_until(plane.dp.inbox.empty, "the inbox drained")
-    plane.dp.inbox.put(FireMsg("t5", ((5, 6),), 20))  # a second fire finds no order
+    plane.dp.inbox.put(FireMsg("t5", of((5, 6)), 20))  # a second fire finds no order
     plane.dp.inbox.put(armed("o6", "t6"))
     plane.dp.inbox.put(CancelMsg("o6", "t6"))
     assert plane.outcome("o6").status is ReportStatus.DROPPED

@@ -25,6 +25,7 @@ from pushkv.controlplane.domain import (
 )
 from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.settings import CoreSettings
+from pushkv.rules.block_groups import of
 from pushkv.rules.pairing import KVShape, format_span_units, pair_mismatch, parse_span_units
 
 P, D = EngineId("P"), EngineId("D")
@@ -113,7 +114,7 @@ def test_equal_block_sizes_keep_todays_orders() -> None:
     no token-range field is set, exactly as before."""
     tgt, src, dst = order_for(32, 32, 150, hit=64)
     assert tgt.src_blocks == (src[2:],) and tgt.dst_blocks == (dst,)
-    assert tgt == WriteTarget(D, 0, "i1", (src[2:],), (dst,), 1, 0, 0)
+    assert tgt == WriteTarget(D, 0, "i1", of(src[2:]), of(dst), 1, 0, 0)
     assert tgt.resize_tokens == tgt.src_tokens_per_block == tgt.first_token == 0
 
 
@@ -205,7 +206,7 @@ def test_orders_carry_the_token_range_to_the_agent() -> None:
     msg = pb.TransferOrder()
     fill_order(msg, o.order)
     [tgt] = order_from_pb(msg).targets
-    assert (tgt.src, tgt.dst) == ((1, 2, 3), (7, 8, 9, 10))
+    assert (tgt.src, tgt.dst) == (of((1, 2, 3)), of((7, 8, 9, 10)))
     assert tgt.resize == BlockResize(64, 32, HEADS, 32, 118, (4,) * 16 + (64,))
     # Equal block sizes: no token range on the wire, as before.
     rv = core(layout(32), layout(32))

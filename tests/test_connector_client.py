@@ -13,6 +13,7 @@ import pytest
 
 from pushkv.controlplane.servicers import TransferServicer
 from pushkv.controlplane.settings import CoreSettings
+from pushkv.rules import block_groups
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration import client as client_mod
@@ -63,8 +64,8 @@ def calls(n: int) -> list[Call]:
     out: list[Call] = []
     for i in range(n):
         tid = f"batch-{i}"
-        out.append(Call("register", f"d{i}", tid, "d0", (10 + i, 11 + i), 40))
-        out.append(Call("prefill_done", f"p{i}", tid, "p0", (1, 2, 3), 40))
+        out.append(Call("register", f"d{i}", tid, "d0", block_groups.of((10 + i, 11 + i)), 40))
+        out.append(Call("prefill_done", f"p{i}", tid, "p0", block_groups.of((1, 2, 3)), 40))
     return out
 
 
@@ -73,7 +74,9 @@ def test_calls_are_batched_and_each_keeps_its_outcome(server: ThreadedCoordinato
     try:
         sent = calls(100)
         # A call the coordinator refuses sits between accepted ones.
-        sent.insert(7, Call("register", "bad", "batch-bad", "no-such-engine", (1,), 40))
+        sent.insert(
+            7, Call("register", "bad", "batch-bad", "no-such-engine", block_groups.of((1,)), 40)
+        )
         for c in sent:
             client.submit(c)
         got = results_for(client, len(sent))
@@ -99,7 +102,7 @@ def test_only_results_the_engine_must_act_on_are_queued(server: ThreadedCoordina
     client = CoordinatorClient(server.address, timeout_s=5.0, keep=needs_engine)
     try:
         sent = calls(20)  # accepted: dropped on the client thread
-        refused = Call("register", "bad", "keep-bad", "no-such-engine", (1,), 40)
+        refused = Call("register", "bad", "keep-bad", "no-such-engine", block_groups.of((1,)), 40)
         cancel = Call("cancel", "c1", "keep-cancel", reason="test")  # always handed on
         sent[5:5] = [refused, cancel]
         for c in sent:
@@ -184,8 +187,8 @@ def test_a_newer_term_resubmits_the_open_calls_flagged() -> None:
         tc.run(cluster.start())
         client = CoordinatorClient(tc.address, timeout_s=5.0)
         try:
-            client.submit(Call("register", "d1", "rs-open", "d0", (10, 11), 40))
-            client.submit(Call("register", "d2", "rs-settled", "d0", (12, 13), 40))
+            client.submit(Call("register", "d1", "rs-open", "d0", block_groups.of((10, 11)), 40))
+            client.submit(Call("register", "d2", "rs-settled", "d0", block_groups.of((12, 13)), 40))
             assert client.wait_answered(2, DEADLINE_S)
             client.settle("d2", "rs-settled")
             assert client.wait_open(lambda open_: open_ == {"rs-open"}, DEADLINE_S)
@@ -196,7 +199,7 @@ def test_a_newer_term_resubmits_the_open_calls_flagged() -> None:
                 tc.coordinator.runtime.lead(5)
 
             tc.run(lead())
-            client.submit(Call("register", "d3", "rs-new", "d0", (14, 15), 40))
+            client.submit(Call("register", "d3", "rs-new", "d0", block_groups.of((14, 15)), 40))
             res = client.wait_result(
                 lambda r: r.call.transfer_id == "rs-open" and r.terminal, DEADLINE_S
             )

@@ -33,6 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
@@ -321,7 +322,7 @@ async def test_decode_claims_uncached_suffix_and_registers_its_blocks(
         blocks = eng.blocks_of("d1")
         assert len(blocks) == 3  # 16 + 16 + 8 tokens
         meta = _meta(sched_out)
-        assert meta.recv == [RecvSpec("d1", tid, tuple(blocks))]
+        assert meta.recv == [RecvSpec("d1", tid, of(blocks))]
         assert meta.fail == [] and meta.send == []
         assert meta.idle  # nothing was scheduled in this step
 
@@ -394,11 +395,8 @@ async def test_hybrid_groups_register_the_window_and_orders_pair_token_positions
         assert len(window_ids) == need and 0 not in window_ids[skipped:]
         (reg,) = dec.spy.calls
         assert reg.kind == "register" and reg.num_tokens == n
-        assert reg.block_ids == tuple(full_ids)
-        assert reg.more_groups == (tuple(window_ids[skipped:]),)
-        assert _meta(sched_out).recv == [
-            RecvSpec("dh", tid, tuple(full_ids) + tuple(window_ids[skipped:]))
-        ]
+        assert reg.blocks == of(full_ids, window_ids[skipped:])
+        assert _meta(sched_out).recv == [RecvSpec("dh", tid, of(full_ids, window_ids[skipped:]))]
         t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
         assert [list(g.ids) for g in t.decode_blocks] == [full_ids, window_ids[skipped:]]
 
@@ -412,8 +410,7 @@ async def test_hybrid_groups_register_the_window_and_orders_pair_token_positions
         assert len(p_full) == need and 0 not in p_full
         assert p_window[:skipped] == [0] * skipped and 0 not in p_window[skipped:need]
         done = next(c for c in pre.spy.calls if c.kind == "prefill_done")
-        assert done.block_ids == tuple(p_full[:need])
-        assert done.more_groups == (tuple(p_window[skipped:need]),)
+        assert done.blocks == of(p_full[:need], p_window[skipped:need])
         assert pre.spy.finished["ph"][2] == (True, {"transfer_id": tid})
 
         # The order: group by group, decode's blocks from the same positions.
@@ -477,7 +474,7 @@ async def test_decode_with_local_prefix_hit_registers_only_the_tail(
         assert len(blocks) == 3 and unhashed == blocks[2:]
         # Only the 8-token tail block is claimed and registered.
         assert req.num_computed_tokens == 40
-        assert _meta(sched_out).recv == [RecvSpec("d2", tid, (blocks[2],))]
+        assert _meta(sched_out).recv == [RecvSpec("d2", tid, of(blocks[2:]))]
         t = await wait_transfer(stubs, tid, in_state(pb.TRANSFER_STATE_REGISTERED))
         assert [list(g.ids) for g in t.decode_blocks] == [blocks[2:]]
         assert t.num_tokens == 40
@@ -551,7 +548,7 @@ async def test_decode_registration_refused_fails_the_load(
         )
         eng.scheduler.add_request(req)
         sched_out, _ = step(eng.scheduler)
-        spec = RecvSpec("d4", tid, tuple(eng.blocks_of("d4")))
+        spec = RecvSpec("d4", tid, of(eng.blocks_of("d4")))
         assert _meta(sched_out).recv == [spec]
 
         result = eng.wait_result("register")
@@ -671,7 +668,7 @@ async def test_failed_load_with_recompute_policy_recomputes_without_registering_
         blocks = eng.blocks_of("d6")
         eng.wait_result("register")
         sched_out, _ = step(eng.scheduler)
-        assert _meta(sched_out).fail == [RecvSpec("d6", tid, tuple(blocks))]
+        assert _meta(sched_out).fail == [RecvSpec("d6", tid, of(blocks))]
         step(
             eng.scheduler,
             connector_output=kv_output(
@@ -1112,7 +1109,7 @@ async def test_unreachable_coordinator_fails_the_load_only_after_the_grace(
         req = make_request("u1", prompt_tokens(40), cfg, kv_transfer_params=decode_params(tid))
         sched.add_request(req)
         sched_out, _ = step(sched)
-        spec = RecvSpec("u1", tid, tuple(eng.blocks_of("u1")))
+        spec = RecvSpec("u1", tid, of(eng.blocks_of("u1")))
         assert _meta(sched_out).recv == [spec]
         result = eng.wait_result("register")
         assert not result.ok and not result.refused and "UNAVAILABLE" in result.error

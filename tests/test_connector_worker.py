@@ -24,6 +24,7 @@ from pushkv.agent.events import EventKind
 from pushkv.agent.nixl_adapter import quiet_nixl_env
 from pushkv.agent.nixl_types import KVRegion
 from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.compat import KVConnectorRole
@@ -200,7 +201,7 @@ def test_push_lands_byte_for_byte_and_frees_after_finished(
         t.zero_()
 
     # Decode step after allocation: the scheduler half registered the blocks.
-    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq", tid, tuple(dst))]))
+    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq", tid, of(dst))]))
     assert register(stubs, tid, d.engine_id, dst, 40).state == pb.TRANSFER_STATE_REGISTERED
     # Prefill: request_finished reported the blocks; the next step maps them and
     # carries the request id in finished_req_ids.
@@ -242,7 +243,7 @@ def test_prefill_frees_only_after_its_id_was_finished(
     tid = new_tid()
     src, dst = [1, 2], [30, 31]
     fill(p.caches, src, seed=2)
-    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq2", tid, tuple(dst))]))
+    d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq2", tid, of(dst))]))
     register(stubs, tid, d.engine_id, dst, 20)
     prefill_done(stubs, tid, p.engine_id, src, 20)
     assert run_steps([(d, set())], until=lambda f: bool(f.recving)).recving == ["dreq2"]
@@ -338,7 +339,7 @@ def test_cancelled_transfer_fails_the_load_with_its_blocks(
     conn, engine_id = decode_connector
     tid = new_tid()
     blocks = (5, 6, 7)
-    r = worker_step(conn, PushKVMetadata(recv=[RecvSpec("dfail", tid, blocks)], idle=True))
+    r = worker_step(conn, PushKVMetadata(recv=[RecvSpec("dfail", tid, of(blocks))], idle=True))
     assert r == StepResult(set(), set(), set())
     assert register(stubs, tid, engine_id, list(blocks), 40).state == (pb.TRANSFER_STATE_REGISTERED)
     cancelled = stubs.transfers.Cancel(
@@ -369,7 +370,7 @@ def test_refused_registration_fails_the_load_in_the_same_step(
     fallbacks = conn._worker.counts.fallbacks
     before = fallbacks["registration_failed"]
     tid = new_tid()
-    spec = RecvSpec("dref", tid, (8, 9))
+    spec = RecvSpec("dref", tid, of((8, 9)))
     assert worker_step(conn, PushKVMetadata(recv=[spec])) == StepResult(set(), set(), set())
     r = worker_step(conn, PushKVMetadata(fail=[spec]))
     assert r == StepResult({"dref"}, {"dref"}, {8, 9})
@@ -516,9 +517,7 @@ def test_groups_of_a_hybrid_model_land_byte_for_byte(
         src = ([3, 9, 4, 5, 6], [12, 13])
         dst = ([20, 7, 11, 21, 22], [25, 26])
         fill(p.caches, [b for g in src for b in g], seed=3)
-        d.half.start_load_kv(
-            PushKVMetadata(recv=[RecvSpec("dreq", tid, tuple(b for g in dst for b in g))])
-        )
+        d.half.start_load_kv(PushKVMetadata(recv=[RecvSpec("dreq", tid, of(*dst))]))
         reply = stubs.transfers.RegisterDecodeBlocks(
             pb.RegisterDecodeBlocksRequest(
                 transfer_id=tid,
@@ -570,7 +569,8 @@ def test_a_failed_load_names_block_ids_only_with_one_kv_group(kv_groups: int) ->
         num_blocks=NB,
         kv_groups=kv_groups,
     )
-    spec = RecvSpec("dreq", new_tid(), (4, 5, 9))
+    blocks = of((4, 5, 9)) if kv_groups == 1 else of((4, 5), (9,))
+    spec = RecvSpec("dreq", new_tid(), blocks)
     half.start_load_kv(PushKVMetadata(recv=[spec]))
     half.start_load_kv(PushKVMetadata(fail=[spec]))
     assert half.get_finished(set(), idle=False) == (None, {"dreq"})

@@ -26,6 +26,7 @@ from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess, leaders
 from pushkv.harness.etcd import EtcdCluster
 from pushkv.harness.kvhost import HostSpec, KVHost
 from pushkv.net.tls import TLSFiles
+from pushkv.rules import block_groups
 from pushkv.tools import status as status_cli
 from pushkv.tools.devpki import make_pki
 from pushkv.v1 import pushkv_pb2 as pb
@@ -714,8 +715,8 @@ def test_in_flight_transfers_complete_through_the_new_leader(
         for tid, (src, _, seed) in stages.items():
             p.fill(src, seed=seed)
             d.call("expect", [tid])
-        _submit(client, Call("register", "r1", "ha-registered", "D", (22, 23), 20))
-        _submit(client, Call("register", "r2", "ha-arrived", "D", (24, 25), 20))
+        _submit(client, Call("register", "r1", "ha-registered", "D", block_groups.of((22, 23)), 20))
+        _submit(client, Call("register", "r2", "ha-arrived", "D", block_groups.of((24, 25)), 20))
         p.call("hold", ["ha-arrived"])
         p.call("pause", True)
         _register_and_done(client, p, "ha-ordered", [26, 27], [5, 6])
@@ -758,8 +759,10 @@ def test_in_flight_transfers_complete_through_the_new_leader(
         # (both registrations, both sides of ha-ordered: open calls); the
         # prefill reports that come after the kill are new calls.
         p.call("hold", ["ha-registered"])
-        _submit(client, Call("prefill_done", "p1", "ha-registered", "P", (1, 2), 20))
-        _submit(client, Call("prefill_done", "p2", "ha-arrived", "P", (3, 4), 20))
+        _submit(
+            client, Call("prefill_done", "p1", "ha-registered", "P", block_groups.of((1, 2)), 20)
+        )
+        _submit(client, Call("prefill_done", "p2", "ha-arrived", "P", block_groups.of((3, 4)), 20))
         for tid, (_, dst, seed) in stages.items():
             assert d.wait_event(tid, DEADLINE_S).kind is EventKind.KV_READY, tid
             assert d.check(dst, seed=seed) == [], tid
@@ -855,9 +858,9 @@ def _register_and_done(
     client: CoordinatorClient, p: KVHost, tid: str, dst: list[int], src: list[int]
 ) -> None:
     """The scheduler halves' calls, through the client given both addresses."""
-    client.submit(Call("register", tid + "-d", tid, "D", tuple(dst), 20))
+    client.submit(Call("register", tid + "-d", tid, "D", block_groups.of(dst), 20))
     p.call("hold", [tid])  # as the connector's worker half does
-    client.submit(Call("prefill_done", tid + "-p", tid, "P", tuple(src), 20))
+    client.submit(Call("prefill_done", tid + "-p", tid, "P", block_groups.of(src), 20))
     for kind in ("register", "prefill_done"):
 
         def match(r: Result, k: str = kind) -> bool:

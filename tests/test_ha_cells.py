@@ -22,6 +22,7 @@ from pushkv.controlplane.leadership import DEFAULT_KEY, election_key
 from pushkv.controlplane.server import ServerSettings, start
 from pushkv.harness.coordinator import leadership
 from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.client import Call, CoordinatorClient
@@ -101,9 +102,9 @@ class CellHosts:
         """Both sides of a transfer, through the cell's scheduler client."""
         self.p.fill(src, seed=seed)
         self.d.call("expect", [tid])
-        _submit(self.client, Call("register", tid + "-d", tid, self.decode, tuple(dst), 20))
+        _submit(self.client, Call("register", tid + "-d", tid, self.decode, of(dst), 20))
         self.p.call("hold", [tid])  # as the connector's worker half does
-        _submit(self.client, Call("prefill_done", tid + "-p", tid, self.prefill, tuple(src), 20))
+        _submit(self.client, Call("prefill_done", tid + "-p", tid, self.prefill, of(src), 20))
 
     def landed(self, tid: str, dst: list[int], seed: int, leader: str) -> None:
         """The transfer complete: at the agents, in the bytes, at the leader."""
@@ -185,11 +186,11 @@ def test_a_failover_in_one_cell_leaves_the_other_untouched(etcd: EtcdServer) -> 
             # Decode registered before the kill; the prefill report right after.
             hb.p.fill([5, 6], seed=72)
             hb.d.call("expect", ["b-late"])
-            _submit(hb.client, Call("register", "b-late-d", "b-late", "DB", (24, 25), 20))
+            _submit(hb.client, Call("register", "b-late-d", "b-late", "DB", of((24, 25)), 20))
 
             lead_a.kill()
             hb.p.call("hold", ["b-late"])
-            _submit(hb.client, Call("prefill_done", "b-late-p", "b-late", "PB", (5, 6), 20))
+            _submit(hb.client, Call("prefill_done", "b-late-p", "b-late", "PB", of((5, 6)), 20))
 
             # Cell A elects among its own replicas; its engines follow.
             assert a.leader() is standby_a

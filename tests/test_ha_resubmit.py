@@ -18,6 +18,7 @@ import pytest
 
 from pushkv.agent.events import EventKind
 from pushkv.harness.coordinator import leadership
+from pushkv.rules import block_groups
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
@@ -69,14 +70,14 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         p.fill([3, 4], seed=61)
         p.fill([5, 6], seed=62)
         d.call("expect", ["rs-registered", "rs-ordered"])
-        _submit(client, Call("register", "r1", "rs-registered", "D", (22, 23), 20))
+        _submit(client, Call("register", "r1", "rs-registered", "D", block_groups.of((22, 23)), 20))
         p.call("pause", True)
         _register_and_done(client, p, "rs-ordered", [24, 25], [5, 6])
         # rs-gone: accepted by the old leader, but no agent holds it (the decode
         # agent was never told to expect it): its resubmission must fail.
-        _submit(client, Call("register", "r3", "rs-gone", "D", (26, 27), 20))
+        _submit(client, Call("register", "r3", "rs-gone", "D", block_groups.of((26, 27)), 20))
         # rs-settled: the engine is done with it; never resubmitted.
-        _submit(client, Call("register", "r4", "rs-settled", "D", (28, 29), 20))
+        _submit(client, Call("register", "r4", "rs-settled", "D", block_groups.of((28, 29)), 20))
         client.settle("r4", "rs-settled")
         want = {"rs-registered", "rs-ordered", "rs-gone", "rs-written"}
         assert client.wait_open(lambda open_: open_ == want, DEADLINE_S)
@@ -107,7 +108,9 @@ def test_open_calls_are_resubmitted_to_the_new_leader_and_complete(cluster: Clus
         p.call("pause", False)
         # The prefill side of rs-registered finishes after the kill (a new call).
         p.call("hold", ["rs-registered"])
-        _submit(client, Call("prefill_done", "p1", "rs-registered", "P", (3, 4), 20))
+        _submit(
+            client, Call("prefill_done", "p1", "rs-registered", "P", block_groups.of((3, 4)), 20)
+        )
         for tid, dst, seed in (("rs-registered", [22, 23], 61), ("rs-ordered", [24, 25], 62)):
             assert d.wait_event(tid, DEADLINE_S).kind is EventKind.KV_READY, tid
             assert d.check(dst, seed=seed) == [], tid

@@ -37,6 +37,7 @@ from pushkv.controlplane.order_size import OrderTooLarge, check, max_order_bytes
 from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.server import Coordinator, ServerSettings, start
 from pushkv.controlplane.settings import CoreSettings
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.sim_agent import TOKENS_PER_BLOCK, SimAgent, blocks, layout
@@ -94,7 +95,7 @@ def test_the_bound_is_never_below_the_encoded_order(o: Order, term: int) -> None
 
 def test_a_wide_order_is_named_and_the_limit_follows_the_agents() -> None:
     big = tuple(range(2**14, 2**14 + 1000))  # 3-byte ids
-    tgt = Target(EngineId("d"), 0, "i", (big,), (big,), 1)
+    tgt = Target(EngineId("d"), 0, "i", of(big), of(big), 1)
     o = Order(OrderId("o1"), TransferId("t"), EngineId("p"), 0, "i", (tgt, tgt), 0.0, 16)
     encoded = convert.order_message(o).order.ByteSize()
     assert 12_000 < encoded <= order_bytes(o) <= encoded + 600  # 2 x 2,000 ids x 3 bytes

@@ -14,6 +14,7 @@ from pushkv.controlplane.domain import AgentRegistration, EngineId, KVLayout, KV
 from pushkv.controlplane.errors import FailedPrecondition, InvalidArgument
 from pushkv.controlplane.orders import mismatch, rank_targets
 from pushkv.controlplane.registry import EngineRecord, Registry
+from pushkv.rules.block_groups import of
 from pushkv.rules.pairing import KVShape, pair_mismatch
 from pushkv.rules.pp_map import merge_stages, region_map
 from tests.test_tp_orders import COMPAT, HEAD, transfer
@@ -86,7 +87,7 @@ def test_each_stage_writes_its_layers_regions(p_tp: int, d_tp: int) -> None:
     assert mismatch(transfer(), pe, de) == ""
     per_d: dict[int, set[int]] = {}
     for rank in range(2 * p_tp):
-        targets = rank_targets(pe, de, rank, ((1, 2),), ((5, 6),))
+        targets = rank_targets(pe, de, rank, of((1, 2)), of((5, 6)))
         stage = rank // p_tp
         want = (4, 3) if stage == 0 else (2, 1, 0)  # layer -> decode region 4 - layer
         tp_writers = max(1, p_tp // d_tp)
@@ -101,7 +102,7 @@ def test_each_stage_writes_its_layers_regions(p_tp: int, d_tp: int) -> None:
 
 def test_without_pp_no_region_map() -> None:
     pe, de = engines(ALL, 1, ALL, 1)
-    (t,) = rank_targets(pe, de, 0, ((1,),), ((5,),))
+    (t,) = rank_targets(pe, de, 0, of((1,)), of((5,)))
     assert t.dst_regions == () and t.expected_writers == 1
 
 

@@ -11,6 +11,7 @@ from pushkv.agent.messages import FireMsg, OrderMsg, Target
 from pushkv.agent.progressive import chunk_writes, progressive_ok
 from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.harness.kvhost import KVHost
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support.kvpair import (
     CANARY,
@@ -27,29 +28,29 @@ TPB = 16
 
 
 def order(dst: tuple[int, ...], n: int, targets: int = 1) -> OrderMsg:
-    tgts = tuple(Target("D", r, "i", (), dst, 1, dst_groups=(len(dst),)) for r in range(targets))
+    tgts = tuple(Target("D", r, "i", of(), of(dst), 1) for r in range(targets))
     return OrderMsg("o", "t", 0, tgts, 4e9, num_tokens=n, armed=True)
 
 
 def chunk(held: tuple[int, ...], n: int, computed: int) -> FireMsg:
-    return FireMsg("t", (held,), n, computed, final=False)
+    return FireMsg("t", of(held), n, computed, final=False)
 
 
 def test_each_chunk_writes_the_whole_blocks_it_added() -> None:
     o = order((50, 51, 52, 53, 54), 4 * TPB + 5)
     held = (1, 2, 3, 4, 5, 6)  # the prompt's 5 blocks and one for the sampled token
     assert chunk_writes(o, chunk(held[:3], o.num_tokens, 40), 0, TPB) == (
-        [(o.targets[0], (1, 2), (50, 51))],
+        [(o.targets[0], of((1, 2)), of((50, 51)))],
         2,
     )
     # 47 tokens: still two whole blocks, nothing new.
     assert chunk_writes(o, chunk(held[:3], o.num_tokens, 47), 2, TPB) == ([], 2)
     assert chunk_writes(o, chunk(held[:4], o.num_tokens, 64), 2, TPB) == (
-        [(o.targets[0], (3, 4), (52, 53))],
+        [(o.targets[0], of((3, 4)), of((52, 53)))],
         4,
     )
-    final = FireMsg("t", (held,), o.num_tokens)
-    assert chunk_writes(o, final, 4, TPB) == ([(o.targets[0], (5,), (54,))], 5)
+    final = FireMsg("t", of(held), o.num_tokens)
+    assert chunk_writes(o, final, 4, TPB) == ([(o.targets[0], of((5,)), of((54,)))], 5)
 
 
 def test_a_decode_prefix_hit_skips_the_blocks_decode_has() -> None:
@@ -57,16 +58,16 @@ def test_a_decode_prefix_hit_skips_the_blocks_decode_has() -> None:
     held = (1, 2, 3, 4)
     assert chunk_writes(o, chunk(held[:2], o.num_tokens, 32), 0, TPB) == ([], 2)
     assert chunk_writes(o, chunk(held[:3], o.num_tokens, 48), 2, TPB) == (
-        [(o.targets[0], (3,), (60,))],
+        [(o.targets[0], of((3,)), of((60,)))],
         3,
     )
-    final = FireMsg("t", (held,), o.num_tokens)
-    assert chunk_writes(o, final, 3, TPB) == ([(o.targets[0], (4,), (61,))], 4)
+    final = FireMsg("t", of(held), o.num_tokens)
+    assert chunk_writes(o, final, 3, TPB) == ([(o.targets[0], of((4,)), of((61,)))], 4)
 
 
 def test_the_final_fire_names_every_target_even_with_nothing_left() -> None:
     o = order((70,), TPB, targets=2)
-    final = FireMsg("t", ((9,),), TPB)
+    final = FireMsg("t", of((9,)), TPB)
     result = chunk_writes(o, final, 1, TPB)
     assert not isinstance(result, str), result  # a str says why it was refused
     writes, upto = result
@@ -78,9 +79,9 @@ def test_a_chunk_that_does_not_fit_is_refused() -> None:
     o = order((50, 51), 2 * TPB)
     assert "num_tokens" in str(chunk_writes(o, chunk((1, 2), 33, 16), 0, TPB))
     assert "holds 1 blocks" in str(chunk_writes(o, chunk((1,), 2 * TPB, 32), 0, TPB))
-    two_groups = FireMsg("t", ((1,), (2,)), 2 * TPB, 16, final=False)
+    two_groups = FireMsg("t", of((1,), (2,)), 2 * TPB, 16, final=False)
     assert "2 KV groups" in str(chunk_writes(o, two_groups, 0, TPB))
-    hybrid = OrderMsg("o", "t", 0, (Target("D", 0, "i", (), (1, 2), 1, dst_groups=(1, 1)),), 0.0)
+    hybrid = OrderMsg("o", "t", 0, (Target("D", 0, "i", of(), of((1,), (2,)), 1),), 0.0)
     assert progressive_ok(o) and not progressive_ok(hybrid)
 
 

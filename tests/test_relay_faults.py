@@ -17,6 +17,7 @@ import pytest
 
 from pushkv.agent.events import EventKind
 from pushkv.harness.coordinator import RelayProcess, leadership
+from pushkv.rules import block_groups
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.client import Call, CoordinatorClient
@@ -100,7 +101,7 @@ def test_a_relay_lost_with_transfers_in_flight(replicas: tuple[Cluster, Case]) -
         p.fill([5, 6], seed=62)
         d.call("expect", ["rk-registered", "rk-ordered"])
         # Waiting for its prefill: the decode side registered only.
-        _submit(client, Call("register", "r1", "rk-registered", "D", (22, 23), 20))
+        _submit(client, Call("register", "r1", "rk-registered", "D", block_groups.of((22, 23)), 20))
         # Moving: ordered, its WRITE held unposted at the prefill agent.
         p.call("pause", True)
         _register_and_done(client, p, "rk-ordered", [26, 27], [5, 6])
@@ -146,7 +147,10 @@ def test_a_relay_lost_with_transfers_in_flight(replicas: tuple[Cluster, Case]) -
 
         if keep:
             p.call("hold", ["rk-registered"])
-            _submit(client, Call("prefill_done", "p1", "rk-registered", "P", (1, 2), 20))
+            _submit(
+                client,
+                Call("prefill_done", "p1", "rk-registered", "P", block_groups.of((1, 2)), 20),
+            )
             assert d.wait_event("rk-registered", DEADLINE_S).kind is EventKind.KV_READY
             assert d.check([22, 23], seed=61) == []
             assert p.wait_event("rk-registered", DEADLINE_S).kind is EventKind.BLOCKS_FREE

@@ -14,6 +14,7 @@ from pushkv.controlplane.server import Coordinator
 from pushkv.controlplane.servicers import MAX_SUBMIT_CALLS
 from pushkv.relay.server import Relay, RelaySettings
 from pushkv.relay.upstream import Generation, RelayError, Upstream
+from pushkv.rules import block_groups
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from pushkv.vllm_integration.client import Call, CoordinatorClient, Result
@@ -54,14 +55,18 @@ async def test_the_scheduler_clients_submits_go_up_the_relays_stream(
         ):
             ids = [f"rs{i}" for i in range(6)]
             for i, tid in enumerate(ids):
-                client.submit(Call("register", f"d{i}", tid, "d0", (7, 8, 9), 40))
+                client.submit(Call("register", f"d{i}", tid, "d0", block_groups.of((7, 8, 9)), 40))
             for i in range(len(ids)):
                 res = await _result(client, f"d{i}")
                 assert res.ok and res.state == pb.TRANSFER_STATE_REGISTERED, res
             for i, tid in enumerate(ids):
-                client.submit(Call("prefill_done", f"p{i}", tid, "p0", (1, 2, 3), 40))
+                client.submit(
+                    Call("prefill_done", f"p{i}", tid, "p0", block_groups.of((1, 2, 3)), 40)
+                )
             # A call the coordinator refuses fails alone, with its own status.
-            client.submit(Call("prefill_done", "bad", "rs-bad", "p0", (1, 2, 3), 0))
+            client.submit(
+                Call("prefill_done", "bad", "rs-bad", "p0", block_groups.of((1, 2, 3)), 0)
+            )
             bad = await _result(client, "bad")
             assert not bad.ok and "INVALID_ARGUMENT" in bad.error, bad
             for i in range(len(ids)):

@@ -39,6 +39,7 @@ from pushkv.controlplane.rendezvous import Rendezvous
 from pushkv.controlplane.settings import CoreSettings
 from pushkv.controlplane.transfer import Transfer
 from pushkv.controlplane.transfer_filter import TransferFilter
+from pushkv.rules.block_groups import of
 
 TPB = 16
 P, D = EngineId("prefill-0"), EngineId("decode-0")
@@ -746,7 +747,7 @@ def test_compaction_keeps_a_rank_with_nothing_to_write_apart() -> None:
     from pushkv.controlplane.transfer import OrderRecord
 
     t = Transfer(TransferId("t"), State.FAILED, 0.0, 0.0, 60.0, 0.0)
-    tgt = WriteTarget(D, 0, "i1", ((1,),), ((5,),), 1)
+    tgt = WriteTarget(D, 0, "i1", of((1,)), of((5,)), 1)
     for rank, targets in ((0, (tgt,)), (1, ())):
         o = Order(OrderId(f"o{rank}"), TransferId("t"), P, rank, "i1", targets, 0.0, 16)
         t.orders[rank] = OrderRecord(o, AgentKey(P, rank), RankState.FAILED)

@@ -41,6 +41,7 @@ from pushkv.agent.messages import (
 from pushkv.agent.nixl_adapter import NixlEndpoint
 from pushkv.controlplane.server import Coordinator, ServerSettings, start
 from pushkv.harness.kvhost import HostSpec, KVHost
+from pushkv.rules.block_groups import of
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.nixl_peer import regions_of
@@ -137,7 +138,7 @@ def prefill_plane() -> Iterator[tuple[DataPlane, queue.Queue[Outbound], list[Hos
 
 def _order(oid: str, tid: str, term: int) -> OrderMsg:
     # The decode peer is unknown: an accepted order fails at posting (no WRITE).
-    tgt = Target("D", 0, "nobody", (0,), (0,), 1)
+    tgt = Target("D", 0, "nobody", of((0,)), of((0,)), 1)
     return OrderMsg(oid, tid, 0, (tgt,), 0.0, "", term)
 
 

@@ -36,6 +36,7 @@ from pushkv.harness.kvhost import HostSpec, KVHost
 from pushkv.harness.vllm_server import RouterProcess
 from pushkv.net.tls import ChannelCache, TLSFiles
 from pushkv.net.tls import channel as tls_channel
+from pushkv.rules.block_groups import of
 from pushkv.tools.devpki import make_pki
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -210,12 +211,12 @@ class Cluster:
 
     def register(self, tid: str) -> None:
         self.d.call("expect", [tid])
-        self.d_client.submit(Call("register", tid, tid, "D", (1, 2), 20))
+        self.d_client.submit(Call("register", tid, tid, "D", of((1, 2)), 20))
         ok(self.d_client, tid)
 
     def prefill_done(self, tid: str, seed: int) -> None:
         self.p.fill([3, 4], seed=seed)
-        self.p_client.submit(Call("prefill_done", tid, tid, "P", (3, 4), 20))
+        self.p_client.submit(Call("prefill_done", tid, tid, "P", of((3, 4)), 20))
         ok(self.p_client, tid)
         assert self.d.wait_event(tid, timeout=WAIT_S).kind is EventKind.KV_READY
         assert self.d.check([1, 2], seed=seed) == []  # every byte arrived

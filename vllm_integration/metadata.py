@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pushkv.agent.messages import FireMsg
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.vllm_integration.compat import KVConnectorMetadata
 
 
 class RecvSpec(NamedTuple):
     request_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    blocks: BlockGroups  # per KV group, the blocks registered for the KV
 
 
 @dataclass

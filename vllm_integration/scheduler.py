@@ -36,6 +36,7 @@ from typing import Any
 from pushkv.agent.messages import FireMsg
 from pushkv.agent.placement import placed, resolve
 from pushkv.net.tls import TLSFiles
+from pushkv.rules import block_groups
 from pushkv.vllm_integration import compat, faults
 from pushkv.vllm_integration.client import Call, CoordinatorClient, needs_engine
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
@@ -78,6 +79,7 @@ class PushSchedulerHalf:
         self.block_size = block_size
         self._faults = faults.armed()  # None outside tests
         self.kv_groups = kv_groups  # KV cache groups (> 1: vLLM's hybrid KV cache manager)
+        self._no_blocks = block_groups.none(kv_groups)  # a full local prefix hit's
         # Per sliding-window group: (window, tokens of a prompt of n tokens that
         # vLLM keeps besides n - window + 1: its extra_retained_tokens).
         self.windows = windows
@@ -174,20 +176,16 @@ class PushSchedulerHalf:
         self._registered.add(rid)
         n_tokens = request.num_prompt_tokens
         local = self._local_hit.pop(rid, 0)
-        more: tuple[tuple[int, ...], ...] = ()
         if num_external_tokens > 0:
             bs = self.block_size
             if self.kv_groups == 1:
-                dst = compat.first_group_block_ids(blocks, local // bs, -(-n_tokens // bs))
-                held = dst
+                dst = compat.single_group(blocks, local // bs, -(-n_tokens // bs))
             else:
                 # Per group the blocks decode holds of the uncached suffix (a
                 # sliding-window group: its window's), each a tail ending at the
                 # prompt's last block.
-                dst, *rest = compat.group_block_ids(blocks, local // bs, -(-n_tokens // bs))
-                more = tuple(rest)
-                held = dst + tuple([b for g in more for b in g])
-            spec = RecvSpec(rid, tid, held)
+                dst = compat.all_groups(blocks, local // bs, -(-n_tokens // bs))
+            spec = RecvSpec(rid, tid, dst)
             self._waiting[rid] = spec
             self._meta.recv.append(spec)
         else:
@@ -199,11 +197,8 @@ class PushSchedulerHalf:
                 return
             # Full local prefix hit: nothing to write, but the coordinator must
             # learn it so the prefill side frees its blocks at once.
-            dst = ()
-            more = ((),) * (self.kv_groups - 1)
-        self.client.submit(
-            Call("register", rid, tid, self.engine_id, dst, n_tokens, more_groups=more)
-        )
+            dst = self._no_blocks
+        self.client.submit(Call("register", rid, tid, self.engine_id, dst, n_tokens))
 
     # ------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: Any) -> PushKVMetadata:
@@ -260,7 +255,7 @@ class PushSchedulerHalf:
         if computed >= leg.num_tokens:
             del self._legs[rid]
             self._fired.add(rid)
-            blocks = self._prompt_blocks(leg.blocks, leg.num_tokens)
+            blocks = compat.held_groups(leg.blocks, leg.num_tokens, self.block_size)
             spec = FireMsg(leg.transfer_id, blocks, leg.num_tokens, restart=leg.restart)
             self._meta.fire.append(spec)
             return
@@ -269,21 +264,9 @@ class PushSchedulerHalf:
             return
         leg.chunked = whole
         self._fired.add(rid)  # a chunk's WRITE may be in flight from now on
-        spec = FireMsg(
-            leg.transfer_id, (tuple(leg.blocks[0]),), leg.num_tokens, computed, final=False
-        )
+        so_far = compat.held_groups(leg.blocks, computed, self.block_size)  # every block so far
+        spec = FireMsg(leg.transfer_id, so_far, leg.num_tokens, computed, final=False)
         self._meta.fire.append(spec)
-
-    def _prompt_blocks(
-        self, groups: list[list[int]] | tuple[list[int], ...], num_tokens: int
-    ) -> tuple[tuple[int, ...], ...]:
-        """Per KV group, the blocks held of an n-token prompt: with one group
-        every block; with several, each group's tail after its null blocks (a
-        sliding-window group's window)."""
-        if len(groups) == 1:
-            return (tuple(groups[0]),)
-        need = -(-num_tokens // self.block_size)
-        return tuple([compat.held_tail(list(g[:need])) for g in groups])
 
     def _take_results(self) -> None:
         for res in self.client.drain():
@@ -382,17 +365,8 @@ class PushSchedulerHalf:
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's SupportsHMA hook: every KV cache group's blocks of the request."""
-        if len(block_ids) == 1:
-            return self.request_finished(request, block_ids[0])
-        return self.request_finished(request, block_ids[0], block_ids[1:])
-
-    def request_finished(
-        self,
-        request: Any,
-        block_ids: list[int],
-        more_groups: tuple[list[int], ...] = (),
-    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's SupportsHMA hook, the one vLLM calls: every KV cache group's
+        blocks of the request."""
         raw = request.kv_transfer_params
         if raw is None:
             return False, None
@@ -416,16 +390,11 @@ class PushSchedulerHalf:
             fired = rid in self._fired  # a WRITE of its blocks may have been posted
             if fired:
                 self._fired.discard(rid)
-            if request.status in compat.FINISHED_NORMALLY and (block_ids or any(more_groups)):
-                first: tuple[int, ...] = tuple(block_ids)
-                more: tuple[tuple[int, ...], ...] = ()
-                if more_groups:
-                    # Each group's blocks of the prompt that the engine holds, a
-                    # tail ending at the prompt's last block (a sliding-window
-                    # group: null blocks before its window dropped).
-                    need = -(-request.num_prompt_tokens // self.block_size)
-                    first = compat.held_tail(block_ids[:need])
-                    more = tuple([compat.held_tail(g[:need]) for g in more_groups])
+            if request.status in compat.FINISHED_NORMALLY and any(block_ids):
+                # Each group's blocks of the prompt that the engine holds, a
+                # tail ending at the prompt's last block (a sliding-window
+                # group: null blocks before its window dropped).
+                groups = compat.held_groups(block_ids, request.num_prompt_tokens, self.block_size)
                 # vLLM calls this as it processes the output of the request's
                 # last forward: the timeline's "prefill_finished".
                 self.client.submit(
@@ -434,9 +403,8 @@ class PushSchedulerHalf:
                         rid,
                         tid,
                         self.engine_id,
-                        first,
+                        groups,
                         request.num_prompt_tokens,
-                        more_groups=more,
                         finished_unix=time.time(),
                     )
                 )
@@ -445,9 +413,9 @@ class PushSchedulerHalf:
                 if leg is not None or not fired:  # no final fire yet: fire now, blocks held
                     restart = leg is not None and leg.chunked > 0
                     n = request.num_prompt_tokens
-                    self._meta.fire.append(FireMsg(tid, (first, *more), n, restart=restart))
+                    self._meta.fire.append(FireMsg(tid, groups, n, restart=restart))
                 if self._faults is not None and self._faults.DIGEST:
-                    self._meta.send_blocks[tid] = first
+                    self._meta.send_blocks[tid] = groups[0]
                 return True, {"transfer_id": tid}
             self.client.submit(Call("cancel", rid, tid, reason="prefill request ended without KV"))
             if fired:
@@ -461,6 +429,12 @@ class PushSchedulerHalf:
         if tid is not None:  # never registered, e.g. rejected before scheduling
             self._cancel_decode(request, tid)
         return False, None
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook for a connector without SupportsHMA: one KV cache group."""
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def _cancel_decode(self, request: Any, tid: str) -> None:
         """A decode leg ended before its KV arrived (aborted while waiting, load

@@ -19,6 +19,8 @@ from pushkv.agent.nixl_types import KVRegion, MemoryKind
 from pushkv.agent.placement import launch_cpus, resolve
 from pushkv.agent.runtime import Agent, AgentConfig, AgentRole
 from pushkv.net.tls import TLSFiles
+from pushkv.rules import block_groups
+from pushkv.rules.block_groups import BlockGroups
 from pushkv.rules.pairing import SPAN_UNITS
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.vllm_integration import faults, kv_checks
@@ -343,7 +345,7 @@ class PushWorkerHalf:
             # Only while still waiting: reporting a request twice crashes vLLM.
             if spec.transfer_id in self._recv:
                 self._fail(
-                    spec.transfer_id, spec.request_id, spec.block_ids, reason="registration_failed"
+                    spec.transfer_id, spec.request_id, spec.blocks, reason="registration_failed"
                 )
         for rid, tid in meta.send:
             self._send[tid] = rid
@@ -450,18 +452,18 @@ class PushWorkerHalf:
         if e.kind is EventKind.KV_READY:
             del self._recv[tid]
             if self._faults is not None:  # a test armed a hook
-                self._faults.kv_arrived(self.agent, tid, recv.block_ids)
+                self._faults.kv_arrived(self.agent, tid, block_groups.flat(recv.blocks))
             self._recving_done.add(recv.request_id)
             return 1
         if e.kind is EventKind.KV_FAILED:
-            self._fail(tid, recv.request_id, recv.block_ids, e.detail)
+            self._fail(tid, recv.request_id, recv.blocks, e.detail)
         return 0
 
     def _fail(
         self,
         tid: str,
         rid: str,
-        block_ids: tuple[int, ...],
+        blocks: BlockGroups,
         detail: str = "",
         reason: str = "transfer_failed",
     ) -> None:
@@ -474,6 +476,7 @@ class PushWorkerHalf:
             detail or "refused",
             "recomputing it here" if recompute else "the request fails",
         )
+        block_ids = block_groups.flat(blocks)  # vLLM's invalid_block_ids: one set
         if self.kv_groups == 1:
             # Several KV cache groups: block ids are unique only per group, and
             # vLLM refuses invalid_block_ids then (RuntimeError); failed_recving

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from pushkv.rules.block_groups import BlockGroups
+
 
 def prompt_tails(
     prefill: Sequence[Sequence[int]],
     dst_lens: Sequence[int],
     num_tokens: int,
     tokens_per_block: int,
-) -> tuple[tuple[int, ...], ...]:
+) -> BlockGroups:
     """Per KV group, the prefill blocks written into a decode group of
     `dst_lens[g]` blocks (equal block sizes).
 
@@ -28,7 +30,7 @@ def prompt_tails(
     for p_ids, n in zip(prefill, dst_lens, strict=True):
         prompt_ids = p_ids[:n_prompt_blocks]
         src.append(tuple(prompt_ids[len(prompt_ids) - n :]) if n else ())
-    return tuple(src)
+    return BlockGroups(tuple(src))
 
 
 def prompt_shortfall(

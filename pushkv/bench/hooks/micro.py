@@ -92,7 +92,14 @@ def _micro_role(model_dir: str, role: str, n: int, reps: int) -> list[tuple[str,
         )
         for r in reqs:
             r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        rows.append(("request_finished", timed(lambda i: conn.request_finished(reqs[i], ids), 1)))
+        # The hook vLLM calls (the connector is SupportsHMA), with one KV group.
+        groups = (ids,)
+        rows.append(
+            (
+                "request_finished_all_groups",
+                timed(lambda i: conn.request_finished_all_groups(reqs[i], groups), 1),
+            )
+        )
         rows.append(("(the timing loop itself)", timed(lambda i: None, reps)))
     finally:
         gc.enable()
