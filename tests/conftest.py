@@ -3,7 +3,9 @@ server, default settings) and a node relay in front of it. A module that
 needs another coordinator (a child process, TLS, other settings) defines its
 own `coord`, which takes precedence over this one. A failed test that left
 vLLM engines running reports their logs' key lines and their stacks
-(tests/support/failure_report.py)."""
+(tests/support/failure_report.py). Each test gets the marker of its tier
+(pure, process, vllm) from what it starts, and is held to it while it runs
+(tests/support/tiers.py, tests/support/tier_guard.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pushkv.controlplane.settings import CoreSettings
 from pushkv.harness.coordinator import COORD_HANG_DUMP_ENV
 from pushkv.relay.server import Relay, RelaySettings
 from tests.support.failure_report import engines_report
+
+pytest_plugins = ["tests.support.tiers"]
 
 # A coordinator child whose loop stalls 20 s writes its threads' stacks to
 # its log, which a failed test's report prints (tests/support/serving.hang_dump).
