@@ -3,11 +3,20 @@
 # import layers, the whole pytest suite, and the coordinator's core tests again
 # against a wheel whose core mypyc compiled.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rendezvous`.
+# `--fast` first: the same checks, then the pytest tiers `pure` and `process`
+# only (-m "not vllm": no vLLM engine; tests/support/tiers.py), in minutes.
+# Every pytest run ends with its 25 slowest tests (--durations=25).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
 bash scripts/setup.sh
 VENV=${PUSHKV_VENV:-.venv}
-export PATH="$PWD/$VENV/bin:$PATH" NIXL_LOG_LEVEL=WARN UCX_LOG_LEVEL=error UCX_NET_DEVICES=lo
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+export PATH="$VENV/bin:$PATH" NIXL_LOG_LEVEL=WARN UCX_LOG_LEVEL=error UCX_NET_DEVICES=lo
 
 echo "== generated protobuf code"
 python scripts/gen_proto.py --check
@@ -18,8 +27,13 @@ echo "== mypy (strict)"
 mypy pushkv scripts tests setup.py
 echo "== import layers (import-linter)"
 lint-imports
+if [ "$fast" = 1 ]; then
+  echo "== pytest: the pure and process tiers (no vLLM)"
+  python -m pytest -ra -m "not vllm" --durations=25 "$@"
+  exit
+fi
 echo "== pytest"
-python -m pytest -ra "$@"
+python -m pytest -ra --durations=25 "$@"
 if [ $# -eq 0 ]; then
   echo "== pytest: the coordinator's core compiled by mypyc (PUSHKV_MYPYC=1 wheel)"
   bash scripts/build_compiled.sh build/compiled

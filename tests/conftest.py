@@ -4,7 +4,9 @@ needs another coordinator (a child process, TLS, other settings) defines its
 own `coord`, which takes precedence over this one. The tiny models and the
 independent reference engines are built once per session. A failed test that left
 vLLM engines running reports their logs' key lines and their stacks
-(tests/support/failure_report.py)."""
+(tests/support/failure_report.py). Each test gets the marker of its tier
+(pure, process, vllm) from what it starts, and is held to it while it runs
+(tests/support/tiers.py, tests/support/tier_guard.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from pushkv.harness.tiny_model import build_tiny_mla_model, build_tiny_model
 from pushkv.relay.server import Relay, RelaySettings
 from tests.support.failure_report import engines_report
 from tests.support.reference import ReferenceEngines
+
+pytest_plugins = ["tests.support.tiers"]
 
 # A coordinator child whose loop stalls 20 s writes its threads' stacks to
 # its log, which a failed test's report prints (tests/support/serving.hang_dump).

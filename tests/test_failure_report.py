@@ -18,6 +18,10 @@ from pushkv.harness.vllm_server import VllmServer, live_servers, track, untrack
 from tests.support.failure_report import engines_report, stack
 from tests.support.waits import Lines
 
+# It builds VllmServer objects round plain Python processes and never starts
+# one: the process tier (detection would say vllm from the name).
+pytestmark = pytest.mark.process
+
 PARKED = """
 import subprocess, sys, time
 def parked_in_the_api_server():
