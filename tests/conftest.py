@@ -22,6 +22,7 @@ from pushkv.controlplane.settings import CoreSettings
 from pushkv.harness.coordinator import COORD_HANG_DUMP_ENV
 from pushkv.harness.tiny_model import build_tiny_mla_model, build_tiny_model
 from pushkv.relay.server import Relay, RelaySettings
+from tests.support import tier_guard
 from tests.support.failure_report import engines_report
 from tests.support.reference import ReferenceEngines
 
@@ -87,7 +88,8 @@ def pytest_runtest_makereport(
     them: a hung request is then seen where it hangs."""
     report = yield
     if report.when in ("setup", "call") and report.failed:
-        text = engines_report()
+        with tier_guard.exempt():  # py-spy, whatever the test's tier
+            text = engines_report()
         if text:
             report.sections.append(("vLLM engines still running at the failure", text))
     return report

@@ -14,9 +14,11 @@ failure policy that both it and the router follow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, MutableMapping
+from typing import Any
 
 import aiohttp
 import grpc
@@ -28,6 +30,7 @@ from aiohttp import web
 from pushkv.agent.nixl_adapter import quiet_nixl_env
 from pushkv.cli import main as cli
 from pushkv.harness.coordinator import CoordinatorProcess
+from pushkv.router import engines as router_engines
 from pushkv.router.app import Router, RouterSettings
 from pushkv.router.engines import EngineDirectory
 from pushkv.v1 import pushkv_pb2 as pb
@@ -155,14 +158,30 @@ def listed(
     )
 
 
-def test_the_router_says_once_why_it_does_not_use_an_engine() -> None:
+@contextlib.contextmanager
+def captured(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[MutableMapping[str, Any]]]:
+    """The router directory's log lines. A logger an earlier test used in this
+    process is cached with that test's configuration (the processes' own
+    configure caches loggers on first use), so the directory logs through a
+    fresh one while structlog captures."""
+    with structlog.testing.capture_logs() as lines:
+        # Every level (an earlier configure may have filtered below WARNING);
+        # capture_logs restores the whole configuration on the way out.
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+        monkeypatch.setattr(router_engines, "log", structlog.get_logger("pushkv.router"))
+        yield lines
+
+
+def test_the_router_says_once_why_it_does_not_use_an_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     d = EngineDirectory(stub=None)  # type: ignore[arg-type]
     engines = [
         listed("p-0", pb.ROLE_PREFILL, api_url="http://p"),
         listed("d-host", pb.ROLE_DECODE),  # registered without api_url
         listed("d-late", pb.ROLE_DECODE, api_url="http://d", ready=False),
     ]
-    with structlog.testing.capture_logs() as lines:
+    with captured(monkeypatch) as lines:
         for _ in range(3):  # three refreshes, each listing the same engines
             d.update(engines)
     said = sorted((e["engine_id"], e["reason"], e["log_level"]) for e in lines)
@@ -171,7 +190,7 @@ def test_the_router_says_once_why_it_does_not_use_an_engine() -> None:
     assert d.decode == {} and list(d.prefill) == ["p-0"]
     assert "d-host (no_api_url: it registered without an api_url" in d.unused_hint()
     # Usable, then unusable again: said again.
-    with structlog.testing.capture_logs() as lines:
+    with captured(monkeypatch) as lines:
         d.update([engines[0], listed("d-host", pb.ROLE_DECODE, api_url="http://d"), engines[2]])
         d.update(engines)
     assert [(e["engine_id"], e["reason"]) for e in lines] == [("d-host", "no_api_url")]

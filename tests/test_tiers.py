@@ -22,7 +22,7 @@ import pytest
 from pushkv.controlplane.server import ServerSettings, start
 from pushkv.harness.coordinator import CoordinatorProcess
 from pushkv.harness.vllm_server import VllmServer
-from tests.support.vllm_fixtures import tiny_model_dir_fixture  # noqa: F401
+from tests.conftest import tiny_model_dir  # noqa: F401
 from tests.support.vllm_harness import make_vllm_config
 
 

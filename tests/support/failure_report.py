@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pushkv.harness.coordinator import CoordinatorProcess, live_coordinators
 from pushkv.harness.vllm_server import VllmServer, live_servers
+from tests.support.reference import REFERENCE_PREFIX
 from tests.support.serving import KEY_MARKS, LOG_MARKS, hang_dump
 
 DUMP_S = 20.0  # one process's stack dump; a frozen process must not hang the report
@@ -74,8 +75,9 @@ COORD_MARKS = (*LOG_MARKS, "leader", "leadership")
 
 def engines_report() -> str:
     """The report on every engine started and not stopped yet, and on every
-    coordinator, where engines are ("" if no engine is)."""
-    servers = live_servers()
+    coordinator, where engines are ("" if no engine is). The session's
+    reference engines (tests/support/reference.py) are no test's leftovers."""
+    servers = [s for s in live_servers() if not s.name.startswith(REFERENCE_PREFIX)]
     if not servers:
         return ""
     parts = [engine_report(s) for s in servers]

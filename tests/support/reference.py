@@ -16,6 +16,9 @@ from pathlib import Path
 from pushkv.harness.vllm_server import VllmServer
 from tests.support import serving
 
+# Every reference engine's name starts so (a failed test's report leaves them out).
+REFERENCE_PREFIX = "reference-shared-"
+
 
 class ReferenceEngines:
     def __init__(self) -> None:
@@ -27,7 +30,7 @@ class ReferenceEngines:
         pinned with its OMP threads to core 0 like every reference here)."""
         key = (str(model_dir), block_size)
         if key not in self._servers:
-            name = f"reference-{model_dir.name}-bs{block_size}"
+            name = f"{REFERENCE_PREFIX}{model_dir.name}-bs{block_size}"
             ref = VllmServer(model_dir, name, cpu_core=0, block_size=block_size)
             assert ref.kv_transfer_config is None  # independent: no connector
             self._servers[key] = ref  # owned from here: stopped by close()

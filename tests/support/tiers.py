@@ -5,7 +5,7 @@
   KV hosts, NIXL peers, etcd, network namespaces), NIXL; no vLLM.
 - ``vllm``: real vLLM engines, as servers (``VllmServer``) or as objects built
   in this process (``pushkv.harness.offline``, ``tests/support/vllm_harness.py``,
-  the tiny models of ``tests/support/vllm_fixtures.py``).
+  the tiny models, ``pushkv/harness/tiny_model.py``).
 
 The tier is detected at collection, from the objects that the test's code,
 the code of every fixture it requests, and the tests' own helpers that these
@@ -66,7 +66,7 @@ VLLM_STARTERS: tuple[str, ...] = (
     "pushkv.harness.vllm_server.pushkv_server",
     "pushkv.harness.offline",
     "tests.support.vllm_harness",
-    "tests.support.vllm_fixtures",
+    "pushkv.harness.tiny_model",  # the tiny models (tests/conftest.py), built for vLLM
     "vllm.config.vllm.VllmConfig",
     "vllm.v1.core.sched.scheduler.Scheduler",
     "vllm.v1.engine",
