@@ -41,7 +41,8 @@ def test_coordinator_and_relay_run_on_the_chosen_event_loop(flags: tuple[str, ..
             reply = pbg.TransferServiceStub(ch).Submit(pb.SubmitRequest(), timeout=DEADLINE_S)
         assert list(reply.results) == [] and reply.term == 0  # an empty probe, answered
         relay = RelayProcess(coord.address, *flags).start()
-        assert _started(relay, "relay: listening on").endswith(f"event loop {loop}")
+        listening = json.loads(_started(relay, '"relay_listening"'))
+        assert listening["event_loop"] == loop
     finally:
         for proc in (relay, coord):
             if proc is not None:
