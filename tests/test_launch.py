@@ -24,11 +24,17 @@ def test_a_taken_port_is_not_returned(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        # The only candidates are the taken port and the one above it.
-        monkeypatch.setattr(launch, "_ephemeral_range", lambda: (taken + 1000, 65535))
+        # A port free now (bound and let go: never connected, so not in
+        # TIME_WAIT); not taken + 1, which another process may hold.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        low, high = min(taken, free), max(taken, free)
+        # The only candidates are the taken port and the free one.
+        monkeypatch.setattr(launch, "_ephemeral_range", lambda: (high + 1000, 65535))
         # launch draws its candidates with the random module's sample.
-        monkeypatch.setattr(random, "sample", lambda _r, _k: [taken, taken + 1])
-        assert free_port(low=taken) == taken + 1
+        monkeypatch.setattr(random, "sample", lambda _r, _k: [taken, free])
+        assert free_port(low=low) == free
 
 
 def test_without_room_below_the_range_the_kernel_chooses(
