@@ -91,7 +91,8 @@ def side_blocks(
     validation.num_tokens(num_tokens)
     need = math.ceil(num_tokens / eng.tokens_per_block)
     if role is Role.DECODE:
-        for g, ids in enumerate(checked):
+        plain: tuple[tuple[int, ...], ...] = checked  # mypyc iterates no NewType
+        for g, ids in enumerate(plain):
             if len(ids) > need:
                 raise InvalidArgument(
                     f"{len(ids)} blocks for {num_tokens} tokens (at most {need})",

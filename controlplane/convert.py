@@ -219,11 +219,14 @@ def fill_order(m: pb.TransferOrder, order: Order) -> None:
             w.head_span_units.extend(t.head_span_units)
         if t.dst_regions:  # pipeline-parallel prefill; empty = region i into region i
             w.dst_regions.extend(t.dst_regions)
+        # Plain-typed: mypyc iterates no NewType (BlockGroups).
+        src: tuple[tuple[int, ...], ...] = t.src_blocks
+        dst: tuple[tuple[int, ...], ...] = t.dst_blocks
         add = w.src_blocks.add
-        for g in t.src_blocks:
+        for g in src:
             add().ids.extend(g)
         add = w.dst_blocks.add
-        for g in t.dst_blocks:
+        for g in dst:
             add().ids.extend(g)
 
 

@@ -8,7 +8,7 @@ varint and tag, and each block id at the width of its group's largest id."""
 from __future__ import annotations
 
 from pushkv.controlplane.domain import Order
-from pushkv.rules.block_groups import BlockGroups
+from pushkv.rules.block_groups import BlockGroups, flat
 
 # The gRPC default; the server passes its --max-message-bytes.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
@@ -43,7 +43,8 @@ def _text(s: str) -> int:
 
 def _ids(groups: BlockGroups, fast: bool) -> int:
     total = 0
-    for ids in groups:
+    plain: tuple[tuple[int, ...], ...] = groups  # mypyc iterates no NewType
+    for ids in plain:
         width = 5 if fast or not ids else _varint(max(ids))
         total += _LEN + _LEN + width * len(ids)  # BlockIds, its packed ids
     return total
@@ -68,7 +69,7 @@ def check(orders: list[Order], max_bytes: int) -> None:
     o = max(orders, key=order_bytes)
     size = order_bytes(o)
     if size > max_bytes:
-        ids = sum(len(g) for t in o.targets for g in (*t.src_blocks, *t.dst_blocks))
+        ids = sum(len(flat(t.src_blocks)) + len(flat(t.dst_blocks)) for t in o.targets)
         raise OrderTooLarge(
             f"the order for prefill rank {o.prefill_rank} would take up to {size} bytes "
             f"({len(o.targets)} targets, {ids} block ids), over the {max_bytes}-byte "

@@ -23,6 +23,7 @@ from pushkv.controlplane.domain import (
 from pushkv.controlplane.errors import InvalidArgument
 from pushkv.controlplane.registry import EngineRecord
 from pushkv.controlplane.transfer import OrderRecord, Side, Transfer
+from pushkv.rules import block_groups
 from pushkv.rules.block_groups import BlockGroups
 from pushkv.rules.pairing import head_span_units, pair_mismatch
 from pushkv.rules.pp_map import region_map
@@ -48,7 +49,7 @@ def mismatch(t: Transfer, pe: EngineRecord, de: EngineRecord) -> str:
         return ""
     return prompt_shortfall(
         t.prefill.blocks,
-        [len(d) for d in t.decode.blocks],
+        block_groups.lens(t.decode.blocks),
         t.decode.num_tokens,
         de.tokens_per_block,
     )
@@ -77,7 +78,7 @@ def source_blocks(prefill: Side, decode: Side, tokens_per_block: int) -> BlockGr
     paired with the prefill blocks of the same token positions: the tail of the
     prefill's prompt blocks as long as decode's (`mismatch` checked it fits)."""
     return prompt_tails(
-        prefill.blocks, [len(d) for d in decode.blocks], decode.num_tokens, tokens_per_block
+        prefill.blocks, block_groups.lens(decode.blocks), decode.num_tokens, tokens_per_block
     )
 
 
@@ -104,11 +105,14 @@ def resized_source_blocks(prefill: Side, decode: Side, p_tokens: int, d_tokens: 
     the decode side registered no block in."""
     hit, end = token_window(decode, d_tokens)
     first, last = hit // p_tokens, math.ceil(end / p_tokens)
+    # Plain-typed: mypyc iterates no NewType (BlockGroups).
+    p_groups: tuple[tuple[int, ...], ...] = prefill.blocks
+    d_groups: tuple[tuple[int, ...], ...] = decode.blocks
     return BlockGroups(
         tuple(
             [
                 tuple(p_ids[first:last]) if d_ids else ()
-                for p_ids, d_ids in zip(prefill.blocks, decode.blocks, strict=True)
+                for p_ids, d_ids in zip(p_groups, d_groups, strict=True)
             ]
         )
     )

@@ -27,6 +27,10 @@ echo "== mypy (strict)"
 mypy pushkv scripts tests setup.py
 echo "== import layers (import-linter)"
 lint-imports
+# Built before pytest (cached while the sources are unchanged), so that code
+# mypyc cannot compile fails in the first minute, in --fast too.
+echo "== the coordinator's core compiled by mypyc (PUSHKV_MYPYC=1 wheel)"
+bash scripts/build_compiled.sh build/compiled
 if [ "$fast" = 1 ]; then
   echo "== pytest: the pure and process tiers (no vLLM)"
   python -m pytest -ra -m "not vllm" --durations=25 "$@"
@@ -36,7 +40,6 @@ echo "== pytest"
 python -m pytest -ra --durations=25 "$@"
 if [ $# -eq 0 ]; then
   echo "== pytest: the coordinator's core compiled by mypyc (PUSHKV_MYPYC=1 wheel)"
-  bash scripts/build_compiled.sh build/compiled
   # -P and --import-mode=append: the compiled copy in build/compiled comes
   # before the source tree on sys.path.
   PUSHKV_EXPECT_CORE=compiled PYTHONPATH="$PWD/build/compiled" python -P -m pytest -q \
