@@ -7,12 +7,16 @@ defaults to ``WARN`` (NIXL otherwise prints INFO lines to *stdout*).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 from pushkv.agent.nixl_types import FailureReason, NixlError, TransferState
@@ -52,12 +56,49 @@ INSTALL_HINT: Final = (
 )
 
 
+def _torch_without_cuda() -> bool:
+    """Whether the torch installed here is a CPU build, or there is none: read
+    from its ``version.py`` without importing torch. False when unsure."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return True
+    if not spec.origin:
+        return False
+    try:
+        tree = ast.parse(Path(spec.origin).with_name("version.py").read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "cuda":
+            value = getattr(node, "value", None)
+            return isinstance(value, ast.Constant) and value.value is None
+    return False
+
+
+def _packages() -> tuple[str, ...]:
+    """NIXL's packages, in the order to import them. The meta package ``nixl``
+    loads the variant for the CUDA of the process's torch (or CUDA library);
+    where none is loaded and the installed torch has no CUDA (a CPU host), it
+    imports all of torch, seconds of CPU in each process, only to learn that,
+    and then loads the first variant installed: that variant is loaded first
+    there instead."""
+    loaded = any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy"))
+    if not loaded and _torch_without_cuda():
+        return ("nixl_cu13", "nixl_cu12", "nixl")
+    return ("nixl", "nixl_cu13", "nixl_cu12")
+
+
 @functools.cache
 def nixl_api() -> Any:
-    """Import and return NIXL's ``_api`` module (meta package first, then a variant)."""
+    """Import and return NIXL's ``_api`` module (the meta package first, unless
+    it could only pick the one installed variant: see ``_packages``)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     last: ImportError | None = None
-    for package in ("nixl", "nixl_cu13", "nixl_cu12"):
+    for package in _packages():
         try:
             return importlib.import_module(f"{package}._api")
         except ModuleNotFoundError as exc:

