@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -353,3 +354,143 @@ def test_bursts_after_idle_gaps_around_the_engines_keep_alive(cluster: Cluster) 
             time.sleep(gap)  # idle time is the stimulus here, not a synchronisation
             list(pool.map(one, range(burst)))
     assert failures == []
+
+
+# ------------------------------------------------ the first token from the prefill
+# The router's default (pushkv/router/seeded.py): the prefill's token goes to
+# the client at once and the decode engine continues from token 2.
+
+GEN = "vllm:generation_tokens_total"
+
+
+def generated(server: VllmServer) -> float:
+    return metric_value(server.metrics(), GEN)
+
+
+def whole_first_token(c: Cluster, seed: int, count: int) -> list[list[int]]:
+    """Random prompts whose first greedy token is whole text on the reference
+    (not part of a multi-byte character): the ones the router seeds."""
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    while len(out) < count:
+        p = [rng.randrange(10, 1000) for _ in range(rng.randrange(20, 500))]
+        text = completion(c.reference.url, p, 1)
+        if text and not text.endswith("\ufffd"):
+            out.append(p)
+    return out
+
+
+def streamed(url: str, body: dict[str, Any]) -> tuple[str, list[Any]]:
+    """A streamed answer's text (completions or chat) and its events."""
+    with urllib.request.urlopen(json_request(url, {**body, "stream": True}), timeout=180) as r:
+        raw = r.read().decode()
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-500:]
+    events = [
+        json.loads(line[6:])
+        for line in raw.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    text = ""
+    for e in events:
+        for ch in e.get("choices") or ():
+            text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+    return text, events
+
+
+def test_the_first_token_comes_from_the_prefill_and_is_never_sampled_again(
+    cluster: Cluster,
+) -> None:
+    """Greedy outputs, streamed and not, equal the independent engine's with
+    their usage; the prefill engine samples each request's token 1 and the
+    decode engine only the rest (its generation counter); the KV is pushed."""
+    ps = whole_first_token(cluster, 77, 6)
+    mt = 10
+    d_before, p_before, ext_before = generated(cluster.decode), generated(cluster.prefill), 0.0
+    ext_before = external_tokens(cluster)
+    for p in ps:
+        body = {"model": "tiny", "prompt": p, "max_tokens": mt, "temperature": 0}
+        body["stream_options"] = {"include_usage": True}
+        want = post(cluster.reference.url + "/v1/completions", body)
+        text, events = streamed(cluster.router.url + "/v1/completions", body)
+        assert text == want["choices"][0]["text"]
+        assert events[-1]["usage"] == want["usage"]
+        assert len({e["id"] for e in events}) == 1  # one stream
+        got = post(cluster.router.url + "/v1/completions", body)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"] == want["usage"]
+        assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    n = 2 * len(ps)
+    # vLLM counts a step's tokens after the step: the counters may trail the answers.
+    want_counts = (p_before + n, d_before + n * (mt - 1))
+    wait_until(
+        lambda: (generated(cluster.prefill), generated(cluster.decode)) == want_counts,
+        f"generated tokens (prefill, decode) {want_counts}",
+        60,
+    )
+    assert external_tokens(cluster) - ext_before == 2 * sum(len(p) for p in ps)
+
+
+def test_chat_answers_equal_the_single_engines(cluster: Cluster) -> None:
+    for words in ("hello there ", "push the cache ", "one more time "):
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": words * 12}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        want = post(cluster.reference.url + "/v1/chat/completions", body)
+        got = post(cluster.router.url + "/v1/chat/completions", body)
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert got["usage"] == want["usage"]
+        text, events = streamed(cluster.router.url + "/v1/chat/completions", body)
+        assert text == want["choices"][0]["message"]["content"]
+        assert {e["object"] for e in events} == {"chat.completion.chunk"}
+
+
+def test_a_request_ending_at_its_first_token_leaves_no_transfer_open(cluster: Cluster) -> None:
+    """Token 1 is a stop token: one token back, as from the single engine, and
+    the transfer is cancelled (both engines free every block). max_tokens 1:
+    no transfer at all."""
+    (p,) = whole_first_token(cluster, 78, 1)
+    t1 = post(
+        cluster.reference.url + "/v1/completions",
+        {"prompt": p, "max_tokens": 1, "temperature": 0, "return_token_ids": True},
+    )["choices"][0]["token_ids"][0]
+    body = {"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0}
+    body["stop_token_ids"] = [t1]
+    earlier = {t.transfer_id for t in transfer_list(cluster)}
+    want = post(cluster.reference.url + "/v1/completions", body)
+    got = post(cluster.router.url + "/v1/completions", body)
+    assert want["choices"][0]["finish_reason"] == "stop" and want["usage"]["completion_tokens"] == 1
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"] == want["usage"]
+    (t,) = serving.settled(cluster.coord.address, 1, earlier)
+    assert t.state == pb.TRANSFER_STATE_CANCELLED and "first token" in t.detail, timeline(t)
+    serving.wait_no_blocks_held(cluster.prefill, cluster.decode)
+
+    earlier = {t.transfer_id for t in transfer_list(cluster)}
+    one = {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0}
+    assert (
+        post(cluster.router.url + "/v1/completions", one)["choices"][0]["text"]
+        == (post(cluster.reference.url + "/v1/completions", one)["choices"][0]["text"])
+    )
+    assert {t.transfer_id for t in transfer_list(cluster)} == earlier  # none begun
+
+
+def test_logprobs_echo_and_n_as_the_single_engine(cluster: Cluster) -> None:
+    """logprobs of token 1 come from the prefill, the rest from the decode
+    engine; echo returns the prompt once; n > 1 keeps both legs at once."""
+    (p,) = whole_first_token(cluster, 79, 1)
+    base = {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0}
+    for extra in ({"logprobs": 2}, {"echo": True}, {"n": 2}):
+        body = {**base, **extra}
+        want = post(cluster.reference.url + "/v1/completions", body)
+        got = post(cluster.router.url + "/v1/completions", body)
+        assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+        assert got["usage"] == want["usage"]
+        if "logprobs" in extra:
+            g, w = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+            assert g["tokens"] == w["tokens"] and g["text_offset"] == w["text_offset"]
+            assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], abs=1e-3)
+            assert [sorted(t) for t in g["top_logprobs"]] == [sorted(t) for t in w["top_logprobs"]]

@@ -30,6 +30,11 @@ from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.sim_agent import SimAgent, serving
 
+# These stand-in engines answer the concurrent-dispatch flow (both legs at once,
+# the first token from the decode engine); tests/test_router_first_token.py
+# covers the default, the first token from the prefill.
+_DECODE_FIRST: dict[str, Any] = {"first_token": "decode"}
+
 DEADLINE_S = 10.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -183,7 +188,9 @@ async def cluster(
             serving(agent.hello, eng.url, on_transfer_failure)
             await agent.start()
             agents.append(agent)
-        router = Router(RouterSettings(coordinator=coord.address, port=0, **settings))
+        router = Router(
+            RouterSettings(coordinator=coord.address, port=0, **{**_DECODE_FIRST, **settings})
+        )
         runner = web.AppRunner(router.app(), handler_cancellation=True)  # as `serve` does
         await runner.setup()  # runs Router.start: the first ListEngines
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -31,6 +31,11 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 from tests.support.sim_agent import SimAgent, blocks, serving, wait_terminal
 from tests.test_router import COMPLETIONS, FakeEngine, completion, sample, wait
 
+# These stand-in engines answer the concurrent-dispatch flow (both legs at once,
+# the first token from the decode engine); tests/test_router_first_token.py
+# covers the default, the first token from the prefill.
+_DECODE_FIRST: dict[str, Any] = {"first_token": "decode"}
+
 HEAD = 4096  # bytes of one KV head in one block (K or V region)
 HEADS = 4  # the model's KV heads
 TINY = {"model": "tiny", "dtype": "float32", "head_size": "32", "num_kv_heads": str(HEADS)}
@@ -169,7 +174,9 @@ async def mixed(
         for a in agents:
             a.arrival_peers = peers
         await asyncio.gather(*(a.start() for a in agents))
-        router = Router(RouterSettings(coordinator=coord.address, port=0, **settings))
+        router = Router(
+            RouterSettings(coordinator=coord.address, port=0, **{**_DECODE_FIRST, **settings})
+        )
         runner = web.AppRunner(router.app(), handler_cancellation=True)
         await runner.setup()  # the first ListEngines: every engine is ready by now
         site = web.TCPSite(runner, "127.0.0.1", 0)

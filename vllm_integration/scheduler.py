@@ -40,7 +40,7 @@ from pushkv.rules import block_groups
 from pushkv.vllm_integration import compat, faults
 from pushkv.vllm_integration.client import Call, CoordinatorClient, needs_engine
 from pushkv.vllm_integration.metadata import PushKVMetadata, RecvSpec
-from pushkv.vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid
+from pushkv.vllm_integration.params import DECODE_LEG, PREFILL_LEG, leg_tid, pushed_tokens
 from pushkv.vllm_integration.settings import ConnectorSettings
 
 log = logging.getLogger("pushkv.connector")
@@ -144,7 +144,8 @@ class PushSchedulerHalf:
         if self.windows and self.window_edge(request.num_prompt_tokens):
             return 0, False  # computed here; update_state_after_alloc cancels
         self._local_hit[rid] = num_computed_tokens
-        remaining = request.num_prompt_tokens - num_computed_tokens
+        # A seeded leg's last prompt tokens are the prefill's samples: computed here.
+        remaining = pushed_tokens(raw, request.num_prompt_tokens) - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
 
     def window_edge(self, n: int) -> str:
@@ -174,7 +175,7 @@ class PushSchedulerHalf:
         if tid is None:
             return
         self._registered.add(rid)
-        n_tokens = request.num_prompt_tokens
+        n_tokens = pushed_tokens(raw, request.num_prompt_tokens)
         local = self._local_hit.pop(rid, 0)
         if num_external_tokens > 0:
             bs = self.block_size

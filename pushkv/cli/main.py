@@ -176,6 +176,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
         leg_timeout_s=args.leg_timeout_s,
         pool_idle_s=args.pool_idle_s,
         unlisted_grace_s=args.unlisted_grace_s,
+        first_token=args.first_token,
         tls=_tls(args),
     )
     asyncio.run(serve(settings))
@@ -407,6 +408,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         help="a decode engine that drops out of the coordinator's list (a restarted "
         "coordinator lists none until the agents reconnect) still serves requests alone "
         "this long",
+    )
+    r.add_argument(
+        "--first-token",
+        choices=("prefill", "decode"),
+        default=_env("first_token", "prefill", choices=("prefill", "decode")),
+        help="prefill: the client's first token is the prefill's, sent at once, and the "
+        "decode engine continues from token 2 (its blocks are allocated when the prefill "
+        "answers); decode: both legs leave at once and the decode engine answers every "
+        "token (its blocks registered while the prefill computes)",
     )
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(r)

@@ -24,8 +24,10 @@ from aiohttp import web
 from pushkv.net.codes import RETRYABLE
 from pushkv.net.leader import LeaderFollower
 from pushkv.net.tls import ChannelCache, TLSFiles, aio_channel
+from pushkv.router import seeded
 from pushkv.router.engines import Engine, EngineDirectory
 from pushkv.router.failures import Failure, Stage, client_error
+from pushkv.router.first_token import max_tokens, reason_not_seeded
 from pushkv.router.legs import BadRequest, error_message, prefill_failure, split_legs, why
 from pushkv.router.metrics import RouterMetrics, outcome_of
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
@@ -59,6 +61,12 @@ class RouterSettings:
     # connection the engine is closing at that moment.
     pool_idle_s: float = 2.0
     max_body_bytes: int = MAX_BODY_BYTES
+    # Where the client's first token comes from: "prefill" (the prefill leg's
+    # sampled token, at once; the decode engine continues from token 2:
+    # pushkv/router/seeded.py) or "decode" (both legs leave at once and the
+    # decode engine answers the whole request, its blocks registered while the
+    # prefill computes).
+    first_token: str = "prefill"
     # mTLS to the coordinator; the router's certificate CN is "router".
     tls: TLSFiles = field(default_factory=TLSFiles)
 
@@ -115,10 +123,10 @@ class Router:
         if self._follower.several:
             await self._follow_leader()
             await self.directory.refresh()
-            self._spawn(self._refresh_following())
+            self.spawn(self._refresh_following())
         else:
             await self.directory.refresh()
-            self._spawn(self._refresh_engines())
+            self.spawn(self._refresh_engines())
 
     async def stop(self, app: web.Application) -> None:
         for t in list(self._tasks):
@@ -148,7 +156,7 @@ class Router:
             await channel.close(grace)
             self._retiring.discard(channel)
 
-        self._spawn(close())
+        self.spawn(close())
 
     def _use_current(self) -> None:
         """The stubs on the channel to the replica dialed now, made from the
@@ -196,7 +204,7 @@ class Router:
             self._use_current()
             await self.directory.refresh()
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -247,7 +255,7 @@ class Router:
             body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
         )
 
-    async def _cancel(self, transfer_id: str, reason: str) -> None:
+    async def cancel(self, transfer_id: str, reason: str) -> None:
         self._use_current()
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self._transfers.Cancel(
@@ -261,10 +269,10 @@ class Router:
         transfer as soon as it exists, instead of letting it wait for the deadline."""
         with contextlib.suppress(grpc.aio.AioRpcError):
             await begin
-            await self._cancel(transfer_id, reason)
+            await self.cancel(transfer_id, reason)
 
     @contextlib.asynccontextmanager
-    async def _post(
+    async def post(
         self, url: str, body: dict[str, Any], headers: dict[str, str], leg: str
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST one leg. Sent again, once, when the engine closed a pooled
@@ -334,6 +342,15 @@ class Router:
         if pair is None:
             return await self._unpaired(request, body)
         p_eng, d_eng = pair
+        first_from_prefill = self.settings.first_token == "prefill" and not reason_not_seeded(
+            body, chat
+        )
+        if first_from_prefill and max_tokens(body, chat) == 1:
+            p_eng.local += 1
+            try:
+                return await seeded.prefill_alone(self, request, body, chat, p_eng)
+            finally:
+                p_eng.local -= 1
         # Counted at once, before any await: requests arriving together spread.
         p_eng.local += 1
         d_eng.local += 1
@@ -352,7 +369,9 @@ class Router:
                         transfer_id=transfer_id,
                     ) from None
                 p_eng.local, p_held = p_eng.local - 1, False
-                return await self._decode_alone(request, body, d_eng, "coordinator_unavailable")
+                return await self.decode_alone(request, body, d_eng, "coordinator_unavailable")
+            if first_from_prefill:
+                return await seeded.seeded(self, request, transfer_id, p_eng, d_eng, body, chat)
             return await self._disaggregated(
                 request, transfer_id, p_eng, d_eng, prefill_body, decode_body
             )
@@ -387,7 +406,7 @@ class Router:
             )
         d_eng.local += 1
         try:
-            return await self._decode_alone(request, body, d_eng, reason)
+            return await self.decode_alone(request, body, d_eng, reason)
         finally:
             d_eng.local -= 1
 
@@ -435,16 +454,28 @@ class Router:
         try:
             await asyncio.shield(begin)
         except asyncio.CancelledError:
-            self._spawn(self._cancel_once_begun(begin, transfer_id, "client disconnected"))
+            self.spawn(self._cancel_once_begun(begin, transfer_id, "client disconnected"))
             raise
 
-    async def _decode_alone(
-        self, request: web.Request, body: dict[str, Any], d_eng: Engine, reason: str
+    async def decode_alone(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        d_eng: Engine,
+        reason: str,
+        transfer_id: str = "",
     ) -> web.StreamResponse:
-        """Fallback: the decode engine serves the request as a single engine would."""
+        """Fallback: the decode engine serves the request as a single engine
+        would (`transfer_id`: the cancelled transfer it replaces, for the logs)."""
         self.metrics.fallbacks.labels(reason).inc()
-        log.info("served_by_decode_alone", engine_id=d_eng.engine_id, reason=reason)
-        response, _ = await self._relay(request, d_eng, body, {}, time.monotonic())
+        log.info(
+            "served_by_decode_alone",
+            engine_id=d_eng.engine_id,
+            reason=reason,
+            transfer_id=transfer_id,
+        )
+        headers = {"X-Request-Id": transfer_id} if transfer_id else {}
+        response, _ = await self.relay(request, d_eng, body, headers, time.monotonic())
         return response
 
     async def _disaggregated(
@@ -462,7 +493,7 @@ class Router:
 
         async def prefill_leg() -> None:
             try:
-                async with self._post(
+                async with self.post(
                     p_eng.url + request.path, prefill_body, headers, "prefill"
                 ) as resp:
                     text = await resp.text()
@@ -487,18 +518,18 @@ class Router:
                     decode.cancel()
                 outcome = "decode recomputes" if d_eng.recompute else "request failed"
                 reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
-                await self._cancel(transfer_id, reason)
+                await self.cancel(transfer_id, reason)
 
         lost_prefill: list[Failure] = []
         answering = asyncio.Event()  # the decode leg's answer has begun
         # Both legs leave now: the decode side registers its blocks while prefill runs.
-        p_task = self._spawn(prefill_leg())
+        p_task = self.spawn(prefill_leg())
         finished = False
         try:
             if self.on_dispatch is not None:
                 await self.on_dispatch(transfer_id, "dispatched")
             decode = asyncio.ensure_future(
-                self._relay(request, d_eng, decode_body, headers, started, answering)
+                self.relay(request, d_eng, decode_body, headers, started, answering)
             )
             try:
                 response, finished = await decode
@@ -515,11 +546,11 @@ class Router:
                 # Client gone or decode failed: stop the prefill leg and release the KV.
                 # (After a lost prefill leg, that leg cancels the transfer itself.)
                 p_task.cancel()
-                self._spawn(self._cancel(transfer_id, "client disconnected or decode failed"))
+                self.spawn(self.cancel(transfer_id, "client disconnected or decode failed"))
             if len(self.ttft_s) > 10_000:
                 del self.ttft_s[:5_000]
 
-    async def _relay(
+    async def relay(
         self,
         request: web.Request,
         d_eng: Engine,
@@ -531,7 +562,7 @@ class Router:
         """Send the decode leg and relay its answer to the client; (response, ok)."""
         response: web.StreamResponse | None = None
         try:
-            async with self._post(d_eng.url + request.path, body, headers, "decode") as resp:
+            async with self.post(d_eng.url + request.path, body, headers, "decode") as resp:
                 if resp.status >= 500:
                     text = await resp.text()
                     raise Failure(
@@ -543,7 +574,7 @@ class Router:
                     answering.set()
                 if not body.get("stream"):
                     data = await resp.read()
-                    self._observe_ttft(started)
+                    self.observe_ttft(started)
                     # A decode error (e.g. a 400 from validation) never takes the
                     # KV: not ok, so the transfer is cancelled.
                     out = web.Response(
@@ -558,7 +589,7 @@ class Router:
                 async for chunk in resp.content.iter_any():
                     if first:
                         self.timings.mark(headers.get("X-Request-Id", ""), DECODE_FIRST_BYTE)
-                        self._observe_ttft(started)
+                        self.observe_ttft(started)
                         first = False
                     await response.write(chunk)
                 await response.write_eof()
@@ -585,7 +616,7 @@ class Router:
                 transfer_id=headers.get("X-Request-Id", ""),
             ) from None
 
-    def _observe_ttft(self, started: float) -> None:
+    def observe_ttft(self, started: float) -> None:
         self.ttft_s.append(time.monotonic() - started)
         self.metrics.ttft.observe(self.ttft_s[-1])
 
