@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from pushkv.bench.serving import first_token
 from pushkv.bench.serving.config import BenchConfig
 from pushkv.bench.serving.main import _parse, plot_path
 from pushkv.bench.serving.processes import worker_schedstat
 from pushkv.bench.serving.report import final_line, report, single_floor
-from pushkv.bench.serving.results import RateResult, SystemRun
+from pushkv.bench.serving.results import RateResult, SystemRun, summarize
 from pushkv.bench.serving.vllm_patches import sitecustomize
+from pushkv.bench.serving.workload import ReqRecord, event_tokens
 
 RATES = (0.5, 1.0, 2.0)
 
@@ -216,7 +218,6 @@ def test_the_ucx_shim_gives_vllms_nixl_agents_pushkvs_ucx_params(tmp_path: Path)
 
 def test_fault_summary_splits_requests_at_the_kill() -> None:
     from pushkv.bench.serving.fault import fault_lines, fault_summary
-    from pushkv.bench.serving.workload import ReqRecord
 
     recs = [
         ReqRecord(0, 100, sent=0.0, first=0.2, last=1.0, tokens=8),  # pushed
@@ -260,3 +261,148 @@ def test_the_plot_goes_into_the_source_tree_only_when_named(tmp_path: Path) -> N
     named = Path("docs/bench_ttft.png")
     assert plot_path(named, tmp_path) == named
     default.parent.rmdir()
+
+
+# ------------------------------------------------------------ first-token
+
+
+def _rec(
+    i: int, ttft_ms: float, ttst_ms: float, *, rid: str = "", sent_unix: float = 0.0
+) -> ReqRecord:
+    sent = float(i)
+    return ReqRecord(
+        i,
+        128,
+        sent=sent,
+        first=sent + ttft_ms / 1000,
+        second=sent + ttst_ms / 1000,
+        last=sent + (ttst_ms + 30) / 1000,
+        tokens=8,
+        sent_unix=sent_unix or 1000.0 + 10 * i,
+        response_id=rid,
+        first_event_tokens=2 if ttst_ms == ttft_ms else 1,
+    )
+
+
+def test_first_token_ratios_and_its_last_line() -> None:
+    pk = [_rec(i, t, s) for i, (t, s) in enumerate([(30, 40), (50, 60), (40, 50)])]
+    single = [_rec(i, t, s) for i, (t, s) in enumerate([(20, 25), (25, 25), (30, 35)])]
+    single.append(ReqRecord(3, 128, sent=3.0, error="HTTP 500: boom"))
+    summary = first_token.summarize({"pushkv": pk, "single": single}, [4.0, 6.0, 5.0])
+    assert summary.systems["pushkv"].ttft_ms["p50"] == pytest.approx(40.0)
+    assert summary.systems["single"].ttst_ms["p50"] == pytest.approx(25.0)
+    assert summary.ratios["ttft_p50"] == pytest.approx(40 / 25)
+    assert summary.ratios["ttst_p50"] == pytest.approx(50 / 25)
+    assert first_token.final_line(summary) == (
+        "ttft_p50_ratio_vs_single=1.600 ttst_p50_ratio_vs_single=2.000 handover_p50_ms=5.00"
+    )
+    cfg = _parse(["--quick", "--scenario", "first-token"])[0]
+    lines = first_token.report_lines(cfg, summary)
+    assert "| pushkv | 3/3 | 40.0 / 49.8 | 50.0 / 59.8 | 10.0 / 10.0 | 0 |" in lines
+    assert "| single | 3/4 | 25.0 / 29.9 | 25.0 / 34.8 | 5.0 / 5.0 | 1 |" in lines
+    assert "  single errors: ['HTTP 500: boom']" in lines
+    # A system that did not run: nan, never a ratio against nothing.
+    down = first_token.summarize({"pushkv": pk}, [])
+    assert first_token.final_line(down) == (
+        "ttft_p50_ratio_vs_single=nan ttst_p50_ratio_vs_single=nan handover_p50_ms=nan"
+    )
+    assert "| single | FAILED: did not start |||||" in first_token.report_lines(
+        cfg, down, {"single": "did not start"}
+    )
+
+
+def test_the_decode_handover_is_found_by_id_or_else_by_time() -> None:
+    from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE
+
+    by_id = _rec(0, 30, 40, rid="cmpl-tx-a", sent_unix=100.0)
+    by_time = _rec(1, 30, 40, rid="cmpl-other", sent_unix=200.0)
+    lost = _rec(2, 30, 40, rid="", sent_unix=300.0)
+    front = {
+        "tx-a": {PREFILL_RESPONSE: 100.020, DECODE_FIRST_BYTE: 100.025},
+        # a front that names the request otherwise: its marks within the request
+        "tx-b": {PREFILL_RESPONSE: 200.010, DECODE_FIRST_BYTE: 200.008},  # decode first
+        # two candidates inside request 2's span: ambiguous, not taken
+        "tx-c": {PREFILL_RESPONSE: 300.010, DECODE_FIRST_BYTE: 300.020},
+        "tx-d": {PREFILL_RESPONSE: 300.011, DECODE_FIRST_BYTE: 300.021},
+        "tx-e": {PREFILL_RESPONSE: 400.0},  # one mark only: never a handover
+    }
+    got, missing = first_token.handovers_ms([by_id, by_time, lost], front)
+    assert got == pytest.approx([5.0, -2.0])
+    assert missing == 1
+
+
+def test_a_streamed_event_counts_its_tokens_not_one() -> None:
+    # vLLM merges the outputs its API server has not sent yet into one event.
+    merged = {"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}}
+    assert event_tokens(merged, 0) == (2, 2)
+    assert event_tokens({"choices": [{"text": "c"}], "usage": {"completion_tokens": 3}}, 2) == (
+        1,
+        3,
+    )
+    # An event a front writes itself (no usage), then the engine's own count.
+    assert event_tokens({"choices": [{"text": "a"}]}, 0) == (1, 0)
+    assert event_tokens({"choices": [{"text": "b"}], "usage": {"completion_tokens": 1}}, 0) == (
+        1,
+        1,
+    )
+    assert event_tokens({"choices": [{"token_ids": [5, 6, 7]}]}, 0) == (3, 0)
+
+
+def test_first_token_sends_every_prompt_to_both_systems_alternating_who_goes_first() -> None:
+    order = first_token.schedule(4)
+    assert order == [
+        (0, "pushkv"),
+        (0, "single"),
+        (1, "single"),
+        (1, "pushkv"),
+        (2, "pushkv"),
+        (2, "single"),
+        (3, "single"),
+        (3, "pushkv"),
+    ]
+    cfg = _parse(["--quick", "--scenario", "first-token"])[0]
+    prompts = first_token.ladder(cfg, 8)
+    assert sorted(len(p) for p in prompts) == [128, 256, 384, 512, 640, 768, 896, 1024]
+    assert prompts == first_token.ladder(cfg, 8)  # seeded
+    with pytest.raises(ValueError, match="at least 2 requests"):
+        first_token.ladder(cfg, 1)
+
+
+def test_first_token_has_its_own_defaults_and_runs_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg, _ = _parse(["--quick", "--scenario", "first-token"])
+    assert (cfg.scenarios, cfg.systems, cfg.rates) == (("first-token",), ("pushkv", "single"), ())
+    assert (cfg.layers, cfg.hidden, cfg.min_prompt, cfg.max_prompt) == (2, 128, 128, 1024)
+    assert (cfg.output_len, cfg.min_requests) == (8, first_token.QUICK_REQUESTS)
+    assert _parse(["--scenarios", "first-token"])[0].min_requests == first_token.FULL_REQUESTS
+    # the rate scenarios keep theirs
+    cfg, _ = _parse(["--quick", "--scenario", "nocache"])
+    assert (cfg.scenarios, cfg.layers, cfg.max_prompt, cfg.output_len) == (
+        ("nocache",),
+        4,
+        3072,
+        64,
+    )
+    for bad, why in (
+        (["--scenario", "first-token", "--rates", "1"], "it takes no --rates"),
+        (["--scenario", "first-token", "--systems", "pull"], "it takes no --systems"),
+        (["--scenarios", "nocache,first-token"], "'first-token' runs alone"),
+        (["--scenario", "nocache", "--scenarios", "nocache"], "not allowed with argument"),
+        (["--scenario", "first-token", "--min-requests", "1"], "at least 2"),
+        (["--min-prompt", "900", "--max-prompt", "800"], "want 0 < --min-prompt <= --max-prompt"),
+    ):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+        assert why in capsys.readouterr().err, bad
+
+
+def test_the_rate_table_shows_the_time_to_the_second_token() -> None:
+    runs = _runs(vllm_push_sustains_2=False)
+    runs["pushkv"].rates[1].ttst_ms = {"p50": 321.0, "p90": 400.0, "p99": 500.0}
+    lines = report(_cfg(tuple(runs)), {"nocache": runs})
+    assert any("TTFT p50 / p90 / p99 (ms) | TTST p50 (ms) |" in x for x in lines)
+    assert any(x.startswith("| 1 | pushkv | 10/10 |") and "| 321 |" in x for x in lines)
+    # From the records: the second token's arrival, merged events included.
+    recs = [_rec(0, 30, 30), _rec(1, 50, 70)]
+    assert summarize(1.0, recs).ttst_ms["p50"] == pytest.approx(50.0)

@@ -22,10 +22,16 @@ LABELS: Final = {
     "vllm-push-noprog": "control: vLLM push with NIXL's progress thread off",
     "pushkv-whole": "control: pushkv ordering after prefill done (--arm-orders false)",
 }
-SCENARIOS: Final = ("nocache", "prefixhit")
+SCENARIOS: Final = ("nocache", "prefixhit")  # the rate scenarios
+# One streamed request at a time, pushkv against one engine: TTFT, the time to
+# the second token and the decode handover (pushkv/bench/serving/first_token.py).
+# It runs alone: its own model, systems and load.
+FIRST_TOKEN: Final = "first-token"
+ALL_SCENARIOS: Final = (*SCENARIOS, FIRST_TOKEN)
 SCENARIO_LABELS: Final = {
     "nocache": "prefix caching off (transfer isolated)",
     "prefixhit": "prefix caching on, decode side warmed: full prefix hit",
+    FIRST_TOKEN: "one streamed request at a time, prefix caching off: the first two tokens",
 }
 PREFILL_ENGINE_ID: Final = "prefill-0"
 DECODE_ENGINE_ID: Final = "decode-0"

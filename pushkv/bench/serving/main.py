@@ -14,8 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pushkv.bench.output import say
+from pushkv.bench.serving import first_token
 from pushkv.bench.serving.config import (
+    ALL_SCENARIOS,
     CONTROLS,
+    FIRST_TOKEN,
     HETERO_TP_CONTROLS,
     HETERO_TP_SYSTEMS,
     MIN_SPIN_MS,
@@ -58,7 +61,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         description="pushkv vs vLLM NixlConnector (pull) vs vLLM NixlPushConnector vs one "
         "engine, on real vLLM servers (P core 0, D core 1).",
     )
-    ap.add_argument("--quick", action="store_true", help="a <10 min run: nocache scenario only")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a <10 min run: nocache scenario only (with --scenario first-token: "
+        f"{first_token.QUICK_REQUESTS} requests per system)",
+    )
     ap.add_argument("--out", type=Path, help="write all raw figures to DIR/bench_serving.json")
     ap.add_argument(
         "--plot",
@@ -71,15 +79,28 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     ap.add_argument(
         "--systems", type=str, help=f"comma-separated, from {SYSTEMS + CONTROLS}; default {SYSTEMS}"
     )
-    ap.add_argument("--scenarios", type=str, help=f"comma-separated subset of {SCENARIOS}")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--scenarios", type=str, help=f"comma-separated subset of {SCENARIOS}")
+    which.add_argument(
+        "--scenario",
+        choices=ALL_SCENARIOS,
+        help=f"one scenario; {FIRST_TOKEN!r} runs alone: one streamed request at a time, "
+        "pushkv against one engine, TTFT, time to the second token and decode handover "
+        f"(its own defaults: {first_token.LAYERS} layers, hidden {first_token.HIDDEN}, "
+        f"prompts {first_token.MIN_PROMPT}-{first_token.MAX_PROMPT}, "
+        f"{first_token.OUTPUT_LEN} output tokens)",
+    )
     ap.add_argument("--duration", type=float, help="seconds of arrivals per rate")
-    ap.add_argument("--min-requests", type=int, help="requests per rate at least")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument(
+        "--min-requests", type=int, help="requests per rate at least (first-token: per system)"
+    )
+    # Shape and load defaults: the rate scenarios' here, first-token's in _defaults.
+    ap.add_argument("--layers", type=int, help="default 4")
+    ap.add_argument("--hidden", type=int, help="default 256")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--min-prompt", type=int, default=256)
-    ap.add_argument("--max-prompt", type=int, default=3072)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, help="default 256")
+    ap.add_argument("--max-prompt", type=int, help="default 3072")
+    ap.add_argument("--output-len", type=int, help="default 64")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--timeout", type=float, help="per-request timeout (s)")
     ap.add_argument("--kv-lease", type=int, help="vLLM NIXL kv_lease_duration (default: vLLM's)")
@@ -155,6 +176,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         help="--link: the loopback phase's rate (req/s); default 0.5",
     )
     a = ap.parse_args(argv)
+    if a.scenario:
+        a.scenarios = a.scenario
+    first = _defaults(ap, a)
     link_bit = _link_rate(ap, a)
     if a.vllm_spin_ms is not None and a.vllm_spin_ms < MIN_SPIN_MS:
         ap.error(f"--vllm-spin-ms must be at least {MIN_SPIN_MS:g}")
@@ -169,6 +193,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     rates = (
         tuple(float(x) for x in a.rates.split(","))
         if a.rates
+        else ()
+        if first  # one request at a time: no rate
         else _default_rates(quick, link=link_bit is not None)
     )
     default_systems = SYSTEMS if a.prefill_tp == 1 else HETERO_TP_SYSTEMS
@@ -180,8 +206,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         if s not in SYSTEMS + CONTROLS:
             ap.error(f"unknown system {s!r}; known: {SYSTEMS + CONTROLS}")
     for s in scenarios:
-        if s not in SCENARIOS:
-            ap.error(f"unknown scenario {s!r}; known: {SCENARIOS}")
+        if s not in ALL_SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; known: {ALL_SCENARIOS}")
+    if first:
+        systems = first_token.SYSTEMS
     if a.kill_prefill_at is not None and (
         systems != ("pushkv",) or len(rates) != 1 or len(scenarios) != 1
     ):
@@ -202,9 +230,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         duration_s=a.duration if a.duration is not None else (15.0 if quick else 20.0),
         min_requests=a.min_requests
         if a.min_requests is not None
-        else (LINK_QUICK_REQUESTS if quick and link_bit is not None else 30),
+        else _default_requests(quick, link=link_bit is not None, first=first),
         timeout_s=a.timeout if a.timeout is not None else (60.0 if quick else 120.0),
         max_num_seqs=a.max_num_seqs,
+        kvcache_gib=1 if first else BenchConfig.kvcache_gib,  # first-token: 3 engines up at once
         seed=a.seed,
         kv_lease_s=a.kv_lease,
         pushkv_extra=tuple(_setting(ap, kv) for kv in a.pushkv_setting),
@@ -221,6 +250,59 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]
         low_rate=a.low_rate,
     )
     return cfg, a
+
+
+def _defaults(ap: argparse.ArgumentParser, a: argparse.Namespace) -> bool:
+    """Fill the shape and load settings not given: first-token's own, or the rate
+    scenarios'; whether the run is the first-token scenario (which runs alone)."""
+    named = (a.scenarios or "").split(",")
+    first = FIRST_TOKEN in named
+    if first:
+        if len(named) > 1:
+            ap.error(f"{FIRST_TOKEN!r} runs alone: its own model, systems and load")
+        given = {
+            "--systems": a.systems,
+            "--rates": a.rates,
+            "--duration": a.duration,
+            "--link": a.link,
+            "--kill-prefill-at": a.kill_prefill_at,
+            "--prefill-tp 2": a.prefill_tp != 1,
+        }
+        for flag, value in given.items():
+            if value:
+                ap.error(
+                    f"--scenario {FIRST_TOKEN} runs pushkv against one engine, "
+                    f"one request at a time: it takes no {flag}"
+                )
+        if a.min_requests is not None and a.min_requests < 2:
+            ap.error(f"--scenario {FIRST_TOKEN} needs --min-requests of at least 2")
+        if a.output_len is not None and a.output_len < 2:
+            ap.error(f"--scenario {FIRST_TOKEN} needs --output-len of at least 2")
+    shape = (
+        (
+            first_token.LAYERS,
+            first_token.HIDDEN,
+            first_token.MIN_PROMPT,
+            first_token.MAX_PROMPT,
+            first_token.OUTPUT_LEN,
+        )
+        if first
+        else (4, 256, 256, 3072, 64)
+    )
+    for name, value in zip(
+        ("layers", "hidden", "min_prompt", "max_prompt", "output_len"), shape, strict=True
+    ):
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    if not 0 < a.min_prompt <= a.max_prompt:
+        ap.error(f"prompts {a.min_prompt}-{a.max_prompt}: want 0 < --min-prompt <= --max-prompt")
+    return first
+
+
+def _default_requests(quick: bool, *, link: bool, first: bool) -> int:
+    if first:
+        return first_token.QUICK_REQUESTS if quick else first_token.FULL_REQUESTS
+    return LINK_QUICK_REQUESTS if quick and link else 30
 
 
 def _default_rates(quick: bool, *, link: bool) -> tuple[float, ...]:
@@ -284,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     max_pos = 1 << math.ceil(math.log2(cfg.max_model_len))
     build_tiny_model(cfg.model_dir, layers=cfg.layers, hidden=cfg.hidden, max_positions=max_pos)
+    if cfg.scenarios == (FIRST_TOKEN,):
+        return first_token.main_first_token(cfg, a.out, t0)
     say(
         f"topology: {topology(cfg.prefill_tp)}; "
         f"core layout: --pin {cfg.pin}; vLLM shm queue busy-poll: "

@@ -42,7 +42,9 @@ from pushkv.bench.serving.workload import (
 )
 
 
-def _start(cfg: BenchConfig, run: SystemRun, placement: Placement) -> Deployment | None:
+def start_deployment(
+    cfg: BenchConfig, run: SystemRun, placement: Placement = LOOPBACK
+) -> Deployment | None:
     """Deploy, twice at most: ports come from free_port(), another process may take one first."""
     tag = f"[{run.scenario}] {run.system}"
     for attempt in (1, 2):
@@ -72,7 +74,7 @@ def run_system(
     t0 = time.monotonic()
     where = "" if placement is LOOPBACK else f", on the {placement.name}"
     say(f"[{scenario}] {system}: starting ({LABELS[system]}{where}) ...")
-    dep = _start(cfg, run, placement)
+    dep = start_deployment(cfg, run, placement)
     if dep is None:
         return run
     try:

@@ -93,6 +93,7 @@ def _systems_table(cfg: BenchConfig, runs: dict[str, SystemRun]) -> list[str]:
         "timed out",
         "offered / achieved (req/s)",
         "TTFT p50 / p90 / p99 (ms)",
+        "TTST p50 (ms)",
         "TPOT p50 / p90 / p99 (ms)",
         "sustained",
     )
@@ -102,7 +103,7 @@ def _systems_table(cfg: BenchConfig, runs: dict[str, SystemRun]) -> list[str]:
             if run is None:
                 continue
             if run.error:
-                lines.append(f"| {rate:g} | {system} | FAILED: {run.error} |||||||")
+                lines.append(f"| {rate:g} | {system} | FAILED: {run.error} ||||||||")
                 continue
             r = run.at(rate)
             if r is None:
@@ -117,6 +118,7 @@ def _systems_table(cfg: BenchConfig, runs: dict[str, SystemRun]) -> list[str]:
                     r.timed_out,
                     f"{r.offered_rps:.2f} / {r.throughput_rps:.2f}",
                     f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])}",
+                    _fmt(r.ttst_ms.get("p50", math.nan)),
                     f"{_fmt(p['p50'], 1)} / {_fmt(p['p90'], 1)} / {_fmt(p['p99'], 1)}",
                     "yes" if r.sustained else "no",
                 )

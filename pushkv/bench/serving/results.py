@@ -41,6 +41,8 @@ class RateResult:
     critpath_ms: dict[str, Quantiles] = field(default_factory=dict)
     # The fault scenario only (--kill-prefill-at): pushkv/bench/serving/fault.fault_summary.
     fault: dict[str, Any] = field(default_factory=dict)
+    # Time to the second token, p50 / p90 / p99 (ms), as ttft_ms.
+    ttst_ms: dict[str, float] = field(default_factory=dict)
     # The decode engine's (single: the engine's) prompt tokens by source during the
     # rate: local_compute, local_cache_hit, external_kv_transfer (vLLM's counter).
     decode_prompt_tokens: dict[str, float] = field(default_factory=dict)
@@ -67,6 +69,7 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
     """
     ok = [r for r in recs if r.ok]
     ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    ttst = [r.ttst * 1000 for r in ok if r.ttst is not None]
     tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
     e2e = [(r.last - r.sent) * 1000 for r in ok if r.last is not None]
     sent = [r.sent for r in recs]
@@ -102,6 +105,7 @@ def summarize(rate: float, recs: Sequence[ReqRecord]) -> RateResult:
         sustained=sustained,
         errors=errors,
         records=[asdict(r) for r in recs],
+        ttst_ms={f"p{q}": percentile(ttst, q) for q in (50, 90, 99)},
     )
 
 

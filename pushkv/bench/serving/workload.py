@@ -2,7 +2,14 @@
 
 Every system gets the same prompts at the same arrival times (seeded per
 scenario and rate). The client streams each completion, so TTFT is the time to
-the first streamed token and TPOT is (last - first) / (n - 1).
+the first streamed token, TTST the time to the second and TPOT is
+(last - first) / (n - 1).
+
+How vLLM streams: one SSE event per engine output, but its API server merges
+the outputs a slow consumer has not taken yet (``RequestOutputCollector``), so
+one event can carry several tokens. Every request asks for
+``continuous_usage_stats``: each event then carries the cumulative completion
+tokens, and the client counts tokens, not events (:func:`event_tokens`).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class ReqRecord:
     prompt_len: int
     sent: float  # seconds after the start of the run
     first: float | None = None
+    second: float | None = None  # when the second token arrived (the first's event, if it had 2+)
     last: float | None = None
     tokens: int = 0
     chunks: int = 0
@@ -70,6 +78,12 @@ class ReqRecord:
     sent_unix: float = 0.0
     first_unix: float | None = None
     response_id: str = ""  # the router's transfer id shows here as "cmpl-<transfer id>"
+    first_event_tokens: int = 0  # tokens the first streamed event carried
+
+    @property
+    def end_unix(self) -> float | None:
+        """When the last token arrived, on the unix clock."""
+        return None if self.last is None else self.sent_unix + (self.last - self.sent)
 
     @property
     def ok(self) -> bool:
@@ -78,6 +92,10 @@ class ReqRecord:
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.sent
+
+    @property
+    def ttst(self) -> float | None:
+        return None if self.second is None else self.second - self.sent
 
     @property
     def tpot(self) -> float | None:
@@ -96,11 +114,31 @@ def completion_body(prompt: Sequence[int], max_tokens: int, *, stream: bool) -> 
         "stream": stream,
     }
     if stream:
-        body["stream_options"] = {"include_usage": True}
+        # Each event's cumulative completion tokens: an event may carry several.
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return body
 
 
-async def _one(
+def event_tokens(chunk: dict[str, Any], usage_before: int) -> tuple[int, int]:
+    """(tokens a streamed event with choices carries, the cumulative usage after it).
+
+    Its choice's ``token_ids`` if listed, else the growth of the cumulative
+    ``usage.completion_tokens``, else one. At least one: vLLM sends no event
+    without a token. A front that writes an event of its own (no usage) before
+    relaying an engine's stream keeps the count right: the engine's usage then
+    grows from where that event left it.
+    """
+    usage = chunk.get("usage") or {}
+    now = usage.get("completion_tokens")
+    after = int(now) if isinstance(now, int) else usage_before
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    ids = choice.get("token_ids") if isinstance(choice, dict) else None
+    if isinstance(ids, list):
+        return max(1, len(ids)), after
+    return max(1, after - usage_before), after
+
+
+async def stream_one(
     session: aiohttp.ClientSession,
     url: str,
     rec: ReqRecord,
@@ -116,6 +154,7 @@ async def _one(
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return
             done = False
+            counted = usage_seen = 0
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: "):
@@ -130,10 +169,15 @@ async def _one(
                     return
                 if chunk.get("choices"):
                     now = time.perf_counter() - t0
+                    n, usage_seen = event_tokens(chunk, usage_seen)
                     if rec.first is None:
                         rec.first = now
                         rec.first_unix = time.time()
                         rec.response_id = str(chunk.get("id", ""))
+                        rec.first_event_tokens = n
+                    counted += n
+                    if rec.second is None and counted >= 2:
+                        rec.second = now
                     rec.last = now
                     rec.chunks += 1
                 usage = chunk.get("usage")
@@ -166,7 +210,7 @@ async def _run_load(url: str, wl: Workload, output_len: int, timeout_s: float) -
             body = completion_body(prompt, output_len, stream=True)
             tasks.append(
                 asyncio.create_task(
-                    _one(session, url, rec, body, t0, timeout_s, expect_tokens=output_len)
+                    stream_one(session, url, rec, body, t0, timeout_s, expect_tokens=output_len)
                 )
             )
         await asyncio.gather(*tasks)
