@@ -26,8 +26,9 @@ answers the request from token 1, its KV pushed as before.
 
 Requests this cannot serve keep the first token from the decode engine
 (`reason_not_seeded` says why): n > 1, best_of, beam search, several prompts
-in one request, suffix, structured output or tools (the decode engine must
-parse from token 1), and chat with logprobs or echo.
+in one request, suffix, echo (vLLM leaves an echoed prompt undetokenized when
+the prefill asks for token ids), structured output or tools (the decode
+engine must parse from token 1), and chat with logprobs.
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ _NOT_SEEDED = {
     "guided_grammar": "structured output",
     "tools": "tools",
     "prompt_logprobs": "prompt_logprobs",
+    # vLLM does not detokenize an echoed prompt given return_token_ids
+    "echo": "echo",
 }
-_CHAT_NOT_SEEDED = {"logprobs": "chat logprobs", "top_logprobs": "chat logprobs", "echo": "echo"}
+_CHAT_NOT_SEEDED = {"logprobs": "chat logprobs", "top_logprobs": "chat logprobs"}
 
 
 def reason_not_seeded(body: dict[str, Any], chat: bool) -> str:
