@@ -26,6 +26,7 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
+from tests.support.cpu_load import busy_cores
 from tests.support.reference import ReferenceEngines
 from tests.support.waits import wait_until
 
@@ -130,6 +131,42 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
         # One arrival per (decode rank, prefill rank writing into it).
         arrived = sorted(e.rank for e in t.timeline if e.stage == "arrived")
         assert arrived == ([0] * pair.d_tp if pair.p_tp == 1 else [0, 1])
+
+
+# Prompts no engine of this module has seen: a prompt already in the decode
+# engine's prefix cache would load from it, not from the push.
+BUSY_PROMPTS = serving.varied_prompts(4343)
+
+
+@pytest.mark.parametrize("pair", [(2, 1)], indirect=True, ids=["tp2-into-tp1"])
+def test_every_transfer_completes_with_both_cores_loaded(
+    pair: Pair, references: ReferenceEngines, tiny_model_dir: Path
+) -> None:
+    """A busy loop on each core beside the TP2 prefill's 2 workers and the
+    decode worker: every prefill rank's DONE and the decode rank's arrivals
+    still reach the coordinator, and every transfer completes."""
+    want = references.outputs(tiny_model_dir, BUSY_PROMPTS, MAX_TOKENS, block_size=BLOCK)
+    before = serving.external_tokens(pair.decode.metrics())
+    earlier = {t.transfer_id for t in serving.transfers(pair.coord.address)}
+    with busy_cores():
+        outputs = serving.concurrently(pair.router.url, BUSY_PROMPTS, MAX_TOKENS)
+        listed = serving.settled(pair.coord.address, len(BUSY_PROMPTS), earlier)
+    assert outputs == want
+    why = serving.why_not_loaded(
+        pair.coord.address,
+        earlier,
+        pair.prefill.log_text(),
+        pair.decode.log_text(),
+        pair.coord.log_text(),
+    )
+    assert [t.state for t in listed] == [pb.TRANSFER_STATE_COMPLETE] * len(BUSY_PROMPTS), why
+    for t in listed:
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (0, pb.RANK_STATE_DONE, True),
+            (1, pb.RANK_STATE_DONE, True),
+        ], why
+    loaded = serving.external_tokens(pair.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in BUSY_PROMPTS), f"recomputed, not loaded:\n{why}"
 
 
 # Longer than a lease (20 s) plus the write timeout (60 s): a request still

@@ -26,6 +26,7 @@ from pushkv.harness.vllm_server import RouterProcess, VllmServer, pushkv_server
 from pushkv.v1 import pushkv_pb2 as pb
 from tests.support import serving
 from tests.support.allowances import starved_coordinator_flags
+from tests.support.cpu_load import busy_cores
 from tests.support.reference import ReferenceEngines
 from tests.support.waits import poll
 
@@ -179,3 +180,38 @@ def test_tp2_into_tp2_greedy_equals_single_engine(tp2_cluster: Cluster) -> None:
     for r in c.relays:
         events = [json.loads(ln) for ln in r.log_text().splitlines() if ln.startswith("{")]
         assert any(e.get("event") == "submits_carried" for e in events), r.log_text()
+
+
+# Prompts no engine of this module has seen: a prompt already in the decode
+# engine's prefix cache would load from it, not from the push.
+BUSY_PROMPTS = serving.varied_prompts(4242)
+
+
+@pytest.mark.parametrize(
+    "tp2_cluster", [("tiny_model_dir", False)], indirect=True, ids=["2-kv-heads"]
+)
+def test_every_transfer_completes_with_both_cores_loaded(
+    tp2_cluster: Cluster, references: ReferenceEngines, tiny_model_dir: Path
+) -> None:
+    """A busy loop on each core beside the 4 TP workers: each prefill rank's
+    DONE and each decode rank's arrival still reach the coordinator, and
+    every transfer completes with every prompt token loaded."""
+    c = tp2_cluster
+    want = references.outputs(tiny_model_dir, BUSY_PROMPTS, MAX_TOKENS, block_size=BLOCK)
+    before = serving.external_tokens(c.decode.metrics())
+    earlier = {t.transfer_id for t in serving.transfers(c.coord.address)}
+    with busy_cores():
+        outputs = serving.concurrently(c.router.url, BUSY_PROMPTS, MAX_TOKENS)
+        listed = serving.settled(c.coord.address, len(BUSY_PROMPTS), earlier)
+    assert outputs == want
+    why = serving.why_not_loaded(
+        c.coord.address, earlier, c.prefill.log_text(), c.decode.log_text(), c.coord.log_text()
+    )
+    assert [t.state for t in listed] == [pb.TRANSFER_STATE_COMPLETE] * len(BUSY_PROMPTS), why
+    for t in listed:
+        assert [(r.prefill_rank, r.state, r.arrived) for r in t.ranks] == [
+            (0, pb.RANK_STATE_DONE, True),
+            (1, pb.RANK_STATE_DONE, True),
+        ], why
+    loaded = serving.external_tokens(c.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in BUSY_PROMPTS), f"recomputed, not loaded:\n{why}"

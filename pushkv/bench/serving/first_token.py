@@ -43,9 +43,14 @@ from pushkv.bench.serving.deployment import Deployment
 from pushkv.bench.serving.measure import start_deployment
 from pushkv.bench.serving.results import SystemRun
 from pushkv.bench.serving.workload import ReqRecord, completion_body, stream_one
+from pushkv.harness.vllm_server import RouterProcess
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE
 
 SYSTEMS: Final = ("pushkv", "single")  # the ratios are the first over the second
+# A second router on pushkv's deployment, `--first-token decode`: the flow where
+# the decode engine answers every token (both legs at once), in the same run.
+CONTROL: Final = "pushkv-decode-first"
+ALL: Final = (*SYSTEMS, CONTROL)
 QUICK_REQUESTS: Final = 40  # per system
 FULL_REQUESTS: Final = 100
 # Its own shape (a 2-layer, hidden-128 Llama: the tiny test model) and load.
@@ -191,6 +196,9 @@ def summarize(
             x = math.nan if a is None else getattr(a, f"{metric}_ms")[q]
             y = math.nan if b is None else getattr(b, f"{metric}_ms")[q]
             ratios[f"{metric}_{q}"] = _ratio(x, y)
+            c = figs.get(CONTROL)
+            z = math.nan if c is None else getattr(c, f"{metric}_ms")[q]
+            ratios[f"control_{metric}_{q}"] = _ratio(z, y)
     return Summary(figs, quantiles(handover_ms), handover_missing, ratios)
 
 
@@ -230,9 +238,11 @@ def report_lines(
             "first event with 2+ tokens",
         ),
     ]
-    for system in SYSTEMS:
+    for system in ALL:
         why = (failed or {}).get(system)
         fig = summary.systems.get(system)
+        if system == CONTROL and not why and fig is None:
+            continue  # not run
         if why or fig is None:
             lines.append(f"| {system} | FAILED: {why or 'not run'} |||||")
             continue
@@ -253,6 +263,9 @@ def report_lines(
     lines += [
         f"pushkv / single: TTFT p50 {_f(r['ttft_p50'], 2)}, p99 {_f(r['ttft_p99'], 2)}; "
         f"TTST p50 {_f(r['ttst_p50'], 2)}, p99 {_f(r['ttst_p99'], 2)}",
+        f"{CONTROL} / single (the same engines behind a router with --first-token decode): "
+        f"TTFT p50 {_f(r.get('control_ttft_p50', math.nan), 2)}, "
+        f"TTST p50 {_f(r.get('control_ttst_p50', math.nan), 2)}",
         "pushkv decode handover (router /timings: decode_first_byte - prefill_response), "
         f"p50 / p99: {_pq(h, 2)} ms over {int(h['n'])} requests"
         + (
@@ -310,7 +323,7 @@ async def _sequence(
                 rec = await _send(session, url, prompt, cfg, t0)
                 if not rec.ok:
                     return out, {system: f"warm-up failed: {rec.error or 'timed out'}"}
-        order = schedule(len(prompts), tuple(s for s in SYSTEMS if s in urls))
+        order = schedule(len(prompts), tuple(s for s in ALL if s in urls))
         for done, (i, system) in enumerate(order, 1):
             await asyncio.sleep(settle)  # the other system's workers stop spinning
             rec = await _send(session, urls[system], prompts[i], cfg, t0)
@@ -356,6 +369,11 @@ def run_first_token(cfg: BenchConfig) -> FirstTokenRun:
         if not deps:
             return res
         urls = {s: d.front_url.rstrip("/") + "/v1/completions" for s, d in deps.items()}
+        if "pushkv" in deps:
+            control = RouterProcess(deps["pushkv"].coordinator, flags=("--first-token", "decode"))
+            deps["pushkv"].helpers.append(control)
+            control.start(timeout=120)
+            urls[CONTROL] = control.url + "/v1/completions"
         res.records, warm_failed = asyncio.run(_sequence(cfg, urls, prompts))
         if warm_failed:
             for system, why in warm_failed.items():
@@ -375,7 +393,7 @@ def run_first_token(cfg: BenchConfig) -> FirstTokenRun:
 def main_first_token(cfg: BenchConfig, out: Path | None, t0: float) -> int:
     """The scenario from start to its last line."""
     say(
-        f"[{FIRST_TOKEN}] {cfg.min_requests} requests per system ({', '.join(SYSTEMS)}), "
+        f"[{FIRST_TOKEN}] {cfg.min_requests} requests per system ({', '.join(ALL)}), "
         f"one at a time; model {cfg.model_dir}"
     )
     res = run_first_token(cfg)
