@@ -62,6 +62,8 @@ class Cluster:
     prefill: VllmServer
     decode: VllmServer
     router: RouterProcess
+    # The same engines behind a router with --first-token prefill.
+    seeded: RouterProcess
     model: Path
     # No KV connector: the independent engine the outputs are compared to.
     references: ReferenceEngines
@@ -95,14 +97,17 @@ def cluster(tiny_model_dir: Path, references: ReferenceEngines) -> Iterator[Clus
         env={"PUSHKV_TEST_FAULT": f"corrupt_kv:blocks={CORRUPT_BLOCKS}"},
     )
     router = RouterProcess(coord.address)
+    seeded = RouterProcess(coord.address, flags=("--first-token", "prefill"))
     try:
         prefill.start()
         decode.start()
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
-        yield Cluster(coord, prefill, decode, router, tiny_model_dir, references)
+        seeded.start()
+        yield Cluster(coord, prefill, decode, router, seeded, tiny_model_dir, references)
     finally:
+        seeded.stop()
         router.stop()
         prefill.stop()
         decode.stop()
@@ -357,7 +362,7 @@ def test_bursts_after_idle_gaps_around_the_engines_keep_alive(cluster: Cluster) 
 
 
 # ------------------------------------------------ the first token from the prefill
-# The router's default (pushkv/router/seeded.py): the prefill's token goes to
+# The router's --first-token prefill (pushkv/router/seeded.py): the prefill's token goes to
 # the client at once and the decode engine continues from token 2.
 
 GEN = "vllm:generation_tokens_total"
@@ -413,7 +418,7 @@ def test_the_first_token_comes_from_the_prefill_and_is_never_sampled_again(
         want = post(cluster.reference.url + "/v1/completions", body)
         wants.append(want)
         usage = {"stream_options": {"include_usage": True}}
-        text, events = streamed(cluster.router.url + "/v1/completions", body | usage)
+        text, events = streamed(cluster.seeded.url + "/v1/completions", body | usage)
         assert text == want["choices"][0]["text"]
         counts = ("prompt_tokens", "completion_tokens", "total_tokens")
         assert {k: events[-1]["usage"][k] for k in counts} == {k: want["usage"][k] for k in counts}
@@ -423,7 +428,7 @@ def test_the_first_token_comes_from_the_prefill_and_is_never_sampled_again(
     assert external_tokens(cluster) - ext_before == sum(len(p) for p in ps)
     for p, want in zip(ps, wants, strict=True):
         body = {"model": "tiny", "prompt": p, "max_tokens": mt, "temperature": 0}
-        got = post(cluster.router.url + "/v1/completions", body)
+        got = post(cluster.seeded.url + "/v1/completions", body)
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["usage"] == want["usage"]
         assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
@@ -446,10 +451,10 @@ def test_chat_answers_equal_the_single_engines(cluster: Cluster) -> None:
             "temperature": 0,
         }
         want = post(cluster.reference.url + "/v1/chat/completions", body)
-        got = post(cluster.router.url + "/v1/chat/completions", body)
+        got = post(cluster.seeded.url + "/v1/chat/completions", body)
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert got["usage"] == want["usage"]
-        text, events = streamed(cluster.router.url + "/v1/chat/completions", body)
+        text, events = streamed(cluster.seeded.url + "/v1/chat/completions", body)
         assert text == want["choices"][0]["message"]["content"]
         assert {e["object"] for e in events} == {"chat.completion.chunk"}
 
@@ -467,7 +472,7 @@ def test_a_request_ending_at_its_first_token_leaves_no_transfer_open(cluster: Cl
     body["stop_token_ids"] = [t1]
     earlier = {t.transfer_id for t in transfer_list(cluster)}
     want = post(cluster.reference.url + "/v1/completions", body)
-    got = post(cluster.router.url + "/v1/completions", body)
+    got = post(cluster.seeded.url + "/v1/completions", body)
     assert want["choices"][0]["finish_reason"] == "stop" and want["usage"]["completion_tokens"] == 1
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     assert got["choices"][0]["finish_reason"] == "stop"
@@ -479,7 +484,7 @@ def test_a_request_ending_at_its_first_token_leaves_no_transfer_open(cluster: Cl
     earlier = {t.transfer_id for t in transfer_list(cluster)}
     one = {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0}
     assert (
-        post(cluster.router.url + "/v1/completions", one)["choices"][0]["text"]
+        post(cluster.seeded.url + "/v1/completions", one)["choices"][0]["text"]
         == (post(cluster.reference.url + "/v1/completions", one)["choices"][0]["text"])
     )
     assert {t.transfer_id for t in transfer_list(cluster)} == earlier  # none begun
@@ -493,7 +498,7 @@ def test_logprobs_echo_and_n_as_the_single_engine(cluster: Cluster) -> None:
     for extra in ({"logprobs": 2}, {"echo": True}):
         body = {**base, **extra}
         want = post(cluster.reference.url + "/v1/completions", body)
-        got = post(cluster.router.url + "/v1/completions", body)
+        got = post(cluster.seeded.url + "/v1/completions", body)
         assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
         assert got["usage"] == want["usage"]
         if "logprobs" in extra:
@@ -502,6 +507,20 @@ def test_logprobs_echo_and_n_as_the_single_engine(cluster: Cluster) -> None:
             assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], abs=1e-3)
             assert [sorted(t) for t in g["top_logprobs"]] == [sorted(t) for t in w["top_logprobs"]]
     sampled = {**base, "n": 2, "temperature": 1.0, "seed": 3, "ignore_eos": True}
-    got = post(cluster.router.url + "/v1/completions", sampled)
+    got = post(cluster.seeded.url + "/v1/completions", sampled)
     assert len(got["choices"]) == 2 and all(c["text"] for c in got["choices"])
     assert got["usage"]["prompt_tokens"] == len(p) and got["usage"]["completion_tokens"] == 12
+
+
+def test_a_burst_through_the_first_token_router_equals_single_engine(cluster: Cluster) -> None:
+    """22 prompts at once through --first-token prefill: equal to the single
+    engine's, every prompt token pushed, every transfer COMPLETE (those whose
+    first token is not whole text answered by the decode engine from token 1)."""
+    ps = serving.varied_prompts(1235)
+    before = external_tokens(cluster)
+    earlier = {t.transfer_id for t in transfer_list(cluster)}
+    got = serving.concurrently(cluster.seeded.url, ps, 12)
+    assert got == on_reference(cluster, ps, 12)
+    assert external_tokens(cluster) - before == sum(len(p) for p in ps)
+    listed = serving.settled(cluster.coord.address, len(ps), earlier)
+    assert [t.state for t in listed] == [pb.TRANSFER_STATE_COMPLETE] * len(ps)

@@ -69,6 +69,10 @@ PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 # take an 8192-token context, and each try ends its request once it has read
 # the metrics (the rest is never decoded).
 LONG_PROMPTS = [serving.varied_prompts(seed, (600,))[0] for seed in (79, 80, 81)]
+# Through the router's --first-token prefill: the window edges of the
+# concurrent flow (127, 255) and the lengths one short of them (126, 254,
+# whose seeded prompt, plus the first token, ends on an edge), and two others.
+SEEDED_PROMPTS = serving.varied_prompts(82, (126, 127, 254, 255, 100, 300))
 MAX_MODEL_LEN = 8192  # the model's max_position_embeddings (hybrid_model_dir)
 LONG_OUTPUT = 7000  # 600 + 7000 within MAX_MODEL_LEN: about 15-20 s of decoding
 HMA_OFF_LINE = "Turning off hybrid kv cache manager"
@@ -111,7 +115,7 @@ def reference(hybrid_model_dir: Path) -> list[str]:
     assert ref.kv_transfer_config is None
     try:
         ref.start().wait_ready()
-        out = serving.one_by_one(ref.url, PROMPTS, MAX_TOKENS)
+        out = serving.one_by_one(ref.url, PROMPTS + SEEDED_PROMPTS, MAX_TOKENS)
         assert TWO_GROUPS_LINE in ref.log_tail(10_000)
         return out
     finally:
@@ -128,6 +132,7 @@ class Pair:
     prefill: VllmServer
     decode: VllmServer
     router: RouterProcess
+    seeded: RouterProcess  # --first-token prefill, on the same engines
 
 
 @pytest.fixture(
@@ -162,15 +167,18 @@ def pair(
     ]
     prefill, decode = servers
     router = RouterProcess(coord.address)
+    seeded = RouterProcess(coord.address, flags=("--first-token", "prefill"))
     try:
         prefill.start()
         decode.start()
         prefill.wait_ready()
         decode.wait_ready()
         router.start()
+        seeded.start()
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        yield Pair(hma, p_tp, d_tp, coord, metrics_url, prefill, decode, router)
+        yield Pair(hma, p_tp, d_tp, coord, metrics_url, prefill, decode, router, seeded)
     finally:
+        seeded.stop()
         router.stop()
         prefill.stop()
         decode.stop()
@@ -206,7 +214,7 @@ def test_greedy_equals_single_engine(pair: Pair, reference: list[str]) -> None:
     bytes_before = written_bytes(pair)
 
     outputs = serving.concurrently(pair.router.url, PROMPTS, MAX_TOKENS)
-    assert outputs == reference
+    assert outputs == reference[: len(PROMPTS)]
 
     listed = serving.settled(pair.coord.address, len(PROMPTS), set())
     why = serving.why_not_loaded(
@@ -367,3 +375,22 @@ def test_decode_kv_memory_of_a_long_request(pair: Pair) -> None:
         f"layers x {BLOCK_BYTES} B = {held} B for a {len(prompt)}-token prompt "
         f"and {generated} output tokens"
     )
+
+
+@pytest.mark.parametrize("pair", [(True, 1, 1)], indirect=True, ids=["hma-on"])
+def test_the_first_token_router_has_no_window_edge(pair: Pair, reference: list[str]) -> None:
+    """A seeded decode leg computes the position after the prefill's last, as
+    the prefill engine would next, so every block its window needs is held: no
+    prompt is computed by decode, at the concurrent flow's edges or one short
+    of them, and the outputs equal the single engine's."""
+    before = serving.external_tokens(pair.decode.metrics())
+    earlier = {t.transfer_id for t in serving.transfers(pair.coord.address)}
+    outputs = serving.concurrently(pair.seeded.url, SEEDED_PROMPTS, MAX_TOKENS)
+    assert outputs == reference[len(PROMPTS) :]
+    listed = serving.settled(pair.coord.address, len(SEEDED_PROMPTS), earlier)
+    why = serving.why_not_loaded(
+        pair.coord.address, earlier, pair.prefill.log_text(), pair.decode.log_text()
+    )
+    assert [t.state for t in listed] == [pb.TRANSFER_STATE_COMPLETE] * len(SEEDED_PROMPTS), why
+    loaded = serving.external_tokens(pair.decode.metrics()) - before
+    assert loaded == sum(len(p) for p in SEEDED_PROMPTS), why

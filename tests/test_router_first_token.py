@@ -277,39 +277,22 @@ async def test_a_lost_prefill_leg_is_served_by_the_decode_engine_alone(
 
 
 async def test_requests_it_cannot_seed_keep_both_legs_at_once(coord: CoordinatorProcess) -> None:
-    """n > 1 (and beam search, tools, structured output, chat logprobs) keep
-    the concurrent flow: the decode engine answers every token."""
+    """Structured output (and tools, echo, chat logprobs) keep the concurrent
+    flow: the decode engine answers every token. n > 1 goes to the decode
+    engine alone, with no transfer (several sequences would each report it)."""
     answered, prefill = stop_gate()
     async with routed(coord, prefill, decode_json) as c:
-        assert c.decode is not None
-        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "n": 2}) as r:
+        assert c.prefill is not None and c.decode is not None
+        body = {"prompt": "hi", "response_format": {"type": "json_object"}}
+        async with c.http.post(c.url + COMPLETIONS, json=body) as r:
             assert r.status == 200
         d_leg = c.decode.legs[0]
         assert set(d_leg.body["kv_transfer_params"]) == {"do_remote_prefill", "transfer_id"}
-        assert d_leg.body["n"] == 2 and d_leg.body["prompt"] == "hi"
+        assert d_leg.body["prompt"] == "hi"
         await wait(answered, "prefill leg")
 
-
-async def test_a_first_token_that_is_not_whole_text_is_answered_by_the_decode_engine(
-    coord: CoordinatorProcess,
-) -> None:
-    """Token 1 is part of a multi-byte character (vLLM withholds its text):
-    nothing is sent from the prefill, and the decode leg is the client's whole
-    request (the decode engine answers from token 1, its KV pushed all the same)."""
-
-    async def prefill(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
-        answer = prefill_answer(body, False)
-        answer["choices"][0]["text"] = ""
-        return web.json_response(answer)
-
-    async with routed(coord, prefill, decode_stream) as c:
-        assert c.prefill is not None and c.decode is not None
-        body = {"prompt": "hi", "max_tokens": 3, "stream": True}
-        async with c.http.post(c.url + COMPLETIONS, json=body) as resp:
-            got = events(await resp.read())
-        assert [e["choices"][0]["text"] for e in got[:-1]] == ["B", "C"]  # the decode's alone
-        d_leg = c.decode.legs[0]
-        tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
-        assert d_leg.body["prompt"] == "hi" and d_leg.body["max_tokens"] == 3
-        assert d_leg.body["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": tid}
-        assert sample(c, "pushkv_router_fallbacks_total", reason="first_token_not_whole") == 1
+        async with c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "n": 2}) as r:
+            assert r.status == 200
+        assert "kv_transfer_params" not in c.decode.legs[1].body
+        assert len(c.prefill.legs) == 1  # none for n = 2
+        assert sample(c, "pushkv_router_fallbacks_total", reason="several_sequences") == 1

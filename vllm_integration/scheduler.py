@@ -141,11 +141,15 @@ class PushSchedulerHalf:
             ):
                 self._legs[rid] = _Leg(tid, request.num_prompt_tokens)
             return 0, False
-        if self.windows and self.window_edge(request.num_prompt_tokens):
+        # A seeded leg's last prompt tokens are the prefill's samples: computed here.
+        pushed = pushed_tokens(raw, request.num_prompt_tokens)
+        # A seeded leg computes the position after the prefill's last, as the
+        # prefill engine itself would next: its window's blocks are all held.
+        seeded = pushed < request.num_prompt_tokens
+        if self.windows and not seeded and self.window_edge(request.num_prompt_tokens):
             return 0, False  # computed here; update_state_after_alloc cancels
         self._local_hit[rid] = num_computed_tokens
-        # A seeded leg's last prompt tokens are the prefill's samples: computed here.
-        remaining = pushed_tokens(raw, request.num_prompt_tokens) - num_computed_tokens
+        remaining = pushed - num_computed_tokens
         return (remaining, True) if remaining > 0 else (0, False)
 
     def window_edge(self, n: int) -> str:
@@ -190,7 +194,8 @@ class PushSchedulerHalf:
             self._waiting[rid] = spec
             self._meta.recv.append(spec)
         else:
-            why = self.window_edge(n_tokens) if self.windows else ""
+            seeded = n_tokens < request.num_prompt_tokens
+            why = self.window_edge(n_tokens) if self.windows and not seeded else ""
             if why:
                 # Computed here (get_num_new_matched_tokens claimed nothing):
                 # the prefill side frees its blocks at once.

@@ -412,11 +412,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     r.add_argument(
         "--first-token",
         choices=("prefill", "decode"),
-        default=_env("first_token", "prefill", choices=("prefill", "decode")),
-        help="prefill: the client's first token is the prefill's, sent at once, and the "
-        "decode engine continues from token 2 (its blocks are allocated when the prefill "
-        "answers); decode: both legs leave at once and the decode engine answers every "
-        "token (its blocks registered while the prefill computes)",
+        default=_env("first_token", "decode", choices=("prefill", "decode")),
+        help="decode: both legs leave at once and the decode engine answers every token "
+        "(its blocks registered while the prefill computes); prefill: the client's first "
+        "token is the prefill's, sent at once, and the decode engine continues from "
+        "token 2 (its blocks allocated when the prefill answers; docs/architecture.md, "
+        "'The first token')",
     )
     r.add_argument("--log-level", default=_env("log_level", "INFO"))
     _add_tls_flags(r)

@@ -27,7 +27,7 @@ from pushkv.net.tls import ChannelCache, TLSFiles, aio_channel
 from pushkv.router import seeded
 from pushkv.router.engines import Engine, EngineDirectory
 from pushkv.router.failures import Failure, Stage, client_error
-from pushkv.router.first_token import max_tokens, reason_not_seeded
+from pushkv.router.first_token import max_tokens, reason_not_seeded, several_sequences
 from pushkv.router.legs import BadRequest, error_message, prefill_failure, split_legs, why
 from pushkv.router.metrics import RouterMetrics, outcome_of
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
@@ -61,12 +61,12 @@ class RouterSettings:
     # connection the engine is closing at that moment.
     pool_idle_s: float = 2.0
     max_body_bytes: int = MAX_BODY_BYTES
-    # Where the client's first token comes from: "prefill" (the prefill leg's
+    # Where the client's first token comes from: "decode" (both legs leave at
+    # once and the decode engine answers the whole request, its blocks
+    # registered while the prefill computes) or "prefill" (the prefill leg's
     # sampled token, at once; the decode engine continues from token 2:
-    # pushkv/router/seeded.py) or "decode" (both legs leave at once and the
-    # decode engine answers the whole request, its blocks registered while the
-    # prefill computes).
-    first_token: str = "prefill"
+    # pushkv/router/seeded.py).
+    first_token: str = "decode"
     # mTLS to the coordinator; the router's certificate CN is "router".
     tls: TLSFiles = field(default_factory=TLSFiles)
 
@@ -338,6 +338,17 @@ class Router:
         except BadRequest as exc:
             return client_error(400, str(exc))
         d = self.directory
+        if several_sequences(body):
+            # n > 1, best_of, beam search: vLLM runs several sequences under
+            # one request id, each of which would report the one transfer.
+            d_eng = d.pick(d.decode) or d.pick_unlisted()
+            if d_eng is None:
+                raise Failure(Stage.NO_ENGINE, "no decode engine available" + d.unused_hint())
+            d_eng.local += 1
+            try:
+                return await self.decode_alone(request, body, d_eng, "several_sequences")
+            finally:
+                d_eng.local -= 1
         pair = d.pick_pair()
         if pair is None:
             return await self._unpaired(request, body)

@@ -25,7 +25,8 @@ skipped special token: `FirstToken.whole`) is not sent: the decode engine
 answers the request from token 1, its KV pushed as before.
 
 Requests this cannot serve keep the first token from the decode engine
-(`reason_not_seeded` says why): n > 1, best_of, beam search, several prompts
+(`reason_not_seeded` says why; n > 1, best_of and beam search are served by
+the decode engine alone, with no transfer, in either flow): several prompts
 in one request, suffix, echo (vLLM leaves an echoed prompt undetokenized when
 the prefill asks for token ids), structured output or tools (the decode
 engine must parse from token 1), and chat with logprobs.
@@ -84,6 +85,15 @@ _NOT_SEEDED = {
     "echo": "echo",
 }
 _CHAT_NOT_SEEDED = {"logprobs": "chat logprobs", "top_logprobs": "chat logprobs"}
+
+
+def several_sequences(body: dict[str, Any]) -> bool:
+    """n > 1, best_of > 1 or beam search: several sequences under one request
+    id. The router serves them from the decode engine alone, no transfer."""
+    return any(
+        isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 1
+        for k in ("n", "best_of")
+    ) or bool(body.get("use_beam_search"))
 
 
 def reason_not_seeded(body: dict[str, Any], chat: bool) -> str:

@@ -2,7 +2,9 @@
 tokens come, pushkv against one engine with no connector, one request at a time.
 
 Both systems are up at once: pushkv (prefill engine on core 0, decode engine on
-core 1, coordinator, ``pushkv router``) and a single engine on core 0, the
+core 1, coordinator, ``pushkv router --first-token prefill``; its default
+router, ``--first-token decode``, runs beside as "pushkv-decode-first") and a
+single engine on core 0, the
 prefill engine's core. The same prompts go to both, one streamed request at a
 time, alternating: pair ``i`` sends prompt ``i`` to both systems, pushkv first
 in even pairs and the single engine first in odd ones, so the machine's noise
@@ -47,8 +49,9 @@ from pushkv.harness.vllm_server import RouterProcess
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE
 
 SYSTEMS: Final = ("pushkv", "single")  # the ratios are the first over the second
-# A second router on pushkv's deployment, `--first-token decode`: the flow where
-# the decode engine answers every token (both legs at once), in the same run.
+# pushkv's deployment behind its default router (`--first-token decode`: both
+# legs at once, the decode engine answers every token), beside the router
+# with `--first-token prefill` that "pushkv" names here, in the same run.
 CONTROL: Final = "pushkv-decode-first"
 ALL: Final = (*SYSTEMS, CONTROL)
 QUICK_REQUESTS: Final = 40  # per system
@@ -263,7 +266,8 @@ def report_lines(
     lines += [
         f"pushkv / single: TTFT p50 {_f(r['ttft_p50'], 2)}, p99 {_f(r['ttft_p99'], 2)}; "
         f"TTST p50 {_f(r['ttst_p50'], 2)}, p99 {_f(r['ttst_p99'], 2)}",
-        f"{CONTROL} / single (the same engines behind a router with --first-token decode): "
+        f"{CONTROL} / single (the same engines behind the default router, "
+        "--first-token decode): "
         f"TTFT p50 {_f(r.get('control_ttft_p50', math.nan), 2)}, "
         f"TTST p50 {_f(r.get('control_ttst_p50', math.nan), 2)}",
         "pushkv decode handover (router /timings: decode_first_byte - prefill_response), "
@@ -369,11 +373,16 @@ def run_first_token(cfg: BenchConfig) -> FirstTokenRun:
         if not deps:
             return res
         urls = {s: d.front_url.rstrip("/") + "/v1/completions" for s, d in deps.items()}
+        seeded_url = ""
         if "pushkv" in deps:
-            control = RouterProcess(deps["pushkv"].coordinator, flags=("--first-token", "decode"))
-            deps["pushkv"].helpers.append(control)
-            control.start(timeout=120)
-            urls[CONTROL] = control.url + "/v1/completions"
+            # pushkv: a router with --first-token prefill on the deployment's
+            # engines; the deployment's own router (both legs at once) is the control.
+            seeded = RouterProcess(deps["pushkv"].coordinator, flags=("--first-token", "prefill"))
+            deps["pushkv"].helpers.append(seeded)
+            seeded.start(timeout=120)
+            seeded_url = seeded.url
+            urls[CONTROL] = urls["pushkv"]
+            urls["pushkv"] = seeded.url + "/v1/completions"
         res.records, warm_failed = asyncio.run(_sequence(cfg, urls, prompts))
         if warm_failed:
             for system, why in warm_failed.items():
@@ -382,7 +391,7 @@ def run_first_token(cfg: BenchConfig) -> FirstTokenRun:
             return res
         if "pushkv" in deps:
             res.handover_ms, res.handover_missing, res.front_timings = _read_handovers(
-                deps["pushkv"].front_url, res.records["pushkv"], settle_s(cfg)
+                seeded_url, res.records["pushkv"], settle_s(cfg)
             )
         return res
     finally:
