@@ -77,7 +77,7 @@ def stop_gate() -> tuple[asyncio.Event, Any]:
 
 
 def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
-    event = {"id": "cmpl-d", "object": "text_completion", "model": "tiny"}
+    event: dict[str, Any] = {"id": "cmpl-d", "object": "text_completion", "model": "tiny"}
     event["choices"] = [{"index": 0, "text": text, "finish_reason": finish}]
     return f"data: {json.dumps(event | extra)}\n\n".encode()
 
@@ -296,3 +296,58 @@ async def test_requests_it_cannot_seed_keep_both_legs_at_once(coord: Coordinator
         assert "kv_transfer_params" not in c.decode.legs[1].body
         assert len(c.prefill.legs) == 1  # none for n = 2
         assert sample(c, "pushkv_router_fallbacks_total", reason="several_sequences") == 1
+
+
+async def test_a_prefill_engine_that_hangs_is_given_up_when_the_coordinator_drops_it(
+    coord: CoordinatorProcess,
+) -> None:
+    """The prefill engine never answers and its agent goes away (its lease
+    ends): the router gives the leg up at its next refreshes of the engine
+    list and the decode engine serves the request alone (no decode leg
+    existed yet to fall back from)."""
+    never = asyncio.Event()
+
+    async def prefill(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    async with routed(coord, prefill, decode_json, refresh_s=0.2) as c:
+        assert c.prefill is not None and c.decode is not None
+        post = asyncio.ensure_future(
+            c.http.post(c.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 3})
+        )
+        await wait(c.prefill.arrived, "prefill leg")
+        await c.agents[0].close()  # the prefill engine's agent: the coordinator drops it
+        async with asyncio.timeout(10):
+            resp = await post
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"] == "BC"  # the decode engine's
+        tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
+        t = await c.wait_transfer(tid, pb.TRANSFER_STATE_CANCELLED)
+        assert "no longer listed by the coordinator" in t.detail
+        await wait(c.prefill.closed, "prefill leg cut off")
+
+
+async def test_a_first_token_that_is_not_whole_text_is_answered_by_the_decode_engine(
+    coord: CoordinatorProcess,
+) -> None:
+    """Token 1 is part of a multi-byte character (vLLM withholds its text):
+    nothing is sent from the prefill, and the decode leg is the client's whole
+    request (the decode engine answers from token 1, its KV pushed all the same)."""
+
+    async def prefill(engine: FakeEngine, request: web.Request, body: dict[str, Any]) -> Any:
+        answer = prefill_answer(body, False)
+        answer["choices"][0]["text"] = ""
+        return web.json_response(answer)
+
+    async with routed(coord, prefill, decode_stream) as c:
+        assert c.prefill is not None and c.decode is not None
+        body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+        async with c.http.post(c.url + COMPLETIONS, json=body) as resp:
+            got = events(await resp.read())
+        assert [e["choices"][0]["text"] for e in got[:-1]] == ["B", "C"]  # the decode's alone
+        d_leg = c.decode.legs[0]
+        tid = c.prefill.legs[0].body["kv_transfer_params"]["transfer_id"]
+        assert d_leg.body["prompt"] == "hi" and d_leg.body["max_tokens"] == 3
+        assert d_leg.body["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": tid}
+        assert sample(c, "pushkv_router_fallbacks_total", reason="first_token_not_whole") == 1

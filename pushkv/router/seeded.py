@@ -101,8 +101,7 @@ async def seeded(
             await router.on_dispatch(transfer_id, "dispatched")
         try:
             pbody = ft.prefill_body(body, chat, transfer_id)
-            async with router.post(p_eng.url + request.path, pbody, headers, "prefill") as resp:
-                text, status = await resp.text(), resp.status
+            text, status = await _prefill_answer(router, request, p_eng, pbody, headers)
             router.timings.mark(transfer_id, PREFILL_RESPONSE)
             if 400 <= status < 500:
                 # The engine refused the request itself (validation): its answer is the client's.
@@ -155,6 +154,49 @@ async def seeded(
         if not settled:
             # Client gone or the decode leg failed: release both sides' KV now.
             router.spawn(router.cancel(transfer_id, "client disconnected or decode failed"))
+
+
+# Refreshes of the engine list in a row that must miss the prefill engine
+# before its leg is given up (one miss may be a coordinator that restarted
+# and has not heard from the agents yet).
+GONE_REFRESHES = 2
+
+
+async def _prefill_answer(
+    router: Router,
+    request: web.Request,
+    p_eng: Engine,
+    pbody: dict[str, Any],
+    headers: dict[str, str],
+) -> tuple[str, int]:
+    """The prefill leg's answer (text, status). Given up when the coordinator
+    stops listing the prefill engine (a hung or dead engine: its agents' lease
+    lapsed): no decode leg exists yet to fall back from, and the client would
+    otherwise wait for the leg timeout."""
+
+    async def answer() -> tuple[str, int]:
+        async with router.post(p_eng.url + request.path, pbody, headers, "prefill") as resp:
+            return await resp.text(), resp.status
+
+    async def gone() -> None:
+        missed = 0
+        while missed < GONE_REFRESHES:
+            await asyncio.sleep(router.settings.refresh_s)
+            missed = 0 if p_eng.engine_id in router.directory.prefill else missed + 1
+
+    leg, watch = asyncio.ensure_future(answer()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({leg, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (leg, watch):
+            if not task.done():
+                task.cancel()
+    if not leg.done() or leg.cancelled():
+        raise Failure(
+            Stage.PREFILL_LOST,
+            f"{p_eng.engine_id}: no longer listed by the coordinator (its agents' lease lapsed)",
+        )
+    return leg.result()
 
 
 async def _decode_answer(
