@@ -4,7 +4,7 @@
 # against a wheel whose core mypyc compiled.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k rendezvous`.
 # `--fast` first: the same checks, then the pytest tiers `pure` and `process`
-# only (-m "not vllm": no vLLM engine; tests/support/tiers.py), in minutes.
+# only (-m "not vllm": no vLLM engine; tests/support/tiers.py), on 2 workers.
 # Every pytest run ends with its 25 slowest tests (--durations=25).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +32,11 @@ lint-imports
 echo "== the coordinator's core compiled by mypyc (PUSHKV_MYPYC=1 wheel)"
 bash scripts/build_compiled.sh build/compiled
 if [ "$fast" = 1 ]; then
-  echo "== pytest: the pure and process tiers (no vLLM)"
-  python -m pytest -ra -m "not vllm" --durations=25 "$@"
+  echo "== pytest: the pure and process tiers (no vLLM), on 2 workers"
+  # 2 workers (pytest-xdist; `-n N` after --fast overrides): these tiers wait on
+  # child processes and sockets more than they compute. The vLLM tier pins
+  # engines to cores, so the full run stays on one.
+  python -m pytest -ra -m "not vllm" -n 2 --durations=25 "$@"
   exit
 fi
 echo "== pytest"
