@@ -28,7 +28,7 @@ from pushkv.router import seeded
 from pushkv.router.engines import Engine, EngineDirectory
 from pushkv.router.failures import Failure, Stage, client_error
 from pushkv.router.first_token import max_tokens, reason_not_seeded, several_sequences
-from pushkv.router.legs import BadRequest, error_message, prefill_failure, split_legs, why
+from pushkv.router.legs import BadRequest, error_message, prefill_lost, split_legs, why
 from pushkv.router.metrics import RouterMetrics, outcome_of
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE, FrontTimings
 from pushkv.v1 import pushkv_pb2 as pb
@@ -514,9 +514,9 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                failure = prefill_failure(exc, p_eng.engine_id, self.settings.leg_timeout_s)
-                failure.transfer_id = failure.transfer_id or transfer_id
-                log.warning("prefill_leg_failed", engine_id=p_eng.engine_id, **failure.log_fields())
+                failure, reason = prefill_lost(
+                    exc, p_eng.engine_id, transfer_id, self.settings.leg_timeout_s, d_eng.recompute
+                )
                 # The decode side learns from the coordinator that no KV is coming:
                 # it recomputes (fallback) or fails the request, and no WRITE can
                 # land in its blocks after that.
@@ -527,8 +527,6 @@ class Router:
                 elif decode is not None and not answering.is_set():
                     lost_prefill.append(failure)
                     decode.cancel()
-                outcome = "decode recomputes" if d_eng.recompute else "request failed"
-                reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
                 await self.cancel(transfer_id, reason)
 
         lost_prefill: list[Failure] = []

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import structlog
+
 from pushkv.router.failures import Failure, Stage
+
+log = structlog.get_logger("pushkv.router")
 
 
 class BadRequest(Exception):
@@ -47,6 +51,18 @@ def prefill_failure(exc: BaseException, engine_id: str, timeout_s: float) -> Fai
     if isinstance(exc, TimeoutError):
         return Failure(Stage.TIMEOUT, f"prefill leg after {timeout_s:g} s")
     return Failure(Stage.PREFILL_LOST, f"{engine_id}: {why(exc)}")
+
+
+def prefill_lost(
+    exc: BaseException, engine_id: str, transfer_id: str, timeout_s: float, recompute: bool
+) -> tuple[Failure, str]:
+    """A failed prefill leg: its Failure (logged once, as prefill_leg_failed)
+    and the reason its transfer is cancelled with."""
+    failure = prefill_failure(exc, engine_id, timeout_s)
+    failure.transfer_id = failure.transfer_id or transfer_id
+    log.warning("prefill_leg_failed", engine_id=engine_id, **failure.log_fields())
+    outcome = "decode recomputes" if recompute else "request failed"
+    return failure, f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
 
 
 def why(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ from aiohttp import web
 from pushkv.router import first_token as ft
 from pushkv.router.engines import Engine
 from pushkv.router.failures import Failure, Stage
-from pushkv.router.legs import error_message, prefill_failure, split_legs, why
+from pushkv.router.legs import error_message, prefill_failure, prefill_lost, split_legs, why
 from pushkv.router.timings import DECODE_FIRST_BYTE, PREFILL_RESPONSE
 
 if TYPE_CHECKING:
@@ -115,11 +115,9 @@ async def seeded(
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            failure = prefill_failure(exc, p_eng.engine_id, router.settings.leg_timeout_s)
-            failure.transfer_id = failure.transfer_id or transfer_id
-            log.warning("prefill_leg_failed", engine_id=p_eng.engine_id, **failure.log_fields())
-            outcome = "decode recomputes" if d_eng.recompute else "request failed"
-            reason = f"prefill leg failed: {failure}"[:900] + f" ({outcome})"
+            failure, reason = prefill_lost(
+                exc, p_eng.engine_id, transfer_id, router.settings.leg_timeout_s, d_eng.recompute
+            )
             await router.cancel(transfer_id, reason)
             settled = True
             if not d_eng.recompute:
