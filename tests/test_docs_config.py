@@ -311,6 +311,12 @@ def test_comment_parser() -> None:
     assert field_comments(ConnectorSettings)["coordinator"].startswith("host:port")
 
 
+def test_readme_stays_a_page() -> None:
+    # The README is what a new user reads first: two commands, then pointers.
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines; the limit is 250 (move detail to docs/)"
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python -m tests.test_docs_config --write")
