@@ -9,7 +9,9 @@ Invariants:
 - An order is posted at most once; a cancel that finds it queued drops it, so
   no WRITE is ever posted for it.
 - Nothing is posted once the lease has lapsed or the order's deadline passed:
-  the coordinator then treats the order as resolved. An order held unposted
+  the coordinator then treats the order as resolved. A lease that ran out
+  while the stream stayed open (a starved process) holds posting instead,
+  until a heartbeat is answered. An order held unposted
   when the lease lapsed is never posted, even once the same coordinator takes
   the agent back and the lease runs again (`LeaseLapsedMsg`).
 - Each transfer produces at most one BLOCKS_FREE (prefill) and one of
@@ -90,6 +92,7 @@ class DataPlane(LocalResolution):
         emit_report: Callable[[Outbound], None],
         emit_event: Callable[[HostEvent], None],
         lease_ok: Callable[[], bool],
+        lease_renewing: Callable[[], bool] = lambda: False,
         name: str = "pushkv-nixl",
         tokens_per_block: int = 0,
     ) -> None:
@@ -105,6 +108,7 @@ class DataPlane(LocalResolution):
         self._report = emit_report
         self._event = emit_event
         self._lease_ok = lease_ok
+        self._lease_renewing = lease_renewing
         self._ep: NixlEndpoint | None = None
         self._posts: Poster | None = None  # the endpoint's WRITEs and peers (NIXL thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -210,7 +214,7 @@ class DataPlane(LocalResolution):
             self._handle(item)
         if self._give_up_at and time.monotonic() >= self._give_up_at:
             self._give_up()
-        if self._partial and not (self._paused or self._frozen):
+        if self._partial and not (self._paused or self._frozen or self._renewing()):
             self._partial.post(self._poster(), self._guard)
         self._post_queued()
         if self._partial:
@@ -432,8 +436,15 @@ class DataPlane(LocalResolution):
         return prefill_items(self._held, posted, unposted)
 
     # ------------------------------------------------------------ prefill
+    def _renewing(self) -> bool:
+        """The lease ran out while the stream stayed open (this process
+        starved the agent's threads; the coordinator keeps the agent while
+        its connection answers pings): post nothing, drop nothing, until a
+        heartbeat is answered (the lease runs again) or the stream ends."""
+        return not self._lease_ok() and self._lease_renewing()
+
     def _post_queued(self) -> None:
-        if self._paused or self._frozen or not self._queued:
+        if self._paused or self._frozen or not self._queued or self._renewing():
             return
         while self._queued:
             _, order = self._queued.popitem(last=False)

@@ -78,6 +78,8 @@ from pushkv.v1 import pushkv_pb2_grpc as pbg
 log = logging.getLogger("pushkv.agent")
 
 ARRIVAL_REPLAY_S = 30.0
+# While a lapsed lease waits on an open stream, a heartbeat at most this often.
+NUDGE_S = 0.2
 # At most this many queued reports go out as one AgentMessage.batch.
 MAX_OUT_BATCH = 256
 
@@ -124,6 +126,7 @@ class CoordinatorLink:
         self._back_pending = False
         self._left_out: tuple[str, ...] = ()  # the last hello's, until its welcome
         self._hb_now = threading.Event()  # heartbeat at once (the back barrier)
+        self._nudged_at = 0.0  # the last heartbeat asked for by lease_renewing
         self._lost_since = 0.0
         # The newest leader term seen in a welcome (0: none, or no --etcd).
         # Orders and cancels of older terms are refused (agent/dataplane.py).
@@ -196,6 +199,21 @@ class CoordinatorLink:
         """True while the coordinator has acknowledged us within the lease."""
         return time.monotonic() < self._lease_until
 
+    def lease_renewing(self) -> bool:
+        """The lease ran out but the stream that held it is still open: this
+        process starved the link (the coordinator keeps an agent whose
+        connection answers pings, CoreSettings.silent_agent_s). A heartbeat
+        goes at once; its answer renews the lease, and an ended stream makes
+        it lapsed (the welcome back then drops what was held)."""
+        if self._lost or not self.registered.is_set() or self._call is None:
+            return False
+        now = time.monotonic()
+        if now - self._nudged_at >= NUDGE_S:  # the poster asks each poll: one heartbeat
+            self._nudged_at = now
+            self._hb_now.set()
+            self.outbox.put(None)  # wakes the request stream
+        return True
+
     def send(self, report: Outbound) -> None:
         self.outbox.put(report)
 
@@ -214,11 +232,14 @@ class CoordinatorLink:
     def _watch_step(self) -> None:
         late = self.starvation.tick()
         if late:
+            # Nothing could be read meanwhile: the coordinator's silence is ours.
+            self._silence.excuse(late)
             log.warning(
                 "the agent's threads could not run for %.1f s: this process starved them "
                 "(its cores oversubscribed, or a C call holding the GIL); the coordinator "
-                "hears no heartbeat meanwhile, and a stall past its lease (%.1f s) drops "
-                "the orders held here",
+                "hears no heartbeat meanwhile: past the lease (%.1f s) nothing is posted "
+                "until a heartbeat is answered, and the orders held here are dropped if "
+                "the coordinator let the agent go",
                 late,
                 self._lease_s,
             )

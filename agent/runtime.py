@@ -127,6 +127,7 @@ class Agent:
             emit_report=self._report,
             emit_event=self._emit_event,
             lease_ok=self._lease_ok,
+            lease_renewing=self._lease_renewing,
             name=f"pushkv-nixl-{config.rank}",
             tokens_per_block=config.tokens_per_block,
         )
@@ -157,6 +158,9 @@ class Agent:
 
     def _lease_ok(self) -> bool:
         return self._link is not None and self._link.lease_ok()
+
+    def _lease_renewing(self) -> bool:
+        return self._link is not None and self._link.lease_renewing()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, *, wait_registered_s: float = 0.0) -> None:

@@ -72,8 +72,11 @@ class EngineRecord:
 
 
 class Registry:
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, silent_s: float | None = None) -> None:
         self._lease_s = lease_s
+        # A connected agent past its lease is lost only this long after it was
+        # last heard from (CoreSettings.silent_agent_s).
+        self._silent_s = lease_s if silent_s is None else max(silent_s, lease_s)
         self._engines: dict[str, EngineRecord] = {}
         # Incarnations replaced or lost while their process may still run:
         # (key, incarnation) -> the moment its lease is certainly over.
@@ -185,10 +188,14 @@ class Registry:
         if rec is None or rec.incarnation != incarnation:
             return False
         rec.connected = False
+        # Past its lease it is due now: only its open stream kept it.
+        self._check_at = min(self._check_at, rec.lease_deadline)
         return True
 
     def expire(self, now: float) -> tuple[list[AgentRecord], list[tuple[AgentKey, str]]]:
-        """Drop agents whose lease ran out; return them and the ghosts now surely gone."""
+        """Drop agents whose lease ran out (a connected one: that and
+        `silent_s` since it was last heard); return them and the ghosts now
+        surely gone."""
         lost: list[AgentRecord] = []
         gone: list[tuple[AgentKey, str]] = []
         if now < self._check_at:
@@ -196,11 +203,16 @@ class Registry:
         earliest = math.inf
         for eng in list(self._engines.values()):
             for rank, rec in list(eng.ranks.items()):
-                if rec.lease_deadline <= now:
+                due = rec.lease_deadline
+                if due <= now and rec.connected:
+                    # Its stream is open, so its process answers keepalive
+                    # pings: a starved process, not a dead one.
+                    due = rec.last_seen + self._silent_s
+                if due <= now:
                     del eng.ranks[rank]
                     lost.append(rec)
-                elif rec.lease_deadline < earliest:
-                    earliest = rec.lease_deadline
+                elif due < earliest:
+                    earliest = due
             if not eng.ranks:
                 del self._engines[eng.engine_id]
         for ghost, deadline in list(self._ghosts.items()):

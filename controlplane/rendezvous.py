@@ -105,7 +105,7 @@ class Rendezvous:
         self.settings = settings
         self.max_order_bytes = max_order_bytes  # order_size.py
         self._clock = clock
-        self.registry = Registry(settings.lease_s)
+        self.registry = Registry(settings.lease_s, settings.silent_agent_s)
         self._book = InFlight(settings, clock, self.registry)  # inflight.py
         # The book's parts, under the names the transitions use.
         self._transfers = self._book.transfers

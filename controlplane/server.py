@@ -37,7 +37,7 @@ from pushkv.controlplane.status_map import ErrorMappingInterceptor
 from pushkv.controlplane.tracing import TransferTracer, tracer_from_env
 from pushkv.net.event_loop import check_dump_after, event_loop_name, report_stalls
 from pushkv.net.port_file import write_port_file
-from pushkv.net.tls import SERVER_PING_OPTIONS, TLSFiles
+from pushkv.net.tls import TLSFiles, server_ping_options
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
 
@@ -166,7 +166,7 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     authz = Authorizer(tls_enabled=settings.tls.enabled)
     # With --etcd a replica starts as a standby: nothing is written before it is elected.
     gate = Leadership(View(Role.STANDBY, etcd=settings.etcd) if settings.etcd else None)
-    server = _new_server(settings.max_message_bytes, authz, gate)
+    server = _new_server(settings.max_message_bytes, settings.core, authz, gate)
     transfers = TransferServicer(runtime, authz)
     agents = AgentServicer(runtime, authz, gate, submit=transfers.submit)
     pbg.add_AgentServiceServicer_to_server(agents, server)
@@ -202,11 +202,16 @@ async def start(settings: ServerSettings, clock: Clock | None = None) -> Coordin
     return coord
 
 
-def _new_server(max_message_bytes: int, authz: Authorizer, gate: Leadership) -> grpc.aio.Server:
+def _new_server(
+    max_message_bytes: int, core: CoreSettings, authz: Authorizer, gate: Leadership
+) -> grpc.aio.Server:
+    # A frozen agent's connection is cut within its lease: a ping each
+    # heartbeat interval, answered within the rest of the lease.
+    interval = core.heartbeat_interval_s
     opts = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        *SERVER_PING_OPTIONS,
+        *server_ping_options(interval, max(core.lease_s - interval, interval)),
     ]
     return grpc.aio.server(interceptors=[ErrorMappingInterceptor(authz, gate)], options=opts)
 

@@ -14,9 +14,20 @@ class CoreSettings:
     rendezvous_timeout_s: float = 60.0
     # How long an ordered transfer may take to be written and reported.
     write_timeout_s: float = 15.0
-    # Agent lease; renewed by every message on the agent stream.
+    # Agent lease; renewed by every message on the agent stream. An agent
+    # posts WRITEs only within the lease of its last answered heartbeat.
     lease_s: float = 5.0
     heartbeat_interval_s: float = 1.0
+    # An agent whose stream stays open but sends nothing (its process keeps
+    # its threads from running: oversubscribed cores, a C call holding the
+    # GIL) is lost only after this long. Its lease still runs out at lease_s
+    # (it posts nothing until a heartbeat is answered again), but its
+    # transfers wait instead of failing. The stream stays open only while the
+    # agent's process answers HTTP/2 keepalive pings, which gRPC's own threads
+    # do without Python: a frozen or dead process is cut off, and lost, within
+    # the lease (docs/reliability.md, "An agent in a process that starves it").
+    # Below lease_s it counts as lease_s.
+    silent_agent_s: float = 30.0
     # Terminal transfers stay queryable this long (and at most max_terminal of them).
     retention_s: float = 300.0
     max_terminal: int = 100_000

@@ -35,6 +35,7 @@ class Plane:
 
     def __init__(self) -> None:
         self.lease = True
+        self.renewing = False  # lease out, stream open (agent/link.py lease_renewing)
         self.reports: list[Outbound] = []
         self._lock = threading.Lock()
         arrays = [np.zeros((8, 4096), dtype=np.uint8)]
@@ -54,6 +55,7 @@ class Plane:
             emit_report=report,
             emit_event=lambda _e: None,
             lease_ok=lambda: self.lease,
+            lease_renewing=lambda: self.renewing,
             tokens_per_block=16,
         )
 
@@ -93,6 +95,41 @@ def test_an_armed_order_never_fires_once_the_lease_lapsed(plane: Plane) -> None:
     plane.lease = False
     plane.dp.inbox.put(FireMsg("t1", of((5, 6)), 20))
     out = plane.outcome("o1")
+    assert out.status is ReportStatus.DROPPED and "lease lapsed" in out.detail
+    assert plane.dp.writes_posted == 0
+
+
+def settled(plane: Plane, marker: str) -> None:
+    """Every step before this has run: a cancel of an order never received
+    is answered in a later step of the NIXL thread."""
+    plane.dp.inbox.put(CancelMsg(marker, marker))
+    assert plane.outcome(marker).detail == "order never received"
+
+
+def test_an_order_waits_while_the_lease_renews_then_posts(plane: Plane) -> None:
+    """The lease ran out on a stream still open (a starved process): the
+    fired order is held, neither posted nor dropped; once a heartbeat is
+    answered (the lease runs again) it is posted. The peer is unknown here,
+    so the post attempt fails: that it was tried is the point."""
+    plane.lease, plane.renewing = False, True
+    plane.dp.inbox.put(armed("o7", "t7"))
+    plane.dp.inbox.put(FireMsg("t7", of((5, 6)), 20))
+    settled(plane, "m1")
+    assert plane.dp.orders_fired == 1 and plane.dp.fast_polling
+    with plane._lock:
+        assert not [m for m in plane.reports if getattr(m, "order_id", "") == "o7"]
+    plane.lease = True
+    out = plane.outcome("o7")
+    assert out.status is ReportStatus.FAILED and "unknown" in out.detail
+
+
+def test_an_order_held_for_a_renewal_is_dropped_once_the_stream_ends(plane: Plane) -> None:
+    plane.lease, plane.renewing = False, True
+    plane.dp.inbox.put(armed("o8", "t8"))
+    plane.dp.inbox.put(FireMsg("t8", of((5, 6)), 20))
+    settled(plane, "m2")
+    plane.renewing = False  # the stream ended: the coordinator may have let the agent go
+    out = plane.outcome("o8")
     assert out.status is ReportStatus.DROPPED and "lease lapsed" in out.detail
     assert plane.dp.writes_posted == 0
 

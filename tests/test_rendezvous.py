@@ -53,7 +53,11 @@ def reg(engine: str, role: Role, rank: int = 0, tp: int = 1, inc: str = "i1") ->
 
 
 def core(tp: int = 1, **kw: Any) -> tuple[Rendezvous, FakeClock]:
+    """A core whose agents are lost at their lease, connected or not (as if
+    every silent agent's connection were cut at once), unless the test gives
+    `silent_agent_s`."""
     clock = FakeClock()
+    kw.setdefault("silent_agent_s", 0.001)
     rv = Rendezvous(CoreSettings(**kw), clock)
     for r in range(tp):
         rv.agent_hello(reg(P, Role.PREFILL, r, tp))
@@ -366,6 +370,66 @@ def test_lost_agent_fails_its_transfers() -> None:
     assert rv.get("other").state is State.REGISTERED
     with pytest.raises(FailedPrecondition):
         rv.prefill_done("t2", P, [[1]], 10)
+
+
+def test_a_starved_agent_whose_stream_stays_open_is_kept_until_silent_agent_s() -> None:
+    """Past its lease, an agent whose stream is open (its process answers the
+    transport's keepalive pings: starved, not dead) keeps its registration
+    and its transfers wait; a heartbeat then carries on as if nothing had
+    happened. Silent for silent_agent_s (a stuck process), it is lost. (Its
+    orders' write timeout still bounds each transfer.)"""
+    rv, clock = core(lease_s=3, heartbeat_interval_s=1, silent_agent_s=20, write_timeout_s=60)
+    d = AgentKey(D, 0)
+    rv.register_decode("t", D, [[1]], 10)
+    _, effects = rv.prefill_done("t", P, [[3]], 10)
+    [o] = orders(effects)
+    for _ in range(4):  # 14 s without a word from the prefill rank
+        clock.advance(3.5)
+        rv.agent_seen(d, "i1")
+        assert not notices(rv.tick())
+    prefill = rv.registry.engine(P)
+    assert rv.get("t").state is State.ORDERED and prefill is not None and prefill.ready
+    wake = rv.next_wakeup()  # the tick comes back by the silent deadline
+    assert wake is not None and wake <= clock.monotonic() + 6.0
+    assert rv.agent_seen(AgentKey(P, 0), "i1")  # its process runs again: a heartbeat
+    finish(rv, o)
+    assert rv.get("t").state is State.COMPLETE
+
+    rv.register_decode("t2", D, [[2]], 10)
+    rv.prefill_done("t2", P, [[4]], 10)
+    clock.advance(19.0)
+    rv.agent_seen(d, "i1")
+    rv.tick()
+    assert rv.get("t2").state is State.ORDERED
+    clock.advance(1.5)  # 20.5 s silent
+    rv.agent_seen(d, "i1")
+    rv.tick()
+    t2 = rv.get("t2")
+    assert t2.state is State.FAILED and t2.reason is Reason.AGENT_LOST
+
+
+def test_a_starved_agent_whose_stream_closes_is_lost_at_its_lease() -> None:
+    """The transport cut a connection whose ping went unanswered (a frozen or
+    dead process): past its lease, the agent is lost at the next tick."""
+    rv, clock = core(
+        lease_s=3,
+        heartbeat_interval_s=1,
+        silent_agent_s=20,
+        reconnect_grace_s=0,
+        fail_on_disconnect=False,
+    )
+    rv.register_decode("t", D, [[1]], 10)
+    rv.prefill_done("t", P, [[3]], 10)
+    clock.advance(3.5)
+    rv.agent_seen(AgentKey(D, 0), "i1")
+    rv.tick()
+    assert rv.get("t").state is State.ORDERED
+    assert rv.agent_disconnected(AgentKey(P, 0), "i1") == []
+    wake = rv.next_wakeup()
+    assert wake is not None and wake <= clock.monotonic()
+    rv.tick()
+    t = rv.get("t")
+    assert t.state is State.FAILED and t.reason is Reason.AGENT_LOST
 
 
 def _delivered(rv: Rendezvous, tid: str, tp: int = 1) -> list[SendOrder]:

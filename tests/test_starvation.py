@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pushkv.agent.link import CoordinatorLink
-from pushkv.agent.messages import Inbound
+from pushkv.agent.messages import CoordinatorLostMsg, Inbound, LeaseLapsedMsg
 from pushkv.agent.starvation import STARVED_S, StarvationWatch
 from pushkv.controlplane.server import Coordinator
 from pushkv.harness.coordinator import CoordinatorProcess, RelayProcess
@@ -104,6 +104,37 @@ async def test_the_link_logs_a_process_that_starved_it(
         if "the agent's threads could not run for" in r.getMessage()
     ]
     assert lines and all("this process starved them" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("silent_agent_s", ["30", "2"], ids=["kept", "without-the-rule"])
+def test_a_starved_agent_keeps_its_registration_past_its_lease(silent_agent_s: str) -> None:
+    """This process holds the GIL for twice the agent's lease. Its gRPC
+    threads answer the coordinator's keepalive pings meanwhile, so the
+    coordinator keeps the agent (silent_agent_s): no reconnect, and the first
+    heartbeat answered after the stall renews the lease, so nothing lapsed
+    and nothing held is dropped. With silent_agent_s at the lease (the rule
+    off) the same stall costs the registration. A frozen process, whose pings
+    go unanswered, is lost as before (test_faults_vllm's frozen prefill)."""
+    coord = CoordinatorProcess(
+        "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--silent-agent-s", silent_agent_s
+    ).start()
+    inbound: list[Inbound] = []
+    link = CoordinatorLink(coord.address, hello("p0", "prefill").hello, inbound.append)
+    try:
+        link.start()
+        assert link.registered.wait(WAIT_S)
+        stall_this_process(4.0)  # the fault's length, not a wait
+        wait_until(lambda: link.starvation.stalls > 0, "the stall seen", WAIT_S, WATCH_S)
+        wait_until(link.lease_ok, "the lease held again", WAIT_S, WATCH_S)
+        lapsed = [m for m in inbound if isinstance(m, CoordinatorLostMsg | LeaseLapsedMsg)]
+        if silent_agent_s == "2":
+            poll("the agent welcomed back", lambda: link.connects == 2, WAIT_S)
+            assert lapsed
+            return
+        assert (link.connects, link.silenced, link.failed_attempts, lapsed) == (1, 0, 0, [])
+    finally:
+        link.stop()
+        coord.stop()
 
 
 CHILD = textwrap.dedent(

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.e2e
 BLOCK = 32
 MAX_TOKENS = 12
 # Starvation allowances (tests/support/allowances.py): 4 TP workers share
-# the 2 cores here, so the longer lease.
-COORD_FLAGS = starved_coordinator_flags(lease_s=60)
+# the 2 cores here.
+COORD_FLAGS = starved_coordinator_flags()
 PROMPTS = serving.varied_prompts(2024)
 
 

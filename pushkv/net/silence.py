@@ -75,6 +75,11 @@ class SilenceWatch:
         self.limit_s = welcome_limit_s(lease_ms, heartbeat_interval_ms) or self.limit_s
         self.heartbeat_s = heartbeat_interval_ms / 1000 or self.heartbeat_s
 
+    def excuse(self, stall_s: float) -> None:
+        """The watchdog's own process kept it (and every reader) from running
+        for `stall_s`: that much of the silence is not the coordinator's."""
+        self._heard = min(self._heard + stall_s, self._clock())
+
     def silent_for(self) -> float:
         return self._clock() - self._heard
 

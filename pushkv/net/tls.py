@@ -103,16 +103,29 @@ OPTIONS = (
 )
 
 
-# Every pushkv server (the coordinator, a node relay) pings an idle client
-# every 10 s, so a dead peer is found without waiting on TCP, and lets a
-# client ping it as often as every 5 s: gRPC's default allows one ping in
-# 5 minutes without data and answers more with a GOAWAY ("too_many_pings")
-# that ends every stream on the connection.
-SERVER_PING_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-)
+# Every pushkv server (the coordinator, a node relay) pings each client every
+# `interval_s` and closes a connection whose ping goes unanswered for
+# `timeout_s`: gRPC's own threads answer pings, with no Python, so an open
+# agent stream means a live process even while that process starves its
+# Python threads (CoreSettings.silent_agent_s), and a frozen or dead one is
+# cut off within interval + timeout. Pings go on while a stream carries no
+# data (max_pings_without_data 0). A client may ping as often as every 5 s:
+# gRPC's default allows one ping in 5 minutes without data and answers more
+# with a GOAWAY ("too_many_pings") that ends every stream on the connection.
+PING_INTERVAL_S = 1.0
+PING_TIMEOUT_S = 4.0
+
+
+def server_ping_options(
+    interval_s: float = PING_INTERVAL_S, timeout_s: float = PING_TIMEOUT_S
+) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.keepalive_time_ms", max(100, int(interval_s * 1000))),
+        ("grpc.keepalive_timeout_ms", max(100, int(timeout_s * 1000))),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    )
 
 
 def channel(address: str, tls: TLSFiles | None = None) -> grpc.Channel:

@@ -31,7 +31,7 @@ from grpc_health.v1._async import HealthServicer
 
 from pushkv.net.event_loop import event_loop_name, report_stalls
 from pushkv.net.port_file import write_port_file
-from pushkv.net.tls import SERVER_PING_OPTIONS, TLSFiles
+from pushkv.net.tls import TLSFiles, server_ping_options
 from pushkv.relay.upstream import CODES, Channel, RelayError, Upstream
 from pushkv.v1 import pushkv_pb2 as pb
 from pushkv.v1 import pushkv_pb2_grpc as pbg
@@ -212,7 +212,7 @@ class Relay:
         opts = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-            *SERVER_PING_OPTIONS,
+            *server_ping_options(),
             # Its clients are this node's own ranks: no ping of theirs ends
             # their streams (gRPC's BDP pings have drawn "too_many_pings"
             # from servers at their defaults, grpc/grpc-java#5188).

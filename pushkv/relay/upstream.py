@@ -483,8 +483,15 @@ class Upstream:
         at each step of the silence (pushkv/net/silence.py, `ask_due`)."""
         watch = gen.silence
         watch.started()
+        clock = asyncio.get_running_loop().time
         while True:
+            before = clock()
             await asyncio.sleep(WATCH_S)  # a timer, not a synchronisation
+            # A late wake is this process kept from running: nothing was read
+            # meanwhile, so that much silence is not the leader's.
+            late = clock() - before - WATCH_S
+            if late > WATCH_S:
+                watch.excuse(late)
             if not gen.waits():
                 watch.heard()  # idle (so already answered): nothing is owed
                 continue

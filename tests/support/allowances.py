@@ -1,20 +1,19 @@
 """Coordinator flags for the vLLM end-to-end tests whose TP2 or PP2 engines
 share this machine's 2 cores: starvation allowances, one place for all.
 
-The workers busy-poll vLLM's shared-memory queues on oversubscribed cores.
-- A lease longer than the default 5 s keeps a starved agent thread's late
-  heartbeat from failing every transfer of its engine. 20 s was seen to lapse
-  once in a full CI run (a decode rank's agent silent for 20 s while 4 TP
-  workers shared the 2 cores), and once with the PP2 prefill's 2 workers and
-  the decode worker, so the TP2-into-TP2 and PP2 modules take 60 s. 60 s
-  lapsed once too (a TP2 prefill rank's agent, in a fresh-clone run of the
-  whole suite): the mapping tests then let by the transfers a lapse failed,
-  only where the prefill agent logged that its process starved it
-  (tests/support/serving.split_starved), and the engines dump their threads'
-  stacks after such a stall with PUSHKV_TEST_HANG_DUMP_S set
-  (pushkv/harness/vllm_server.pushkv_config).
-- A write timeout longer than the default 15 s does the same for a starved
-  rank's DONE report.
+The workers busy-poll vLLM's shared-memory queues on oversubscribed cores,
+and a worker's main thread holding the GIL while the OS runs another process
+keeps the agent's threads from running: agents have been seen silent for 20 s
+and, once, for 60 s (a TP2 prefill rank in a fresh-clone run of the whole
+suite; the stall dumps showed torch.compile on the first large batch).
+- The lease stays the default 5 s. An agent silent past it keeps its
+  registration while its connection answers the coordinator's keepalive pings
+  (CoreSettings.silent_agent_s, docs/reliability.md "An agent in a process
+  that starves it"): its transfers wait and it posts once a heartbeat is
+  answered again. The product's default (30 s) bounds a stuck process; these
+  modules allow 180 s.
+- A write timeout longer than the default 15 s keeps such a stall from failing
+  the order the starved rank holds (120 s, past the longest stall seen).
 - The rendezvous timeout (default 60 s) bounds how long an armed transfer
   waits for its prefill. A burst's decode legs register at once and wait while
   the prefill engine works through every prompt: test_tp_vllm's 22 took over
@@ -27,13 +26,13 @@ tests prove the leases."""
 from __future__ import annotations
 
 
-def starved_coordinator_flags(lease_s: int) -> tuple[str, ...]:
-    """`pushkv coordinator` flags with the allowances above and `lease_s`."""
+def starved_coordinator_flags() -> tuple[str, ...]:
+    """`pushkv coordinator` flags with the allowances above."""
     return (
-        "--lease-s",
-        str(lease_s),
+        "--silent-agent-s",
+        "180",
         "--write-timeout-s",
-        "60",
+        "120",
         "--rendezvous-timeout-s",
         "180",
         "--log-level",
