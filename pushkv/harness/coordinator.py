@@ -30,10 +30,12 @@ class CoordinatorProcess:
     ) -> None:
         self._flags = flags
         self.host = host
-        self._dir = Path(tempfile.mkdtemp(prefix="pushkv-coord-"))
+        keep = os.environ.get("PUSHKV_KEEP_LOGS", "")  # kept for a post-mortem
+        self._dir = Path(tempfile.mkdtemp(prefix="pushkv-coord-", dir=keep or None))
         # The object owns its folder (port file, default log): freed with it,
         # or at exit, not at stop, since a test reads the log after stopping.
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        if not keep:
+            weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._port_file = self._dir / "port"
         self._log_path = Path(log_path) if log_path else self._dir / "coordinator.log"
         self.port = port

@@ -63,10 +63,13 @@ def free_port(low: int = 10000) -> int:
 
 def owned_log(owner: object, prefix: str) -> Path:
     """A log file that lives as long as `owner` (read after a stop, for a
-    failure's message; removed with the object or at exit)."""
-    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    failure's message; removed with the object or at exit). With
+    PUSHKV_KEEP_LOGS=DIR it is written in DIR and kept, for a post-mortem."""
+    keep = os.environ.get("PUSHKV_KEEP_LOGS", "")
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".log", dir=keep or None)
     os.close(fd)
-    weakref.finalize(owner, Path(name).unlink, missing_ok=True)
+    if not keep:
+        weakref.finalize(owner, Path(name).unlink, missing_ok=True)
     return Path(name)
 
 
