@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
 # Starvation allowances for the TP2 engines: tests/support/allowances.py.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 PROMPTS = serving.varied_prompts(91)
 
 

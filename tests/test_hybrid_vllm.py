@@ -58,7 +58,7 @@ MAX_TOKENS = 12
 BLOCK_BYTES = 2 * BLOCK * 2 * 32 * 4
 # Starvation allowances for the TP2 engines (tests/support/allowances.py), and
 # a longer RPC timeout for the engines' coordinator calls than the default 5 s.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 EXTRA_CONFIG = {"rpc_timeout_s": 20}
 PROMPTS = serving.varied_prompts(78)  # 22 prompts of 5 to 600 tokens
 # Long prompts for the decode-memory measurement (one per try, distinct so

@@ -79,7 +79,7 @@ LATENT = MLA_KV_LORA_RANK + MLA_ROPE_DIM  # 576 float32 per token
 LAYERS = 2
 MAX_TOKENS = 12
 # Starvation allowances for the TP2 engine: tests/support/allowances.py.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 # Prompt lengths (seed + 1 token), around the 16-token block.
 LENGTHS = (2, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 100, 127, 128, 129, 200, 256, 333)
 # A negative control in the same burst: the decode engine runs armed with the

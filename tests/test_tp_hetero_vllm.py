@@ -35,7 +35,7 @@ pytestmark = pytest.mark.e2e
 BLOCK = 32
 MAX_TOKENS = 12
 # Starvation allowances for the TP2 engines: tests/support/allowances.py.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=20)
 PROMPTS = serving.varied_prompts(77)
 # Long prompts, so that the burst is still in flight when a rank is killed.
 KILL_PROMPTS = serving.varied_prompts(78, (600, 511, 450, 383, 300, 255, 200, 129) * 2)
@@ -169,8 +169,8 @@ def test_every_transfer_completes_with_both_cores_loaded(
     assert loaded == sum(len(p) for p in BUSY_PROMPTS), f"recomputed, not loaded:\n{why}"
 
 
-# Longer than the write timeout (120 s, tests/support/allowances.py): a
-# request still open after this hangs.
+# Longer than a lease (20 s) plus the write timeout (120 s,
+# tests/support/allowances.py): a request still open after this hangs.
 ANSWER_S = 150.0
 IN_FLIGHT = (
     pb.TRANSFER_STATE_REGISTERED,

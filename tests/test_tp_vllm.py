@@ -36,7 +36,7 @@ BLOCK = 32
 MAX_TOKENS = 12
 # Starvation allowances (tests/support/allowances.py): 4 TP workers share
 # the 2 cores here.
-COORD_FLAGS = starved_coordinator_flags()
+COORD_FLAGS = starved_coordinator_flags(lease_s=60)
 PROMPTS = serving.varied_prompts(2024)
 
 
